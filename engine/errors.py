@@ -1,0 +1,27 @@
+"""Typed engine errors. Each message says what was wrong and what the limit or fix is."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class of every error Tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The request cannot be served as given (bad value, too long, ...)."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range or of the wrong type."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt (plus max_tokens) does not fit in the model context or the KV cache."""
+
+
+class UnsupportedModelError(TandemError):
+    """The model folder names an architecture or setting the engine does not implement."""
+
+
+class RequestNotFoundError(TandemError, KeyError):
+    """No live request with that id."""

@@ -1,0 +1,105 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidSamplingParamsError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k. ``logprobs=None`` returns no
+    logprobs; ``logprobs=k`` returns the chosen token's logprob plus the ``k`` most likely
+    alternatives (``0 <= k <= 20``). Log-probabilities are those of the raw model distribution
+    (before penalties, temperature and truncation), as OpenAI reports them.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists/str for convenience but store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidSamplingParamsError:
+            return InvalidSamplingParamsError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        _check_int(self, "max_tokens", 1, None, bad)
+        _check_float(self, "temperature", 0.0, 100.0, bad)
+        _check_float(self, "top_p", 0.0, 1.0, bad)
+        if self.top_p == 0.0:
+            raise bad("top_p", "must be in (0, 1]")
+        _check_int(self, "top_k", 0, None, bad)
+        _check_float(self, "min_p", 0.0, 1.0, bad)
+        _check_float(self, "presence_penalty", -2.0, 2.0, bad)
+        _check_float(self, "frequency_penalty", -2.0, 2.0, bad)
+        _check_float(self, "repetition_penalty", 0.0, 10.0, bad)
+        if self.repetition_penalty == 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        if self.seed is not None:
+            _check_int(self, "seed", -(2**63), 2**64 - 1, bad)
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", 0, MAX_TOP_LOGPROBS, bad)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise bad("stop", f"each stop must be a non-empty string of <= "
+                          f"{MAX_STOP_STRING_CHARS} characters")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("stop_token_ids", "must be non-negative integers")
+
+
+def _check_int(p: SamplingParams, name: str, lo: int | None, hi: int | None, bad) -> None:
+    v = getattr(p, name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(name, "must be an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(name, f"must be in [{lo}, {hi if hi is not None else 'inf'}]")
+
+
+def _check_float(p: SamplingParams, name: str, lo: float, hi: float, bad) -> None:
+    v = getattr(p, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(name, "must be a finite number")
+    if not lo <= v <= hi:
+        raise bad(name, f"must be in [{lo}, {hi}]")
