@@ -82,8 +82,11 @@ class SamplingParams:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise bad("stop", f"each stop must be a non-empty string of <= "
-                          f"{MAX_STOP_STRING_CHARS} characters")
+                raise bad(
+                    "stop",
+                    f"each stop must be a non-empty string of <= "
+                    f"{MAX_STOP_STRING_CHARS} characters",
+                )
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad("stop_token_ids", "must be non-negative integers")

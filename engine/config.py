@@ -1,0 +1,148 @@
+"""Frozen configuration of the model (from config.json) and of the engine (from the caller)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama- or Qwen2-family decoder, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise UnsupportedModelError(f"{path} not found: expected a Hugging Face model folder")
+        return cls.from_dict(json.loads(path.read_text()), Path(model_dir))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], model_dir: Path | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("Qwen2 with use_sliding_window=true is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope=_rope_from(cfg),
+            eos_token_ids=_eos_ids(cfg, model_dir),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older folders have rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _eos_ids(cfg: dict[str, Any], model_dir: Path | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [cfg]
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        sources.insert(0, json.loads((model_dir / "generation_config.json").read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return tuple(ids)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs besides the model folder. Frozen; derived values are
+    properties."""
+
+    model_dir: str
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    load_format: str = "safetensors"  # or "dummy": random weights of the config's shapes
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes (CPU) / memory (GPU)
+    kv_cache_bytes: int = 512 * 1024**2
+    gpu_memory_fraction: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"
+            )

@@ -1,0 +1,88 @@
+"""Offline API: ``LLM(model_dir).generate(prompts, params)`` and a streaming form."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate from a model folder in-process, with continuous batching underneath."""
+
+    def __init__(self, model: str | Path, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model_dir=str(model), **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion together; outputs come back in prompt order.
+
+        A prompt is a string or a list of token ids; a single prompt may be passed bare.
+        """
+        batch: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        params = _broadcast(sampling_params, len(batch))
+        ids = [f"offline-{next(self._ids)}" for _ in batch]
+        for rid, prompt, p in zip(ids, batch, params, strict=True):
+            self.engine.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield one ``RequestOutput`` per generated token (``new_text`` holds the delta)."""
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if self.engine.has_unfinished():
+                with contextlib.suppress(KeyError):
+                    self.engine.abort(rid)
+
+    def chat(
+        self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """Apply the model's chat template and generate one reply."""
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

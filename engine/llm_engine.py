@@ -1,0 +1,265 @@
+"""The engine: requests in, per-step token deltas out.
+
+``add_request`` validates and queues, ``step`` runs one scheduler iteration (one forward pass
+over a mixed batch) and returns what each request produced, ``abort`` frees a request's blocks
+at once. All three are thread-safe, so a service can run ``step`` in its own thread while its
+event loop adds and aborts requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, PromptTooLongError, RequestNotFoundError
+from engine.model_runner import ModelRunner
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import Tokenizer
+from libkv.block_pool import BlockPool
+from libkv.hashing import encode_extra_keys
+from libkv.kv_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request has produced: cumulative fields plus the delta of the latest step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    num_cached_tokens: int
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None = None
+    text: str = ""
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        mc = self.model_config
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.runner = ModelRunner(config, mc, self.max_model_len)
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.RLock()
+        self._counter = itertools.count()
+        self._prefix_hit_tokens = 0
+        self._prompt_tokens = 0
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> None:
+        """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits)."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        seq = Sequence(request_id, ids, params, next(self._counter), encode_extra_keys(tenant))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(
+                params.seed % 2**64
+            )
+        detok = IncrementalDetokenizer(
+            self.tokenizer.hf, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        )
+        with self._lock:
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._requests[request_id] = _Request(
+                seq, detok, [] if params.logprobs is not None else None
+            )
+            self.scheduler.add(seq)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the context limit is {limit} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        if len(ids) + params.max_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(ids) + params.max_tokens} exceeds the context limit of {limit} tokens"
+            )
+        need = self.kv.blocks_for(len(ids) + params.max_tokens)
+        if need > self.pool.num_blocks:
+            raise PromptTooLongError(
+                f"prompt + max_tokens need {need} KV blocks but the cache holds "
+                f"{self.pool.num_blocks} ({self.pool.num_blocks * self.config.block_size} tokens)"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Cancel a request and free its blocks now. Raises RequestNotFoundError if unknown."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                raise RequestNotFoundError(f"no live request {request_id!r}")
+            self.scheduler.abort(req.seq)
+            return self._output(req, [], "", [])
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, sample, detokenize, finish what is done."""
+        with self._lock:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return []
+            due = [s.seq for s in sched.scheduled if s.samples]
+            sampled = self.runner.execute(sched)
+            self.scheduler.advance(sched.scheduled)
+            outputs: list[RequestOutput] = []
+            for seq, token, lp in zip(due, sampled.token_ids, sampled.logprobs, strict=True):
+                outputs.append(self._on_token(self._requests[seq.request_id], token, lp))
+            return outputs
+
+    def _on_token(self, req: _Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        seq = req.seq
+        if not seq.output_token_ids:
+            self._prefix_hit_tokens += seq.num_cached_prompt_tokens
+            self._prompt_tokens += len(seq.prompt_token_ids)
+        seq.output_token_ids.append(token)
+        if req.logprobs is not None and lp is not None:
+            req.logprobs.append(lp)
+        delta = req.detok.push([token])
+        new_text = delta.text
+        reason = self._finish_reason(req, token, delta.stop_matched)
+        if reason is not None:
+            if reason is not FinishReason.STOP or delta.stop_matched is None:
+                new_text += req.detok.flush()
+                if req.detok.stop_matched is not None:  # a stop hidden behind a partial char
+                    reason, req.stop_reason = FinishReason.STOP, req.detok.stop_matched
+            self.scheduler.finish(seq, reason)
+            self._requests.pop(seq.request_id, None)
+        req.text += new_text
+        return self._output(req, [token], new_text, [lp] if lp is not None else [])
+
+    def _finish_reason(self, req: _Request, token: int, stop: str | None) -> FinishReason | None:
+        seq, p = req.seq, req.seq.params
+        if stop is not None:
+            req.stop_reason = stop
+            return FinishReason.STOP
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.stop_reason = token
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, req, new_ids, new_text, new_lps) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=req.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=new_lps,
+            logprobs=req.logprobs,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            stop_reason=req.stop_reason,
+        )
+
+    def score(self, prompt: list[int]) -> torch.Tensor:
+        """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill).
+
+        Runs outside the continuous batch under the engine lock, in blocks borrowed from the
+        pool and returned at once; used to check logits against a reference implementation.
+        """
+        from engine.scheduler import ScheduledSeq, SchedulerOutput
+        from libkv.kv_manager import PrefixHit
+
+        self._validate(prompt, SamplingParams(max_tokens=1))
+        with self._lock:
+            rid = f"__score-{next(self._counter)}"
+            seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=1), -1)
+            if self.kv.admit(rid, PrefixHit([], []), 0, len(prompt), b"") is None:
+                raise InvalidRequestError("not enough free KV blocks to score this prompt now")
+            try:
+                sched = SchedulerOutput([ScheduledSeq(seq, len(prompt), self.kv.block_ids(rid))])
+                return self.runner.logits_all(sched)
+            finally:
+                self.kv.free(rid)
+
+    # -- introspection ------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                num_waiting=len(self.scheduler.waiting),
+                num_running=len(self.scheduler.running),
+                kv_blocks_total=self.pool.num_blocks,
+                kv_blocks_used=self.pool.num_used,
+                kv_blocks_cached=self.pool.num_cached,
+                num_preemptions=self.scheduler.num_preemptions,
+                prefix_hit_tokens=self._prefix_hit_tokens,
+                prompt_tokens=self._prompt_tokens,
+            )
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.kv.check_integrity()

@@ -1,0 +1,118 @@
+"""Llama- and Qwen2-family decoder over a flattened varlen batch and a paged KV cache.
+
+One forward pass takes the new tokens of many sequences at once (some prefilling a chunk,
+some decoding one token), writes their K/V into paged slots and attends over each sequence's
+cached prefix plus the new tokens. Q/K/V and gate/up projections are fused into one matmul
+each; the weights are plain tensors (no nn.Linear) so the loader owns their layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine.config import ModelConfig, RopeConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies with linear or llama3 scaling, in float32 exactly as transformers."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+class DecoderModel:
+    """The model: ``forward`` computes hidden states, ``logits`` projects the chosen rows."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_len: int) -> None:
+        self.config = config
+        self.w = weights
+        device, dtype = weights.embed.device, weights.embed.dtype
+        inv = rope_inv_freq(config.rope, config.head_dim).to(device)
+        # Computed like transformers: float32 outer product, then cos/sin, then cast.
+        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+        self.scale = config.head_dim**-0.5
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: kernels.AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]."""
+        x = F.embedding(input_ids, self.w.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        residual: torch.Tensor | None = None
+        for i, lw in enumerate(self.w.layers):
+            h, residual = kernels.rms_norm(x, lw.input_norm, self.config.rms_norm_eps, residual)
+            h = self._attention(i, lw, h, cos, sin, kv_cache, meta)
+            h, residual = kernels.rms_norm(h, lw.post_norm, self.config.rms_norm_eps, residual)
+            x = self._mlp(lw, h)
+        out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual)
+        return out
+
+    def _attention(self, i, lw, h, cos, sin, kv_cache, meta) -> torch.Tensor:
+        c = self.config
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = h.shape[0]
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        q, k = kernels.rotary_embedding(q, k, cos, sin)
+        kernels.write_kv(kv_cache, i, k, v, meta)
+        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale)
+        return F.linear(o.reshape(t, self.q_size), lw.o_proj)
+
+    def _mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, lw.down)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the given hidden rows."""
+        return F.linear(hidden, self.w.lm_head).float()

@@ -1,0 +1,130 @@
+"""Turns a scheduler step into tensors, runs the model and samples: the only torch user of the
+engine's step loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import kernels
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import dummy_weights, load_weights
+from engine.model import DecoderModel
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.scheduler import SchedulerOutput
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        config.dtype
+    ]
+
+
+class ModelRunner:
+    """Holds the weights and the KV pool; ``execute`` runs one step."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        if config.load_format == "dummy":
+            weights = dummy_weights(model_config, self.device, self.dtype, config.seed)
+        else:
+            weights = load_weights(Path(config.model_dir), model_config, self.device, self.dtype)
+        self.model = DecoderModel(model_config, weights, max_len)
+        self.num_blocks = self._num_blocks()
+        c = model_config
+        self.kv_cache = torch.zeros(
+            (self.num_blocks, c.num_layers, 2, config.block_size, c.num_kv_heads, c.head_dim),
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.sampler = Sampler()
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_config
+        elem = torch.finfo(self.dtype).bits // 8
+        return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_fraction)
+        else:
+            budget = self.config.kv_cache_bytes
+        return max(budget // self.block_bytes, 1)
+
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Copy blocks, run the forward pass on every scheduled token, sample where due."""
+        if sched.copies:
+            src = torch.tensor([c.src for c in sched.copies], device=self.device)
+            dst = torch.tensor([c.dst for c in sched.copies], device=self.device)
+            kernels.copy_blocks(self.kv_cache, src, dst)
+        input_ids, positions, meta, sample_rows = self._prepare(sched)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if not sample_rows:
+            return SamplerOutput([], [])
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [
+            SamplingRow(
+                s.seq.params, s.seq.generator, s.seq.prompt_token_ids, s.seq.output_token_ids
+            )
+            for s in sched.scheduled
+            if s.samples
+        ]
+        return self.sampler(logits, rows)
+
+    def logits_all(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits of every scheduled token (not just the sampled ones); for scoring."""
+        input_ids, positions, meta, _ = self._prepare(sched)
+        return self.model.logits(self.model.forward(input_ids, positions, self.kv_cache, meta))
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.config.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for s in sched.scheduled:
+            seq, lo = s.seq, s.seq.num_computed
+            hi = lo + s.num_new
+            table = s.block_ids
+            ids.extend(seq.all_token_ids[lo:hi])
+            pos.extend(range(lo, hi))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
+            starts.append(starts[-1] + s.num_new)
+            seq_lens.append(hi)
+            tables.append(table)
+            if s.samples:
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        slot_t = torch.tensor(slots, device=dev)
+        meta = kernels.AttentionMetadata(
+            slot_blocks=slot_t // bs,
+            slot_offsets=slot_t % bs,
+            block_tables=torch.tensor(padded, device=dev),
+            seq_lens=torch.tensor(seq_lens, device=dev),
+            query_start_loc=torch.tensor(starts, device=dev),
+            max_query_len=max(s.num_new for s in sched.scheduled),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows

@@ -1,0 +1,305 @@
+"""Batched token sampler: penalties, greedy, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+One call per decode step turns ``[B, V]`` logits into one token per row. The common case (every
+row greedy, no penalties, no logprobs) is a single ``argmax``; everything else is vectorised over
+the rows that need it, with per-row Python work only for penalties and seeded rows. The only host
+sync is the final ``.tolist()``.
+
+Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. draws
+token ``i`` with probability ``probs[i]``. A seeded row draws its ``E`` from its own generator, one
+row at a time, so its token depends only on (seed, its logits, how many steps its generator has
+taken) and never on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# Temperatures below this are raised to it: dividing logits by a far smaller one can overflow to
+# inf (then softmax gives nan), and the distribution is already a point mass on the argmax.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """The sampling state of one request, i.e. of one row of the batch logits.
+
+    ``generator`` is the request's own generator when ``params.seed`` is set (made by the engine
+    on the logits' device with ``torch.Generator(device=...).manual_seed(seed)``), else ``None``.
+    Token ids must be smaller than the vocabulary size ``V``.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Raw-model log-probability of the chosen token and of the ``params.logprobs`` best ones.
+
+    ``top`` holds ``(token_id, logprob)`` pairs, most likely first; it is empty when
+    ``params.logprobs == 0``.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One chosen token per row, and its logprobs where the row asked for them (else ``None``)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Picks the next token of every row of a batch. Stateless; safe to share."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (``[B, V]``, any float dtype, CPU or CUDA).
+
+        Order: logprobs of the raw logits; penalties; then greedy argmax, or temperature, top-k,
+        top-p, min-p and sampling. Work is done in float32; ``logits`` is never modified.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [len(rows), V] = [{len(rows)}, V], got {list(logits.shape)}"
+            )
+        if not rows:
+            return SamplerOutput([], [])
+        if all(_is_plain(r.params) for r in rows):
+            # Fast path. Converting to float32 is exact, so argmax on the input dtype is the same.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        params = [r.params for r in rows]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        x = logits.to(torch.float32, copy=bool(penalised))
+        raw_logprobs = torch.log_softmax(_take(x, want_lp), dim=-1) if want_lp else None
+        if penalised:
+            apply_penalties_(x, rows, penalised)
+
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        if greedy:
+            _put(tokens, greedy, _take(x, greedy).argmax(dim=-1))
+        if sampled:
+            _put(tokens, sampled, _sample(_take(x, sampled), [rows[i] for i in sampled]))
+        return _finish(tokens, raw_logprobs, want_lp, params)
+
+
+def _is_plain(p: SamplingParams) -> bool:
+    return p.greedy and p.logprobs is None and not p.has_penalties
+
+
+def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def _take(x: torch.Tensor, idx: Sequence[int]) -> torch.Tensor:
+    """Rows ``idx`` of ``x``; ``x`` itself (no copy) when ``idx`` is every row, in order."""
+    if len(idx) == x.shape[0]:
+        return x
+    return x[_index(idx, x.device)]
+
+
+def _put(x: torch.Tensor, idx: Sequence[int], values: torch.Tensor) -> None:
+    """``x[idx] = values`` in place (``idx`` ascending, as built by the callers)."""
+    if len(idx) == x.shape[0]:
+        x.copy_(values)
+    else:
+        x[_index(idx, x.device)] = values
+
+
+def apply_penalties_(x: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]) -> None:
+    """Apply the penalties of ``rows[i]`` to ``x[i]`` in place, for each ``i`` in ``idx``.
+
+    Repetition penalty (HF): over prompt and output tokens, a positive logit is divided by the
+    penalty and a negative one multiplied. Then frequency and presence penalties (OpenAI), over
+    output tokens only: ``x[t] -= frequency * count(t) + presence * (count(t) > 0)``.
+    """
+    rep = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
+    if rep:
+        _repetition_(x, rows, rep)
+    freq = [
+        i
+        for i in idx
+        if rows[i].params.frequency_penalty != 0.0 or rows[i].params.presence_penalty != 0.0
+    ]
+    if freq:
+        _frequency_presence_(x, rows, freq)
+
+
+def _repetition_(x: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]) -> None:
+    seqs = [s for i in idx for s in (rows[i].prompt_token_ids, rows[i].output_token_ids)]
+    r, t = _pairs(seqs, [i for i in idx for _ in range(2)])
+    if not r.size:
+        return
+    per_row = np.ones(x.shape[0], dtype=np.float32)
+    per_row[idx] = [rows[i].params.repetition_penalty for i in idx]
+    penalty = _to(per_row[r], x.device)
+    r_t, t_t = _to(r, x.device), _to(t, x.device)
+    # A token seen twice yields the same (row, token) pair twice; both writes carry the same value
+    # (computed from the logit before any write), so duplicates are harmless.
+    v = x[r_t, t_t]
+    x[r_t, t_t] = torch.where(v > 0, v / penalty, v * penalty)
+
+
+def _frequency_presence_(x: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]) -> None:
+    r, t = _pairs([rows[i].output_token_ids for i in idx], idx)
+    if not r.size:
+        return
+    vocab = x.shape[1]
+    keys, counts = np.unique(r * vocab + t, return_counts=True)
+    r, t = np.divmod(keys, vocab)
+    frequency = np.zeros(x.shape[0], dtype=np.float32)
+    presence = np.zeros(x.shape[0], dtype=np.float32)
+    frequency[idx] = [rows[i].params.frequency_penalty for i in idx]
+    presence[idx] = [rows[i].params.presence_penalty for i in idx]
+    delta = frequency[r] * counts.astype(np.float32) + presence[r]
+    # (row, token) pairs are unique here, so this subtracts once per pair.
+    x.index_put_((_to(r, x.device), _to(t, x.device)), -_to(delta, x.device), accumulate=True)
+
+
+def _pairs(seqs: Sequence[Sequence[int]], owners: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten token sequences into (row, token) arrays; ``owners[j]`` is the row of ``seqs[j]``.
+
+    numpy's ``fromiter`` turns Python ints into an array several times faster than
+    ``torch.tensor(list)``, which matters with long prompts.
+    """
+    lengths = [len(s) for s in seqs]
+    total = sum(lengths)
+    tokens = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=total)
+    return np.repeat(np.asarray(owners, dtype=np.int64), lengths), tokens
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device)
+
+
+def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Sample one token per row of the penalised logits ``x`` (``[S, V]``, non-greedy rows)."""
+    params = [r.params for r in rows]
+    temperature = torch.tensor(
+        [max(p.temperature, MIN_TEMPERATURE) for p in params], device=x.device
+    )
+    x = x / temperature.unsqueeze(1)  # a new tensor: filtering below may write into it
+    # Which filter path a row takes depends on its own params only, so a seeded row's
+    # probabilities do not depend on which other rows share the batch.
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    top_k_only = [i for i, p in enumerate(params) if p.top_k > 0 and p.top_p == 1.0]
+    if top_k_only:
+        k = [params[i].top_k for i in top_k_only]
+        _put(x, top_k_only, _top_k(_take(x, top_k_only), k))
+    if nucleus:
+        k = [params[i].top_k for i in nucleus]
+        p = [params[i].top_p for i in nucleus]
+        _put(x, nucleus, _top_k_top_p(_take(x, nucleus), k, p))
+    min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p:
+        _put(x, min_p, _min_p(_take(x, min_p), [params[i].min_p for i in min_p]))
+    return _race(torch.softmax(x, dim=-1), [r.generator for r in rows])
+
+
+def _top_k(x: torch.Tensor, k: Sequence[int]) -> torch.Tensor:
+    """Keep the ``k[i]`` largest logits of row ``i`` (every ``k[i] > 0``); the rest become -inf."""
+    k_max = min(max(k), x.shape[1])
+    values, ids = x.topk(k_max, dim=-1)
+    rank = torch.arange(k_max, device=x.device)
+    k_t = torch.tensor(k, device=x.device).unsqueeze(1)
+    values = values.masked_fill(rank >= k_t, -math.inf)
+    return torch.full_like(x, -math.inf).scatter_(1, ids, values)
+
+
+def _top_k_top_p(x: torch.Tensor, k: Sequence[int], p: Sequence[float]) -> torch.Tensor:
+    """Top-k (``k[i] == 0`` is off) then top-p on each row, by one full sort.
+
+    Top-p keeps the smallest prefix of the sorted tokens whose probability reaches ``p[i]``: a
+    token is dropped when the tokens before it already hold ``>= p[i]``, so the top one stays.
+    """
+    v = x.shape[1]
+    sorted_x, ids = x.sort(dim=-1, descending=True)
+    rank = torch.arange(v, device=x.device)
+    k_t = torch.tensor([kk if 0 < kk < v else v for kk in k], device=x.device).unsqueeze(1)
+    sorted_x.masked_fill_(rank >= k_t, -math.inf)
+    probs = torch.softmax(sorted_x, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    p_t = torch.tensor(p, dtype=x.dtype, device=x.device).unsqueeze(1)
+    drop = before >= p_t
+    drop[:, 0] = False
+    sorted_x.masked_fill_(drop, -math.inf)
+    return torch.empty_like(x).scatter_(1, ids, sorted_x)
+
+
+def _min_p(x: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p[i]`` times the row's largest.
+
+    ``prob[t] / prob[max] = exp(x[t] - x[max])``, so this is a threshold on logits (no softmax).
+    """
+    log_min_p = torch.tensor([math.log(m) for m in min_p], dtype=x.dtype, device=x.device)
+    threshold = x.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1)
+    return x.masked_fill(x < threshold, -math.inf)
+
+
+def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row of ``probs`` (which it overwrites) as ``argmax(probs / E)``.
+
+    ``E ~ Exponential(1)`` is made as ``-log(U)``, ``U ~ Uniform[0, 1)``: ``uniform_`` stays below
+    1 on CPU and CUDA, so ``E > 0`` and ``p / E`` is never 0/0 = nan (``E = inf`` merely gives 0).
+    This is also about 3x faster on CPU than ``Tensor.exponential_``. Unseeded rows share one
+    draw from the default generator; each seeded row then redraws its own ``U`` from its own
+    generator (one launch per seeded row; the rest stays batched).
+    """
+    u = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i].uniform_(generator=g)
+    return probs.div_(u.log_().neg_()).argmax(dim=-1)
+
+
+def _finish(
+    tokens: torch.Tensor,
+    raw_logprobs: torch.Tensor | None,
+    want_lp: Sequence[int],
+    params: Sequence[SamplingParams],
+) -> SamplerOutput:
+    """Move tokens and logprobs to the host in one transfer and build the output."""
+    n = tokens.shape[0]
+    if raw_logprobs is None:
+        return SamplerOutput(tokens.tolist(), [None] * n)
+    chosen = _take(tokens.unsqueeze(1), want_lp)
+    chosen_lp = raw_logprobs.gather(1, chosen).squeeze(1)
+    k_max = min(max(params[i].logprobs or 0 for i in want_lp), raw_logprobs.shape[1])
+    top_lp, top_ids = raw_logprobs.topk(k_max, dim=-1)
+    # float64 holds every token id and float32 logprob exactly, so one tensor carries them all.
+    parts = (tokens, chosen_lp, top_lp.flatten(), top_ids.flatten())
+    flat = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+    m = len(want_lp)
+    token_ids = [int(t) for t in flat[:n]]
+    lp_values = flat[n : n + m]
+    top_values = flat[n + m : n + m + m * k_max]
+    top_tokens = flat[n + m + m * k_max :]
+    logprobs: list[TokenLogprob | None] = [None] * n
+    for j, i in enumerate(want_lp):
+        k = params[i].logprobs or 0
+        start = j * k_max
+        top = tuple(
+            (int(top_tokens[start + c]), top_values[start + c]) for c in range(min(k, k_max))
+        )
+        logprobs[i] = TokenLogprob(token_ids[i], lp_values[j], top)
+    return SamplerOutput(token_ids, logprobs)

@@ -1,0 +1,145 @@
+"""Iteration-level continuous batching with chunked prefill (no torch).
+
+Each step spends a token budget: running sequences first, oldest first (a decode costs one
+token, an unfinished prefill takes the next chunk), then waiting sequences in arrival order
+(their cached prefix is skipped). When the KV pool cannot grow a running sequence, the newest
+running sequence is preempted by recomputation: its blocks are freed and it returns to the
+front of the queue, keeping its output tokens. The oldest sequence therefore always makes
+progress, and no sequence is admitted whose worst case cannot fit in the pool alone, so the
+loop can neither crash nor deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.sequence import FinishReason, SeqStatus, Sequence
+from libkv.kv_manager import CopyOp, KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """``num_new`` tokens of ``seq`` computed this step, starting at ``seq.num_computed``."""
+
+    seq: Sequence
+    num_new: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove ``seq`` wherever it is and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.token_budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            copies = self.kv.grow(seq.request_id, seq.num_computed, seq.num_computed + n)
+            while copies is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.grow(seq.request_id, seq.num_computed, seq.num_computed + n)
+            if copies is None:  # seq itself was preempted (it was the newest)
+                break
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.request_id)))
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status, seq.num_computed = SeqStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.all_token_ids
+            hit = self.kv.find_prefix(tokens, seq.cache_salt)
+            # At least the last token is computed: its logits give the next token.
+            num_computed = min(hit.num_tokens(self.kv.block_size), len(tokens) - 1)
+            n = min(len(tokens) - num_computed, budget)
+            copies = self.kv.admit(
+                seq.request_id, hit, num_computed, num_computed + n, seq.cache_salt
+            )
+            if copies is None:
+                break
+            self.waiting.popleft()
+            if not seq.output_token_ids:
+                seq.num_cached_prompt_tokens = num_computed
+            seq.num_computed = num_computed
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.request_id)))
+            budget -= n
+
+    def advance(self, scheduled: Iterable[ScheduledSeq]) -> None:
+        """After the forward pass: mark the chunk computed and publish newly full blocks."""
+        for s in scheduled:
+            s.seq.num_computed += s.num_new
+            self.kv.commit(s.seq.request_id, s.seq.all_token_ids, s.seq.num_computed)

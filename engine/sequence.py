@@ -1,0 +1,64 @@
+"""A request's state as the scheduler sees it (no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens, how many have KV computed, and why it finished.
+
+    ``num_computed`` counts tokens (prompt, then outputs) whose K/V sit in the cache. The
+    newest output token never has KV yet: it is the input of the next decode step.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    cache_salt: bytes = b""
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    generator: Any = None  # torch.Generator for seeded sampling (owned by the engine)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until every known token (prompt, or prompt + outputs after a preemption) has KV."""
+        return self.num_computed < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,136 @@
+"""Pure-PyTorch reference implementations of every kernel.
+
+They define the semantics the Triton kernels must match, and they are what the engine runs on
+CPU. KV pool layout (shared with libkv's transfer layer)::
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+Block-major: one block of *all* layers (K and V) is a single contiguous range, so moving a
+block between workers is one descriptor, and copy-on-write of a block is one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step description of a flattened varlen batch (built once, shared by all layers).
+
+    Tokens of sequence ``i`` occupy rows ``query_start_loc[i]:query_start_loc[i+1]`` of the
+    flattened batch; they are the *last* ``q_len`` positions of a sequence whose KV length
+    after this step is ``seq_lens[i]`` (so a cached prefix sits before them).
+    """
+
+    slot_blocks: torch.Tensor  # [T] block id of each new token's slot
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
+    seq_lens: torch.Tensor  # [B] KV length after this step
+    query_start_loc: torch.Tensor  # [B+1]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Lazily built helpers of the reference path, shared by all layers of one step.
+    scratch: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual) * weight, x + residual)``; computed in float32 like transformers."""
+    if residual is not None:
+        x = x + residual
+    residual_out = x
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    out = weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    return out, residual_out
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox/HF-style RoPE. q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D] for each token."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Store new K/V rows ([T, Hkv, D]) into their paged slots of ``layer``."""
+    layer_kv = kv_cache.select(1, layer)
+    layer_kv.select(1, 0)[meta.slot_blocks, meta.slot_offsets] = k.to(kv_cache.dtype)
+    layer_kv.select(1, 1)[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' paged KV (cached prefix included).
+
+    q: [T, H, D] flattened varlen queries; returns [T, H, D]. GQA: H is a multiple of Hkv.
+    """
+    pad_idx, mask = _padding(meta, q.device)
+    b, max_q = meta.num_seqs, meta.max_query_len
+    t, h, d = q.shape
+    qp = q.new_zeros(b * max_q, h, d)
+    qp[pad_idx] = q
+    qp = qp.view(b, max_q, h, d).transpose(1, 2)  # [B, H, Q, D]
+    k, v = _gather_kv(kv_cache, layer, meta)  # [B, Hkv, S, D]
+    out = F.scaled_dot_product_attention(
+        qp, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(b * max_q, h, d)[pad_idx]
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    max_blocks = -(-meta.max_seq_len // meta.block_size)
+    tables = meta.block_tables[:, :max_blocks]
+    kv = kv_cache.select(1, layer)[tables]  # [B, nb, 2, bs, Hkv, D]
+    b, nb, _, bs, hkv, d = kv.shape
+    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, b, hkv, nb * bs, d)
+    return kv[0], kv[1]
+
+
+def _padding(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row index of each token in the padded [B*max_q] layout, and the [B,1,Q,S] causal mask."""
+    cached = meta.scratch.get("padding")
+    if cached is not None:
+        return cached
+    b, max_q = meta.num_seqs, meta.max_query_len
+    s = -(-meta.max_seq_len // meta.block_size) * meta.block_size
+    starts = meta.query_start_loc[:-1]
+    q_lens = meta.query_start_loc[1:] - starts
+    seq_of_token = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
+    local = torch.arange(int(meta.query_start_loc[-1]), device=device) - starts[seq_of_token]
+    pad_idx = seq_of_token * max_q + local
+    # Query row j of sequence i sits at absolute position seq_len - q_len + j.
+    q_pos = (meta.seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, device=device)
+    kv_pos = torch.arange(s, device=device)
+    mask = kv_pos.view(1, 1, s) <= q_pos.unsqueeze(2)  # [B, Q, S]
+    mask &= kv_pos.view(1, 1, s) < meta.seq_lens.view(b, 1, 1)
+    mask[:, :, 0] = True  # padded query rows must see one key (their output is discarded)
+    cached = (pad_idx, mask.unsqueeze(1))
+    meta.scratch["padding"] = cached
+    return cached
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]``."""
+    kv_cache[dst] = kv_cache[src]
