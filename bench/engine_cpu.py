@@ -79,6 +79,7 @@ class Timing:
     best_s: float
     median_s: float
     runs_s: list[float]
+    background_cores: list[float]  # cores other processes kept busy during each run
 
     @property
     def best_tok_s(self) -> float:
@@ -108,7 +109,12 @@ def engine_generate(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int
 
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], n: int, pad_id: int) -> list[list[int]]:
-    """Greedy, exactly ``n`` new tokens per prompt; left padding plus attention mask."""
+    """Greedy, exactly ``n`` new tokens per prompt; left padding plus attention mask.
+
+    ``eos_token_id=None`` is the counterpart of the engine's ``ignore_eos``: EOS neither stops
+    generation nor is forbidden (with an EOS id set, ``min_new_tokens`` would mask its logit and
+    change the greedy choice wherever the model wants to end).
+    """
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -121,6 +127,7 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad_id: int) -> list[li
         do_sample=False,
         max_new_tokens=n,
         min_new_tokens=n,
+        eos_token_id=None,
         pad_token_id=pad_id,
     )
     return out[:, width:].tolist()
@@ -134,38 +141,48 @@ def run_batched(gen: Callable, prompts: list[list[int]], batch: int) -> list[lis
     return outs
 
 
-def timed(gen: Callable, prompts, batch: int) -> tuple[float, list[list[int]]]:
-    t0 = time.perf_counter()
+def timed(gen: Callable, prompts, batch: int) -> tuple[float, float, list[list[int]]]:
+    """Wall seconds, background cores during the run, outputs."""
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     outs = run_batched(gen, prompts, batch)
-    return time.perf_counter() - t0, outs
+    secs = time.perf_counter() - t0
+    return secs, background_cores(cpu0, secs), outs
 
 
 def bench_batch(systems: dict[str, Callable], prompts, batch: int, repeats: int):
     """Interleave timed repeats of the systems so background load hits them alike."""
     runs: dict[str, list[float]] = {name: [] for name in systems}
+    load: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(repeats):
         for name, gen in systems.items():
-            secs, outs = timed(gen, prompts, batch)
+            secs, busy, outs = timed(gen, prompts, batch)
             runs[name].append(secs)
+            load[name].append(round(busy, 2))
             outputs.setdefault(name, outs)
     total = {name: sum(len(o) for o in outs) for name, outs in outputs.items()}
     timings = {
-        name: Timing(total[name], min(r), statistics.median(r), r) for name, r in runs.items()
+        name: Timing(total[name], min(r), statistics.median(r), r, load[name])
+        for name, r in runs.items()
     }
     return timings, outputs
 
 
 def compare(a: list[list[int]], b: list[list[int]], eos_ids: set[int]) -> dict:
-    """Fraction of identical outputs; where they differ, the first index and whether the engine
-    had emitted an EOS there (transformers' ``min_new_tokens`` forbids EOS, the engine's
-    ``ignore_eos`` does not)."""
+    """How many outputs are identical; where they differ, the first differing index and whether
+    the engine's token there is an EOS."""
     diverged = []
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
             at = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), len(x))
             diverged.append({"prompt": i, "first_diff": at, "engine_eos": x[at] in eos_ids})
-    return {"identical": len(a) - len(diverged), "total": len(a), "diverged": diverged}
+    lengths = sorted({len(x) for x in a} | {len(y) for y in b})
+    return {
+        "identical": len(a) - len(diverged),
+        "total": len(a),
+        "output_lengths": lengths,
+        "diverged": diverged,
+    }
 
 
 def machine_info() -> dict:

@@ -25,3 +25,7 @@ class UnsupportedModelError(TandemError):
 
 class RequestNotFoundError(TandemError, KeyError):
     """No live request with that id."""
+
+
+class KVCapacityError(TandemError):
+    """No free KV blocks for this request right now (transient; retry elsewhere or later)."""

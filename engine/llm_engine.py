@@ -16,7 +16,12 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, PromptTooLongError, RequestNotFoundError
+from engine.errors import (
+    InvalidRequestError,
+    KVCapacityError,
+    PromptTooLongError,
+    RequestNotFoundError,
+)
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -43,6 +48,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     stop_reason: str | int | None = None
+    kv_held: bool = False  # prefill hand-off: blocks kept for a decode worker (see release)
 
     @property
     def finished(self) -> bool:
@@ -68,6 +74,7 @@ class _Request:
     logprobs: list[TokenLogprob] | None = None
     text: str = ""
     stop_reason: str | int | None = None
+    hold_kv: bool = False
 
 
 class LLMEngine:
@@ -86,6 +93,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
+        self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
+        self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
+        self._held_seqs: dict[str, Sequence] = {}
         self._lock = threading.RLock()
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
@@ -103,11 +113,25 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         tenant: str | None = None,
+        hold_kv: bool = False,
     ) -> None:
-        """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits)."""
+        """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits).
+
+        ``hold_kv`` makes it a prefill: after the first token the request leaves the batch but
+        keeps its blocks (output ``kv_held``) until ``release``; unless it already finished.
+        """
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
+        req = self._new_request(request_id, ids, params, tenant)
+        req.hold_kv = hold_kv
+        with self._lock:
+            self._register(req)
+            self.scheduler.add(req.seq)
+
+    def _new_request(
+        self, request_id: str, ids: list[int], params: SamplingParams, tenant: str | None
+    ) -> _Request:
         seq = Sequence(request_id, ids, params, next(self._counter), encode_extra_keys(tenant))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(
@@ -116,13 +140,13 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer.hf, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
         )
-        with self._lock:
-            if request_id in self._requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._requests[request_id] = _Request(
-                seq, detok, [] if params.logprobs is not None else None
-            )
-            self.scheduler.add(seq)
+        return _Request(seq, detok, [] if params.logprobs is not None else None)
+
+    def _register(self, req: _Request) -> None:
+        rid = req.seq.request_id
+        if rid in self._requests or (rid in self.kv and rid not in self._reserved):
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        self._requests[rid] = req
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -148,11 +172,15 @@ class LLMEngine:
                 f"{self.pool.num_blocks} ({self.pool.num_blocks * self.config.block_size} tokens)"
             )
 
-    def abort(self, request_id: str) -> RequestOutput:
-        """Cancel a request and free its blocks now. Raises RequestNotFoundError if unknown."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request and free its blocks now (held or reserved blocks too; then None).
+
+        Raises RequestNotFoundError if the id is unknown."""
         with self._lock:
             req = self._requests.pop(request_id, None)
             if req is None:
+                if self.release(request_id):
+                    return None
                 raise RequestNotFoundError(f"no live request {request_id!r}")
             self.scheduler.abort(req.seq)
             return self._output(req, [], "", [])
@@ -194,8 +222,15 @@ class LLMEngine:
                     reason, req.stop_reason = FinishReason.STOP, req.detok.stop_matched
             self.scheduler.finish(seq, reason)
             self._requests.pop(seq.request_id, None)
+        elif req.hold_kv:
+            self.scheduler.detach(seq)
+            self._requests.pop(seq.request_id, None)
+            self._held.add(seq.request_id)
+            self._held_seqs[seq.request_id] = seq
         req.text += new_text
-        return self._output(req, [token], new_text, [lp] if lp is not None else [])
+        out = self._output(req, [token], new_text, [lp] if lp is not None else [])
+        out.kv_held = seq.request_id in self._held
+        return out
 
     def _finish_reason(self, req: _Request, token: int, stop: str | None) -> FinishReason | None:
         seq, p = req.seq, req.seq.params
@@ -224,6 +259,102 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             stop_reason=req.stop_reason,
         )
+
+    # -- disaggregation: prefill hand-off and decode take-over -------------------------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks a prefill hand-off keeps for the decode worker, in token order."""
+        with self._lock:
+            if request_id not in self._held:
+                raise RequestNotFoundError(f"no held KV for request {request_id!r}")
+            return self.kv.block_ids(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Free held (prefill) or reserved (decode) blocks; full ones stay in the prefix cache."""
+        with self._lock:
+            if request_id in self._held or request_id in self._reserved:
+                self._held.discard(request_id)
+                self._held_seqs.pop(request_id, None)
+                self._reserved.discard(request_id)
+                self.kv.free(request_id)
+                return True
+            return False
+
+    def generator_state(self, request_id: str) -> bytes:
+        """Serialized state of a held request's seeded generator (b"" when unseeded)."""
+        with self._lock:
+            seq = self._held_seqs.get(request_id)
+            if seq is None or seq.generator is None:
+                return b""
+            return bytes(seq.generator.get_state().numpy().tobytes())
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def reserve(
+        self, request_id: str, prompt: list[int], tenant: str | None = None
+    ) -> tuple[list[int], int]:
+        """Allocate blocks for a prompt whose KV will arrive from a prefill worker.
+
+        Reuses this worker's own cached prefix: returns (block ids, number of leading tokens
+        already cached here); only blocks from ``cached // block_size`` on need filling.
+        Raises KVCapacityError when the pool cannot hold it now.
+        """
+        self._validate(prompt, SamplingParams(max_tokens=1))
+        extra = encode_extra_keys(tenant)
+        with self._lock:
+            if request_id in self._requests or request_id in self.kv:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            hit = self.kv.find_prefix(prompt, extra)
+            cached = min(hit.num_tokens(self.config.block_size), len(prompt))
+            if self.kv.admit(request_id, hit, len(prompt), len(prompt), extra) is None:
+                raise KVCapacityError("no free KV blocks for the incoming request; retry later")
+            self._reserved.add(request_id)
+            return self.kv.block_ids(request_id), cached
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt: list[int],
+        first_token: int,
+        params: SamplingParams,
+        *,
+        tenant: str | None = None,
+        first_logprob: TokenLogprob | None = None,
+        generator_state: bytes = b"",
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Join a reserved request, whose prompt KV has been written, to the running batch.
+
+        The first token was sampled (and streamed) by the prefill worker; its text is not
+        emitted again here.
+        """
+        self._validate(prompt, params)
+        req = self._new_request(request_id, prompt, params, tenant)
+        seq = req.seq
+        if generator_state and seq.generator is not None:
+            seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        seq.output_token_ids.append(first_token)
+        seq.num_computed = len(prompt)
+        seq.num_cached_prompt_tokens = num_cached_tokens
+        if req.logprobs is not None and first_logprob is not None:
+            req.logprobs.append(first_logprob)
+        req.text = req.detok.push([first_token]).text
+        with self._lock:
+            if request_id not in self._reserved:
+                raise RequestNotFoundError(f"no reserved KV for request {request_id!r}")
+            self._register(req)
+            self._reserved.discard(request_id)
+            self.kv.commit(request_id, seq.all_token_ids, seq.num_computed)
+            self.scheduler.attach(seq)
+
+    def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
+        """Copy raw block bytes (pool layout and dtype) into this pool."""
+        self.runner.write_blocks(block_ids, data)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""
+        return self.runner.read_blocks(block_ids)
 
     def score(self, prompt: list[int]) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill).

@@ -87,6 +87,19 @@ class ModelRunner:
         ]
         return self.sampler(logits, rows)
 
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        idx = torch.tensor(block_ids, device=self.device)
+        blocks = self.kv_cache[idx].cpu()
+        return [_tensor_bytes(b) for b in blocks]
+
+    def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
+        shape = self.kv_cache.shape[1:]
+        for block_id, raw in zip(block_ids, data, strict=True):
+            if len(raw) != self.block_bytes:
+                raise ValueError(f"block of {len(raw)} bytes, expected {self.block_bytes}")
+            src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            self.kv_cache[block_id].copy_(src.view(self.dtype).view(shape))
+
     def logits_all(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (not just the sampled ones); for scoring."""
         input_ids, positions, meta, _ = self._prepare(sched)
@@ -128,3 +141,7 @@ class ModelRunner:
             block_size=bs,
         )
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()

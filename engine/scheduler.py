@@ -75,6 +75,16 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch but keep its blocks (a prefill hand-off)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def attach(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already in its block table straight into the batch."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

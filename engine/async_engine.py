@@ -1,0 +1,133 @@
+"""Asyncio front of the engine: the step loop runs on its own thread, off the event loop.
+
+Services call ``generate`` (an async iterator of ``RequestOutput``) and ``abort`` from their
+event loop; the engine thread steps whenever there is work and hands each output to the
+request's asyncio queue with ``call_soon_threadsafe``. Leaving the iterator early (client gone,
+task cancelled) aborts the request, which frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.errors import RequestNotFoundError
+from engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine.step`` in a daemon thread and streams outputs to asyncio callers."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._failure: BaseException | None = None
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- request API (event loop side) -----------------------------------------------------------
+    async def generate(self, request_id: str, prompt: list[int], params: Any, **kw: Any):
+        """Queue a request and yield its outputs until it finishes (or hands its KV off)."""
+        queue = self._open(request_id)
+        try:
+            self.engine.add_request(request_id, prompt, params, **kw)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    async def follow(self, request_id: str, add: Any) -> AsyncIterator[RequestOutput]:
+        """Like ``generate`` for a request added by ``add()`` (e.g. ``add_prefilled``)."""
+        queue = self._open(request_id)
+        try:
+            add()
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request (or drop held/reserved blocks). False if unknown."""
+        try:
+            self.engine.abort(request_id)
+        except RequestNotFoundError:
+            return False
+        self._close(request_id)
+        return True
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    def _close(self, request_id: str) -> None:
+        entry = self._queues.pop(request_id, None)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:  # aborted elsewhere
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                done = item.finished or item.kv_held
+                yield item
+                if done:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not done:
+                with contextlib.suppress(RequestNotFoundError):
+                    self.engine.abort(request_id)
+
+    # -- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # noqa: BLE001 - fail every waiter, keep the loop alive
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self.steps += 1
+            for out in outputs:
+                entry = self._queues.get(out.request_id)
+                if entry is not None:
+                    loop, queue = entry
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._queues):
+            with contextlib.suppress(RequestNotFoundError):
+                self.engine.abort(rid)
+            loop, queue = self._queues.pop(rid)
+            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine step failed: {exc}"))

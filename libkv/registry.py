@@ -1,0 +1,429 @@
+"""Cluster membership in etcd: one key per worker, held alive by that worker's lease.
+
+Key: ``/tandem/v1/members/<role>/<worker_id>``; value: ``Member.to_json()``.
+
+A worker runs a `Registration`: it grants a lease, puts its key under it, and every
+``refresh`` seconds keeps the lease alive and re-puts the key with its current load. A worker
+that dies stops refreshing, so etcd deletes its key when the TTL runs out. Routers run a
+`MemberWatcher`: a range read gives the view at revision R, a watch from R+1 keeps it
+current with no gap. A brief etcd outage must not stop serving (DESIGN.md), so both sides
+ride it out: the registration retries and re-registers (new lease if the old one is gone),
+the watcher keeps its last view and on reconnect replaces it by a fresh range read.
+
+aetcd has no automatic keepalive and no watch resumption; both loops here supply them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, Protocol
+
+import aetcd
+
+log = logging.getLogger(__name__)
+
+MEMBERS_PREFIX = "/tandem/v1/members/"
+ROLES = ("prefill", "decode", "router", "gateway")
+Endpoints = str | Sequence[str]
+
+# gRPC retries a dead connection with exponential backoff up to 120 s by default; cap it so
+# a restarted etcd is found within a second.
+_CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
+@dataclass(frozen=True)
+class MemberLoad:
+    """What a worker reports each refresh so routers can weigh it."""
+
+    queue_length: int = 0
+    running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+
+
+@dataclass(frozen=True)
+class Member:
+    """One live worker as stored in etcd. ``incarnation`` is new at every process start."""
+
+    worker_id: str
+    role: str  # one of ROLES
+    model: str
+    address: str  # host:port of its gRPC server
+    kv_blocks_total: int = 0
+    block_size: int = 0
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    load: MemberLoad = field(default_factory=MemberLoad)
+    extra: dict[str, str] = field(default_factory=dict)  # e.g. NIXL agent metadata
+
+    @property
+    def key(self) -> bytes:
+        return member_key(self.role, self.worker_id)
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Member:
+        """Parse; fields this version does not know are ignored (newer writers may add some)."""
+        raw: dict[str, Any] = json.loads(data)
+        load = _known_fields(MemberLoad, raw.get("load") or {})
+        fields = _known_fields(cls, raw)
+        fields["load"] = MemberLoad(**load)
+        fields["extra"] = {str(k): str(v) for k, v in (raw.get("extra") or {}).items()}
+        return cls(**fields)
+
+
+def _known_fields(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
+
+
+def member_key(role: str, worker_id: str) -> bytes:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    if not worker_id or "/" in worker_id:
+        raise ValueError(f"worker_id must be non-empty and contain no '/': {worker_id!r}")
+    return f"{MEMBERS_PREFIX}{role}/{worker_id}".encode()
+
+
+class _Etcd:
+    """An aetcd client on one of several endpoints, replaced (next endpoint) after an error."""
+
+    def __init__(self, endpoints: Endpoints, timeout: float) -> None:
+        if isinstance(endpoints, str):
+            endpoints = endpoints.split(",")
+        self._targets = [_parse_endpoint(e) for e in endpoints if e.strip()]
+        if not self._targets:
+            raise ValueError("no etcd endpoint given")
+        self.timeout = timeout
+        self._next = 0
+        self._client: aetcd.Client | None = None
+
+    @property
+    def client(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self._targets[self._next % len(self._targets)]
+            self._client = aetcd.Client(
+                host=host, port=port, timeout=self.timeout, options=_CHANNEL_OPTIONS
+            )
+        return self._client
+
+    async def reset(self) -> None:
+        """Drop the current client (its channel may be stuck) and move to the next endpoint."""
+        await self.close()
+        self._next += 1
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), self.timeout)
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    endpoint = endpoint.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, _, port = endpoint.rpartition(":")
+    return (host or "127.0.0.1"), int(port)
+
+
+class Registration:
+    """Keeps one member key alive under a lease; see the module docstring."""
+
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        member: Member,
+        ttl: int,
+        refresh: float,
+        load_fn: Callable[[], MemberLoad] | None,
+        timeout: float,
+    ) -> None:
+        if refresh >= ttl:
+            raise ValueError(f"refresh ({refresh} s) must be shorter than ttl ({ttl} s)")
+        member_key(member.role, member.worker_id)  # validate before touching etcd
+        self.member = member
+        self.ttl = int(ttl)
+        self.refresh = refresh
+        self.load_fn = load_fn
+        self.lease_id: int | None = None
+        self.registered = False  # the last attempt to register or refresh succeeded
+        self.registrations = 0  # how many times a lease was granted and the key put
+        self._etcd = _Etcd(endpoints, timeout)
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        endpoints: Endpoints,
+        member: Member,
+        ttl: int = 10,
+        refresh: float = 3.0,
+        load_fn: Callable[[], MemberLoad] | None = None,
+        timeout: float = 2.0,
+    ) -> Registration:
+        """Register now if etcd answers, and keep the registration alive in a task.
+
+        Does not raise when etcd is unreachable: the task keeps trying (check `registered`).
+        """
+        self = cls(endpoints, member, ttl, refresh, load_fn, timeout)
+        try:
+            await self._register()
+        except Exception as e:
+            log.warning("registering %s failed, will retry: %r", member.worker_id, e)
+            await self._etcd.reset()
+        self._task = asyncio.create_task(self._run(), name=f"registration-{member.worker_id}")
+        return self
+
+    def _current(self) -> Member:
+        if self.load_fn is not None:
+            try:
+                self.member = dataclasses.replace(self.member, load=self.load_fn())
+            except Exception:
+                log.exception("load_fn failed; keeping the last load")
+        return self.member
+
+    async def _register(self) -> None:
+        """Grant a new lease and put the key under it."""
+        self.registered = False
+        lease = await self._etcd.client.lease(self.ttl)
+        self.lease_id = lease.id
+        await self._etcd.client.put(self.member.key, self._current().to_json(), lease=lease.id)
+        self.registered = True
+        self.registrations += 1
+        log.info("registered %s under lease %x", self.member.worker_id, lease.id)
+
+    async def _refresh_once(self) -> None:
+        if self.lease_id is None:
+            await self._register()
+            return
+        reply = await self._etcd.client.refresh_lease(self.lease_id)
+        if reply is None or reply.TTL <= 0:  # etcd answers TTL 0 for an unknown lease
+            log.warning(
+                "lease %x of %s is gone; re-registering", self.lease_id, self.member.worker_id
+            )
+            self.lease_id = None
+            await self._register()
+            return
+        await self._etcd.client.put(self.member.key, self._current().to_json(), lease=self.lease_id)
+        self.registered = True
+
+    async def _run(self) -> None:
+        failures = 0 if self.registered else 1
+        while True:
+            try:
+                pause = self.refresh if failures == 0 else _backoff(failures, self.refresh)
+                await asyncio.sleep(pause)
+                await self._refresh_once()
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failures += 1
+                self.registered = False
+                log.warning("refreshing %s failed (%d): %r", self.member.worker_id, failures, e)
+                await self._etcd.reset()
+
+    async def stop(self, revoke: bool = True) -> None:
+        """Stop refreshing and revoke the lease, which deletes the key at once.
+
+        ``revoke=False`` leaves the key to expire with its TTL, as a crashed process would.
+        Never hangs on an unreachable etcd: each call is bounded by ``timeout``.
+        """
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if revoke and self.lease_id is not None:
+            try:
+                await asyncio.wait_for(
+                    self._etcd.client.revoke_lease(self.lease_id), self._etcd.timeout
+                )
+            except Exception as e:
+                log.warning("revoking the lease of %s failed: %r", self.member.worker_id, e)
+        self.lease_id = None
+        self.registered = False
+        await self._etcd.close()
+
+
+def _backoff(failures: int, cap: float) -> float:
+    return min(cap, 0.05 * 2**failures)
+
+
+class MemberChange(NamedTuple):
+    """One change of a watcher's view, given to listeners."""
+
+    kind: Literal["put", "delete"]
+    worker_id: str
+    member: Member | None  # the new member for "put", the removed one for "delete"
+
+
+class MemberDirectory(Protocol):
+    """The read side routers need; `MemberWatcher` implements it from etcd."""
+
+    def members_by_role(self, role: str) -> list[Member]: ...
+
+
+class MemberWatcher:
+    """A live local view of all members, kept by a range read plus a watch; see module doc."""
+
+    def __init__(self, endpoints: Endpoints, prefix: str, timeout: float) -> None:
+        self.prefix = prefix.encode()
+        self.members: dict[str, Member] = {}
+        self.revision = 0  # etcd revision the view reflects
+        self.synced = False  # a range read has succeeded at least once
+        self.watching = False  # a watch is established right now
+        self.resyncs = 0  # range reads done (1 after a clean start)
+        self._keys: dict[bytes, str] = {}  # etcd key -> worker_id
+        self._listeners: list[Callable[[MemberChange], None]] = []
+        self._changed = asyncio.Condition()
+        self._etcd = _Etcd(endpoints, timeout)
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls, endpoints: Endpoints, prefix: str = MEMBERS_PREFIX, timeout: float = 2.0
+    ) -> MemberWatcher:
+        """Read the current members (if etcd answers) and follow changes in a task."""
+        self = cls(endpoints, prefix, timeout)
+        try:
+            await self._resync()
+        except Exception as e:
+            log.warning("initial read of %s failed, will retry: %r", prefix, e)
+            await self._etcd.reset()
+        self._task = asyncio.create_task(self._run(), name="member-watcher")
+        return self
+
+    def members_by_role(self, role: str) -> list[Member]:
+        return sorted((m for m in self.members.values() if m.role == role), key=_by_id)
+
+    def add_listener(self, callback: Callable[[MemberChange], None]) -> None:
+        """Call ``callback`` (synchronously, in the event loop) on every change of the view."""
+        self._listeners.append(callback)
+
+    async def wait_for(
+        self, predicate: Callable[[dict[str, Member]], bool], timeout: float
+    ) -> bool:
+        """Wait until ``predicate(members)`` holds; False if it still does not after timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: predicate(self.members)), timeout
+                )
+            except TimeoutError:
+                return False
+        return True
+
+    async def _resync(self) -> None:
+        """Replace the view with what etcd holds now (drops members that expired meanwhile)."""
+        got = await self._etcd.client.get_prefix(self.prefix)
+        fresh: dict[bytes, Member] = {}
+        for kv in got:
+            member = _parse(kv.key, kv.value)
+            if member is not None:
+                fresh[kv.key] = member
+        for key in [k for k in self._keys if k not in fresh]:
+            self._remove(key)
+        for key, member in fresh.items():
+            self._upsert(key, member)
+        self.revision = got.header.revision
+        self.synced = True
+        self.resyncs += 1
+        await self._notify()
+
+    async def _run(self) -> None:
+        failures = 0
+        need_resync = not self.synced
+        while True:
+            try:
+                if need_resync:
+                    await self._resync()
+                    need_resync = False
+                watch = await self._etcd.client.watch_prefix(
+                    self.prefix, start_revision=self.revision + 1
+                )
+                self.watching = True
+                failures = 0
+                async for event in watch:
+                    self._apply(event)
+                    await self._notify()
+                # The iterator only ends without error when the client is closed.
+                raise ConnectionError("watch ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.watching = False
+                need_resync = True
+                failures += 1
+                log.warning("member watch failed (%d), keeping last view: %r", failures, e)
+                await self._etcd.reset()
+                await asyncio.sleep(_backoff(failures, 1.0))
+
+    def _apply(self, event: Any) -> None:
+        kv = event.kv
+        if event.kind == "PUT":
+            member = _parse(kv.key, kv.value)
+            if member is not None:
+                self._upsert(kv.key, member)
+        else:
+            self._remove(kv.key)
+        self.revision = max(self.revision, kv.mod_revision)
+
+    def _upsert(self, key: bytes, member: Member) -> None:
+        if self.members.get(member.worker_id) == member and self._keys.get(key):
+            return
+        self._keys[key] = member.worker_id
+        self.members[member.worker_id] = member
+        self._emit(MemberChange("put", member.worker_id, member))
+
+    def _remove(self, key: bytes) -> None:
+        worker_id = self._keys.pop(key, None)
+        if worker_id is None or worker_id in self._keys.values():
+            return  # unknown key, or the worker id lives on under another key
+        member = self.members.pop(worker_id, None)
+        self._emit(MemberChange("delete", worker_id, member))
+
+    def _emit(self, change: MemberChange) -> None:
+        for callback in self._listeners:
+            try:
+                callback(change)
+            except Exception:
+                log.exception("member listener failed on %s", change)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.watching = False
+        await self._etcd.close()
+
+
+def _by_id(member: Member) -> str:
+    return member.worker_id
+
+
+def _parse(key: bytes, value: bytes) -> Member | None:
+    try:
+        return Member.from_json(value)
+    except Exception as e:
+        log.warning("ignoring unreadable member value at %r: %r", key, e)
+        return None

@@ -1,0 +1,1 @@
+"""Tandem's internal gRPC API (generated code lives in the versioned subpackages)."""

@@ -1,0 +1,1 @@
+"""Tandem internal API v1: code generated from the .proto files here by proto/generate.py."""

@@ -1,0 +1,1 @@
+"""Helpers shared by every gRPC service: server start-up, health, reflection, error mapping."""

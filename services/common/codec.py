@@ -1,0 +1,201 @@
+"""Conversions between the ``tandem.v1`` messages and the engine's types, shared by the
+router, prefill and decode services (their ``codec.py`` modules build on these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.v1 import common_pb2
+
+from engine.llm_engine import RequestOutput
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """Where a prefilled request's KV blocks live (mirror of ``tandem.v1.KVHandle``)."""
+
+    worker_id: str
+    incarnation: str
+    address: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    block_size: int
+    block_bytes: int
+    dtype: str
+    lease_expires_unix_ms: int
+
+
+@dataclass(slots=True)
+class Event:
+    """One slice of a request's output stream (mirror of ``tandem.v1.TokenEvent``)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def sampling_from_pb(opts: common_pb2.SamplingOptions) -> SamplingParams:
+    """Validated SamplingParams (raises InvalidSamplingParamsError on bad values)."""
+    return SamplingParams(
+        max_tokens=opts.max_tokens or 16,
+        temperature=opts.temperature if opts.HasField("temperature") else 1.0,
+        top_p=opts.top_p if opts.HasField("top_p") else 1.0,
+        top_k=opts.top_k,
+        min_p=opts.min_p,
+        seed=opts.seed if opts.HasField("seed") else None,
+        presence_penalty=opts.presence_penalty,
+        frequency_penalty=opts.frequency_penalty,
+        repetition_penalty=(
+            opts.repetition_penalty if opts.HasField("repetition_penalty") else 1.0
+        ),
+        stop=tuple(opts.stop),
+        stop_token_ids=tuple(opts.stop_token_ids),
+        ignore_eos=opts.ignore_eos,
+        logprobs=opts.logprobs if opts.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingOptions:
+    opts = common_pb2.SamplingOptions(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        opts.seed = p.seed
+    if p.logprobs is not None:
+        opts.logprobs = p.logprobs
+    return opts
+
+
+def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprob_from_pb(lp: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+
+
+def event_from_output(out: RequestOutput) -> Event:
+    """The delta of one engine step as an Event; usage filled in when it finished."""
+    ev = Event(
+        request_id=out.request_id,
+        token_ids=list(out.new_token_ids),
+        text=out.new_text,
+        logprobs=list(out.new_logprobs),
+        finish_reason=out.finish_reason,
+        stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+    )
+    if out.finished:
+        ev.prompt_tokens = len(out.prompt_token_ids)
+        ev.completion_tokens = len(out.token_ids)
+        ev.cached_tokens = out.num_cached_tokens
+    return ev
+
+
+def event_to_pb(ev: Event) -> common_pb2.TokenEvent:
+    msg = common_pb2.TokenEvent(
+        request_id=ev.request_id,
+        token_ids=ev.token_ids,
+        text=ev.text,
+        logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
+        finish_reason=FINISH_TO_PB[ev.finish_reason],
+        stop_reason=ev.stop_reason,
+    )
+    if ev.finish_reason is not None:
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+                cached_tokens=ev.cached_tokens,
+            )
+        )
+    return msg
+
+
+def event_from_pb(msg: common_pb2.TokenEvent) -> Event:
+    return Event(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        logprobs=[logprob_from_pb(lp) for lp in msg.logprobs],
+        finish_reason=FINISH_FROM_PB[msg.finish_reason],
+        stop_reason=msg.stop_reason,
+        prompt_tokens=msg.usage.prompt_tokens,
+        completion_tokens=msg.usage.completion_tokens,
+        cached_tokens=msg.usage.cached_tokens,
+    )
+
+
+def handle_to_pb(h: KVHandle) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        worker_id=h.worker_id,
+        incarnation=h.incarnation,
+        address=h.address,
+        block_ids=list(h.block_ids),
+        num_tokens=h.num_tokens,
+        block_size=h.block_size,
+        block_bytes=h.block_bytes,
+        dtype=h.dtype,
+        lease_expires_unix_ms=h.lease_expires_unix_ms,
+    )
+
+
+def handle_from_pb(msg: common_pb2.KVHandle) -> KVHandle:
+    return KVHandle(
+        worker_id=msg.worker_id,
+        incarnation=msg.incarnation,
+        address=msg.address,
+        block_ids=tuple(msg.block_ids),
+        num_tokens=msg.num_tokens,
+        block_size=msg.block_size,
+        block_bytes=msg.block_bytes,
+        dtype=msg.dtype,
+        lease_expires_unix_ms=msg.lease_expires_unix_ms,
+    )
+
+
+def stats_to_pb(stats, *, worker_id: str, incarnation: str, role: str, held: int, ok: bool):
+    return common_pb2.WorkerStats(
+        worker_id=worker_id,
+        incarnation=incarnation,
+        queue_length=stats.num_waiting,
+        running=stats.num_running,
+        kv_blocks_total=stats.kv_blocks_total,
+        kv_blocks_used=stats.kv_blocks_used,
+        kv_blocks_cached=stats.kv_blocks_cached,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        prompt_tokens=stats.prompt_tokens,
+        preemptions=stats.num_preemptions,
+        held_requests=held,
+        integrity_ok=ok,
+        role=role,
+    )

@@ -1,0 +1,36 @@
+"""Service-level errors that the gRPC error interceptor maps to status codes.
+
+Service cores (`core.py`, which never import grpc) raise these; the one interceptor in
+`services.common.grpc_server` turns them into statuses. Engine errors (`engine.errors`) are
+mapped there too, so a core raises whichever of the two describes the failure.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class of the errors below; the message becomes the gRPC status details."""
+
+
+class Unavailable(ServiceError):
+    """Transient: the service or a dependency cannot serve now; retry (UNAVAILABLE)."""
+
+
+class FailedPrecondition(ServiceError):
+    """Not in the state the call needs, e.g. a stale incarnation (FAILED_PRECONDITION)."""
+
+
+class ResourceExhausted(ServiceError):
+    """Out of capacity (queue full, no KV blocks); retry later or elsewhere (RESOURCE_EXHAUSTED)."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The work did not finish before its deadline (DEADLINE_EXCEEDED)."""
+
+
+class PermissionDenied(ServiceError):
+    """The caller is known but may not do this (PERMISSION_DENIED)."""
+
+
+class Unauthenticated(ServiceError):
+    """The caller's credentials are missing or invalid (UNAUTHENTICATED)."""

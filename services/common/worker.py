@@ -1,0 +1,183 @@
+"""What prefill and decode workers share: their frozen config (flags with environment
+fallbacks), engine construction, etcd registration and the run-until-signal loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import EngineConfig, LLMEngine
+from engine.async_engine import AsyncEngine
+from libkv.registry import Member, MemberLoad, Registration
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker process's configuration, parsed once in ``__main__``."""
+
+    role: str
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    worker_id: str = ""
+    etcd: tuple[str, ...] = ()
+    served_model_name: str = ""
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 1024**2
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    lease_seconds: float = 30.0
+    member_ttl: int = 10
+    member_refresh: float = 3.0
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "safetensors"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+    @property
+    def bind(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model_dir=self.model_dir,
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            device=self.device,
+            dtype=self.dtype,
+            load_format=self.load_format,
+        )
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"TANDEM_{name}", default)
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of both worker roles; each falls back to a TANDEM_* environment variable."""
+    p.add_argument("--model-dir", default=_env("MODEL_DIR"), required=_env("MODEL_DIR") is None)
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", "0") or 0))
+    p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""))
+    p.add_argument("--worker-id", default=_env("WORKER_ID", ""))
+    p.add_argument("--etcd", default=_env("ETCD_ENDPOINTS", ""), help="host:port[,host:port]")
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", ""))
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16") or 16))
+    p.add_argument(
+        "--kv-cache-bytes", type=int, default=int(_env("KV_CACHE_BYTES", str(256 * 1024**2)))
+    )
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64") or 64))
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=int(_env("MAX_BATCHED_TOKENS", "512"))
+    )
+    p.add_argument("--lease-seconds", type=float, default=float(_env("KV_LEASE_SECONDS", "30")))
+    p.add_argument("--member-ttl", type=int, default=int(_env("MEMBER_TTL", "10") or 10))
+    p.add_argument("--member-refresh", type=float, default=float(_env("MEMBER_REFRESH", "3")))
+    p.add_argument("--device", default=_env("DEVICE", "auto"))
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"))
+    p.add_argument("--load-format", default=_env("LOAD_FORMAT", "safetensors"))
+
+
+def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        role=role,
+        model_dir=os.path.expanduser(args.model_dir),
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        etcd=tuple(e for e in args.etcd.split(",") if e),
+        served_model_name=args.served_model_name,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        lease_seconds=args.lease_seconds,
+        member_ttl=args.member_ttl,
+        member_refresh=args.member_refresh,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+    )
+
+
+def start_engine(config: WorkerConfig) -> AsyncEngine:
+    engine = AsyncEngine(LLMEngine(config.engine_config()))
+    engine.start()
+    return engine
+
+
+async def register(
+    config: WorkerConfig, address: str, engine: LLMEngine, incarnation: str
+) -> Registration | None:
+    """Register this worker in etcd (None when no etcd is configured)."""
+    if not config.etcd:
+        return None
+
+    def load() -> MemberLoad:
+        s = engine.stats()
+        return MemberLoad(
+            queue_length=s.num_waiting,
+            running=s.num_running,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_free=s.kv_blocks_total - s.kv_blocks_used,
+        )
+
+    member = Member(
+        worker_id=config.worker_id,
+        role=config.role,
+        model=config.model_name,
+        address=address,
+        kv_blocks_total=engine.pool.num_blocks,
+        block_size=config.block_size,
+        incarnation=incarnation,
+    )
+    return await Registration.start(
+        list(config.etcd),
+        member,
+        ttl=config.member_ttl,
+        refresh=config.member_refresh,
+        load_fn=load,
+    )
+
+
+def advertised(config: WorkerConfig, port: int) -> str:
+    return f"{config.advertise_host or config.host}:{port}"
+
+
+async def run_until_signal(cleanup: Callable[[], Awaitable[None]]) -> None:
+    """Block until SIGINT/SIGTERM, then run ``cleanup``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await cleanup()
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,1 @@
+"""Decode worker: continues prefilled requests (or prefills short ones) and streams tokens."""

@@ -1,0 +1,64 @@
+"""``python -m services.decode``: a decode worker (config, wiring, signals)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+
+from tandem.v1 import worker_pb2_grpc
+
+from services.common.grpc_server import start_server
+from services.common.kv_transport import GrpcStreamTransport
+from services.common.worker import (
+    add_worker_flags,
+    advertised,
+    register,
+    run_until_signal,
+    setup_logging,
+    start_engine,
+    worker_config,
+)
+from services.decode.core import DecodeCore
+from services.decode.server import DecodeServicer
+
+log = logging.getLogger("tandem.decode")
+
+
+async def serve(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem decode", description=__doc__)
+    add_worker_flags(parser)
+    config = worker_config("decode", parser.parse_args(argv))
+    incarnation = uuid.uuid4().hex
+    engine = start_engine(config)
+    transport = GrpcStreamTransport()
+    core = DecodeCore(engine, transport, config.worker_id, incarnation)
+    server = await start_server(
+        [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],
+        ["tandem.v1.Decode"],
+        config.bind,
+    )
+    address = advertised(config, server.port)
+    reg = await register(config, address, engine.engine, incarnation)
+    log.info("decode worker %s listening on %s", config.worker_id, address)
+    print(f"READY decode {address}", flush=True)
+
+    async def cleanup() -> None:
+        await server.set_serving(False)
+        if reg is not None:
+            await reg.stop()
+        await server.stop(grace=5)
+        await transport.close()
+        engine.stop()
+
+    await run_until_signal(cleanup)
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("decode")
+    asyncio.run(serve(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI): ``python -m services.gateway --help``."""

@@ -1,0 +1,145 @@
+"""Run the gateway: ``python -m services.gateway --model-dir DIR --router HOST:PORT``.
+
+Flags fall back to the environment: ``TANDEM_ROUTERS`` (comma-separated host:port) and
+``TANDEM_API_KEYS`` (comma-separated ``key`` or ``key:tenant``; a bare key's tenant is a short
+hash of the key). With no API keys, authentication is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+
+from engine.config import ModelConfig
+from engine.tokenizer import Tokenizer
+from services.gateway.core import GatewayConfig
+from services.gateway.grpc_backend import GrpcBackend
+from services.gateway.server import create_app
+
+log = logging.getLogger("services.gateway")
+
+
+def tenant_of(key: str) -> str:
+    """The default tenant of an API key: a short, stable hash (never the key itself)."""
+    return "t-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def parse_api_keys(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        key, sep, tenant = item.strip().partition(":")
+        if not key:
+            raise ValueError(f"empty API key in {item!r}")
+        pairs.append((key, tenant if sep and tenant else tenant_of(key)))
+    return tuple(pairs)
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-dir", required=True, help="model folder: tokenizer and config.json")
+    p.add_argument("--served-model-name", help="model id clients send (default: folder name)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--router", action="append", default=[], help="router host:port; repeatable")
+    p.add_argument("--api-key", action="append", default=[], help="key or key:tenant; repeatable")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=4096,
+        help="cap on max_tokens when a request omits it",
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """The frozen config from flags, falling back to ``env``."""
+    env = os.environ if env is None else env
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    routers = tuple(args.router or _split(env.get("TANDEM_ROUTERS")))
+    if not routers:
+        parser.error("no router: pass --router HOST:PORT or set TANDEM_ROUTERS")
+    try:
+        keys = parse_api_keys(args.api_key or _split(env.get("TANDEM_API_KEYS")))
+    except ValueError as e:
+        parser.error(str(e))
+    model_dir = Path(args.model_dir).expanduser()
+    context = ModelConfig.from_dir(model_dir).max_position_embeddings
+    max_model_len = args.max_model_len or context
+    if not 1 < max_model_len <= context:
+        parser.error(f"--max-model-len must be in [2, {context}] for this model")
+    config = GatewayConfig(
+        model_dir=str(model_dir),
+        served_model_name=args.served_model_name or model_dir.resolve().name,
+        max_model_len=max_model_len,
+        host=args.host,
+        port=args.port,
+        routers=routers,
+        api_keys=keys,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        log_level=args.log_level,
+    )
+    return config
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Wire tokenizer, gRPC backend and app, then serve until SIGINT/SIGTERM (uvicorn drains
+    open requests for up to 30 s, closes the router channels, then re-raises the signal)."""
+    tokenizer = Tokenizer(config.model_dir)
+    backend = GrpcBackend(config.routers)  # inside the loop: grpc.aio channels bind to it
+
+    @asynccontextmanager
+    async def lifespan(_app: object) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = create_app(config, backend, tokenizer, lifespan=lifespan)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=30,
+        )
+    )
+    log.info(
+        "serving %s on %s:%d via routers %s",
+        config.served_model_name,
+        config.host,
+        config.port,
+        ",".join(config.routers),
+    )
+    await server.serve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The gateway's only contact with generated code: core types <-> ``tandem.v1`` messages, router
+and health stubs, and the one table that turns gRPC status codes into HTTP errors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+from services.gateway.core import (
+    APIError,
+    BackendEvent,
+    BackendRequest,
+    TokenLogprob,
+    Usage,
+)
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+# grpc status -> (HTTP status, OpenAI error type, error code)
+STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error", None),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", None),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+}
+_INTERNAL = (500, "server_error", "internal_error")
+DEFAULT_RETRY_AFTER_S = "1"
+_SERVER_MESSAGES = {
+    503: "The service has no capacity for this request right now (no worker or router "
+    "available); retry later.",
+    504: "The request did not finish in time.",
+}
+
+
+def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
+    """BackendRequest -> GenerateRequest with a token-id prompt."""
+    s = req.sampling
+    sampling = common_pb2.SamplingOptions(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    if s.seed is not None:
+        sampling.seed = s.seed
+    if s.logprobs is not None:
+        sampling.logprobs = s.logprobs
+    return router_pb2.GenerateRequest(
+        request_id=req.request_id,
+        token_ids=router_pb2.TokenIds(ids=list(req.token_ids)),
+        sampling=sampling,
+        tenant=req.tenant,
+        model=req.model,
+    )
+
+
+def decode_event(ev: common_pb2.TokenEvent) -> BackendEvent:
+    """TokenEvent -> BackendEvent (usage only when the event carries it)."""
+    usage = None
+    if ev.HasField("usage"):
+        u = ev.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return BackendEvent(
+        token_ids=tuple(ev.token_ids),
+        text=ev.text,
+        logprobs=tuple(
+            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in ev.logprobs
+        ),
+        finish_reason=_FINISH.get(ev.finish_reason),
+        stop_reason=ev.stop_reason or None,
+        usage=usage,
+    )
+
+
+def abort_request(request_id: str) -> common_pb2.AbortRequest:
+    return common_pb2.AbortRequest(request_id=request_id)
+
+
+def router_stub(channel: grpc.aio.Channel) -> router_pb2_grpc.RouterStub:
+    return router_pb2_grpc.RouterStub(channel)
+
+
+async def health_check(channel: grpc.aio.Channel, timeout: float) -> bool:
+    """True when the server answers SERVING, or answers at all without grpc.health.v1."""
+    try:
+        resp = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+        )
+    except grpc.aio.AioRpcError as e:
+        return e.code() == grpc.StatusCode.UNIMPLEMENTED
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_error(
+    code: grpc.StatusCode, details: str | None, metadata: Sequence[tuple[str, str | bytes]] = ()
+) -> APIError:
+    """The client-facing error for a failed router call. 429 carries ``Retry-After`` (the
+    router's ``retry-after`` trailer when it sent one). Details of 5xx failures stay inside."""
+    status, type_, err_code = STATUS_MAP.get(code, _INTERNAL)
+    headers: dict[str, str] = {}
+    if status == 429:
+        given = next((str(v) for k, v in metadata if k.lower() == "retry-after"), None)
+        headers["Retry-After"] = given or DEFAULT_RETRY_AFTER_S
+    if status < 500:  # the client's problem: say what the router said
+        message = details or code.name.lower().replace("_", " ")
+    else:  # ours: keep internal addresses and state out of the answer (the backend logs it)
+        message = _SERVER_MESSAGES.get(status, "internal server error")
+    return APIError(status, message, type_, code=err_code, headers=headers)

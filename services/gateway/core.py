@@ -1,0 +1,217 @@
+"""The gateway's logic, free of HTTP and gRPC: config, errors, the Backend contract, and
+running a generation.
+
+``prepare`` turns a request body into a ``BackendRequest``; ``server`` then iterates
+``run_generation``, which guarantees ``Backend.abort`` is called whenever a generation stops
+before its last event, however the consumer stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import anyio
+
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The gateway's settings, parsed once by ``__main__``.
+
+    ``max_tokens`` omitted in a request means ``min(max_model_len - prompt_len,
+    default_max_tokens)``: as much as fits, but bounded so a forgotten limit cannot hold a decode
+    slot for the whole context. ``api_keys`` holds ``(key, tenant)`` pairs; empty disables auth.
+    """
+
+    model_dir: str
+    served_model_name: str
+    max_model_len: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    routers: tuple[str, ...] = ()
+    api_keys: tuple[tuple[str, str], ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_max_tokens: int = 4096
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2 or self.max_body_bytes < 1 or self.default_max_tokens < 1:
+            raise ValueError("max_model_len >= 2, max_body_bytes >= 1, default_max_tokens >= 1")
+
+
+class APIError(Exception):
+    """An error to send to the client as OpenAI error JSON with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+# --- The Backend contract -------------------------------------------------------------------
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's logprob and the top alternatives ``((token_id, logprob), ...)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendRequest:
+    """A tokenized, validated generation request. ``sampling.logprobs`` is the number of top
+    alternatives wanted per token (None: no logprobs)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str = ""
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEvent:
+    """A slice of output. The last one has ``finish_reason`` ("stop", "length" or "abort")."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Backend(Protocol):
+    """Where generation happens (the router over gRPC in production).
+
+    ``generate`` raises ``APIError`` for failures (e.g. 503 when no worker is available). Closing
+    its iterator before the last event must stop the generation; ``abort`` may be called in
+    addition and must be idempotent and quick.
+    """
+
+    def generate(self, req: BackendRequest) -> AsyncIterator[BackendEvent]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def healthy(self) -> bool: ...
+
+
+async def run_generation(
+    backend: Backend, req: BackendRequest
+) -> AsyncGenerator[BackendEvent, None]:
+    """Yield ``backend.generate(req)`` up to its last event. If iteration stops earlier (client
+    gone, task cancelled, error, ``aclose``), close the backend stream and call ``abort``,
+    shielded from the cancellation that got us here so neither is skipped."""
+    stream = backend.generate(req)
+    finished = False
+    try:
+        async for event in stream:
+            finished = event.finish_reason is not None
+            yield event
+            if finished:
+                return
+    finally:
+        with anyio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+            try:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            except Exception:
+                log.exception("closing the backend stream of %s failed", req.request_id)
+            if not finished:
+                try:
+                    await backend.abort(req.request_id)
+                except Exception:
+                    log.exception("aborting %s failed", req.request_id)
+
+
+# --- Collecting a whole generation ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Generation:
+    """Everything a non-streaming response needs, accumulated from the events."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    cached_tokens: int = 0
+
+    def add(self, event: BackendEvent) -> None:
+        check_event(event)
+        self.text += event.text
+        self.num_tokens += len(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.finish_reason is not None:
+            self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
+        if event.usage is not None:
+            self.cached_tokens = event.usage.cached_tokens
+
+
+def check_event(event: BackendEvent) -> None:
+    """Raise for an event that ends the request in failure (aborted by the server side)."""
+    if event.finish_reason == "abort":
+        raise APIError(
+            503, "the request was aborted by the server; retry", "server_error", code="aborted"
+        )
+
+
+def internal_error() -> APIError:
+    """The 500 sent for unexpected failures: no details, never a stack trace."""
+    return APIError(500, "internal server error", "server_error", code="internal_error")
+
+
+def unfinished() -> APIError:
+    return APIError(
+        502,
+        "the backend ended the stream before the request finished",
+        "server_error",
+        code="backend_error",
+    )
+
+
+async def collect(events: AsyncIterator[BackendEvent]) -> Generation:
+    """Accumulate a whole generation; raises if it fails or ends without a finish reason."""
+    gen = Generation()
+    async for event in events:
+        gen.add(event)
+    if gen.finish_reason is None:
+        raise unfinished()
+    return gen

@@ -1,0 +1,101 @@
+"""The production Backend: the Router service over grpc.aio.
+
+Routers are tried in the configured order; a router that is down (UNAVAILABLE before any token
+arrived) passes the request to the next one. Stopping the iteration early cancels the gRPC call
+(the router turns that into an abort) and also calls the router's Abort RPC. Router addresses
+are static for now; discovery through etcd will replace the list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import grpc
+
+from services.gateway import codec
+from services.gateway.core import APIError, BackendEvent, BackendRequest
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 1.0
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class GrpcBackend:
+    """Backend over one channel per router address. Create it inside the running event loop."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        if not addresses:
+            raise ValueError("at least one router address is needed")
+        self._addresses = tuple(addresses)
+        self._channels = {
+            a: grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self._addresses
+        }
+        self._stubs = {a: codec.router_stub(ch) for a, ch in self._channels.items()}
+        self._live: dict[str, str] = {}  # request id -> address of the router running it
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[BackendEvent]:
+        msg = codec.encode_request(req)
+        for i, address in enumerate(self._addresses):
+            call = self._stubs[address].Generate(msg)
+            self._live[req.request_id] = address
+            started = finished = False
+            try:
+                async for pb in call:
+                    started = True
+                    event = codec.decode_event(pb)
+                    finished = event.finish_reason is not None
+                    yield event
+                    if finished:
+                        return
+                finished = True
+                raise APIError(502, "the router ended the stream early", "server_error")
+            except grpc.aio.AioRpcError as e:
+                finished = True  # the call is over either way
+                last = i == len(self._addresses) - 1
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not started and not last:
+                    log.warning("router %s unavailable (%s); trying the next", address, e.details())
+                    continue
+                log.warning("router %s: %s %s", address, e.code().name, e.details())
+                raise codec.http_error(e.code(), e.details(), _trailers(e)) from e
+            finally:
+                if not finished:
+                    call.cancel()
+                    await self.abort(req.request_id)
+                self._live.pop(req.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the router running ``request_id`` to abort it; a no-op once it has ended or been
+        aborted, so calling it twice costs nothing."""
+        address = self._live.pop(request_id, None)
+        if address is None:
+            return
+        with anyio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+            try:
+                await self._stubs[address].Abort(codec.abort_request(request_id))
+            except grpc.aio.AioRpcError as e:
+                log.warning("Abort(%s) on %s failed: %s", request_id, address, e.code())
+
+    async def healthy(self) -> bool:
+        """True when some router answers its health check."""
+        for channel in self._channels.values():
+            if await codec.health_check(channel, HEALTH_TIMEOUT_S):
+                return True
+        return False
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def _trailers(e: grpc.aio.AioRpcError) -> list[tuple[str, str | bytes]]:
+    return list(e.trailing_metadata() or ())

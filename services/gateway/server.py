@@ -1,0 +1,239 @@
+"""The FastAPI app: OpenAI routes, SSE streaming, error handlers, and disconnect handling.
+
+Request ids, auth and the body limit live in ``edge.EdgeMiddleware``. The client can leave at
+three points, and each one aborts the backend request: while a non-streaming request runs
+(``_unless_disconnected`` watches ``receive``), before a stream's first event (same), and while
+streaming (Starlette cancels the body iterator; ``_SSEResponse`` closes it in every case).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from engine.tokenizer import Tokenizer
+from services.gateway.core import (
+    APIError,
+    Backend,
+    BackendEvent,
+    GatewayConfig,
+    check_event,
+    collect,
+    internal_error,
+    run_generation,
+    unfinished,
+)
+from services.gateway.edge import EdgeMiddleware, error_response, validation_error
+from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
+from services.gateway.responses import TokenText, full_response, stream_chunks
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+_GONE: Any = object()  # what _unless_disconnected returns when the client went away
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+def create_app(
+    config: GatewayConfig, backend: Backend, tokenizer: Tokenizer, lifespan: Any = None
+) -> FastAPI:
+    """The gateway's ASGI app: OpenAI routes over ``backend``, tokenizing with ``tokenizer``.
+    ``lifespan`` (optional) is FastAPI's: start-up and shutdown work such as closing channels."""
+    app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(EdgeMiddleware, config=config)
+    _add_error_handlers(app)
+    text_of = TokenText(tokenizer)
+    started = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        rid, tenant = request.state.request_id, request.state.tenant
+        p = await run_in_threadpool(prepare_chat, config, tokenizer, body, rid, tenant)
+        return await _respond(request, backend, p, text_of)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        rid, tenant = request.state.request_id, request.state.tenant
+        p = await run_in_threadpool(prepare_completion, config, tokenizer, body, rid, tenant)
+        return await _respond(request, backend, p, text_of)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "tandem",
+            "max_model_len": config.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        if model != config.served_model_name:
+            raise APIError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = False
+        with anyio.move_on_after(HEALTH_TIMEOUT_S):
+            try:
+                ok = await backend.healthy()
+            except Exception:
+                log.warning("backend health check failed", exc_info=True)
+        status = "ok" if ok else "unavailable"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+
+    return app
+
+
+# --- Running a request ------------------------------------------------------------------------
+
+
+async def _respond(request: Request, backend: Backend, p: Prepared, text_of: TokenText) -> Response:
+    """Run ``p`` on the backend; the backend is aborted if the client leaves at any point."""
+    events = run_generation(backend, p.backend_request)
+    if not p.stream:
+        async with aclosing(events):
+            gen = await _unless_disconnected(request, collect(events))
+        if gen is _GONE:
+            return Response(status_code=499)
+        return JSONResponse(full_response(p, gen, text_of))
+    # Wait for the first event before answering, so a failure to start (no workers, bad
+    # request seen by the router) gets a real HTTP status instead of an error inside a 200.
+    try:
+        first = await _unless_disconnected(request, anext(events, None))
+        if first is None:
+            raise unfinished()
+        if first is not _GONE:
+            check_event(first)
+    except BaseException:
+        await _close(events)
+        raise
+    if first is _GONE:
+        await _close(events)
+        return Response(status_code=499)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return _SSEResponse(
+        _sse(p, first, events, text_of), media_type="text/event-stream", headers=headers
+    )
+
+
+async def _sse(
+    p: Prepared, first: BackendEvent, events: AsyncGenerator[BackendEvent, None], text_of: TokenText
+) -> AsyncGenerator[str, None]:
+    """SSE lines of a streamed response. An error after the stream started is sent as a
+    ``data: {"error": ...}`` event, then ``[DONE]``."""
+    async with aclosing(events), aclosing(stream_chunks(p, events, text_of, first)) as chunks:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception:
+            log.exception("stream of %s failed", p.request_id)
+            yield f"data: {json.dumps(internal_error().body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its body generator however the response ends (done, disconnect, cancellation),
+    so the generation behind it is aborted at once instead of whenever it is collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self.body_iterator)  # type: ignore[arg-type]
+
+
+async def _close(gen: Any) -> None:
+    with anyio.CancelScope(shield=True):
+        await gen.aclose()
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw``, cancelling it if the client disconnects first (then return ``_GONE``)."""
+    done = False
+    with anyio.CancelScope() as scope:
+
+        def on_disconnect(task: asyncio.Task[None]) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved: a failing receive also means the client is gone
+                if not done:
+                    scope.cancel()
+
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        watcher.add_done_callback(on_disconnect)
+        try:
+            return await aw
+        finally:
+            done = True
+            watcher.cancel()
+    return _GONE
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    """Validate the body as JSON of ``model`` whatever the Content-Type (curl's -d sends a form
+    type); errors go through the RequestValidationError handler like FastAPI's own."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_context=False)) from e
+
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        if exc.status >= 500:
+            log.warning("request %s failed: %s", request.state.request_id, exc.message)
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(validation_error(list(exc.errors())))
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        err = APIError(
+            exc.status_code,
+            str(exc.detail),
+            "invalid_request_error" if exc.status_code < 500 else "server_error",
+        )
+        return error_response(err)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -1,0 +1,202 @@
+"""The local stack: real etcd on loopback, then router, prefill and decode workers and the
+gateway as child processes on 127.0.0.1. Used by ``tandem serve`` and the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from libkv.etcd_server import EtcdServer, free_port
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    model_dir: str
+    run_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    kv_cache_bytes: int = 128 * 1024**2
+    max_num_batched_tokens: int = 256
+    decode_only_threshold: int = 256
+    api_keys: tuple[str, ...] = ()
+    member_ttl: int = 10
+    member_refresh: float = 3.0
+    lease_seconds: float = 30.0
+    start_timeout: float = 120.0
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    address: str = ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+class Stack:
+    """Starts and stops the whole local stack; each child logs to ``run_dir/logs/NAME.log``."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.etcd = EtcdServer(self.run_dir / "etcd")
+        self.children: dict[str, Child] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _python(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+    def _worker_args(self, role: str, index: int) -> list[str]:
+        c = self.config
+        return self._python(
+            f"services.{role}",
+            "--model-dir", c.model_dir,
+            "--etcd", self.etcd.endpoint,
+            "--worker-id", f"{role}-{index}",
+            "--kv-cache-bytes", str(c.kv_cache_bytes),
+            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            "--member-ttl", str(c.member_ttl),
+            "--member-refresh", str(c.member_refresh),
+            "--lease-seconds", str(c.lease_seconds),
+        )  # fmt: skip
+
+    def start(self) -> Stack:
+        c = self.config
+        self.etcd.start()
+        router_port = free_port()
+        keys = [f"--api-key={k}" for k in c.api_keys]
+        router = self._python(
+            "services.router",
+            "--model-dir", c.model_dir,
+            "--etcd", self.etcd.endpoint,
+            "--port", str(router_port),
+            "--decode-only-threshold", str(c.decode_only_threshold),
+            *keys,
+        )  # fmt: skip
+        self._spawn("router", router, f"{c.host}:{router_port}")
+        for i in range(c.num_prefill):
+            self._spawn(f"prefill-{i}", self._worker_args("prefill", i))
+        for i in range(c.num_decode):
+            self._spawn(f"decode-{i}", self._worker_args("decode", i))
+        gateway = self._python(
+            "services.gateway",
+            "--model-dir", c.model_dir,
+            "--host", c.host,
+            "--port", str(c.port),
+            "--router", f"{c.host}:{router_port}",
+            *keys,
+        )  # fmt: skip
+        self._spawn("gateway", gateway, f"{c.host}:{c.port}")
+        self.wait_ready()
+        return self
+
+    def _spawn(self, name: str, argv: list[str], address: str = "") -> Child:
+        child = Child(name, argv, self.run_dir / "logs" / f"{name}.log", address=address)
+        child.log_path.write_bytes(b"")  # a reused run dir must not show an old READY line
+        self._launch(child)
+        self.children[name] = child
+        return child
+
+    def _launch(self, child: Child) -> None:
+        log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child.proc = subprocess.Popen(
+            child.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    def wait_ready(self) -> None:
+        """Every worker printed READY and the gateway answers /health with 200."""
+        deadline = time.monotonic() + self.config.start_timeout
+        for child in self.children.values():
+            if child.name != "gateway":
+                self.wait_logged(child, "READY", deadline)
+        self.wait_http_ok("/health", deadline)
+
+    def wait_logged(self, child: Child, marker: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            text = child.log_path.read_text(errors="replace")
+            if marker in text:
+                if not child.address:
+                    line = text[text.rindex(marker) :].splitlines()[0]
+                    child.address = line.split()[-1]
+                return
+            if child.proc is not None and child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited:\n{text[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{child.name} did not start; see {child.log_path}")
+
+    def wait_http_ok(self, path: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway {self.url}{path} not ready; see {self.run_dir}/logs")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        child = self.children[name]
+        assert child.proc is not None
+        child.proc.send_signal(sig)
+        child.proc.wait(10)
+
+    def restart(self, name: str) -> Child:
+        """Start a (killed) child again with the same command line."""
+        child = self.children[name]
+        child.address = "" if name.startswith(("prefill", "decode")) else child.address
+        with open(child.log_path, "ab") as f:
+            f.write(b"\n--- restarted ---\n")
+        size = child.log_path.stat().st_size
+        self._launch(child)
+        deadline = time.monotonic() + self.config.start_timeout
+        while time.monotonic() < deadline:
+            with open(child.log_path, "rb") as f:
+                f.seek(size)
+                tail = f.read().decode(errors="replace")
+            if "READY" in tail or name == "gateway":
+                break
+            time.sleep(0.1)
+        if "READY" in tail:
+            child.address = tail[tail.index("READY") :].splitlines()[0].split()[-1]
+        return child
+
+    def stop(self) -> None:
+        for child in reversed(list(self.children.values())):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.terminate()
+        for child in self.children.values():
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        self.etcd.close()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Prefill worker: chunked prefills in a continuous batch; holds KV for the decode side."""

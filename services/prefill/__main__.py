@@ -1,0 +1,66 @@
+"""``python -m services.prefill``: a prefill worker (config, wiring, signals)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+
+from tandem.v1 import worker_pb2_grpc
+
+from services.common.grpc_server import start_server
+from services.common.worker import (
+    add_worker_flags,
+    advertised,
+    register,
+    run_until_signal,
+    setup_logging,
+    start_engine,
+    worker_config,
+)
+from services.prefill.core import PrefillCore
+from services.prefill.server import KVTransportServicer, PrefillServicer
+
+log = logging.getLogger("tandem.prefill")
+
+
+async def serve(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem prefill", description=__doc__)
+    add_worker_flags(parser)
+    config = worker_config("prefill", parser.parse_args(argv))
+    incarnation = uuid.uuid4().hex
+    engine = start_engine(config)
+    core = PrefillCore(engine, config.worker_id, incarnation, config.lease_seconds)
+    server = await start_server(
+        [
+            (worker_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(core)),
+            (worker_pb2_grpc.add_KVTransportServicer_to_server, KVTransportServicer(core)),
+        ],
+        ["tandem.v1.Prefill", "tandem.v1.KVTransport"],
+        config.bind,
+    )
+    core.address = advertised(config, server.port)
+    core.start()
+    reg = await register(config, core.address, engine.engine, incarnation)
+    log.info("prefill worker %s listening on %s", config.worker_id, core.address)
+    print(f"READY prefill {core.address}", flush=True)
+
+    async def cleanup() -> None:
+        await server.set_serving(False)
+        if reg is not None:
+            await reg.stop()
+        await server.stop(grace=5)
+        await core.stop()
+        engine.stop()
+
+    await run_until_signal(cleanup)
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("prefill")
+    asyncio.run(serve(argv))
+
+
+if __name__ == "__main__":
+    main()

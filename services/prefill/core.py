@@ -1,0 +1,110 @@
+"""Prefill logic (no grpc): run the prompt, return the first token and a KV handle, hold the
+blocks until the decode worker releases them or their lease runs out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+from services.common.codec import KVHandle
+from services.common.errors import FailedPrecondition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    first: RequestOutput
+    handle: KVHandle | None  # None when the request already finished at its first token
+    generator_state: bytes
+
+
+class PrefillCore:
+    """Owns the engine of a prefill worker and the leases of held KV blocks."""
+
+    def __init__(
+        self, engine: AsyncEngine, worker_id: str, incarnation: str, lease_seconds: float
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.lease_seconds = lease_seconds
+        self.address = ""  # set once the server is bound
+        self._leases: dict[str, float] = {}  # request id -> monotonic expiry
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap(), name="kv-lease-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+    async def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, tenant: str
+    ) -> PrefillResult:
+        eng = self.engine.engine
+        first: RequestOutput | None = None
+        async for out in self.engine.generate(
+            request_id, prompt, params, tenant=tenant or None, hold_kv=True
+        ):
+            first = out
+        if first is None:
+            raise FailedPrecondition(f"request {request_id} was aborted during prefill")
+        if not first.kv_held:
+            return PrefillResult(first, None, b"")
+        expires = time.monotonic() + self.lease_seconds
+        self._leases[request_id] = expires
+        handle = KVHandle(
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            address=self.address,
+            block_ids=tuple(eng.held_block_ids(request_id)),
+            num_tokens=len(prompt),
+            block_size=eng.config.block_size,
+            block_bytes=eng.runner.block_bytes,
+            dtype=str(eng.runner.dtype).removeprefix("torch."),
+            lease_expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
+        )
+        return PrefillResult(first, handle, eng.generator_state(request_id))
+
+    def release(self, request_id: str) -> bool:
+        self._leases.pop(request_id, None)
+        return self.engine.engine.release(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        self._leases.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
+        """Bytes of held blocks; refuses stale incarnations and blocks the request does not hold."""
+        if incarnation != self.incarnation:
+            raise FailedPrecondition(
+                f"KV handle names incarnation {incarnation}, this worker is {self.incarnation}"
+            )
+        eng = self.engine.engine
+        try:
+            held = set(eng.held_block_ids(request_id))
+        except KeyError as e:
+            raise FailedPrecondition(f"blocks of {request_id} are no longer held") from e
+        if not set(block_ids) <= held:
+            raise FailedPrecondition(f"request {request_id} does not hold blocks {block_ids}")
+        return eng.read_blocks(block_ids)
+
+    @property
+    def num_held(self) -> int:
+        return self.engine.engine.num_held
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.lease_seconds / 4))
+            now = time.monotonic()
+            for rid, expiry in list(self._leases.items()):
+                if expiry <= now:
+                    log.warning("KV lease of %s expired; freeing its blocks", rid)
+                    self.release(rid)

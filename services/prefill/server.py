@@ -1,0 +1,60 @@
+"""gRPC servicers of a prefill worker: decode message -> call core -> encode reply."""
+
+from __future__ import annotations
+
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+from services.common.codec import sampling_from_pb, stats_to_pb
+from services.prefill.codec import prefill_response
+from services.prefill.core import PrefillCore
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+    def __init__(self, core: PrefillCore) -> None:
+        self.core = core
+
+    async def Prefill(self, request, context):  # noqa: N802 - generated name
+        result = await self.core.prefill(
+            request.request_id,
+            list(request.token_ids),
+            sampling_from_pb(request.sampling),
+            request.tenant,
+        )
+        return prefill_response(result)
+
+    async def Release(self, request, context):  # noqa: N802
+        return worker_pb2.ReleaseResponse(found=self.core.release(request.request_id))
+
+    async def Abort(self, request, context):  # noqa: N802
+        return common_pb2.AbortResponse(found=self.core.abort(request.request_id))
+
+    async def Stats(self, request, context):  # noqa: N802
+        return worker_stats(self.core.engine.engine, self.core, "prefill")
+
+
+class KVTransportServicer(worker_pb2_grpc.KVTransportServicer):
+    def __init__(self, core: PrefillCore) -> None:
+        self.core = core
+
+    async def PullBlocks(self, request, context):  # noqa: N802
+        data = self.core.read_blocks(
+            request.request_id, request.incarnation, list(request.block_ids)
+        )
+        for i, raw in enumerate(data):
+            yield worker_pb2.BlockChunk(index=i, data=raw)
+
+
+def worker_stats(engine, core, role: str) -> common_pb2.WorkerStats:
+    try:
+        engine.check_integrity()
+        ok = True
+    except AssertionError:
+        ok = False
+    return stats_to_pb(
+        engine.stats(),
+        worker_id=core.worker_id,
+        incarnation=core.incarnation,
+        role=role,
+        held=engine.num_held,
+        ok=ok,
+    )

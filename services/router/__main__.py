@@ -1,0 +1,118 @@
+"""``python -m services.router``: the router (config, wiring, signals)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.v1 import router_pb2_grpc
+
+from engine.tokenizer import Tokenizer
+from libkv.registry import Member, MemberWatcher, Registration
+from services.common.grpc_server import start_server
+from services.common.worker import run_until_signal, setup_logging
+from services.router.codec import GrpcWorkerClients
+from services.router.core import RouterCore
+from services.router.server import RouterServicer
+
+log = logging.getLogger("tandem.router")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    model_dir: str
+    etcd: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    router_id: str = ""
+    served_model_name: str = ""
+    decode_only_threshold: int = 256
+    api_keys: frozenset[str] = frozenset()
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+
+def parse_config(argv: list[str] | None = None) -> RouterConfig:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="tandem router", description=__doc__)
+    p.add_argument(
+        "--model-dir", default=env("TANDEM_MODEL_DIR"), required=not env("TANDEM_MODEL_DIR")
+    )
+    p.add_argument("--etcd", default=env("TANDEM_ETCD_ENDPOINTS", ""), help="host:port[,...]")
+    p.add_argument("--host", default=env("TANDEM_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("TANDEM_PORT", "0")))
+    p.add_argument("--advertise-host", default=env("TANDEM_ADVERTISE_HOST", ""))
+    p.add_argument("--router-id", default=env("TANDEM_ROUTER_ID", ""))
+    p.add_argument("--served-model-name", default=env("TANDEM_SERVED_MODEL_NAME", ""))
+    p.add_argument(
+        "--decode-only-threshold", type=int, default=int(env("TANDEM_DECODE_ONLY_THRESHOLD", "256"))
+    )
+    p.add_argument("--api-key", action="append", default=None)
+    a = p.parse_args(argv)
+    keys = a.api_key or [k for k in env("TANDEM_API_KEYS", "").split(",") if k]
+    etcd = tuple(e for e in a.etcd.split(",") if e)
+    if not etcd:
+        p.error("--etcd (or TANDEM_ETCD_ENDPOINTS) is required")
+    return RouterConfig(
+        model_dir=os.path.expanduser(a.model_dir),
+        etcd=etcd,
+        host=a.host,
+        port=a.port,
+        advertise_host=a.advertise_host,
+        router_id=a.router_id or f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        served_model_name=a.served_model_name,
+        decode_only_threshold=a.decode_only_threshold,
+        api_keys=frozenset(k.split(":", 1)[0] for k in keys),
+    )
+
+
+async def serve(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    tokenizer = Tokenizer(config.model_dir)
+    watcher = await MemberWatcher.start(list(config.etcd))
+    clients = GrpcWorkerClients()
+    core = RouterCore(watcher, clients, config.decode_only_threshold)
+    server = await start_server(
+        [
+            (
+                router_pb2_grpc.add_RouterServicer_to_server,
+                RouterServicer(core, tokenizer, config.model_name, config.api_keys),
+            )
+        ],
+        ["tandem.v1.Router"],
+        f"{config.host}:{config.port}",
+    )
+    address = f"{config.advertise_host or config.host}:{server.port}"
+    reg = await Registration.start(
+        list(config.etcd), Member(config.router_id, "router", config.model_name, address)
+    )
+    log.info("router %s listening on %s", config.router_id, address)
+    print(f"READY router {address}", flush=True)
+
+    async def cleanup() -> None:
+        await server.set_serving(False)
+        await reg.stop()
+        await server.stop(grace=5)
+        await core.close()
+        await clients.close()
+        await watcher.stop()
+
+    await run_until_signal(cleanup)
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("router")
+    asyncio.run(serve(argv))
+
+
+if __name__ == "__main__":
+    main()

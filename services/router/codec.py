@@ -1,0 +1,111 @@
+"""Router's messages <-> core types, and the gRPC clients of the workers (only pb2 user)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from tandem.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+
+from engine.errors import InvalidRequestError, RequestNotFoundError
+from engine.tokenizer import Tokenizer
+from libkv.registry import Member
+from services.common import codec as common
+from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from services.router.core import DecodeCall, PrefillReply, RouteJob
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024**2),
+    ("grpc.max_send_message_length", 64 * 1024**2),
+]
+
+
+def job_from_pb(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, rid: str) -> RouteJob:
+    which = req.WhichOneof("prompt")
+    if which == "text":
+        prompt = tokenizer.encode(req.text)
+    elif which == "token_ids":
+        prompt = list(req.token_ids.ids)
+    else:
+        raise InvalidRequestError("GenerateRequest needs a prompt: text or token_ids")
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty")
+    return RouteJob(rid, prompt, common.sampling_from_pb(req.sampling), req.tenant)
+
+
+def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
+    """A worker's status as the exception the router core and interceptor understand."""
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return RequestNotFoundError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"{who}: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"{who}: {details}")
+    return Unavailable(f"{who} failed: {code.name}: {details}")
+
+
+class GrpcWorkerClients:
+    """WorkerClients over grpc.aio, one channel per worker address."""
+
+    def __init__(self, prefill_timeout: float = 300.0) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.prefill_timeout = prefill_timeout
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    async def prefill(self, worker: Member, job: RouteJob) -> PrefillReply:
+        stub = worker_pb2_grpc.PrefillStub(self._channel(worker.address))
+        req = worker_pb2.PrefillRequest(
+            request_id=job.request_id,
+            token_ids=job.prompt,
+            sampling=common.sampling_to_pb(job.params),
+            tenant=job.tenant,
+        )
+        try:
+            resp = await stub.Prefill(req, timeout=self.prefill_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"prefill {worker.worker_id}") from e
+        handle = common.handle_from_pb(resp.kv) if resp.HasField("kv") else None
+        return PrefillReply(
+            common.event_from_pb(resp.first), handle, resp.generator_state, resp.cached_tokens
+        )
+
+    async def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[common.Event]:
+        stub = worker_pb2_grpc.DecodeStub(self._channel(worker.address))
+        job = call.job
+        req = worker_pb2.DecodeRequest(
+            request_id=job.request_id,
+            token_ids=job.prompt,
+            sampling=common.sampling_to_pb(job.params),
+            tenant=job.tenant,
+            generator_state=call.generator_state,
+            cached_tokens=call.cached_tokens,
+        )
+        if call.handle is not None and call.first is not None:
+            req.kv.CopyFrom(common.handle_to_pb(call.handle))
+            req.first.CopyFrom(common.event_to_pb(call.first))
+        stream = stub.Generate(req)
+        try:
+            async for msg in stream:
+                yield common.event_from_pb(msg)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"decode {worker.worker_id}") from e
+        finally:
+            stream.cancel()  # no-op when finished; frees the decode side on early exit
+
+    async def release(self, handle: common.KVHandle, request_id: str) -> None:
+        stub = worker_pb2_grpc.PrefillStub(self._channel(handle.address))
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=5)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()

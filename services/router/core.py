@@ -1,0 +1,182 @@
+"""Routing logic (no grpc): choose workers, run prefill then decode (or decode only), retry
+once on another worker when one fails before the first token, propagate cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+from libkv.registry import Member, MemberDirectory
+from services.common.codec import Event, KVHandle
+from services.common.errors import ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+RETRYABLE = (Unavailable, ResourceExhausted)
+
+
+@dataclass(slots=True)
+class RouteJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    tenant: str = ""
+
+
+@dataclass(slots=True)
+class PrefillReply:
+    first: Event
+    handle: KVHandle | None
+    generator_state: bytes = b""
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class DecodeCall:
+    job: RouteJob
+    handle: KVHandle | None = None
+    first: Event | None = None
+    generator_state: bytes = b""
+    cached_tokens: int = 0
+
+
+class WorkerClients(Protocol):
+    """How the router talks to workers; raises Unavailable/ResourceExhausted when a worker
+    cannot serve (retryable) and engine errors (InvalidRequestError, ...) otherwise."""
+
+    async def prefill(self, worker: Member, job: RouteJob) -> PrefillReply: ...
+
+    def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[Event]: ...
+
+    async def release(self, handle: KVHandle, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class RouterStats:
+    decisions: Counter = field(default_factory=Counter)
+    retries: int = 0
+
+
+class RouterCore:
+    def __init__(
+        self, directory: MemberDirectory, clients: WorkerClients, decode_only_threshold: int = 256
+    ) -> None:
+        self.directory = directory
+        self.clients = clients
+        self.threshold = decode_only_threshold
+        self.inflight: Counter[str] = Counter()
+        self.stats = RouterStats()
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def new_request_id(self) -> str:
+        return f"req-{uuid.uuid4().hex}"
+
+    # -- choosing --------------------------------------------------------------------------
+    def pick(self, role: str, exclude: set[str]) -> Member | None:
+        """Least-loaded live worker of ``role``: own in-flight count first, then reported load."""
+        candidates = [m for m in self.directory.members_by_role(role) if m.worker_id not in exclude]
+        if not candidates:
+            return None
+
+        def load(m: Member) -> tuple[float, float, str]:
+            total = max(m.kv_blocks_total, 1)
+            return (
+                self.inflight[m.worker_id] + m.load.queue_length,
+                m.load.kv_blocks_used / total,
+                m.worker_id,
+            )
+
+        return min(candidates, key=load)
+
+    # -- one request -------------------------------------------------------------------------
+    async def generate(self, job: RouteJob) -> AsyncIterator[Event]:
+        """Stream the request's events; retries once if a worker fails before the first token."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks[job.request_id] = task
+        failed: set[str] = set()
+        started = [False]
+        try:
+            for attempt in range(2):
+                try:
+                    async for ev in self._attempt(job, failed, started):
+                        yield ev
+                    return
+                except RETRYABLE as e:
+                    if started[0] or attempt == 1:
+                        raise
+                    self.stats.retries += 1
+                    log.warning("request %s: %s; retrying on another worker", job.request_id, e)
+        finally:
+            self._tasks.pop(job.request_id, None)
+
+    async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
+        decode = self.pick("decode", failed)
+        if decode is None:
+            raise Unavailable("no live decode workers")
+        prefill = None
+        if len(job.prompt) >= self.threshold:
+            prefill = self.pick("prefill", failed)
+        if prefill is None:
+            self.stats.decisions["decode_only"] += 1
+            async for ev in self._decode(decode, DecodeCall(job), failed, started):
+                yield ev
+            return
+        self.stats.decisions["disaggregated"] += 1
+        reply = await self._prefill(prefill, job, failed)
+        started[0] = True
+        yield reply.first
+        if reply.handle is None:  # finished at its first token
+            return
+        call = DecodeCall(
+            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens
+        )
+        try:
+            async for ev in self._decode(decode, call, failed, started):
+                yield ev
+        finally:
+            # Free the prefill side's blocks now if decode never took them (cancel, failure).
+            # Harmless after a successful pull: the second release finds nothing.
+            asyncio.ensure_future(self.clients.release(reply.handle, job.request_id))
+
+    async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
+        self.inflight[worker.worker_id] += 1
+        try:
+            return await self.clients.prefill(worker, job)
+        except RETRYABLE:
+            failed.add(worker.worker_id)
+            raise
+        finally:
+            self.inflight[worker.worker_id] -= 1
+
+    async def _decode(self, worker: Member, call: DecodeCall, failed: set[str], started):
+        self.inflight[worker.worker_id] += 1
+        try:
+            async for ev in self.clients.decode(worker, call):
+                started[0] = True
+                yield ev
+        except RETRYABLE:
+            failed.add(worker.worker_id)
+            raise
+        finally:
+            self.inflight[worker.worker_id] -= 1
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a running request; the cancellation reaches every worker it touched."""
+        task = self._tasks.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task

@@ -1,0 +1,43 @@
+"""gRPC servicer of the router."""
+
+from __future__ import annotations
+
+from tandem.v1 import common_pb2, router_pb2_grpc
+
+from engine.tokenizer import Tokenizer
+from services.common.codec import event_to_pb
+from services.common.errors import Unauthenticated
+from services.router.codec import job_from_pb
+from services.router.core import RouterCore
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self, core: RouterCore, tokenizer: Tokenizer, model: str, api_keys: frozenset[str]
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.model = model
+        self.api_keys = api_keys
+
+    def _authorize(self, context) -> None:
+        if not self.api_keys:
+            return
+        meta = dict(context.invocation_metadata() or ())
+        token = meta.get("authorization", "").removeprefix("Bearer ").strip()
+        if token not in self.api_keys:
+            raise Unauthenticated("missing or wrong API key in 'authorization' metadata")
+
+    async def Generate(self, request, context):  # noqa: N802 - generated name
+        self._authorize(context)
+        if request.model and request.model != self.model:
+            from engine.errors import RequestNotFoundError
+
+            raise RequestNotFoundError(f"model {request.model!r} is not served here")
+        job = job_from_pb(request, self.tokenizer, request.request_id or self.core.new_request_id())
+        async for ev in self.core.generate(job):
+            yield event_to_pb(ev)
+
+    async def Abort(self, request, context):  # noqa: N802
+        self._authorize(context)
+        return common_pb2.AbortResponse(found=self.core.abort(request.request_id))

@@ -1,0 +1,245 @@
+"""End to end: real etcd and the four services as processes on loopback, driven through the
+gateway with the official ``openai`` client. The disaggregated path (prefill -> KV blocks over
+the gRPC transport -> decode) and the decode-only path must match the offline engine."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from tandem.v1 import common_pb2, worker_pb2_grpc
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from libkv.etcd_server import free_port
+from services.launcher import Stack, StackConfig
+
+MODEL = "SmolLM2-135M-Instruct"
+LONG = " ".join(
+    f"Line {i}: the warehouse shipped {i * 7} crates to dock {i % 5}." for i in range(40)
+)
+
+
+@pytest.fixture(scope="module")
+def stack(smol_dir, tmp_path_factory):
+    config = StackConfig(
+        model_dir=str(smol_dir),
+        run_dir=str(tmp_path_factory.mktemp("stack")),
+        port=free_port(),
+        num_prefill=1,
+        num_decode=2,
+        member_ttl=3,
+        member_refresh=1.0,
+    )
+    with Stack(config) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(smol_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
+
+
+def offline_greedy(engine: LLMEngine, prompt: list[int], max_tokens: int):
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return final
+
+
+def worker_stats(stack: Stack) -> dict[str, common_pb2.WorkerStats]:
+    async def query():
+        out = {}
+        for name, child in stack.children.items():
+            if not name.startswith(("prefill", "decode")) or child.proc.poll() is not None:
+                continue
+            async with grpc.aio.insecure_channel(child.address) as ch:
+                stub = (
+                    worker_pb2_grpc.PrefillStub(ch)
+                    if name.startswith("prefill")
+                    else worker_pb2_grpc.DecodeStub(ch)
+                )
+                out[name] = await stub.Stats(common_pb2.StatsRequest(), timeout=5)
+        return out
+
+    return asyncio.run(query())
+
+
+def assert_all_free(stack: Stack, within: float = 1.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        stats = worker_stats(stack)
+        busy = {
+            n: (s.kv_blocks_used, s.held_requests)
+            for n, s in stats.items()
+            if s.kv_blocks_used or s.held_requests
+        }
+        if not busy:
+            assert all(s.integrity_ok for s in stats.values())
+            return
+        assert time.monotonic() < deadline, f"blocks still in use: {busy}"
+        time.sleep(0.05)
+
+
+def test_disaggregated_and_decode_only_match_offline(stack, client, offline):
+    tok = offline.tokenizer
+    long_ids = tok.encode(LONG)
+    assert len(long_ids) >= 256  # over the decode-only threshold: prefill + transfer + decode
+    before = worker_stats(stack)["prefill-0"].prompt_tokens
+    for prompt in (LONG, "The capital of France is"):
+        ref = offline_greedy(offline, tok.encode(prompt), 24)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == ref.text
+        assert out.usage.completion_tokens == len(ref.token_ids)
+        assert out.usage.prompt_tokens == len(tok.encode(prompt))
+    assert worker_stats(stack)["prefill-0"].prompt_tokens - before == len(long_ids)
+    assert_all_free(stack)
+
+
+def test_chat_streaming_usage_and_options(stack, client, offline):
+    tok = offline.tokenizer
+    messages = [{"role": "user", "content": "List three fruits."}]
+    prompt_len = len(tok.encode_chat(messages))
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0
+    )
+    text = full.choices[0].message.content
+    assert full.usage.prompt_tokens == prompt_len
+    ref = offline_greedy(offline, tok.encode_chat(messages), 30)
+    assert text == ref.text and full.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+    stop_at = text.split()[1]
+    stopped = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0, stop=[stop_at]
+    )
+    assert stopped.choices[0].message.content == text[: text.index(stop_at)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    seeded = [
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=20, temperature=1.0, seed=42
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+
+    lp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-4 for c in content)
+    assert_all_free(stack)
+
+
+def test_disconnect_frees_blocks_on_both_workers(stack):
+    body = {
+        "model": MODEL,
+        "prompt": LONG,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", stack.url + "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+            if seen == 5:  # still streaming: the decode worker holds the request's blocks
+                stats = worker_stats(stack)
+                assert sum(s.kv_blocks_used for s in stats.values()) > 0
+                break  # leaving iter_lines closes the connection: a client disconnect
+    assert_all_free(stack, within=1.0)
+
+
+def test_bad_inputs_get_clear_errors_while_good_request_completes(stack):
+    good_body = {"model": MODEL, "prompt": LONG, "max_tokens": 30, "temperature": 0}
+    url = stack.url + "/v1/completions"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(httpx.post, url, json=good_body, timeout=120)
+        cases = [
+            (b"{not json", 400),
+            (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "many"}).encode(), 400),
+            (json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404),
+            (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}).encode(), 400),
+            (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400),
+        ]
+        for body, status in cases:
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["message"] and {"type", "param", "code"} <= set(err)
+        too_long = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 10**6})
+        assert "8192" in too_long.json()["error"]["message"]
+        assert good.result().status_code == 200
+        assert good.result().json()["usage"]["completion_tokens"] == 30
+    assert_all_free(stack)
+
+
+def test_killing_a_decode_worker_moves_traffic(stack, client):
+    stack.kill("decode-1")
+    deadline = time.monotonic() + stack.config.member_ttl + 3
+    ok = 0
+    while time.monotonic() < deadline or ok < 3:
+        try:
+            out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+            assert out.usage.completion_tokens == 4
+            ok += 1
+        except openai.APIError:
+            assert time.monotonic() < deadline, "router kept choosing the dead decode worker"
+        if ok >= 3 and time.monotonic() > deadline:
+            break
+    for _ in range(5):  # after the TTL every request must succeed
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+    stack.restart("decode-1")
+
+
+def test_serving_survives_an_etcd_restart(stack, client):
+    stack.etcd.kill()
+    # Routers keep their last view and workers keep running while etcd is down.
+    out = client.completions.create(model=MODEL, prompt=LONG, max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
+    stack.etcd.restart()
+    time.sleep(stack.config.member_ttl + 1)  # leases of the old etcd term have lapsed by now
+    for prompt in ("Hello there", LONG):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert out.usage.completion_tokens == 4
+    assert_all_free(stack)

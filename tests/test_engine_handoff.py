@@ -1,0 +1,102 @@
+"""Prefill hand-off and decode take-over between two engines in one process: the KV bytes of
+the held blocks are copied across, and the decode engine continues token-identically."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import RequestNotFoundError
+
+
+@pytest.fixture(scope="module")
+def pair(smol_dir):
+    def make() -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2, max_num_batched_tokens=64
+            )
+        )
+
+    return make(), make()
+
+
+def run(engine: LLMEngine) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
+
+
+def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt, params) -> list[int]:
+    prefill.add_request(rid, prompt, params, hold_kv=True)
+    (first,) = [o for o in run(prefill) if o.request_id == rid]
+    assert first.kv_held and first.finish_reason is None
+    blocks = prefill.held_block_ids(rid)
+    reserved, cached = decode.reserve(rid, prompt)
+    skip = cached // decode.config.block_size
+    decode.write_blocks(reserved[skip:], prefill.read_blocks(blocks[skip:]))
+    assert prefill.release(rid)
+    decode.add_prefilled(rid, prompt, first.token_ids[0], params, num_cached_tokens=cached)
+    final = [o for o in run(decode) if o.request_id == rid][-1]
+    assert final.finished
+    return final.token_ids
+
+
+def test_handoff_is_token_identical(pair, smol_dir):
+    prefill, decode = pair
+    tok = decode.tokenizer
+    params = SamplingParams(max_tokens=20, temperature=0)
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}]),
+        tok.encode(" ".join(f"item {i}," for i in range(60))),
+    ]
+    offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
+    for i, p in enumerate(prompts):
+        offline.add_request(f"o{i}", p, params)
+    ref = {o.request_id: o.token_ids for o in run(offline) if o.finished}
+    for i, p in enumerate(prompts):
+        assert handoff(prefill, decode, f"h{i}", p, params) == ref[f"o{i}"]
+    # Second time the decode engine already caches the prompts' full blocks.
+    assert handoff(prefill, decode, "again", prompts[2], params) == ref["o2"]
+    for e in (prefill, decode):
+        e.check_integrity()
+        assert e.pool.num_used == 0 and e.num_held == 0
+
+
+def test_seeded_handoff_matches_offline(pair, smol_dir):
+    prefill, decode = pair
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=3)
+    prompt = decode.tokenizer.encode("Write a sentence about cats:")
+    offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
+    offline.add_request("o", prompt, params)
+    ref = [o for o in run(offline) if o.finished][0].token_ids
+
+    prefill.add_request("s", prompt, params, hold_kv=True)
+    (first,) = run(prefill)
+    state = prefill.generator_state("s")
+    blocks = prefill.held_block_ids("s")
+    reserved, _ = decode.reserve("s", prompt)
+    decode.write_blocks(reserved, prefill.read_blocks(blocks))
+    prefill.release("s")
+    decode.add_prefilled("s", prompt, first.token_ids[0], params, generator_state=state)
+    assert [o for o in run(decode) if o.finished][0].token_ids == ref
+
+
+def test_abort_and_release_free_everything(pair):
+    prefill, decode = pair
+    prompt = list(range(100, 150))
+    prefill.add_request("x", prompt, SamplingParams(max_tokens=5), hold_kv=True)
+    run(prefill)
+    assert prefill.pool.num_used > 0 and prefill.num_held == 1
+    assert prefill.abort("x") is None  # held blocks are dropped by abort too
+    assert prefill.pool.num_used == 0 and prefill.num_held == 0
+    decode.reserve("y", prompt)
+    assert decode.pool.num_used > 0
+    decode.abort("y")
+    assert decode.pool.num_used == 0
+    with pytest.raises(RequestNotFoundError):
+        decode.add_prefilled("y", prompt, 5, SamplingParams())
+    prefill.check_integrity()
+    decode.check_integrity()

@@ -1,0 +1,533 @@
+"""The HTTP gateway as a unit: real uvicorn on loopback, the official openai client, the bundled
+model's tokenizer, and a scripted FakeBackend in place of the router (end-to-end tests with the
+real router live elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.bundled import DEFAULT_DIR
+from engine.tokenizer import Tokenizer
+from services.gateway.core import (
+    APIError,
+    BackendEvent,
+    BackendRequest,
+    GatewayConfig,
+    TokenLogprob,
+    Usage,
+)
+from services.gateway.prepare import prepare_chat, prepare_completion
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.server import create_app
+
+MODEL = "smol"
+KEY, TENANT = "sk-test-key", "acme"
+CONFIG = GatewayConfig(
+    model_dir=str(DEFAULT_DIR),
+    served_model_name=MODEL,
+    max_model_len=512,
+    api_keys=((KEY, TENANT),),
+    max_body_bytes=64 * 1024,
+    default_max_tokens=100,
+)
+REPLY = "Hello world! How are you?"
+CACHED = 3
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+class FakeBackend:
+    """Scripted Backend: replies REPLY one token per event; can fail, hang, or report unhealthy.
+    Lives on the server's event loop; tests read what it recorded from their own thread."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests: list[BackendRequest] = []
+        self.aborted: list[str] = []
+        self.abort_called = threading.Event()
+        self.fail: APIError | None = None
+        self.hang_after: int | None = None  # hang forever after this many events
+        self.is_healthy = True
+
+    def reply_ids(self) -> list[int]:
+        return self.tok.encode(REPLY)
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[BackendEvent]:
+        self.requests.append(req)
+        if self.fail is not None:
+            raise self.fail
+        ids = self.reply_ids()
+        k = req.sampling.logprobs
+        for i, t in enumerate(ids):
+            if self.hang_after is not None and i >= self.hang_after:
+                await asyncio.sleep(3600)
+            last = i == len(ids) - 1
+            lps = ()
+            if k is not None:  # the chosen token first, then made-up alternatives
+                top = ((t, -0.25), *((100 + j, -2.0 - j) for j in range(k)))[:k]
+                lps = (TokenLogprob(t, -0.25, top),)
+            yield BackendEvent(
+                token_ids=(t,),
+                text=self.tok.decode([t]),
+                logprobs=lps,
+                finish_reason="stop" if last else None,
+                usage=Usage(len(req.token_ids), len(ids), CACHED) if last else None,
+            )
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.abort_called.set()
+
+    async def healthy(self) -> bool:
+        return self.is_healthy
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+USER_HI = [{"role": "user", "content": "Hi"}]
+
+
+def openai_client(url: str, api_key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+
+
+@dataclass
+class Gateway:
+    url: str
+    fake: FakeBackend
+    client: openai.OpenAI
+
+    def post(
+        self, path: str, body: object = None, *, key: str | None = KEY, **kw
+    ) -> httpx.Response:
+        headers = kw.pop("headers", {})
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        if body is not None:
+            kw["content"] = body if isinstance(body, (bytes, str)) else json.dumps(body)
+            headers.setdefault("Content-Type", "application/json")
+        kw.setdefault("timeout", 10)
+        return httpx.post(f"{self.url}{path}", headers=headers, **kw)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(DEFAULT_DIR)
+
+
+@pytest.fixture(scope="module")
+def gateway(tok: Tokenizer) -> Iterator[Gateway]:
+    fake = FakeBackend(tok)
+    app = create_app(CONFIG, fake, tok)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with openai_client(url) as client:
+        yield Gateway(url, fake, client)
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def gw(gateway: Gateway) -> Gateway:
+    gateway.fake.reset()
+    return gateway
+
+
+def chat_body(content: str = "Hi", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.headers.get("x-request-id")
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS
+    assert err["message"] and "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# --- Happy paths --------------------------------------------------------------------------------
+
+
+def test_chat_completion(gw: Gateway, tok: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    raw = gw.client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,
+        seed=7,
+        stop=["\n", "END"],
+        temperature=0.5,
+        top_p=0.9,
+        max_tokens=50,
+        logprobs=True,
+        top_logprobs=2,
+        user="u1",
+        extra_body={"top_k": 40, "repetition_penalty": 1.1, "some_future_field": 1},
+    )
+    resp = raw.parse()
+    [req] = gw.fake.requests
+    n_reply = len(gw.fake.reply_ids())
+    assert raw.headers["x-request-id"] == resp.id == req.request_id
+    assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion"
+    assert resp.model == MODEL
+    assert resp.choices[0].message.content == REPLY
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == "stop"
+    assert list(req.token_ids) == tok.encode_chat(messages)
+    assert resp.usage.prompt_tokens == len(tok.encode_chat(messages))
+    assert resp.usage.completion_tokens == n_reply
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + n_reply
+    assert resp.usage.prompt_tokens_details.cached_tokens == CACHED
+    s = req.sampling
+    assert (s.seed, s.stop, s.temperature, s.top_p) == (7, ("\n", "END"), 0.5, 0.9)
+    assert s.max_tokens == 50
+    assert (s.top_k, s.repetition_penalty, s.logprobs) == (40, 1.1, 2)
+    assert (req.tenant, req.model) == (TENANT, MODEL)
+    content = resp.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == REPLY
+    assert all(c.logprob == -0.25 and len(c.top_logprobs) == 2 for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+    assert content[0].top_logprobs[0].token == content[0].token
+
+
+def test_chat_streaming_with_usage(gw: Gateway, tok: Tokenizer) -> None:
+    stream = gw.client.chat.completions.create(
+        model=MODEL,
+        messages=USER_HI,
+        stream=True,
+        stream_options={"include_usage": True},
+        max_completion_tokens=30,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == []
+    prompt_len = len(tok.encode_chat([{"role": "user", "content": "Hi"}]))
+    assert last.usage.prompt_tokens == prompt_len
+    assert last.usage.completion_tokens == len(gw.fake.reply_ids())
+    assert last.usage.total_tokens == prompt_len + len(gw.fake.reply_ids())
+    assert gw.fake.requests[0].sampling.max_tokens == 30
+    assert gw.fake.aborted == []
+
+
+def test_raw_sse_framing(gw: Gateway) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "stream": True}
+    with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"].startswith("cmpl-")
+        body = r.read().decode()
+    events = body.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert "usage" not in json.loads(events[0][6:])
+
+
+@pytest.mark.parametrize("prompt", ["Say hi", ["Say hi"], "ids"])
+def test_completion(gw: Gateway, tok: Tokenizer, prompt) -> None:
+    ids = tok.encode("Say hi")
+    resp = gw.client.completions.create(
+        model=MODEL, prompt=ids if prompt == "ids" else prompt, logprobs=2, seed=3, stop="x"
+    )
+    [req] = gw.fake.requests
+    assert list(req.token_ids) == ids
+    assert (req.sampling.seed, req.sampling.stop, req.sampling.logprobs) == (3, ("x",), 2)
+    assert req.sampling.max_tokens == CONFIG.default_max_tokens  # omitted: min(room, default)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    choice = resp.choices[0]
+    assert choice.text == REPLY and choice.finish_reason == "stop"
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == len(gw.fake.reply_ids())
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == REPLY
+    assert lp.token_logprobs == [-0.25] * len(lp.tokens)
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+
+def test_completion_streaming(gw: Gateway) -> None:
+    chunks = list(
+        gw.client.completions.create(
+            model=MODEL, prompt="Hi", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        gw.fake.reply_ids()
+    )
+
+
+def test_client_request_id_echoed(gw: Gateway) -> None:
+    r = gw.post("/v1/chat/completions", chat_body(), headers={"X-Request-Id": "trace-42"})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "trace-42"
+    # Inside Tandem the id stays unique even if clients reuse header values.
+    assert gw.fake.requests[0].request_id.startswith("chatcmpl-")
+    assert r.json()["id"] == gw.fake.requests[0].request_id
+
+
+def test_chat_template_treats_content_as_data(gw: Gateway, tok: Tokenizer) -> None:
+    evil = "{{ 7*7 }} {% for x in range(3) %}loop{% endfor %} {{ raise_exception('x') }}"
+    r = gw.post("/v1/chat/completions", chat_body(evil))
+    assert r.status_code == 200, r.text
+    prompt = tok.decode(gw.fake.requests[0].token_ids, skip_special_tokens=False)
+    assert evil in prompt
+    assert "49" not in prompt and "looploop" not in prompt
+
+
+def test_text_parts_and_null_content(gw: Gateway, tok: Tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "c"},
+    ]
+    r = gw.post("/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert r.status_code == 200, r.text
+    prompt = tok.decode(gw.fake.requests[0].token_ids, skip_special_tokens=False)
+    assert "user\na\nb<|im_end|>" in prompt and "assistant\n<|im_end|>" in prompt
+
+
+def test_models_and_health(gw: Gateway) -> None:
+    models = gw.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert gw.client.models.retrieve(MODEL).id == MODEL
+    r = httpx.get(f"{gw.url}/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.headers["x-request-id"]
+    gw.fake.is_healthy = False
+    assert httpx.get(f"{gw.url}/health").status_code == 503
+
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"model": "smol", "messages": [', None),  # malformed JSON
+        (b"[1, 2]", None),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        (chat_body(max_tokens="5"), "max_tokens"),
+        (chat_body(temperature="hot"), "temperature"),
+        (chat_body(stream=1), "stream"),
+        (chat_body(stop=5), "stop"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages.[0].role"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        (chat_body(temperature=-1.0), "temperature"),
+        (chat_body(top_p=0), "top_p"),
+        (chat_body(max_tokens=0), "max_tokens"),
+        (chat_body(top_logprobs=2), "top_logprobs"),
+        (chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat_body(stop=["s"] * 17), "stop"),
+        (chat_body(stream_options={"include_usage": True}), "stream_options"),
+        (chat_body(seed=2**63), "seed"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.[0].content.[0].type",
+        ),
+    ],
+)
+def test_bad_chat_request_is_400(gw: Gateway, body, param) -> None:
+    err = assert_error(gw.post("/v1/chat/completions", body), 400, param)
+    assert err["type"] == "invalid_request_error"
+    assert gw.fake.requests == []
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
+        ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+    ],
+)
+def test_bad_completion_request_is_400(gw: Gateway, body, param) -> None:
+    assert_error(gw.post("/v1/completions", body), 400, param)
+
+
+def test_n_above_one(gw: Gateway) -> None:
+    err = assert_error(gw.post("/v1/chat/completions", chat_body(n=2)), 400, "n")
+    assert err["message"] == "n > 1 is not supported"
+
+
+def test_unknown_model_is_404(gw: Gateway) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        gw.client.chat.completions.create(model="gpt-9", messages=USER_HI)
+    assert e.value.code == "model_not_found"
+    err = assert_error(gw.post("/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert err["code"] == "model_not_found"
+
+
+def test_prompt_too_long(gw: Gateway) -> None:
+    err = assert_error(gw.post("/v1/completions", {"model": MODEL, "prompt": "hi " * 600}), 400)
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    assert "maximum context length is 512 tokens" in err["message"]
+    # Short prompt, but prompt + max_tokens does not fit.
+    err = assert_error(gw.post("/v1/chat/completions", chat_body(max_tokens=500)), 400, "messages")
+    assert "512" in err["message"] and "500 in the completion" in err["message"]
+
+
+def test_default_max_tokens_fills_the_rest_of_the_context(tok: Tokenizer) -> None:
+    ids = list(range(20, 20 + 450))
+    body = CompletionRequest(model=MODEL, prompt=ids)
+    p = prepare_completion(CONFIG, tok, body, "cmpl-1", "t")
+    assert p.backend_request.sampling.max_tokens == CONFIG.max_model_len - 450
+    chat = ChatCompletionRequest.model_validate(chat_body())
+    p = prepare_chat(CONFIG, tok, chat, "chatcmpl-1", "t")
+    assert p.backend_request.sampling.max_tokens == CONFIG.default_max_tokens
+    assert p.top_logprobs is None and not p.stream
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_auth(gw: Gateway, key) -> None:
+    err = assert_error(gw.post("/v1/chat/completions", chat_body(), key=key), 401)
+    assert err["code"] == "invalid_api_key"
+    assert gw.fake.requests == []
+    with openai_client(gw.url, "nope") as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_backend_unavailable_is_503(gw: Gateway) -> None:
+    gw.fake.fail = APIError(503, "no decode workers", "server_error", code="service_unavailable")
+    err = assert_error(gw.post("/v1/chat/completions", chat_body()), 503)
+    assert err["message"] == "no decode workers"
+    # Streaming too: the failure comes before the first event, so the status is real.
+    assert_error(gw.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}), 503)
+    with pytest.raises(openai.InternalServerError):
+        gw.client.chat.completions.create(model=MODEL, messages=USER_HI)
+
+
+def test_backend_bug_is_500_without_details(gw: Gateway) -> None:
+    gw.fake.fail = RuntimeError("secret internal state")  # type: ignore[assignment]
+    err = assert_error(gw.post("/v1/chat/completions", chat_body()), 500)
+    assert "secret" not in err["message"]
+
+
+def test_body_too_large_is_413(gw: Gateway) -> None:
+    big = json.dumps(chat_body("x" * (CONFIG.max_body_bytes + 10)))
+    err = assert_error(gw.post("/v1/chat/completions", big), 413)
+    assert str(CONFIG.max_body_bytes) in err["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted while read
+        data = big.encode()
+        for i in range(0, len(data), 8192):
+            yield data[i : i + 8192]
+
+    assert_error(gw.post("/v1/chat/completions", None, content=chunked()), 413)
+
+
+def test_unknown_route_is_openai_json(gw: Gateway) -> None:
+    assert_error(gw.post("/v1/nothing", {}), 404)
+
+
+# --- Disconnects --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hang_after", [0, 2])
+def test_stream_disconnect_aborts_within_1s(gw: Gateway, hang_after: int) -> None:
+    gw.fake.hang_after = hang_after
+    with httpx.Client(timeout=10) as client:
+        if hang_after:
+            body = {"model": MODEL, "prompt": "x", "stream": True}
+            with client.stream("POST", f"{gw.url}/v1/completions", json=body, headers=AUTH) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: {")
+        else:  # hangs before the first token: the client gives up waiting for headers
+            with pytest.raises(httpx.ReadTimeout):
+                url = f"{gw.url}/v1/chat/completions"
+                client.post(url, json=chat_body(stream=True), headers=AUTH, timeout=0.3)
+    # The connection is closed by now.
+    assert gw.fake.abort_called.wait(1.0), "abort not called within 1 s of the disconnect"
+    assert gw.fake.aborted == [gw.fake.requests[0].request_id]
+
+
+def test_non_streaming_disconnect_aborts_within_1s(gw: Gateway) -> None:
+    gw.fake.hang_after = 1
+    with pytest.raises(httpx.ReadTimeout):
+        gw.post("/v1/chat/completions", chat_body(), timeout=0.3)
+    assert gw.fake.abort_called.wait(1.0)
+    assert gw.fake.aborted == [gw.fake.requests[0].request_id]
+
+
+# --- Config -------------------------------------------------------------------------------------
+
+
+def test_parse_config_flags() -> None:
+    from services.gateway.__main__ import parse_config, tenant_of
+
+    cfg = parse_config(
+        [
+            "--model-dir",
+            str(DEFAULT_DIR),
+            "--router",
+            "a:1",
+            "--router",
+            "b:2",
+            "--port",
+            "9000",
+            "--api-key",
+            "k1",
+            "--api-key",
+            "k2:team",
+            "--max-body-bytes",
+            "1000",
+        ],
+        env={"TANDEM_ROUTERS": "ignored:1", "TANDEM_API_KEYS": "ignored"},
+    )
+    assert cfg.routers == ("a:1", "b:2") and cfg.port == 9000 and cfg.host == "127.0.0.1"
+    assert cfg.api_keys == (("k1", tenant_of("k1")), ("k2", "team"))
+    assert "k1" not in tenant_of("k1")
+    assert cfg.served_model_name == DEFAULT_DIR.name
+    assert cfg.max_model_len == 8192  # SmolLM2's max_position_embeddings
+    assert cfg.max_body_bytes == 1000
+    with pytest.raises(AttributeError):
+        cfg.port = 1  # type: ignore[misc]
+
+
+def test_parse_config_env_fallbacks() -> None:
+    from services.gateway.__main__ import parse_config
+
+    env = {"TANDEM_ROUTERS": "x:1, y:2", "TANDEM_API_KEYS": "a:t1,b:t2"}
+    cfg = parse_config(["--model-dir", str(DEFAULT_DIR), "--served-model-name", "m"], env=env)
+    assert cfg.routers == ("x:1", "y:2")
+    assert cfg.api_keys == (("a", "t1"), ("b", "t2"))
+    assert cfg.served_model_name == "m"
+    with pytest.raises(SystemExit):  # no router at all
+        parse_config(["--model-dir", str(DEFAULT_DIR)], env={})
+    with pytest.raises(SystemExit):  # longer than the model's context
+        parse_config(["--model-dir", str(DEFAULT_DIR), "--max-model-len", "9000"], env=env)

@@ -1,0 +1,289 @@
+"""The gateway's gRPC side: codec conversions and status mapping, and GrpcBackend against an
+in-process grpc.aio Router stand-in (fallback between routers, cancellation, Abort, health).
+Skipped until the generated ``tandem.v1`` code is importable."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+pytest.importorskip("tandem.v1.router_pb2")
+
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+
+from engine.sampling_params import SamplingParams  # noqa: E402
+from services.gateway import codec  # noqa: E402
+from services.gateway.core import APIError, BackendRequest, TokenLogprob, Usage  # noqa: E402
+from services.gateway.grpc_backend import GrpcBackend  # noqa: E402
+
+
+def make_request(request_id: str = "chatcmpl-1", **sampling) -> BackendRequest:
+    return BackendRequest(request_id, (5, 6, 7), SamplingParams(**sampling), "acme", "smol")
+
+
+# --- codec --------------------------------------------------------------------------------------
+
+
+def test_encode_request() -> None:
+    req = make_request(max_tokens=9, temperature=0.0, seed=-3, stop=("a",), logprobs=0, top_k=4)
+    msg = codec.encode_request(req)
+    assert msg.request_id == "chatcmpl-1" and list(msg.token_ids.ids) == [5, 6, 7]
+    assert msg.WhichOneof("prompt") == "token_ids"
+    assert (msg.tenant, msg.model) == ("acme", "smol")
+    s = msg.sampling
+    assert (s.max_tokens, s.top_k, list(s.stop)) == (9, 4, ["a"])
+    assert s.HasField("temperature") and s.temperature == 0.0
+    assert s.HasField("seed") and s.seed == -3
+    assert s.HasField("logprobs") and s.logprobs == 0
+    plain = codec.encode_request(make_request()).sampling
+    assert not plain.HasField("seed") and not plain.HasField("logprobs")
+
+
+def test_decode_event() -> None:
+    pb = common_pb2.TokenEvent(
+        request_id="r",
+        token_ids=[11, 12],
+        text="ab",
+        logprobs=[
+            common_pb2.TokenLogprob(
+                token_id=11, logprob=-0.5, top=[common_pb2.TopLogprob(token_id=11, logprob=-0.5)]
+            )
+        ],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        stop_reason="",
+        usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+    )
+    ev = codec.decode_event(pb)
+    assert ev.token_ids == (11, 12) and ev.text == "ab"
+    assert ev.logprobs == (TokenLogprob(11, -0.5, ((11, -0.5),)),)
+    assert (ev.finish_reason, ev.stop_reason, ev.usage) == ("length", None, Usage(3, 2, 1))
+    mid = codec.decode_event(common_pb2.TokenEvent(token_ids=[1], text="x"))
+    assert mid.finish_reason is None and mid.usage is None
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.UNAUTHENTICATED, 401),
+        (grpc.StatusCode.PERMISSION_DENIED, 403),
+        (grpc.StatusCode.INTERNAL, 500),
+        (grpc.StatusCode.UNKNOWN, 500),
+    ],
+)
+def test_status_mapping(code: grpc.StatusCode, status: int) -> None:
+    err = codec.http_error(code, "details from the router")
+    assert err.status == status
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    if status == 400:
+        assert err.type == "invalid_request_error"
+    if status >= 500:
+        assert "details" not in err.message  # internal details stay inside
+    else:
+        assert err.message == "details from the router"
+
+
+def test_429_carries_retry_after() -> None:
+    assert codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy").headers == {
+        "Retry-After": "1"
+    }
+    err = codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", [("retry-after", "7")])
+    assert err.headers == {"Retry-After": "7"}
+
+
+# --- GrpcBackend against a stand-in router ------------------------------------------------------
+
+
+class FakeRouter(router_pb2_grpc.RouterServicer):
+    """Streams three tokens then finishes, or hangs, or fails, as ``mode`` says."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.requests: list[router_pb2.GenerateRequest] = []
+        self.aborts: list[str] = []
+        self.cancelled = asyncio.Event()
+
+    async def Generate(self, request, context) -> AsyncIterator[common_pb2.TokenEvent]:
+        self.requests.append(request)
+        if self.mode == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode workers")
+        if self.mode == "busy":
+            context.set_trailing_metadata((("retry-after", "7"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        done = False
+        try:
+            for i in range(3):
+                yield common_pb2.TokenEvent(request_id=request.request_id, token_ids=[10 + i])
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            yield common_pb2.TokenEvent(
+                request_id=request.request_id,
+                finish_reason=common_pb2.FINISH_REASON_STOP,
+                usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=3),
+            )
+            done = True
+        finally:  # cancelled (CancelledError) or closed (GeneratorExit) by grpc
+            if not done:
+                self.cancelled.set()
+
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:
+        self.aborts.append(request.request_id)
+        return common_pb2.AbortResponse(found=True)
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[tuple[FakeRouter, str]]:
+    server = grpc.aio.server()
+    fake = FakeRouter()
+    router_pb2_grpc.add_RouterServicer_to_server(fake, server)
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield fake, f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+def dead_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_generate_falls_back_to_the_next_router(router) -> None:
+    fake, address = router
+    backend = GrpcBackend([dead_address(), address])
+    events = [ev async for ev in backend.generate(make_request(seed=1))]
+    assert [ev.token_ids for ev in events] == [(10,), (11,), (12,), ()]
+    assert events[-1].finish_reason == "stop" and events[-1].usage == Usage(3, 3, 0)
+    assert fake.requests[0].sampling.seed == 1
+    assert fake.aborts == []
+    assert await backend.healthy()
+    await backend.close()
+
+
+async def test_closing_the_stream_cancels_the_call_and_aborts(router) -> None:
+    fake, address = router
+    fake.mode = "hang"
+    backend = GrpcBackend([address])
+    stream = backend.generate(make_request("cmpl-9"))
+    assert (await anext(stream)).token_ids == (10,)
+    await stream.aclose()
+    await asyncio.wait_for(fake.cancelled.wait(), 1.0)
+    assert fake.aborts == ["cmpl-9"]
+    await backend.abort("cmpl-9")  # idempotent: no second RPC
+    assert fake.aborts == ["cmpl-9"]
+    await backend.close()
+
+
+async def test_cancelling_the_task_aborts(router) -> None:
+    fake, address = router
+    fake.mode = "hang"
+    backend = GrpcBackend([address])
+
+    async def consume() -> None:
+        async for _ in backend.generate(make_request("cmpl-10")):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(fake.cancelled.wait(), 1.0)
+    assert fake.aborts == ["cmpl-10"]
+    await backend.close()
+
+
+@pytest.mark.parametrize("mode, status", [("unavailable", 503), ("busy", 429)])
+async def test_router_errors_become_http_errors(router, mode: str, status: int) -> None:
+    fake, address = router
+    fake.mode = mode
+    backend = GrpcBackend([address])
+    with pytest.raises(APIError) as e:
+        async for _ in backend.generate(make_request()):
+            pass
+    assert e.value.status == status
+    if status == 429:
+        assert e.value.headers["Retry-After"] == "7"
+    else:
+        assert "no capacity" in e.value.message
+    await backend.close()
+
+
+async def test_all_routers_down() -> None:
+    backend = GrpcBackend([dead_address(), dead_address()])
+    with pytest.raises(APIError) as e:
+        async for _ in backend.generate(make_request()):
+            pass
+    assert e.value.status == 503
+    assert not await backend.healthy()
+    await backend.close()
+
+
+# --- The gateway process ------------------------------------------------------------------------
+
+
+def test_gateway_process_without_a_router(tmp_path) -> None:
+    """``python -m services.gateway`` starts, serves /v1/models, and turns an unreachable router
+    into 503 on /health and on requests; SIGTERM stops it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from engine.bundled import DEFAULT_DIR
+
+    port = int(dead_address().rsplit(":", 1)[1])
+    env = {**os.environ, "TANDEM_ROUTERS": dead_address(), "TANDEM_API_KEYS": "k"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.gateway",
+        "--model-dir",
+        str(DEFAULT_DIR),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "smol",
+        "--log-level",
+        "warning",
+    ]
+    log = (tmp_path / "gateway.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                r = httpx.get(f"{url}/v1/models", headers=auth)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "gateway did not start"
+                time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "smol"
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=10)
+        assert r.status_code == 503, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught.
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        log.close()
+    assert "Traceback" not in (tmp_path / "gateway.log").read_text()
