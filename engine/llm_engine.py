@@ -18,10 +18,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
     InvalidRequestError,
-    KVCapacityError,
     PromptTooLongError,
     RequestNotFoundError,
 )
+from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ class _Request:
     hold_kv: bool = False
 
 
-class LLMEngine:
+class LLMEngine(HandoffMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -259,102 +259,6 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             stop_reason=req.stop_reason,
         )
-
-    # -- disaggregation: prefill hand-off and decode take-over -------------------------------
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """Blocks a prefill hand-off keeps for the decode worker, in token order."""
-        with self._lock:
-            if request_id not in self._held:
-                raise RequestNotFoundError(f"no held KV for request {request_id!r}")
-            return self.kv.block_ids(request_id)
-
-    def release(self, request_id: str) -> bool:
-        """Free held (prefill) or reserved (decode) blocks; full ones stay in the prefix cache."""
-        with self._lock:
-            if request_id in self._held or request_id in self._reserved:
-                self._held.discard(request_id)
-                self._held_seqs.pop(request_id, None)
-                self._reserved.discard(request_id)
-                self.kv.free(request_id)
-                return True
-            return False
-
-    def generator_state(self, request_id: str) -> bytes:
-        """Serialized state of a held request's seeded generator (b"" when unseeded)."""
-        with self._lock:
-            seq = self._held_seqs.get(request_id)
-            if seq is None or seq.generator is None:
-                return b""
-            return bytes(seq.generator.get_state().numpy().tobytes())
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
-    def reserve(
-        self, request_id: str, prompt: list[int], tenant: str | None = None
-    ) -> tuple[list[int], int]:
-        """Allocate blocks for a prompt whose KV will arrive from a prefill worker.
-
-        Reuses this worker's own cached prefix: returns (block ids, number of leading tokens
-        already cached here); only blocks from ``cached // block_size`` on need filling.
-        Raises KVCapacityError when the pool cannot hold it now.
-        """
-        self._validate(prompt, SamplingParams(max_tokens=1))
-        extra = encode_extra_keys(tenant)
-        with self._lock:
-            if request_id in self._requests or request_id in self.kv:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            hit = self.kv.find_prefix(prompt, extra)
-            cached = min(hit.num_tokens(self.config.block_size), len(prompt))
-            if self.kv.admit(request_id, hit, len(prompt), len(prompt), extra) is None:
-                raise KVCapacityError("no free KV blocks for the incoming request; retry later")
-            self._reserved.add(request_id)
-            return self.kv.block_ids(request_id), cached
-
-    def add_prefilled(
-        self,
-        request_id: str,
-        prompt: list[int],
-        first_token: int,
-        params: SamplingParams,
-        *,
-        tenant: str | None = None,
-        first_logprob: TokenLogprob | None = None,
-        generator_state: bytes = b"",
-        num_cached_tokens: int = 0,
-    ) -> None:
-        """Join a reserved request, whose prompt KV has been written, to the running batch.
-
-        The first token was sampled (and streamed) by the prefill worker; its text is not
-        emitted again here.
-        """
-        self._validate(prompt, params)
-        req = self._new_request(request_id, prompt, params, tenant)
-        seq = req.seq
-        if generator_state and seq.generator is not None:
-            seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        seq.output_token_ids.append(first_token)
-        seq.num_computed = len(prompt)
-        seq.num_cached_prompt_tokens = num_cached_tokens
-        if req.logprobs is not None and first_logprob is not None:
-            req.logprobs.append(first_logprob)
-        req.text = req.detok.push([first_token]).text
-        with self._lock:
-            if request_id not in self._reserved:
-                raise RequestNotFoundError(f"no reserved KV for request {request_id!r}")
-            self._register(req)
-            self._reserved.discard(request_id)
-            self.kv.commit(request_id, seq.all_token_ids, seq.num_computed)
-            self.scheduler.attach(seq)
-
-    def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
-        """Copy raw block bytes (pool layout and dtype) into this pool."""
-        self.runner.write_blocks(block_ids, data)
-
-    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""
-        return self.runner.read_blocks(block_ids)
 
     def score(self, prompt: list[int]) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill).

@@ -14,6 +14,10 @@ from pathlib import Path
 
 from libkv.etcd_server import EtcdServer, free_port
 
+# The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
+# decode-only (the router also falls back to decode-only when no prefill worker is live).
+COLOCATED_THRESHOLD = 1 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class StackConfig:
@@ -31,6 +35,22 @@ class StackConfig:
     member_refresh: float = 3.0
     lease_seconds: float = 30.0
     start_timeout: float = 120.0
+
+    @classmethod
+    def colocated(cls, workers: int, **kwargs) -> StackConfig:
+        """``workers`` workers that each do both phases: decode workers prefill their own
+        prompts inside their continuous batch, and there is no prefill worker. The baseline
+        that disaggregation must beat."""
+        return cls(
+            num_prefill=0, num_decode=workers, decode_only_threshold=COLOCATED_THRESHOLD, **kwargs
+        )
+
+    @property
+    def topology(self) -> str:
+        """``colocated:N`` or ``disagg:XpYd``."""
+        if self.num_prefill == 0 and self.decode_only_threshold >= COLOCATED_THRESHOLD:
+            return f"colocated:{self.num_decode}"
+        return f"disagg:{self.num_prefill}p{self.num_decode}d"
 
 
 @dataclass(slots=True)

@@ -1,0 +1,139 @@
+"""Router decisions in isolation: fake member directory and fake worker clients (the real
+path is covered end to end in test_e2e_stack)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from libkv.registry import Member, MemberLoad
+from services.common.codec import Event, KVHandle
+from services.common.errors import Unavailable
+from services.router.core import PrefillReply, RouteJob, RouterCore
+
+
+class Directory:
+    def __init__(self, members: list[Member]) -> None:
+        self.members = members
+
+    def members_by_role(self, role: str) -> list[Member]:
+        return [m for m in self.members if m.role == role]
+
+
+def member(worker_id: str, role: str, queue: int = 0, used: int = 0) -> Member:
+    return Member(worker_id, role, "m", f"{worker_id}:1", kv_blocks_total=100,
+                  load=MemberLoad(queue_length=queue, kv_blocks_used=used))
+
+
+HANDLE = KVHandle("p", "inc", "p:1", (1, 2), 20, 16, 64, "float32", 0)
+
+
+class Clients:
+    """Records calls; workers named in ``down`` fail with Unavailable before any event."""
+
+    def __init__(self, down: set[str] = frozenset(), fail_after_first: bool = False) -> None:
+        self.down = set(down)
+        self.fail_after_first = fail_after_first
+        self.calls: list[tuple[str, str]] = []
+        self.released: list[str] = []
+
+    async def prefill(self, worker, job):
+        self.calls.append(("prefill", worker.worker_id))
+        if worker.worker_id in self.down:
+            raise Unavailable(f"{worker.worker_id} down")
+        return PrefillReply(Event(job.request_id, [7], "x"), HANDLE)
+
+    async def decode(self, worker, call):
+        self.calls.append(("decode", worker.worker_id))
+        if worker.worker_id in self.down:
+            raise Unavailable(f"{worker.worker_id} down")
+        yield Event(call.job.request_id, [8], "y")
+        if self.fail_after_first:
+            raise Unavailable("died mid-stream")
+        yield Event(call.job.request_id, [9], "z", finish_reason="length")
+
+    async def release(self, handle, request_id):
+        self.released.append(request_id)
+
+
+def job(n_tokens: int) -> RouteJob:
+    return RouteJob("r1", list(range(n_tokens)), SamplingParams(max_tokens=3))
+
+
+async def collect(core: RouterCore, j: RouteJob) -> list[Event]:
+    return [ev async for ev in core.generate(j)]
+
+
+async def test_least_loaded_and_threshold():
+    d = Directory([member("p0", "prefill", queue=3), member("p1", "prefill"),
+                   member("d0", "decode", used=90), member("d1", "decode", used=10)])
+    clients = Clients()
+    core = RouterCore(d, clients, decode_only_threshold=256)
+    await collect(core, job(10))
+    assert clients.calls == [("decode", "d1")]  # short prompt: decode only, least KV used
+    clients.calls.clear()
+    events = await collect(core, job(300))
+    assert clients.calls == [("prefill", "p1"), ("decode", "d1")]
+    assert [e.token_ids for e in events] == [[7], [8], [9]]
+    assert core.stats.decisions == {"decode_only": 1, "disaggregated": 1}
+    await asyncio.sleep(0)
+    assert clients.released == ["r1"]  # prefill blocks released (idempotent on the worker)
+
+
+async def test_retry_once_on_another_worker_before_first_token():
+    d = Directory([member("p0", "prefill"), member("p1", "prefill", queue=1),
+                   member("d0", "decode"), member("d1", "decode", queue=1)])
+    clients = Clients(down={"p0"})
+    core = RouterCore(d, clients)
+    events = await collect(core, job(300))
+    assert clients.calls == [("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")]
+    assert events[-1].finish_reason == "length" and core.stats.retries == 1
+
+    clients = Clients(down={"d0", "d1"})
+    core = RouterCore(d, clients)
+    with pytest.raises(Unavailable):
+        await collect(core, job(10))
+    assert clients.calls == [("decode", "d0"), ("decode", "d1")]  # exactly one retry
+
+
+async def test_no_retry_after_the_first_token():
+    d = Directory([member("d0", "decode"), member("d1", "decode")])
+    clients = Clients(fail_after_first=True)
+    core = RouterCore(d, clients)
+    seen = []
+    with pytest.raises(Unavailable):
+        async for ev in core.generate(job(10)):
+            seen.append(ev)
+    assert len(seen) == 1 and clients.calls == [("decode", "d0")]
+
+
+async def test_no_decode_workers_is_unavailable_and_no_prefill_falls_back():
+    with pytest.raises(Unavailable, match="no live decode workers"):
+        await collect(RouterCore(Directory([member("p0", "prefill")]), Clients()), job(300))
+    clients = Clients()
+    await collect(RouterCore(Directory([member("d0", "decode")]), clients), job(300))
+    assert clients.calls == [("decode", "d0")]
+
+
+async def test_abort_cancels_the_running_request():
+    class Slow(Clients):
+        async def decode(self, worker, call):
+            yield Event(call.job.request_id, [1], "a")
+            await asyncio.sleep(30)
+            yield Event(call.job.request_id, [2], "b", finish_reason="length")
+
+    core = RouterCore(Directory([member("d0", "decode")]), Slow())
+    first = asyncio.Event()
+
+    async def consume():
+        async for _ in core.generate(job(5)):
+            first.set()
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.wait_for(first.wait(), 5)
+    assert core.abort("r1") and not core.abort("unknown")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert core.inflight["d0"] == 0
