@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from services.common.codec import Event, event_from_pb, sampling_to_pb
-from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 class TandemClientError(Exception):
