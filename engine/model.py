@@ -97,7 +97,7 @@ class DecoderModel:
 
     def _attention(self, i, lw, h, cos, sin, kv_cache, meta) -> torch.Tensor:
         c = self.config
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        qkv = kernels.linear(h, lw.qkv, lw.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]
         q = q.view(t, c.num_heads, c.head_dim)
@@ -106,13 +106,12 @@ class DecoderModel:
         q, k = kernels.rotary_embedding(q, k, cos, sin)
         kernels.write_kv(kv_cache, i, k, v, meta)
         o = kernels.paged_attention(q, kv_cache, i, meta, self.scale)
-        return F.linear(o.reshape(t, self.q_size), lw.o_proj)
+        return kernels.linear(o.reshape(t, self.q_size), lw.o_proj)
 
     def _mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, lw.down)
+        return kernels.linear(kernels.silu_and_mul(kernels.linear(h, lw.gate_up)), lw.down)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given hidden rows."""
-        return F.linear(hidden, self.w.lm_head).float()
+        return kernels.linear(hidden, self.w.lm_head).float()

@@ -9,6 +9,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.loader import dummy_weights, load_weights
 from engine.model import DecoderModel
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -50,6 +51,13 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_num_seqs)
+            if sizes:
+                bs = config.block_size
+                self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, -(-max_len // bs), bs)
+                self.graphs.capture()
 
     @property
     def block_bytes(self) -> int:
@@ -73,11 +81,16 @@ class ModelRunner:
             src = torch.tensor([c.src for c in sched.copies], device=self.device)
             dst = torch.tensor([c.dst for c in sched.copies], device=self.device)
             kernels.copy_blocks(self.kv_cache, src, dst)
-        input_ids, positions, meta, sample_rows = self._prepare(sched)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
-        if not sample_rows:
-            return SamplerOutput([], [])
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        logits = self._decode_graph_logits(sched)
+        if logits is None:
+            input_ids, positions, meta, sample_rows = self._prepare(sched)
+            if not sample_rows:
+                self.model.forward(input_ids, positions, self.kv_cache, meta)
+                return SamplerOutput([], [])
+            # Made before the forward pass, so that on CUDA building it waits for no kernel.
+            sample_idx = torch.tensor(sample_rows, device=self.device)
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+            logits = self.model.logits(hidden[sample_idx])
         rows = [
             SamplingRow(
                 s.seq.params, s.seq.generator, s.seq.prompt_token_ids, s.seq.output_token_ids
@@ -87,7 +100,30 @@ class ModelRunner:
         ]
         return self.sampler(logits, rows)
 
+    def _decode_graph_logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Logits from a captured graph when the step is pure decode and fits one; else None."""
+        graphs = self.graphs
+        scheduled = sched.scheduled
+        if graphs is None or graphs.padded_size(len(scheduled)) is None:
+            return None
+        if not all(s.num_new == 1 and s.samples for s in scheduled):
+            return None
+        bs = self.config.block_size
+        positions = [s.seq.num_computed for s in scheduled]
+        blocks = [s.block_ids[p // bs] for s, p in zip(scheduled, positions, strict=True)]
+        batch = DecodeBatch(
+            token_ids=[_token_at(s.seq, p) for s, p in zip(scheduled, positions, strict=True)],
+            positions=positions,
+            slot_blocks=blocks,
+            slot_offsets=[p % bs for p in positions],
+            block_tables=[s.block_ids for s in scheduled],
+            seq_lens=[p + 1 for p in positions],
+        )
+        return graphs.run(batch)
+
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        if not block_ids:
+            return []
         idx = torch.tensor(block_ids, device=self.device)
         blocks = self.kv_cache[idx].cpu()
         return [_tensor_bytes(b) for b in blocks]
@@ -141,6 +177,12 @@ class ModelRunner:
             block_size=bs,
         )
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows
+
+
+def _token_at(seq, pos: int) -> int:
+    """Token ``pos`` of a sequence without building its whole token list."""
+    n = len(seq.prompt_token_ids)
+    return seq.prompt_token_ids[pos] if pos < n else seq.output_token_ids[pos - n]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

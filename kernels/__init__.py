@@ -1,26 +1,119 @@
 """Kernels behind one torch-level API.
 
-Each public function here dispatches to a Triton kernel when the tensors live on CUDA and one
-is available, and to the pure-PyTorch reference in ``kernels.reference`` otherwise. The engine
-imports only this module, so swapping implementations needs no other change.
+Each public function here dispatches to a Triton kernel when the tensors live on CUDA and
+Triton imports, and to the pure-PyTorch reference in ``kernels.reference`` otherwise. The engine
+imports only this module, so swapping implementations needs no other change. Triton modules are
+imported on first use only, so CPU hosts without Triton never touch them.
 """
 
 from __future__ import annotations
 
-from kernels.reference import (
-    AttentionMetadata,
-    copy_blocks,
-    paged_attention,
-    rms_norm,
-    rotary_embedding,
-    write_kv,
-)
+import torch
+
+from kernels import reference
+from kernels._triton import use_triton
+from kernels.reference import AttentionMetadata, copy_blocks
+
+# Up to this many rows, a bf16/fp16 matrix product on CUDA takes the Triton skinny kernel
+# (decode of small batches); above it, cuBLAS. Benchmarks set it to 0 to compare.
+GEMV_MAX_ROWS = 8
 
 __all__ = [
     "AttentionMetadata",
     "copy_blocks",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "silu_and_mul",
     "write_kv",
 ]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` (``F.linear``) for ``x`` of shape ``[T, K]``."""
+    if (
+        x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and use_triton(x)
+    ):
+        from kernels import triton_gemv
+
+        return triton_gemv.linear(x, w, bias)
+    return reference.linear(x, w, bias)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual) * weight, x + residual)``."""
+    if use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused ``[T, 2n]`` gate/up projection."""
+    if use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE of q ``[T, H, D]`` and k ``[T, Hkv, D]`` with per-token cos/sin."""
+    if use_triton(q):
+        from kernels import triton_rope
+
+        return triton_rope.rotary_embedding(q, k, cos, sin)
+    return reference.rotary_embedding(q, k, cos, sin)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Store new K/V rows into their paged slots of ``layer``."""
+    if use_triton(kv_cache):
+        from kernels import triton_cache
+
+        triton_cache.write_kv(kv_cache, layer, k, v, meta.slot_blocks, meta.slot_offsets)
+        return
+    reference.write_kv(kv_cache, layer, k, v, meta)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of the step's new tokens over their sequences' paged KV.
+
+    On CUDA, a batch of single-token queries (decode) takes the split-KV decode kernel, which
+    reads no host-side lengths and so can be captured in a CUDA graph; anything else takes the
+    varlen prefill kernel.
+    """
+    if use_triton(q):
+        if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
+            from kernels import triton_decode
+
+            return triton_decode.decode_attention(
+                q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale
+            )
+        from kernels import triton_prefill
+
+        return triton_prefill.prefill_attention(
+            q,
+            kv_cache,
+            layer,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+        )
+    return reference.paged_attention(q, kv_cache, layer, meta, scale)

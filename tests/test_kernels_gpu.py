@@ -1,0 +1,226 @@
+"""Triton kernels against the PyTorch references on fresh random inputs (CUDA only).
+
+Attention is compared with the reference in float32 on the upcast bf16 inputs, by
+``||out - ref|| / ||ref||``; pointwise kernels round like their references and are compared
+in the same dtype. Shapes cover block sizes, GQA ratios (MHA to MQA), head dims that are not
+powers of two, lengths that are not multiples of the block, and cached-prefix offsets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.triton_cache import write_kv  # noqa: E402
+from kernels.triton_decode import DecodePlan, decode_attention  # noqa: E402
+from kernels.triton_gemv import GemvPlan, linear  # noqa: E402
+from kernels.triton_norm import rms_norm, silu_and_mul  # noqa: E402
+from kernels.triton_prefill import prefill_attention  # noqa: E402
+from kernels.triton_rope import rotary_embedding  # noqa: E402
+from tests.kernel_cases import make_paged_batch, reference_attention, rel_err  # noqa: E402
+
+ATTN_TOL = 1e-2  # bf16 operands: expected 1e-3 .. 1e-2
+
+DECODE_CASES = [  # block_size, heads, kv_heads, head_dim, seq_lens
+    (16, 32, 8, 128, [1, 17, 1000, 4097]),  # Llama-3.1-8B heads
+    (16, 9, 3, 64, [5, 300, 31]),  # SmolLM2 heads
+    (8, 4, 4, 64, [33, 2, 8]),  # MHA
+    (32, 16, 1, 128, [1023, 65]),  # MQA
+    (1, 8, 2, 128, [7, 50]),  # one token per block
+    (64, 14, 2, 64, [129, 900, 64]),  # group of 7
+    (16, 8, 2, 80, [77, 3]),  # head_dim not a power of two
+    (16, 40, 8, 128, [2000]),  # group of 5
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
+def test_decode_attention(case):
+    bs, h, hkv, d, lens = case
+    q, kv, meta = make_paged_batch(
+        lens, [1] * len(lens), block_size=bs, num_heads=h, num_kv_heads=hkv, head_dim=d, seed=3
+    )
+    out = decode_attention(q, kv, 1, meta.block_tables, meta.seq_lens, d**-0.5)
+    assert rel_err(out, reference_attention(q, kv, 1, meta, d**-0.5)) < ATTN_TOL
+
+
+def test_decode_attention_many_sequences_fp16():
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 3000, (40,), generator=g).tolist()
+    q, kv, meta = make_paged_batch(
+        lens, [1] * 40, block_size=16, num_heads=8, num_kv_heads=2, head_dim=128,
+        dtype=torch.float16, seed=5,
+    )  # fmt: skip
+    out = decode_attention(q, kv, 0, meta.block_tables, meta.seq_lens, 0.1)
+    assert rel_err(out, reference_attention(q, kv, 0, meta, 0.1)) < ATTN_TOL
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 32])
+def test_decode_attention_any_split_count(splits):
+    lens = [4097, 1, 513, 64]
+    q, kv, meta = make_paged_batch(
+        lens, [1] * 4, block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, seed=splits
+    )
+    plan = DecodePlan(4, 32, 8, 128, num_splits=splits)
+    out = decode_attention(q, kv, 0, meta.block_tables, meta.seq_lens, 0.08, plan)
+    assert rel_err(out, reference_attention(q, kv, 0, meta, 0.08)) < ATTN_TOL
+
+
+def test_decode_attention_padding_rows_are_zero():
+    q, kv, meta = make_paged_batch(
+        [40, 9, 100], [1] * 3, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64
+    )
+    ref = reference_attention(q, kv, 0, meta, 0.125)
+    meta.seq_lens[1] = 0
+    out = decode_attention(q, kv, 0, meta.block_tables, meta.seq_lens, 0.125)
+    assert out[1].abs().max().item() == 0
+    assert rel_err(out[[0, 2]], ref[[0, 2]]) < ATTN_TOL
+
+
+def test_decode_attention_in_cuda_graph_follows_new_lengths():
+    """A graph captured once stays right when tables and lengths change (no host lengths)."""
+    q, kv, meta = make_paged_batch(
+        [300, 20], [1, 1], block_size=16, num_heads=8, num_kv_heads=2, head_dim=128, seed=7
+    )
+    tables = torch.zeros((2, 64), dtype=torch.int32, device="cuda")
+    lens = torch.zeros(2, dtype=torch.long, device="cuda")
+    decode_attention(q, kv, 0, tables, lens, 0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, kv, 0, tables, lens, 0.1)
+    for seq_lens in ([300, 20], [17, 250], [1, 1]):
+        meta.seq_lens.copy_(torch.tensor(seq_lens))
+        tables.zero_()
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        lens.copy_(meta.seq_lens)
+        graph.replay()
+        assert rel_err(out, reference_attention(q, kv, 0, meta, 0.1)) < ATTN_TOL
+
+
+PREFILL_CASES = [  # block_size, heads, kv_heads, head_dim, seq_lens, q_lens
+    (16, 32, 8, 128, [1000], [1000]),  # no prefix
+    (16, 32, 8, 128, [1500, 300], [700, 300]),  # cached prefix of 800
+    (16, 9, 3, 64, [100, 37, 260], [1, 37, 200]),  # a decode row inside a prefill batch
+    (8, 4, 2, 64, [129, 64], [3, 64]),
+    (32, 8, 1, 128, [513], [100]),
+    (1, 4, 4, 64, [40, 70], [40, 10]),
+    (16, 8, 2, 80, [77, 200], [77, 50]),
+    (16, 8, 8, 256, [300], [120]),
+    (16, 12, 4, 128, [5, 1, 2], [5, 1, 2]),  # every query shorter than the tile
+]
+
+
+@pytest.mark.parametrize(
+    "case", PREFILL_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}-q{c[5]}"
+)
+def test_prefill_attention(case):
+    bs, h, hkv, d, lens, q_lens = case
+    q, kv, meta = make_paged_batch(
+        lens, q_lens, block_size=bs, num_heads=h, num_kv_heads=hkv, head_dim=d, seed=11
+    )
+    out = prefill_attention(
+        q, kv, 1, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        meta.max_query_len, d**-0.5,
+    )  # fmt: skip
+    assert rel_err(out, reference_attention(q, kv, 1, meta, d**-0.5)) < ATTN_TOL
+
+
+def test_dispatch_picks_decode_and_prefill_kernels():
+    q, kv, meta = make_paged_batch(
+        [50, 70], [1, 1], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64
+    )
+    ref = reference_attention(q, kv, 0, meta, 0.125)
+    assert rel_err(kernels.paged_attention(q, kv, 0, meta, 0.125), ref) < ATTN_TOL
+    q, kv, meta = make_paged_batch(
+        [50, 70], [20, 1], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64
+    )
+    ref = reference_attention(q, kv, 0, meta, 0.125)
+    assert rel_err(kernels.paged_attention(q, kv, 0, meta, 0.125), ref) < ATTN_TOL
+
+
+@pytest.mark.parametrize("bs,hkv,d", [(16, 8, 128), (8, 3, 64), (1, 1, 80), (32, 2, 256)])
+def test_write_kv_matches_reference(bs, hkv, d):
+    _, kv, meta = make_paged_batch(
+        [37, 5, 64], [30, 5, 1], block_size=bs, num_heads=hkv, num_kv_heads=hkv, head_dim=d
+    )
+    t = int(meta.query_start_loc[-1])
+    qkv = torch.randn(t, 3 * hkv * d, device="cuda").to(torch.bfloat16)  # strided views
+    k = qkv[:, hkv * d : 2 * hkv * d].view(t, hkv, d)
+    v = qkv[:, 2 * hkv * d :].view(t, hkv, d)
+    expected = kv.clone()
+    reference.write_kv(expected, 1, k, v, meta)
+    write_kv(kv, 1, k, v, meta.slot_blocks, meta.slot_offsets)
+    assert torch.equal(kv, expected)
+
+
+def test_write_kv_skips_padding_rows():
+    _, kv, meta = make_paged_batch([20, 9], [1, 1], block_size=16, num_heads=2, num_kv_heads=2,
+                                   head_dim=64)  # fmt: skip
+    before = kv.clone()
+    k = torch.randn(2, 2, 64, device="cuda").to(torch.bfloat16)
+    blocks = meta.slot_blocks.clone()
+    blocks[1] = -1
+    write_kv(kv, 0, k, k, blocks, meta.slot_offsets)
+    expected = before.clone()
+    expected[meta.slot_blocks[0], 0, :, meta.slot_offsets[0]] = k[0]
+    assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,n", [(1, 576), (7, 4096), (300, 1000), (3, 8192)])
+def test_rms_norm_with_and_without_residual(dtype, t, n):
+    x = torch.randn(t, n, device="cuda").to(dtype)
+    r = torch.randn(t, n, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    out, res = rms_norm(x, w, 1e-5, r)
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(res, ref_res)
+    assert rel_err(out, ref_out) < tol
+    out, res = rms_norm(x, w, 1e-6)
+    assert res is x and rel_err(out, reference.rms_norm(x, w, 1e-6)[0]) < tol
+
+
+@pytest.mark.parametrize("t,n", [(1, 1536), (33, 14336), (5, 100)])
+def test_silu_and_mul(t, n):
+    x = torch.randn(t, 2 * n, device="cuda").to(torch.bfloat16)
+    assert rel_err(silu_and_mul(x), reference.silu_and_mul(x)) < 1e-2
+
+
+@pytest.mark.parametrize("h,hkv,d", [(32, 8, 128), (9, 3, 64), (4, 4, 80)])
+def test_rotary_embedding_on_strided_views(h, hkv, d):
+    t = 37
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda").to(torch.bfloat16)
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    ang = torch.rand(t, d // 2, device="cuda") * 100
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+    out_q, out_k = rotary_embedding(q, k, cos, sin)
+    ref_q, ref_k = reference.rotary_embedding(q, k, cos, sin)
+    assert rel_err(out_q, ref_q) < 1e-2 and rel_err(out_k, ref_k) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 1000), (33, 70)])
+def test_skinny_linear(m, n, k):
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    assert rel_err(linear(x, w, bias), want) < 1e-2
+    assert rel_err(linear(x, w, plan=GemvPlan(32, 128, 4, 2)), want - bias.float()) < 1e-2
+
+
+def test_linear_dispatch():
+    w = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    for m in (1, kernels.GEMV_MAX_ROWS, 40):  # Triton up to GEMV_MAX_ROWS rows, then cuBLAS
+        x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
+        assert rel_err(kernels.linear(x, w), x.float() @ w.float().T) < 1e-2
