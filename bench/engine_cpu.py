@@ -34,6 +34,7 @@ from engine import LLM, SamplingParams
 
 DEFAULT_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
 SEED = 1234
+SYSTEMS = ("engine", "transformers")
 MIN_PROMPT_TOKENS, MAX_PROMPT_TOKENS = 20, 200
 
 # Plain prose on unrelated topics; prompts are seeded slices of it, 20-200 tokens long.
@@ -175,7 +176,8 @@ def compare(a: list[list[int]], b: list[list[int]], eos_ids: set[int]) -> dict:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
             at = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), len(x))
-            diverged.append({"prompt": i, "first_diff": at, "engine_eos": x[at] in eos_ids})
+            eos = at < len(x) and x[at] in eos_ids
+            diverged.append({"prompt": i, "first_diff": at, "engine_eos": eos})
     lengths = sorted({len(x) for x in a} | {len(y) for y in b})
     return {
         "identical": len(a) - len(diverged),
@@ -210,7 +212,7 @@ def load_avg() -> list[float]:
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process) since boot."""
+    """(busy CPU seconds of the whole machine since boot, CPU seconds of this process)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     tick = os.sysconf("SC_CLK_TCK")
@@ -227,18 +229,47 @@ def background_cores(start: tuple[float, float], wall_s: float) -> float:
 def render_table(rows: list[dict]) -> str:
     lines = [
         "| batch | prompts | tokens | engine tok/s | transformers tok/s | engine/transformers "
-        "| identical greedy ids |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| identical greedy ids | other load (cores) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         e, h = r["engine"], r["transformers"]
+        busy = statistics.mean(e["background_cores"] + h["background_cores"])
         lines.append(
             f"| {r['batch']} | {r['num_prompts']} | {e['output_tokens']} "
             f"| {e['best_tok_s']:.1f} (med {e['median_tok_s']:.1f}) "
             f"| {h['best_tok_s']:.1f} (med {h['median_tok_s']:.1f}) "
-            f"| {r['ratio_best']:.2f}x | {r['match']['identical']}/{r['match']['total']} |"
+            f"| {r['ratio_best']:.2f}x | {r['match']['identical']}/{r['match']['total']} "
+            f"| {busy:.2f} |"
         )
     return "\n".join(lines)
+
+
+def notes(report: dict) -> list[str]:
+    """What limits the numbers: measured contention first, then how the two systems differ."""
+    runs = [s for r in report["results"] for k in SYSTEMS for s in r[k]["runs_s"]]
+    spread = max(
+        max(r[k]["runs_s"]) / min(r[k]["runs_s"]) for r in report["results"] for k in SYSTEMS
+    )
+    return [
+        f"- Other processes kept {report['machine']['background_cores_avg']} of "
+        f"{report['machine']['cpu_count']} cores busy on average (per run: `background_cores` "
+        f"in the JSON); the repeats of one configuration differ by up to {spread:.1f}x "
+        f"({min(runs):.1f}-{max(runs):.1f} s per run). Best-of-{report['repeats']} with the "
+        "two systems interleaved limits, but does not remove, this error.",
+        "- With more torch threads than free cores, OpenMP threads wait on descheduled peers "
+        "and step times become erratic; `--threads 1` avoids that on a loaded machine.",
+        "- tok/s counts output tokens over the wall time of all generate calls, prefill "
+        "included. Batch 1 runs its prompts one generate call at a time on both sides.",
+        "- On CPU the engine runs its pure-PyTorch reference kernels (`kernels/reference.py`). "
+        "Its paged attention gathers every sequence's KV blocks into a padded tensor in each "
+        "layer at each step, so its decode cost grows with batch x context, whereas "
+        "transformers appends to a contiguous cache.",
+        "- transformers pads a batch to its longest prompt (left padding), so its batched "
+        "prefill also computes on pad tokens; the engine packs prompts without padding.",
+        "- The engine's prefix cache is off (`--prefix-caching` turns it on), so repeated runs "
+        "do not reuse KV computed by earlier ones.",
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -350,7 +381,7 @@ def write_results(out: Path, report: dict, table: str) -> None:
         f"- date: {report['date']}",
         f"- command: `{report['command']}`",
         f"- machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']} "
-        f"({m['torch_threads']} threads), transformers {m['transformers']}",
+        f"(threads: {m['torch_threads']}), transformers {m['transformers']}",
         f"- load average before/after: {m['loadavg_before']} / {m['loadavg_after']}; other "
         f"processes kept {m['background_cores_avg']} cores busy on average during the run "
         f"({report['wall_s']} s)",
@@ -359,8 +390,9 @@ def write_results(out: Path, report: dict, table: str) -> None:
         "",
         table,
         "",
-        "tok/s counts output tokens only over the wall time of all generate calls (prefill "
-        "included). Batch 1 runs its prompts one generate call at a time on both sides.",
+        "## What limits these numbers",
+        "",
+        *notes(report),
         "",
     ]
     (out / "engine_cpu.md").write_text("\n".join(md))

@@ -1,4 +1,5 @@
-"""The ``tandem`` command: ``serve`` (the local stack), one subcommand per service, ``demo``."""
+"""The ``tandem`` command: ``serve`` (the local stack), ``bench`` (load generator), one
+subcommand per service, ``demo``."""
 
 from __future__ import annotations
 
@@ -36,14 +37,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     model = args.model if args.model != DEFAULT_DIR else convert(DEFAULT_DIR)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="tandem-run-")
-    config = StackConfig(
-        model_dir=str(model),
-        run_dir=str(run_dir),
-        port=args.port,
-        num_prefill=args.prefill_workers,
-        num_decode=args.decode_workers,
-        api_keys=tuple(args.api_key or ()),
-    )
+    common = dict(model_dir=str(model), run_dir=str(run_dir), port=args.port)
+    common["api_keys"] = tuple(args.api_key or ())
+    if args.colocated:
+        config = StackConfig.colocated(args.colocated, **common)
+    else:
+        if args.decode_only_threshold is not None:
+            common["decode_only_threshold"] = args.decode_only_threshold
+        config = StackConfig(
+            num_prefill=args.prefill_workers, num_decode=args.decode_workers, **common
+        )
     stack = Stack(config)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
@@ -53,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         for child in stack.children.values():
             print(f"{child.name:<9} {child.address:<22} log: {child.log_path}")
         print(f"\nOpenAI endpoint: {stack.url}/v1  (model: {Path(model).name})")
+        print(f"topology: {config.topology}")
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
             for child in stack.children.values():
@@ -66,6 +70,12 @@ def _serve(args: argparse.Namespace) -> int:
         print("stopping...", flush=True)
         stack.stop()
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench.cli import run
+
+    return run(args)
 
 
 def _service(module: str):
@@ -93,8 +103,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--run-dir", type=Path, default=None, help="logs and etcd data")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument(
+        "--colocated",
+        type=int,
+        metavar="N",
+        default=0,
+        help="N workers that each do both phases (N decode workers, no prefill worker, every "
+        "request decode-only); overrides --prefill-workers/--decode-workers",
+    )
+    serve.add_argument(
+        "--decode-only-threshold",
+        type=int,
+        default=None,
+        help="prompts shorter than this skip the prefill pool (router default: 256)",
+    )
     serve.add_argument("--api-key", action="append", help="require this API key (repeatable)")
     serve.set_defaults(func=_serve)
+    from bench.cli import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible endpoint or local stacks (see --help)"
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     for name in ("gateway", "router", "prefill", "decode"):
         svc = sub.add_parser(name, help=f"run one {name} (flags: tandem {name} -- --help)")
         svc.add_argument("rest", nargs=argparse.REMAINDER)

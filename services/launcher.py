@@ -35,6 +35,7 @@ class StackConfig:
     member_refresh: float = 3.0
     lease_seconds: float = 30.0
     start_timeout: float = 120.0
+    kv_transport: str = ""  # "nixl" or "grpc"; empty: the workers' default (nixl if importable)
 
     @classmethod
     def colocated(cls, workers: int, **kwargs) -> StackConfig:
@@ -96,6 +97,7 @@ class Stack:
             "--member-ttl", str(c.member_ttl),
             "--member-refresh", str(c.member_refresh),
             "--lease-seconds", str(c.lease_seconds),
+            *(["--kv-transport", c.kv_transport] if c.kv_transport else []),
         )  # fmt: skip
 
     def start(self) -> Stack:

@@ -1,0 +1,101 @@
+"""Shared pieces of the GPU benchmark: event timing, the measured ceilings, the Llama shape."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+def llama_config() -> ModelConfig:
+    return ModelConfig.from_dict(LLAMA_31_8B)
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Median time of ``fn`` on the GPU in milliseconds (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_time_ms(fns: list[Callable[[], object]], iters: int = 10) -> float:
+    """Median GPU time per call of ``fns``, captured back to back in one CUDA graph (no host
+    launch overhead in the number)."""
+    for fn in fns:  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = time_ms(graph.replay, warmup=2, iters=iters) / len(fns)
+    del graph
+    return ms
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    """Measured in the same run: device-to-device copy (bytes read + written per second) and
+    the dense bf16 matrix rate on random data."""
+
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+def _copy_ms(n: int) -> float:
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src), warmup=3, iters=20)
+
+
+def _matmul_ms(m: int) -> float:
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    return time_ms(lambda: a @ b, warmup=5, iters=20)
+
+
+def measure_ceilings() -> Ceilings:
+    n, m = 1 << 30, 8192  # 2 GiB of bf16 per copy buffer: far past the L2
+    copy_ms, mm_ms = _copy_ms(n), _matmul_ms(m)
+    torch.cuda.empty_cache()
+    return Ceilings(2 * n * 2 / (copy_ms / 1e3), 2 * m**3 / (mm_ms / 1e3))

@@ -1,0 +1,188 @@
+"""The Llama-3.1-8B shape (random bf16 weights) through the engine's model: decode steps
+replayed from the engine's CUDA graphs, and prefill, against the measured ceilings."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.gpu_common import Ceilings, time_ms
+from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from engine.model import DecoderModel, LayerWeights, ModelWeights
+from kernels import AttentionMetadata
+
+BLOCK = 16
+
+
+def random_weights(c: ModelConfig, seed: int = 0) -> ModelWeights:
+    """Random bf16 weights drawn on the GPU (std 0.02, norms near 1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def norm() -> torch.Tensor:
+        return 1 + rand(c.hidden_size)
+
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    layers = [
+        LayerWeights(
+            norm(),
+            rand(qkv_rows, c.hidden_size),
+            None,
+            rand(c.hidden_size, c.num_heads * c.head_dim),
+            norm(),
+            rand(2 * c.intermediate_size, c.hidden_size),
+            rand(c.hidden_size, c.intermediate_size),
+        )
+        for _ in range(c.num_layers)
+    ]
+    return ModelWeights(
+        rand(c.vocab_size, c.hidden_size), layers, norm(), rand(c.vocab_size, c.hidden_size)
+    )
+
+
+def weight_bytes_per_step(w: ModelWeights) -> int:
+    """Bytes a decode step must read: every layer weight, the final norm and the LM head."""
+    n = sum(
+        t.numel()
+        for lw in w.layers
+        for t in (lw.input_norm, lw.qkv, lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
+    )
+    return (n + w.norm.numel() + w.lm_head.numel()) * 2
+
+
+def kv_bytes_per_token(c: ModelConfig) -> int:
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+
+
+class LlamaBench:
+    """One model and one KV pool of ``num_blocks`` random blocks, shared by every config."""
+
+    def __init__(self, c: ModelConfig, num_blocks: int, max_len: int) -> None:
+        self.c = c
+        self.w = random_weights(c)
+        self.model = DecoderModel(c, self.w, max_len)
+        self.max_len = max_len
+        shape = (num_blocks, c.num_layers, 2, BLOCK, c.num_kv_heads, c.head_dim)
+        self.kv = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+        for i in range(0, num_blocks, 1024):  # random, never zeros
+            self.kv[i : i + 1024].normal_()
+        self.perm = torch.randperm(num_blocks).tolist()
+
+    def tables(self, b: int, tokens: int) -> list[list[int]]:
+        nb = -(-tokens // BLOCK)
+        return [self.perm[i * nb : (i + 1) * nb] for i in range(b)]
+
+    def decode(self, b: int, ctx: int, ceil: Ceilings) -> dict:
+        """One decode step of ``b`` sequences that hold ``ctx`` tokens each (graph replay)."""
+        tables = self.tables(b, ctx + 1)
+        batch = DecodeBatch(
+            token_ids=torch.randint(0, self.c.vocab_size, (b,)).tolist(),
+            positions=[ctx] * b,
+            slot_blocks=[t[ctx // BLOCK] for t in tables],
+            slot_offsets=[ctx % BLOCK] * b,
+            block_tables=tables,
+            seq_lens=[ctx + 1] * b,
+        )
+        ms, host_ms = self._time_graph(batch)
+        nbytes = weight_bytes_per_step(self.w) + b * (ctx + 1) * kv_bytes_per_token(self.c)
+        roof_ms = nbytes / ceil.copy_bytes_per_s * 1e3
+        return {
+            "batch": b,
+            "ctx": ctx,
+            "step_ms": ms,
+            "step_with_host_ms": host_ms,
+            "bytes": nbytes,
+            "roofline_ms": roof_ms,
+            "frac_roofline": roof_ms / ms,
+        }
+
+    def _time_graph(self, batch: DecodeBatch) -> tuple[float, float]:
+        """Median replay time (events), and median wall time of the engine's whole path:
+        inputs up, replay, argmax, tokens down."""
+        b = len(batch.token_ids)
+        graphs = DecodeGraphs(self.model, self.kv, [b], -(-self.max_len // BLOCK), BLOCK)
+        graphs.capture()
+        graphs.run(batch)
+        ms = time_ms(lambda: graphs.replay(b), warmup=3, iters=30)
+        host = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            graphs.run(batch).argmax(-1).tolist()
+            host.append((time.perf_counter() - t0) * 1e3)
+        return ms, statistics.median(host)
+
+    def _prefill_inputs(self, t: int):
+        table = self.tables(1, t)[0]
+        dev = "cuda"
+        pos = torch.arange(t, device=dev)
+        tbl = torch.tensor([table], device=dev)
+        meta = AttentionMetadata(
+            slot_blocks=tbl[0][pos // BLOCK],
+            slot_offsets=pos % BLOCK,
+            block_tables=tbl,
+            seq_lens=torch.tensor([t], device=dev),
+            query_start_loc=torch.tensor([0, t], device=dev),
+            max_query_len=t,
+            max_seq_len=t,
+            block_size=BLOCK,
+        )
+        ids = torch.randint(0, self.c.vocab_size, (t,), device=dev)
+        return ids, pos, meta
+
+    def prefill(self, t: int, ceil: Ceilings) -> dict:
+        """A ``t``-token prompt, no cached prefix: forward plus the last row's logits."""
+        ids, pos, meta = self._prefill_inputs(t)
+
+        def step():
+            hidden = self.model.forward(ids, pos, self.kv, meta)
+            return self.model.logits(hidden[-1:])
+
+        ms = time_ms(step, warmup=2, iters=5)
+        c = self.c
+        layer_params = sum(
+            x.numel()
+            for x in (
+                self.w.layers[0].qkv,
+                self.w.layers[0].o_proj,
+                self.w.layers[0].gate_up,
+                self.w.layers[0].down,
+            )
+        )
+        flops = 2 * t * layer_params * c.num_layers + 2 * c.hidden_size * c.vocab_size
+        flops += 2 * t * t * c.head_dim * c.num_heads * c.num_layers  # causal attention
+        return {
+            "tokens": t,
+            "ms": ms,
+            "flops": flops,
+            "frac_matmul": flops / ceil.matmul_flops_per_s / (ms / 1e3),
+        }
+
+    def profile_decode(self, b: int, ctx: int) -> str:
+        """Per-kernel GPU time of one eager decode step (where the time goes)."""
+        tables = self.tables(b, ctx + 1)
+        dev = "cuda"
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor([t[ctx // BLOCK] for t in tables], device=dev),
+            slot_offsets=torch.full((b,), ctx % BLOCK, device=dev),
+            block_tables=torch.tensor(tables, device=dev),
+            seq_lens=torch.full((b,), ctx + 1, device=dev),
+            query_start_loc=torch.arange(b + 1, device=dev),
+            max_query_len=1,
+            max_seq_len=ctx + 1,
+            block_size=BLOCK,
+        )
+        ids = torch.zeros(b, dtype=torch.long, device=dev) + 5
+        pos = torch.full((b,), ctx, device=dev)
+        for _ in range(2):
+            self.model.logits(self.model.forward(ids, pos, self.kv, meta))
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            self.model.logits(self.model.forward(ids, pos, self.kv, meta))
+            torch.cuda.synchronize()
+        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)

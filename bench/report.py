@@ -1,0 +1,248 @@
+"""Results of a ``tandem bench`` run: the table, the compare ratios, JSON with every request,
+a markdown page, and PNG plots (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.metrics import Summary
+from bench.runner import RunResult
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """One measured run and its aggregates."""
+
+    result: RunResult
+    summary: Summary
+
+    @property
+    def rate_label(self) -> str:
+        r = self.result.rate
+        label = "inf" if math.isinf(r) else f"{r:g}"
+        return label if self.result.concurrency is None else f"{label} c={self.result.concurrency}"
+
+
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 1000:.0f}"
+
+
+def _s(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}"
+
+
+TABLE_HEAD = (
+    "| endpoint | workload | rate | ok/sent | req/s | out tok/s | TTFT p50/p90/p99 ms "
+    "| TPOT p50/p90/p99 ms | ITL p99 ms | E2E p50/p99 s | goodput req/s | SLO met |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def render_table(reports: Sequence[RunReport]) -> str:
+    """A markdown table, one row per run."""
+    lines = [TABLE_HEAD]
+    for rep in reports:
+        s, r = rep.summary, rep.result
+        lines.append(
+            f"| {r.endpoint} | {r.workload} | {rep.rate_label} | {s.completed}/{s.sent} "
+            f"| {_s(s.request_throughput)} | {s.output_token_throughput:.1f} "
+            f"| {_ms(s.ttft.p50)}/{_ms(s.ttft.p90)}/{_ms(s.ttft.p99)} "
+            f"| {_ms(s.tpot.p50)}/{_ms(s.tpot.p90)}/{_ms(s.tpot.p99)} | {_ms(s.itl.p99)} "
+            f"| {_s(s.e2e.p50)}/{_s(s.e2e.p99)} | {s.goodput:.3f} | {s.slo_attainment:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    if math.isnan(a) or math.isnan(b) or b == 0:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def render_ratios(reports: Sequence[RunReport]) -> str | None:
+    """Each endpoint against the first one, per workload and rate (None with one endpoint).
+    Throughputs: higher is better; latencies: lower is better."""
+    names = list(dict.fromkeys(rep.result.endpoint for rep in reports))
+    if len(names) < 2:
+        return None
+    by_key = {(rep.result.endpoint, rep.result.workload, rep.rate_label): rep for rep in reports}
+    lines = [
+        f"Ratios against `{names[0]}` (throughput: higher is better; latency: lower is better)",
+        "",
+        "| endpoint | workload | rate | goodput | req/s | out tok/s | TTFT p50 | TTFT p99 "
+        "| TPOT p50 | TPOT p99 | E2E p50 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (name, workload, rate), rep in by_key.items():
+        base = by_key.get((names[0], workload, rate))
+        if name == names[0] or base is None:
+            continue
+        s, b = rep.summary, base.summary
+        cells = [
+            _ratio(s.goodput, b.goodput),
+            _ratio(s.request_throughput, b.request_throughput),
+            _ratio(s.output_token_throughput, b.output_token_throughput),
+            _ratio(s.ttft.p50, b.ttft.p50),
+            _ratio(s.ttft.p99, b.ttft.p99),
+            _ratio(s.tpot.p50, b.tpot.p50),
+            _ratio(s.tpot.p99, b.tpot.p99),
+            _ratio(s.e2e.p50, b.e2e.p50),
+        ]
+        lines.append(f"| {name} | {workload} | {rate} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    """CPU model, core count, load average and software versions, for the results page."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _clean(x):
+    """JSON-safe: NaN and infinities become null (strict JSON has neither)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
+    runs = []
+    for rep in reports:
+        r = rep.result
+        records = [{**dataclasses.asdict(rec), "tpot": rec.tpot, "ok": rec.ok} for rec in r.records]
+        runs.append(
+            {
+                "endpoint": r.endpoint,
+                "workload": r.workload,
+                "rate": "inf" if math.isinf(r.rate) else r.rate,
+                "concurrency": r.concurrency,
+                "not_sent": r.not_sent,
+                "seed": r.seed,
+                "summary": dataclasses.asdict(rep.summary),
+                "records": records,
+            }
+        )
+    return _clean({**meta, "runs": runs})
+
+
+def write_json(path: Path, meta: dict, reports: Sequence[RunReport]) -> None:
+    path.write_text(json.dumps(to_json(meta, reports), indent=1, allow_nan=False) + "\n")
+
+
+def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: str = "") -> None:
+    m = meta["machine"]
+    lines = [
+        "# tandem bench",
+        "",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- machine: {m['cpu_model']}, {m['cpu_count']} cores; load average (1/5/15 min) at "
+        f"the start {m['loadavg']}, at the end {meta.get('loadavg_end', '?')}",
+        f"- SLO: TTFT <= {meta['slo']['ttft'] * 1000:g} ms and TPOT <= "
+        f"{meta['slo']['tpot'] * 1000:g} ms; goodput = requests/s meeting both",
+        "",
+        render_table(reports),
+    ]
+    ratios = render_ratios(reports)
+    if ratios:
+        lines += ["", ratios]
+    if notes:
+        lines += ["", notes]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plots(out: Path, reports: Sequence[RunReport]) -> list[Path]:
+    """``latency_cdf.png`` (TTFT, TPOT, E2E CDFs, one line per run) and ``goodput_vs_rate.png``
+    (per workload: goodput solid, request throughput dashed, one colour per endpoint)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    paths = [out / "latency_cdf.png", out / "goodput_vs_rate.png"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    metrics = (
+        ("TTFT (ms)", 1000.0, lambda r: r.ttft),
+        ("TPOT (ms)", 1000.0, lambda r: r.tpot),
+        ("E2E latency (s)", 1.0, lambda r: r.e2e),
+    )
+    for ax, (label, scale, get) in zip(axes, metrics, strict=True):
+        for rep in reports:
+            xs = sorted(scale * v for r in rep.result.records if (v := get(r)) is not None)
+            if xs:
+                ys = [0.0] + [(i + 1) / len(xs) for i in range(len(xs))]
+                name = f"{rep.result.endpoint} {rep.result.workload} {rep.rate_label}"
+                ax.step([xs[0], *xs], ys, where="post", label=name)
+        slo = reports[0].summary.slo if reports else None
+        if slo and label.startswith(("TTFT", "TPOT")):
+            limit = 1000 * (slo.ttft if label.startswith("TTFT") else slo.tpot)
+            ax.axvline(limit, color="k", linestyle=":", label="SLO")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on short ranges
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    _plot_goodput(plt, paths[1], reports)
+    return paths
+
+
+def _plot_goodput(plt, path: Path, reports: Sequence[RunReport]) -> None:
+    workloads = list(dict.fromkeys(rep.result.workload for rep in reports))
+    names = list(dict.fromkeys(rep.result.endpoint for rep in reports))
+    rates = list(dict.fromkeys(rep.rate_label for rep in reports))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        for i, name in enumerate(names):
+            runs = {
+                rep.rate_label: rep.summary
+                for rep in reports
+                if rep.result.endpoint == name and rep.result.workload == workload
+            }
+            xs = [j for j, rate in enumerate(rates) if rate in runs]
+            color = f"C{i}"
+            ax.plot(xs, [runs[rates[j]].goodput for j in xs], "o-", color=color, label=name)
+            ax.plot(
+                xs,
+                [runs[rates[j]].request_throughput for j in xs],
+                "x--",
+                color=color,
+                label=f"{name} (all completed)",
+            )
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("req/s")
+        ax.set_title(f"{workload}: goodput (solid) vs throughput (dashed)", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""Drives an OpenAI-compatible endpoint with the official async ``openai`` client, streaming.
+
+Arrivals: units (one request, or one multi-turn session whose turns follow each other) start
+at Poisson arrival times of the given rate (``inf``: all at once), optionally capped at a
+number in flight (``concurrency``; with ``rate=inf`` that is a fixed concurrency). The run
+sends every request of the workload, or stops sending once ``time_limit`` seconds have passed;
+requests already in flight then finish and count. Times come from ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from bench.metrics import RequestRecord, record_from_trace
+from bench.workloads import Message, RequestSpec, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """An OpenAI-compatible server: ``base_url`` ends in ``/v1``; ``model`` None asks
+    ``/v1/models`` for the first one."""
+
+    name: str
+    base_url: str
+    api_key: str = "EMPTY"
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    rate: float = math.inf
+    concurrency: int | None = None
+    time_limit: float | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How each request is sent. ``ignore_eos`` goes in ``extra_body`` (a vLLM extension that
+    Tandem's gateway also accepts), making ``max_tokens`` the exact output length."""
+
+    api: str = "chat"  # or "completions"
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    timeout: float = 600.0
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class RunResult:
+    endpoint: str
+    workload: str
+    rate: float
+    concurrency: int | None
+    duration: float
+    records: list[RequestRecord] = field(default_factory=list)
+    not_sent: int = 0
+    seed: int = 0  # the workload's
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Offsets (s) of ``n`` Poisson arrivals at ``rate`` per second, the first at 0. The same
+    seed gives the same unit-rate draws at every rate (they are scaled by ``1 / rate``)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    rng = random.Random(f"arrivals:{seed}")
+    out, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(1.0) / rate
+        out.append(t)
+    return out
+
+
+def make_client(endpoint: Endpoint, opts: RequestOptions, http_client=None):
+    """The async client (no retries: a failure is a result); ``http_client`` is an optional
+    ``httpx.AsyncClient`` (tests pass one with a mock transport)."""
+    import openai
+
+    return openai.AsyncOpenAI(
+        base_url=endpoint.base_url,
+        api_key=endpoint.api_key,
+        max_retries=0,
+        timeout=opts.timeout,
+        http_client=http_client,
+    )
+
+
+async def resolve_model(client, endpoint: Endpoint) -> str:
+    if endpoint.model:
+        return endpoint.model
+    models = await client.models.list()
+    if not models.data:
+        raise RuntimeError(f"{endpoint.base_url}/models lists no model; pass --model")
+    return models.data[0].id
+
+
+async def send(
+    client, model: str, spec: RequestSpec, opts: RequestOptions, t0: float
+) -> RequestRecord:
+    """Send one streamed request; the record of what happened (errors are recorded, not
+    raised)."""
+    kwargs: dict = {
+        "model": model,
+        "max_tokens": spec.output_tokens,
+        "temperature": opts.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if opts.ignore_eos:
+        kwargs["extra_body"] = {"ignore_eos": True}
+    chat = opts.api == "chat"
+    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+    chunk_times: list[float] = []
+    usage = None
+    error = None
+    sent = perf_counter()
+    try:
+        if chat:
+            stream = await client.chat.completions.create(messages=messages, **kwargs)
+        else:
+            stream = await client.completions.create(prompt=spec.prompt, **kwargs)
+        async with stream:
+            async for chunk in stream:
+                now = perf_counter()
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    text = (choice.delta.content if choice.delta else None) if chat else choice.text
+                    if text:
+                        chunk_times.append(now)
+                        break
+    except Exception as e:  # every failure is a recorded outcome, never raised
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+    end = perf_counter()
+    return record_from_trace(
+        spec.request_id,
+        t0,
+        sent,
+        chunk_times,
+        end,
+        usage.prompt_tokens if usage else spec.input_tokens,
+        usage.completion_tokens if usage else len(chunk_times),
+        error=error,
+        target_input_tokens=spec.input_tokens,
+        target_output_tokens=spec.output_tokens,
+        session=spec.session,
+        turn=spec.turn,
+    )
+
+
+async def warm_up(client, model: str, n: int, opts: RequestOptions) -> None:
+    """``n`` short requests before measuring (first-request costs: connections, lazy init)."""
+    for i in range(n):
+        spec = RequestSpec(f"warmup-{i}", (Message("user", "Say hello."),), 3, 4)
+        rec = await send(client, model, spec, opts, perf_counter())
+        if not rec.ok:
+            raise RuntimeError(f"warm-up request failed: {rec.error}")
+
+
+async def run_load(
+    endpoint: Endpoint,
+    workload: Workload,
+    load: LoadConfig,
+    opts: RequestOptions,
+    warmup: int = 1,
+    http_client=None,
+) -> RunResult:
+    """Run ``workload`` against ``endpoint`` under ``load``; every sent request is recorded."""
+    from tqdm import tqdm
+
+    client = make_client(endpoint, opts, http_client)
+    try:
+        model = await resolve_model(client, endpoint)
+        await warm_up(client, model, warmup, opts)
+        result = RunResult(endpoint.name, workload.name, load.rate, load.concurrency, 0.0)
+        result.seed = workload.config.seed
+        total = len(workload.requests)
+        rate = "inf" if math.isinf(load.rate) else f"{load.rate:g}"
+        desc = f"{endpoint.name} {workload.name} rate={rate}"
+        with tqdm(total=total, desc=desc, unit="req", disable=not opts.progress) as bar:
+            t0 = perf_counter()
+            await _drive(client, model, workload, load, opts, t0, result, bar)
+            result.duration = perf_counter() - t0
+        result.records.sort(key=lambda r: r.start)
+        result.not_sent = total - len(result.records)
+        return result
+    finally:
+        await client.close()
+
+
+async def _drive(client, model, workload, load, opts, t0, result, bar) -> None:
+    deadline = t0 + load.time_limit if load.time_limit else math.inf
+    slots = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+
+    async def unit_task(unit: tuple[RequestSpec, ...]) -> None:
+        async with slots if slots is not None else contextlib.nullcontext():
+            for spec in unit:
+                if perf_counter() >= deadline:
+                    return
+                rec = await send(client, model, spec, opts, t0)
+                result.records.append(rec)
+                bar.update(1)
+                if not rec.ok:
+                    bar.set_postfix(failed=sum(not r.ok for r in result.records))
+
+    tasks = []
+    arrivals = arrival_times(len(workload.units), load.rate, load.seed)
+    for at, unit in zip(arrivals, workload.units, strict=True):
+        when = t0 + at
+        if when >= deadline:
+            break
+        if when > perf_counter():
+            await asyncio.sleep(when - perf_counter())
+        tasks.append(asyncio.create_task(unit_task(unit)))
+    await asyncio.gather(*tasks)

@@ -1,0 +1,66 @@
+"""``tandem bench`` for real: it starts the local stack itself (etcd, router, workers and
+gateway as processes, the bundled model), drives it with the openai client and writes valid
+JSON, markdown and PNG plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def no_nan(x):
+    raise ValueError(f"not strict JSON: {x}")
+
+
+def run_bench(out, *args: str) -> dict:
+    assert main([*args, "--out", str(out), "--logs", str(out / "logs"), "--no-progress"]) == 0
+    data = json.loads((out / "results.json").read_text(), parse_constant=no_nan)
+    for name in ("latency_cdf.png", "goodput_vs_rate.png"):
+        assert (out / name).read_bytes()[:8] == PNG
+    assert "| endpoint | workload |" in (out / "results.md").read_text()
+    return data
+
+
+def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
+    # 300-token prompts are over the router's decode-only threshold (256): prefill worker,
+    # KV transfer, then decode.
+    data = run_bench(
+        tmp_path, "--stack", "disagg:1p1d", "--model-dir", str(smol_dir),
+        "--workload", "prefill-heavy", "--num-requests", "6", "--input-len", "300",
+        "--input-spread", "0", "--output-len", "4", "--output-spread", "0", "--concurrency", "3",
+    )  # fmt: skip
+    (run,) = data["runs"]
+    assert run["endpoint"] == "disagg:1p1d" and run["not_sent"] == 0
+    assert data["workloads"][0]["exact_lengths"] is True
+    recs = run["records"]
+    assert len(recs) == 6 and all(r["ok"] for r in recs), [r["error"] for r in recs]
+    for r in recs:
+        assert r["output_tokens"] == 4  # ignore_eos honoured: exact output length
+        assert r["input_tokens"] > 300  # content plus the chat template
+        assert 0 < r["ttft"] <= r["e2e"] and r["tpot"] > 0
+    s = run["summary"]
+    assert s["completed"] == 6 and s["output_tokens"] == 24
+    assert s["request_throughput"] == pytest.approx(6 / s["duration"])
+    assert (tmp_path / "logs/0-disagg-1p1d/logs/prefill-0.log").is_file()
+
+
+@pytest.mark.slow
+def test_compare_colocated_stack_with_a_rate_sweep(smol_dir, tmp_path):
+    data = run_bench(
+        tmp_path, "--stack", "colocated:1", "--stack", "disagg:1p1d", "--model-dir", str(smol_dir),
+        "--workload", "decode-heavy", "--workload", "multi-turn", "--turns", "2",
+        "--num-requests", "4", "--input-len", "16", "--output-len", "6", "--rate", "2,inf",
+    )  # fmt: skip
+    runs = data["runs"]
+    assert [(r["endpoint"], r["workload"], r["rate"]) for r in runs[:4]] == [
+        ("colocated:1", "decode-heavy", 2.0), ("colocated:1", "decode-heavy", "inf"),
+        ("colocated:1", "multi-turn", 2.0), ("colocated:1", "multi-turn", "inf"),
+    ]  # fmt: skip
+    assert len(runs) == 8 and all(r["summary"]["completed"] == 4 for r in runs)
+    assert not (tmp_path / "logs/0-colocated-1/logs/prefill-0.log").exists()
+    assert "Ratios against `colocated:1`" in (tmp_path / "results.md").read_text()

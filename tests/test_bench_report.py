@@ -1,0 +1,124 @@
+"""bench report, stack specs and the CLI wiring, on synthetic runs (no servers)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.metrics import SLO, record_from_trace, summarize
+from bench.report import RunReport, render_ratios, render_table, write_json, write_plots
+from bench.rescore import load_reports
+from bench.runner import RunResult
+from bench.stacks import StackSpec, parse_stack, stack_config
+from services.cli import build_parser
+from services.launcher import COLOCATED_THRESHOLD, StackConfig
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(endpoint: str, scale: float, rate: float = math.inf) -> RunReport:
+    records = [
+        record_from_trace(
+            f"r{i}",
+            0.0,
+            i * 0.1,
+            [i * 0.1 + scale * 0.5, i * 0.1 + scale * 0.53],
+            i * 0.1 + scale * 0.56,
+            input_tokens=10,
+            output_tokens=3,
+        )  # fmt: skip
+        for i in range(4)
+    ]
+    records.append(record_from_trace("bad", 0.0, 0.0, [], 0.1, 10, 0, error="boom"))
+    result = RunResult(endpoint, "decode-heavy", rate, None, 2.0, records)
+    return RunReport(result, summarize(records, 2.0, SLO()))
+
+
+def test_table_and_ratios():
+    fast, slow = fake_run("disagg:1p1d", 1.0), fake_run("colocated:2", 2.0)
+    table = render_table([fast, slow])
+    assert "| disagg:1p1d | decode-heavy | inf | 4/5 | 2.00 |" in table
+    assert "| 500/500/500 | 30/30/30 |" in table  # TTFT and TPOT in ms
+    ratios = render_ratios([fast, slow])
+    assert ratios is not None and "| colocated:2 | decode-heavy | inf | 0.00x |" in ratios
+    assert "| 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in ratios  # latencies doubled
+    assert render_ratios([fast]) is None
+
+
+def test_json_is_strict_and_complete(tmp_path):
+    reports = [fake_run("a", 1.0, rate=1.0), fake_run("a", 1.0)]
+    path = tmp_path / "r.json"
+    write_json(path, {"date": "now", "slo": {"ttft": 1.0, "tpot": 0.05}}, reports)
+
+    def no_nan(x):
+        raise ValueError(x)
+
+    data = json.loads(path.read_text(), parse_constant=no_nan)
+    assert [run["rate"] for run in data["runs"]] == [1.0, "inf"]
+    recs = data["runs"][0]["records"]
+    assert len(recs) == 5 and recs[-1]["ok"] is False and recs[-1]["ttft"] is None
+    assert recs[0]["tpot"] == pytest.approx(0.03) and len(recs[0]["itl"]) == 1
+    assert data["runs"][0]["summary"]["goodput"] == 2.0
+
+
+def test_plots_are_pngs(tmp_path):
+    reports = [fake_run(n, s, r) for n, s in (("a", 1.0), ("b", 2.0)) for r in (1.0, 2.0)]
+    for path in write_plots(tmp_path, reports):
+        assert path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
+
+
+def test_stack_specs():
+    assert parse_stack("disagg:1p2d") == StackSpec("disagg:1p2d", 1, 2)
+    assert parse_stack("disagg:2p1d:threshold=0").threshold == 0
+    assert parse_stack("colocated:2") == StackSpec("colocated:2", 0, 2, colocated=True)
+    for bad in ("colocated:0", "disagg:0p1d", "disagg:1p", "mixed:2"):
+        with pytest.raises(ValueError):
+            parse_stack(bad)
+    cfg = stack_config(parse_stack("colocated:2"), "/m", "/r", kv_cache_bytes=1 << 20)
+    assert (cfg.num_prefill, cfg.num_decode, cfg.kv_cache_bytes) == (0, 2, 1 << 20)
+    assert cfg.decode_only_threshold == COLOCATED_THRESHOLD and cfg.topology == "colocated:2"
+    cfg = stack_config(parse_stack("disagg:1p1d:threshold=0"), "/m", "/r")
+    assert cfg.decode_only_threshold == 0 and cfg.topology == "disagg:1p1d"
+
+
+def test_colocated_config_and_cli_flags():
+    cfg = StackConfig.colocated(3, model_dir="/m", run_dir="/r")
+    assert (cfg.num_prefill, cfg.num_decode, cfg.topology) == (0, 3, "colocated:3")
+    args = build_parser().parse_args(["serve", "--colocated", "2"])
+    assert args.colocated == 2
+    args = build_parser().parse_args(
+        ["bench", "--stack", "disagg:1p1d", "--stack", "colocated:2", "--rate", "1,2",
+         "--rate", "inf", "--workload", "prefill-heavy", "--slo-tpot-ms", "80"]
+    )  # fmt: skip
+    assert args.stack == ["disagg:1p1d", "colocated:2"] and args.workload == ["prefill-heavy"]
+    assert [r for g in args.rate for r in g] == [1.0, 2.0, math.inf]
+    assert args.slo_tpot_ms == 80 and args.func.__name__ == "_bench"
+
+
+def test_rescore_round_trips_records(tmp_path):
+    reports = [fake_run("a", 1.0), fake_run("b", 2.0, rate=0.5)]
+    path = tmp_path / "results.json"
+    write_json(path, {"date": "now"}, reports)
+    same = load_reports(path, SLO())
+    assert [r.result.records for r in same] == [r.result.records for r in reports]
+    assert [r.summary for r in same] == [r.summary for r in reports]
+    relaxed = load_reports(path, SLO(ttft=2.0, tpot=0.1))
+    assert [r.summary.goodput for r in relaxed] == [2.0, 2.0]  # "b" now meets the SLOs
+    assert relaxed[1].result.rate == 0.5 and math.isinf(relaxed[0].result.rate)
+
+
+def test_each_rate_of_a_sweep_gets_fresh_requests():
+    from bench.cli import _workloads
+
+    args = build_parser().parse_args(
+        ["bench", "--rate", "1,2", "--workload", "decode-heavy:output=4", "--workload",
+         "random", "--num-requests", "3", "--tokenizer", "none"]
+    )  # fmt: skip
+    sets = _workloads(args, 2)
+    assert [[w.name for w in sweep] for sweep in sets] == [["decode-heavy"] * 2, ["random"] * 2]
+    assert [w.config.seed for w in sets[0]] == [0, 1]
+    first, second = (set(r.messages for r in w.requests) for w in sets[0])
+    assert not first & second  # no prompt is sent twice to a stack
+    assert _workloads(args, 2) == sets  # and every target gets the same ones

@@ -1,0 +1,134 @@
+"""bench.runner against a scripted OpenAI-style SSE server (an httpx mock transport): what it
+sends, concurrency caps, the time limit, sequential session turns, recorded failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+
+from bench.runner import Endpoint, LoadConfig, RequestOptions, run_load
+from bench.workloads import ApproxCounter, WorkloadConfig, generate
+
+STEP = 0.02  # seconds between scripted chunks
+
+
+class FakeServer:
+    """Streams ``max_tokens`` one-token chat chunks, ``STEP`` apart, then usage and [DONE]."""
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.fail_every = fail_every
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            model = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "me"}
+            return httpx.Response(200, json={"object": "list", "data": [model]})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        if self.fail_every and len(self.bodies) % self.fail_every == 0:
+            return httpx.Response(400, json={"error": {"message": "nope", "type": "bad"}})
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=self.events(body)
+        )
+
+    async def events(self, body: dict):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+
+        def sse(choices, usage=None) -> bytes:
+            return f"data: {json.dumps({**head, 'choices': choices, 'usage': usage})}\n\n".encode()
+
+        chat = "messages" in body
+        if chat:
+            yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+        else:
+            head["object"] = "text_completion"
+        n = body["max_tokens"]
+        for i in range(n):
+            await asyncio.sleep(STEP)
+            finish = "length" if i == n - 1 else None
+            text = {"delta": {"content": "w "}} if chat else {"text": "w "}
+            yield sse([{"index": 0, **text, "finish_reason": finish}])
+        usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+        self.in_flight -= 1  # before the last chunk: the mock transport never closes generators
+        yield sse([], usage)
+        yield b"data: [DONE]\n\n"
+
+
+def run(server: FakeServer, workload, load: LoadConfig, warmup: int = 0, **opts_kw):
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(server.handler))
+        opts = RequestOptions(progress=False, timeout=30, **opts_kw)
+        return await run_load(
+            Endpoint("fake", "http://fake/v1"), workload, load, opts, warmup, http
+        )
+
+    return asyncio.run(go())
+
+
+def workload(kind: str = "decode-heavy", n: int = 6, out: int = 3, **kw):
+    cfg = WorkloadConfig(kind, n, input_len=10, output_len=out, output_spread=0.0, **kw)
+    return generate(cfg, ApproxCounter())
+
+
+def test_fixed_concurrency_streams_and_measures():
+    server = FakeServer()
+    res = run(server, workload(n=6, out=3), LoadConfig(concurrency=2), warmup=1)
+    assert server.max_in_flight == 2
+    assert len(server.bodies) == 7  # one warm-up, then six measured
+    body = server.bodies[1]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 3 and body["model"] == "fake-model"
+    assert [m["role"] for m in body["messages"]] == ["user"]
+    assert len(res.records) == 6 and res.not_sent == 0
+    for r in res.records:
+        assert r.ok and r.output_tokens == 3 and r.input_tokens == 7
+        assert r.ttft >= STEP and len(r.itl) == 2 and all(g >= STEP * 0.9 for g in r.itl)
+        assert r.e2e >= r.ttft + 2 * STEP * 0.9
+    assert res.duration >= 3 * 3 * STEP  # three waves of two
+
+
+def test_time_limit_stops_sending():
+    server = FakeServer()
+    res = run(server, workload(n=20, out=5), LoadConfig(concurrency=1, time_limit=0.25))
+    # Each request takes ~0.1 s; sending stops at 0.25 s, the one in flight finishes.
+    assert 2 <= len(res.records) <= 4 and res.not_sent == 20 - len(res.records)
+    assert all(r.ok for r in res.records)
+
+
+def test_poisson_rate_spreads_arrivals():
+    res = run(FakeServer(), workload(n=8, out=1), LoadConfig(rate=20.0, seed=1))
+    starts = [r.start for r in res.records]
+    assert starts == sorted(starts) and starts[-1] > 0.1  # not all at once
+    assert not math.isinf(res.rate)
+
+
+def test_session_turns_run_in_order_and_failures_are_recorded():
+    server = FakeServer(fail_every=4)
+    res = run(server, workload("multi-turn", n=6, out=2, turns=3), LoadConfig())
+    assert len(res.records) == 6
+    by_session: dict[int, list] = {}
+    for r in res.records:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn)
+        for prev, cur in zip(turns, turns[1:], strict=False):
+            assert cur.start >= prev.start + (prev.e2e or 0)
+    failed = [r for r in res.records if not r.ok]
+    assert len(failed) == 1 and "400" in failed[0].error
+    assert len(server.bodies[3]["messages"]) in (1, 3, 5)  # history grows by 2 per turn
+
+
+def test_completions_api_without_ignore_eos():
+    server = FakeServer()
+    wl = workload("shared-prefix", n=2, out=2, prefix_len=20)
+    res = run(server, wl, LoadConfig(), api="completions", ignore_eos=False)
+    body = server.bodies[0]
+    assert "ignore_eos" not in body and "messages" not in body
+    assert body["prompt"] == wl.requests[0].prompt  # system prefix, blank line, question
+    assert all(r.ok and r.output_tokens == 2 and len(r.itl) == 1 for r in res.records)
