@@ -102,3 +102,33 @@ def test_kv_pool_sized_from_free_memory(smol_shape_dir):
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+def test_transformers_bf16_on_cuda_matches_at_the_same_rate(smol_shape_dir, prompts, cpu_fp32):
+    """``transformers`` on the same GPU in bf16, greedy: its agreement with the CPU fp32 engine
+    sets the bar for ours (bf16 rounding flips the same kind of near-ties in both)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smol_shape_dir, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    hf: Outputs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            hf.append(out[0, len(p) :].tolist())
+    del model
+    torch.cuda.empty_cache()
+    ours = _greedy(smol_shape_dir, prompts, device="cuda")
+    hf_rate = _match_rate("transformers_cuda_bf16_vs_cpu_fp32", hf, cpu_fp32)
+    our_rate = _match_rate("cuda_bf16_vs_cpu_fp32_again", ours, cpu_fp32)
+    _match_rate("cuda_bf16_vs_transformers_cuda_bf16", ours, hf)
+    assert our_rate >= hf_rate - 0.15
