@@ -109,11 +109,14 @@ class HandoffMixin:
         first_logprob: TokenLogprob | None = None,
         generator_state: bytes = b"",
         num_cached_tokens: int = 0,
+        recompute: bool = False,
     ) -> None:
         """Join a reserved request, whose prompt KV has been written, to the running batch.
 
         The first token was sampled (and streamed) by the prefill worker; its text is not
-        emitted again here.
+        emitted again here. ``recompute``: the KV never arrived (transfer failed, reservation
+        released); the request queues like a preempted one and this engine recomputes prompt
+        and first token (reusing its own cached prefix) before sampling the second token.
         """
         self._validate(prompt, params)
         req = self._new_request(request_id, prompt, params, tenant)
@@ -121,12 +124,16 @@ class HandoffMixin:
         if generator_state and seq.generator is not None:
             seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         seq.output_token_ids.append(first_token)
-        seq.num_computed = len(prompt)
+        seq.num_computed = 0 if recompute else len(prompt)
         seq.num_cached_prompt_tokens = num_cached_tokens
         if req.logprobs is not None and first_logprob is not None:
             req.logprobs.append(first_logprob)
         req.text = req.detok.push([first_token]).text
         with self._lock:
+            if recompute:
+                self._register(req)
+                self.scheduler.add(seq)
+                return
             if request_id not in self._reserved:
                 raise RequestNotFoundError(f"no reserved KV for request {request_id!r}")
             self._register(req)

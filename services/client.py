@@ -1,16 +1,17 @@
 """Typed async client of the router's internal gRPC API, for platforms that skip HTTP.
 
-    from services.client import TandemClient
+from services.client import TandemClient
 
-    async with TandemClient("127.0.0.1:50051", api_key="secret") as client:
-        async for ev in client.generate("Once upon a time", max_tokens=32, temperature=0):
-            print(ev.text, end="")
-        done = await client.complete([1, 2, 3], max_tokens=8)
-        print(done.text, done.finish_reason, done.usage)
+async with TandemClient("127.0.0.1:50051", api_key="secret") as client:
+    async for ev in client.generate("Once upon a time", max_tokens=32, temperature=0):
+        print(ev.text, end="")
+    done = await client.complete([1, 2, 3], max_tokens=8)
+    print(done.text, done.finish_reason, done.usage)
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,13 @@ class TandemClient:
                 yield event_from_pb(msg)
         except grpc.aio.AioRpcError as e:
             raise TandemClientError(e.code().name, e.details() or "") from e
+        except asyncio.CancelledError:
+            # grpc.aio reports a call cancelled by the *server* (an Abort) as CancelledError;
+            # only a cancellation of the caller's own task should look like one.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise TandemClientError("CANCELLED", "the request was aborted") from None
         finally:
             call.cancel()  # no-op when done; aborts the request if the caller stopped early
 

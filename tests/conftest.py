@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,9 @@ import torch
 from engine.bundled import DEFAULT_DIR, convert
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# NIXL/UCX in tests (this process and every worker it spawns) talk over loopback only.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 @pytest.fixture(scope="session")

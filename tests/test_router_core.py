@@ -23,8 +23,14 @@ class Directory:
 
 
 def member(worker_id: str, role: str, queue: int = 0, used: int = 0) -> Member:
-    return Member(worker_id, role, "m", f"{worker_id}:1", kv_blocks_total=100,
-                  load=MemberLoad(queue_length=queue, kv_blocks_used=used))
+    return Member(
+        worker_id,
+        role,
+        "m",
+        f"{worker_id}:1",
+        kv_blocks_total=100,
+        load=MemberLoad(queue_length=queue, kv_blocks_used=used),
+    )
 
 
 HANDLE = KVHandle("p", "inc", "p:1", (1, 2), 20, 16, 64, "float32", 0)
@@ -67,8 +73,14 @@ async def collect(core: RouterCore, j: RouteJob) -> list[Event]:
 
 
 async def test_least_loaded_and_threshold():
-    d = Directory([member("p0", "prefill", queue=3), member("p1", "prefill"),
-                   member("d0", "decode", used=90), member("d1", "decode", used=10)])
+    d = Directory(
+        [
+            member("p0", "prefill", queue=3),
+            member("p1", "prefill"),
+            member("d0", "decode", used=90),
+            member("d1", "decode", used=10),
+        ]
+    )
     clients = Clients()
     core = RouterCore(d, clients, decode_only_threshold=256)
     await collect(core, job(10))
@@ -83,8 +95,14 @@ async def test_least_loaded_and_threshold():
 
 
 async def test_retry_once_on_another_worker_before_first_token():
-    d = Directory([member("p0", "prefill"), member("p1", "prefill", queue=1),
-                   member("d0", "decode"), member("d1", "decode", queue=1)])
+    d = Directory(
+        [
+            member("p0", "prefill"),
+            member("p1", "prefill", queue=1),
+            member("d0", "decode"),
+            member("d1", "decode", queue=1),
+        ]
+    )
     clients = Clients(down={"p0"})
     core = RouterCore(d, clients)
     events = await collect(core, job(300))
@@ -126,14 +144,54 @@ async def test_abort_cancels_the_running_request():
 
     core = RouterCore(Directory([member("d0", "decode")]), Slow())
     first = asyncio.Event()
+    events = []
 
-    async def consume():
-        async for _ in core.generate(job(5)):
+    async def consume_all():
+        async for ev in core.generate(job(5)):
+            events.append(ev)
             first.set()
 
-    task = asyncio.ensure_future(consume())
+    task = asyncio.ensure_future(consume_all())
     await asyncio.wait_for(first.wait(), 5)
     assert core.abort("r1") and not core.abort("unknown")
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await asyncio.wait_for(task, 5)  # the stream ends cleanly, with an abort event
+    assert [e.finish_reason for e in events] == [None, "abort"]
     assert core.inflight["d0"] == 0
+
+
+async def test_kv_transfer_failure_prefills_again_on_another_worker():
+    """Decode policy "retry": the decode worker could not obtain the KV from p0 (it died), so
+    the router prefills again on p1 and decodes from that KV, keeping the first token."""
+    from dataclasses import replace
+
+    from services.common.errors import KVTransferFailed
+
+    class LostKV(Clients):
+        async def prefill(self, worker, job):
+            reply = await super().prefill(worker, job)
+            reply.first.token_ids = [7] if worker.worker_id == "p0" else [99]
+            return replace(reply, handle=replace(HANDLE, worker_id=worker.worker_id))
+
+        async def decode(self, worker, call):
+            self.calls.append(("decode", call.handle.worker_id))
+            if call.handle.worker_id == "p0":
+                raise KVTransferFailed("p0 died mid-transfer")
+            assert call.first.token_ids == [7]  # the token already streamed
+            yield Event(call.job.request_id, [9], "z", finish_reason="length")
+
+    d = Directory([member("p0", "prefill"), member("p1", "prefill", queue=1),
+                   member("d0", "decode")])  # fmt: skip
+    clients = LostKV()
+    core = RouterCore(d, clients)
+    events = await collect(core, job(300))
+    assert [e.token_ids for e in events] == [[7], [9]]
+    assert clients.calls == [("prefill", "p0"), ("decode", "p0"), ("prefill", "p1"),
+                             ("decode", "p1")]  # fmt: skip
+    assert core.stats.retries == 1
+    await asyncio.sleep(0)
+    assert clients.released == ["r1", "r1"]  # both prefill workers' blocks released
+
+    clients = LostKV()  # with no other prefill worker the request fails cleanly
+    with pytest.raises(Unavailable, match="no other prefill worker"):
+        await collect(RouterCore(Directory([member("p0", "prefill"), member("d0", "decode")]),
+                                 clients), job(300))  # fmt: skip

@@ -24,6 +24,11 @@ class ResourceExhausted(ServiceError):
     """Out of capacity (queue full, no KV blocks); retry later or elsewhere (RESOURCE_EXHAUSTED)."""
 
 
+class KVTransferFailed(ServiceError):
+    """A decode worker could not obtain a request's prefilled KV from its prefill worker
+    (ABORTED): the router may prefill again on another worker and retry the decode."""
+
+
 class DeadlineExceeded(ServiceError):
     """The work did not finish before its deadline (DEADLINE_EXCEEDED)."""
 

@@ -37,6 +37,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.KVTransferFailed, grpc.StatusCode.ABORTED),
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
@@ -221,6 +222,12 @@ async def start_server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # Accept the clients' keepalive pings (every 20 s, also between calls); the
+            # default (one per 5 min without data) answers them with GOAWAY "too_many_pings",
+            # which drops the connection under streams in flight.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from libkv.registry import Member, MemberLoad, Registration
+from services.common.kv_setup import NIXL_MODES, TRANSPORTS, default_transport
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "safetensors"
+    kv_transport: str = "grpc"  # "nixl" or "grpc" (see services.common.kv_setup)
+    nixl_mode: str = "auto"  # decode: "read" (pull), "write" (prefill pushes) or per host kind
+    on_transfer_failure: str = "recompute"  # decode: "recompute" locally or "retry" (router)
+    kv_transfer_timeout: float = 10.0
 
     @property
     def model_name(self) -> str:
@@ -95,6 +100,32 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("DEVICE", "auto"))
     p.add_argument("--dtype", default=_env("DTYPE", "auto"))
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "safetensors"))
+    add_kv_transfer_flags(p)
+
+
+def add_kv_transfer_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-transport",
+        choices=TRANSPORTS,
+        default=_env("KV_TRANSPORT", default_transport()),
+        help="how KV blocks move between workers (default: nixl when importable)",
+    )
+    p.add_argument(
+        "--nixl-mode",
+        choices=NIXL_MODES,
+        default=_env("NIXL_MODE", "auto"),
+        help="decode: READ (pull) or WRITE (prefill pushes); auto picks per host kind",
+    )
+    p.add_argument(
+        "--on-transfer-failure",
+        choices=("recompute", "retry"),
+        default=_env("ON_TRANSFER_FAILURE", "recompute"),
+        help="decode, when obtaining the KV fails: prefill the prompt locally, or fail so "
+        "the router retries on another prefill worker",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout", type=float, default=float(_env("KV_TRANSFER_TIMEOUT", "10"))
+    )
 
 
 def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
@@ -118,6 +149,10 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        kv_transport=args.kv_transport,
+        nixl_mode=args.nixl_mode,
+        on_transfer_failure=args.on_transfer_failure,
+        kv_transfer_timeout=args.kv_transfer_timeout,
     )
 
 
@@ -128,7 +163,11 @@ def start_engine(config: WorkerConfig) -> AsyncEngine:
 
 
 async def register(
-    config: WorkerConfig, address: str, engine: LLMEngine, incarnation: str
+    config: WorkerConfig,
+    address: str,
+    engine: LLMEngine,
+    incarnation: str,
+    extra: dict[str, str] | None = None,
 ) -> Registration | None:
     """Register this worker in etcd (None when no etcd is configured)."""
     if not config.etcd:
@@ -151,6 +190,7 @@ async def register(
         kv_blocks_total=engine.pool.num_blocks,
         block_size=config.block_size,
         incarnation=incarnation,
+        extra=dict(extra or {}),
     )
     return await Registration.start(
         list(config.etcd),

@@ -10,7 +10,7 @@ import uuid
 from tandem.v1 import worker_pb2_grpc
 
 from services.common.grpc_server import start_server
-from services.common.kv_transport import GrpcStreamTransport
+from services.common.kv_setup import decode_side
 from services.common.worker import (
     add_worker_flags,
     advertised,
@@ -32,15 +32,30 @@ async def serve(argv: list[str] | None = None) -> None:
     config = worker_config("decode", parser.parse_args(argv))
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
-    transport = GrpcStreamTransport()
-    core = DecodeCore(engine, transport, config.worker_id, incarnation)
+    kv = await decode_side(
+        config.kv_transport,
+        config.nixl_mode,
+        engine.engine,
+        config.worker_id,
+        incarnation,
+        config.etcd,
+    )
+    assert kv.transport is not None
+    core = DecodeCore(
+        engine,
+        kv.transport,
+        config.worker_id,
+        incarnation,
+        transfer_timeout=config.kv_transfer_timeout,
+        on_transfer_failure=config.on_transfer_failure,
+    )
     server = await start_server(
         [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],
         ["tandem.v1.Decode"],
         config.bind,
     )
     address = advertised(config, server.port)
-    reg = await register(config, address, engine.engine, incarnation)
+    reg = await register(config, address, engine.engine, incarnation, kv.extra)
     log.info("decode worker %s listening on %s", config.worker_id, address)
     print(f"READY decode {address}", flush=True)
 
@@ -49,7 +64,7 @@ async def serve(argv: list[str] | None = None) -> None:
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)
-        await transport.close()
+        await kv.close()
         engine.stop()
 
     await run_until_signal(cleanup)

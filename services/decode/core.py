@@ -4,6 +4,7 @@ batch, stream outputs."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from libkv.transfer import KVTransferError, KVTransport
 from services.common.codec import KVHandle
-from services.common.errors import FailedPrecondition, Unavailable
+from services.common.errors import FailedPrecondition, KVTransferFailed
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,13 @@ class DecodeJob:
 
 
 class DecodeCore:
-    """Owns the engine of a decode worker and its KV transport."""
+    """Owns the engine of a decode worker and its KV transport.
+
+    When obtaining a request's KV fails (prefill worker dead or restarted, transfer stuck past
+    ``transfer_timeout``), the reserved blocks are freed at once and ``on_transfer_failure``
+    decides: "recompute" prefills the prompt here (the first token, already streamed, is kept),
+    "retry" fails the call with KVTransferFailed so the router prefills on another worker.
+    """
 
     def __init__(
         self,
@@ -40,14 +47,20 @@ class DecodeCore:
         transport: KVTransport,
         worker_id: str,
         incarnation: str,
-        transfer_timeout: float = 30.0,
+        transfer_timeout: float = 10.0,
+        on_transfer_failure: str = "recompute",
     ) -> None:
+        if on_transfer_failure not in ("recompute", "retry"):
+            raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
         self.engine = engine
         self.transport = transport
         self.worker_id = worker_id
         self.incarnation = incarnation
         self.transfer_timeout = transfer_timeout
-        self.blocks_pulled = 0
+        self.on_transfer_failure = on_transfer_failure
+        self.blocks_pulled = 0  # blocks that moved (cached prefix blocks never do)
+        self.transfer_failures = 0
+        self.recomputed = 0
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
         if job.kv is None:
@@ -56,7 +69,7 @@ class DecodeCore:
             ):
                 yield out
             return
-        await self._receive_kv(job)
+        recompute = not await self._receive_kv(job)
         eng = self.engine.engine
 
         def add() -> None:
@@ -70,13 +83,16 @@ class DecodeCore:
                 first_logprob=job.first_logprob,
                 generator_state=job.generator_state,
                 num_cached_tokens=job.cached_tokens,
+                recompute=recompute,
             )
 
         async for out in self.engine.follow(job.request_id, add):
             yield out
 
-    async def _receive_kv(self, job: DecodeJob) -> None:
-        """Reserve blocks, pull the ones not cached here, tell prefill to release."""
+    async def _receive_kv(self, job: DecodeJob) -> bool:
+        """Reserve blocks, fetch the ones not cached here, tell prefill to release.
+
+        True when the KV is in place; False when it must be recomputed (blocks freed)."""
         assert job.kv is not None and job.first_token is not None
         eng = self.engine.engine
         if job.kv.block_bytes != eng.runner.block_bytes:
@@ -86,19 +102,36 @@ class DecodeCore:
             )
         dst, cached = eng.reserve(job.request_id, job.prompt, job.tenant or None)
         skip = cached // eng.config.block_size
+        src = job.kv.block_ids[skip:]
         try:
-            data = await self.transport.pull(
-                job.request_id, job.kv, job.kv.block_ids[skip:], self.transfer_timeout
-            )
-            eng.write_blocks(dst[skip:], data)
+            timeout = self._timeout(job.kv)
+            if src:  # nothing to move when this worker already caches the whole prompt
+                await self.transport.fetch(job.request_id, job.kv, src, dst[skip:], timeout)
         except KVTransferError as e:
             eng.release(job.request_id)
-            raise Unavailable(str(e)) from e
+            self.transfer_failures += 1
+            if self.on_transfer_failure == "retry":
+                raise KVTransferFailed(f"KV of {job.request_id} did not arrive: {e}") from e
+            log.warning("KV of %s did not arrive (%s); recomputing it here", job.request_id, e)
+            self.recomputed += 1
+            return False
         except BaseException:
             eng.release(job.request_id)
             raise
-        self.blocks_pulled += len(dst) - skip
+        self.blocks_pulled += len(src)
         await self.transport.release(job.request_id, job.kv)
+        return True
+
+    def _timeout(self, kv: KVHandle) -> float:
+        """The transfer timeout, cut short so a transfer never outlives the prefill lease: a
+        one-sided READ is not checked by the prefill worker, and once the lease has run out
+        its blocks may hold another request's KV."""
+        if not kv.lease_expires_unix_ms:
+            return self.transfer_timeout
+        lease_left = kv.lease_expires_unix_ms / 1000 - time.time() - 1.0
+        if lease_left <= 0:
+            raise KVTransferError(f"the KV lease on {kv.worker_id} has run out")
+        return min(self.transfer_timeout, lease_left)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

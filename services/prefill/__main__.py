@@ -10,6 +10,7 @@ import uuid
 from tandem.v1 import worker_pb2_grpc
 
 from services.common.grpc_server import start_server
+from services.common.kv_setup import prefill_side
 from services.common.worker import (
     add_worker_flags,
     advertised,
@@ -42,7 +43,10 @@ async def serve(argv: list[str] | None = None) -> None:
     )
     core.address = advertised(config, server.port)
     core.start()
-    reg = await register(config, core.address, engine.engine, incarnation)
+    kv = await prefill_side(
+        config.kv_transport, engine.engine, config.worker_id, incarnation, config.etcd, core
+    )
+    reg = await register(config, core.address, engine.engine, incarnation, kv.extra)
     log.info("prefill worker %s listening on %s", config.worker_id, core.address)
     print(f"READY prefill {core.address}", flush=True)
 
@@ -51,6 +55,7 @@ async def serve(argv: list[str] | None = None) -> None:
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)
+        await kv.close()
         await core.stop()
         engine.stop()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
@@ -81,20 +82,24 @@ class PrefillCore:
         self._leases.pop(request_id, None)
         return self.engine.abort(request_id)
 
-    def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
-        """Bytes of held blocks; refuses stale incarnations and blocks the request does not hold."""
+    def held_blocks(self, request_id: str, incarnation: str, block_ids: Sequence[int]) -> None:
+        """Check that this incarnation holds ``block_ids`` for the request (else
+        FailedPrecondition): stale handles and blocks of other requests are never served."""
         if incarnation != self.incarnation:
             raise FailedPrecondition(
                 f"KV handle names incarnation {incarnation}, this worker is {self.incarnation}"
             )
-        eng = self.engine.engine
         try:
-            held = set(eng.held_block_ids(request_id))
+            held = set(self.engine.engine.held_block_ids(request_id))
         except KeyError as e:
             raise FailedPrecondition(f"blocks of {request_id} are no longer held") from e
         if not set(block_ids) <= held:
             raise FailedPrecondition(f"request {request_id} does not hold blocks {block_ids}")
-        return eng.read_blocks(block_ids)
+
+    def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
+        """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``."""
+        self.held_blocks(request_id, incarnation, block_ids)
+        return self.engine.engine.read_blocks(block_ids)
 
     @property
     def num_held(self) -> int:

@@ -13,7 +13,12 @@ from engine.errors import InvalidRequestError, RequestNotFoundError
 from engine.tokenizer import Tokenizer
 from libkv.registry import Member
 from services.common import codec as common
-from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    KVTransferFailed,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.router.core import DecodeCall, PrefillReply, RouteJob
 
 CHANNEL_OPTIONS = [
@@ -46,6 +51,8 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
         return ResourceExhausted(f"{who}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"{who}: {details}")
+    if code == grpc.StatusCode.ABORTED:
+        return KVTransferFailed(f"{who}: {details}")
     return Unavailable(f"{who} failed: {code.name}: {details}")
 
 

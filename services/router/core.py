@@ -15,7 +15,7 @@ from typing import Protocol
 from engine.sampling_params import SamplingParams
 from libkv.registry import Member, MemberDirectory
 from services.common.codec import Event, KVHandle
-from services.common.errors import ResourceExhausted, Unavailable
+from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 RETRYABLE = (Unavailable, ResourceExhausted)
@@ -73,6 +73,7 @@ class RouterCore:
         self.inflight: Counter[str] = Counter()
         self.stats = RouterStats()
         self._tasks: dict[str, asyncio.Task] = {}
+        self._aborted: set[str] = set()
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
@@ -113,8 +114,17 @@ class RouterCore:
                         raise
                     self.stats.retries += 1
                     log.warning("request %s: %s; retrying on another worker", job.request_id, e)
+        except asyncio.CancelledError:
+            # Our own Abort cancelled this task: the downstream calls are cancelled by now
+            # (their workers free the blocks); end the stream cleanly for the caller, who would
+            # otherwise never get a status for a handler that was cancelled under it.
+            if task is None or job.request_id not in self._aborted:
+                raise
+            task.uncancel()
+            yield Event(job.request_id, finish_reason="abort")
         finally:
             self._tasks.pop(job.request_id, None)
+            self._aborted.discard(job.request_id)
 
     async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
         decode = self.pick("decode", failed)
@@ -137,13 +147,39 @@ class RouterCore:
         call = DecodeCall(
             job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens
         )
-        try:
-            async for ev in self._decode(decode, call, failed, started):
-                yield ev
-        finally:
-            # Free the prefill side's blocks now if decode never took them (cancel, failure).
-            # Harmless after a successful pull: the second release finds nothing.
-            asyncio.ensure_future(self.clients.release(reply.handle, job.request_id))
+        async for ev in self._decode_prefilled(decode, prefill, call, failed, started):
+            yield ev
+
+    async def _decode_prefilled(self, decode, prefill, call: DecodeCall, failed, started):
+        """Decode from prefilled KV. When the decode worker could not obtain the KV and fails
+        with KVTransferFailed (its policy "retry"), prefill again on another prefill worker and
+        decode from that KV; the first token, already streamed, and its generator state stay."""
+        job = call.job
+        while True:
+            handle = call.handle
+            assert handle is not None
+            try:
+                async for ev in self._decode(decode, call, failed, started):
+                    yield ev
+                return
+            except KVTransferFailed as e:
+                failed.add(prefill.worker_id)
+                prefill = self.pick("prefill", failed)
+                if prefill is None:
+                    raise Unavailable(f"{e}; no other prefill worker to retry on") from e
+                self.stats.retries += 1
+                log.warning("request %s: %s; prefilling again on %s", job.request_id, e,
+                            prefill.worker_id)  # fmt: skip
+                reply = await self._prefill(prefill, job, failed)
+                if reply.handle is None:
+                    raise Unavailable(f"{e}; the retried prefill kept no KV") from e
+                call = DecodeCall(
+                    job, reply.handle, call.first, call.generator_state, call.cached_tokens
+                )
+            finally:
+                # Free the prefill side's blocks now if decode never took them (cancel,
+                # failure). Harmless after a successful transfer: the release finds nothing.
+                asyncio.ensure_future(self.clients.release(handle, job.request_id))
 
     async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
         self.inflight[worker.worker_id] += 1
@@ -172,6 +208,7 @@ class RouterCore:
         task = self._tasks.get(request_id)
         if task is None:
             return False
+        self._aborted.add(request_id)
         task.cancel()
         return True
 

@@ -1,0 +1,196 @@
+"""NIXL transfers between two real processes over UCX on loopback (``UCX_NET_DEVICES=lo``, set in
+conftest and inherited by the spawned peers): this process is the decode side (`NixlTransport`),
+a spawned peer is the prefill side (`NixlBlockServer`) with a pool of random bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from libkv.nixl_agent import NixlEndpoint, nixl_available
+from libkv.nixl_transport import NixlTransport
+from libkv.transfer import KVTransferError, StalePeerError, StaticPeers, agent_name
+from tests.nixl_peer import Peer, region_of
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+
+@dataclass(frozen=True)
+class Source:
+    worker_id: str
+    incarnation: str
+    block_ids: tuple[int, ...]
+    block_bytes: int
+    address: str = ""
+    lease_expires_unix_ms: int = 0
+
+
+class Decode:
+    """This process's side: a zeroed pool, an endpoint and a transport in one mode."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, mode: str, peers: list[Peer]) -> None:
+        self.pool = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        self.mode = mode
+        self.directory = StaticPeers({p.worker_id: p.info for p in peers})
+
+    async def __aenter__(self) -> NixlTransport:
+        endpoint = await NixlEndpoint.start(f"decode@{self.mode}", region_of(self.pool))
+        self.transport = NixlTransport(endpoint, self.directory, self.mode, probe_interval=0.1)
+        return self.transport
+
+    async def __aexit__(self, *exc) -> None:
+        await self.transport.close()
+
+
+def wait_released(peer: Peer, rid: str, within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    while rid not in peer.call("state")["released"]:
+        assert time.monotonic() < deadline, f"{rid} was never released on the peer"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def peers():
+    started: list[Peer] = []
+
+    def start(*args, **kwargs) -> Peer:
+        started.append(Peer(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+@pytest.mark.parametrize("block_bytes", [16 * 1024, 2 * 1024**2])
+def test_random_blocks_arrive_byte_exact_at_scattered_indices(peers, mode, block_bytes):
+    rng = np.random.default_rng(7)
+    peer = peers("prefill-0", "inc-a", 48, block_bytes, seed=11)
+    expected = peer.expected()
+    decode = Decode(40, block_bytes, mode, [peer])
+
+    async def go(transport: NixlTransport) -> None:
+        for i, n in enumerate((1, 7, 23)):
+            src = rng.choice(48, n, replace=False).tolist()
+            dst = rng.choice(40, n, replace=False).tolist()
+            before = decode.pool.copy()
+            peer.call("hold", f"r{i}", src)
+            handle = Source("prefill-0", "inc-a", tuple(src), block_bytes)
+            await transport.fetch(f"r{i}", handle, src, dst, timeout=10)
+            await transport.release(f"r{i}", handle)
+            assert decode.pool[dst].tobytes() == expected[src].tobytes()
+            untouched = np.setdiff1d(np.arange(40), dst)
+            assert decode.pool[untouched].tobytes() == before[untouched].tobytes()
+            wait_released(peer, f"r{i}")
+        assert transport.stats.blocks == 31 and transport.stats.failures == 0
+
+    async def main() -> None:
+        async with decode as transport:
+            await go(transport)
+
+    asyncio.run(main())
+    assert peer.call("state")["held"] == {}
+
+
+def test_release_without_transfer_frees_the_peer_blocks(peers):
+    peer = peers("prefill-0", "inc-a", 8, 4096)
+    peer.call("hold", "cached", [1, 2])
+
+    async def main() -> None:
+        async with Decode(8, 4096, "read", [peer]) as transport:
+            handle = Source("prefill-0", "inc-a", (1, 2), 4096)
+            await transport.fetch("cached", handle, [], [], timeout=5)  # all cached locally
+            await transport.release("cached", handle)
+
+    asyncio.run(main())
+    wait_released(peer, "cached")
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_peer_killed_mid_transfer_fails_fast(peers, mode):
+    # 256 MiB in scattered 16 KiB blocks takes over a second here, so the kill lands inside.
+    nb, bb = 16384, 16 * 1024
+    peer = peers("prefill-0", "inc-a", nb, bb, seed=-1)
+    src = np.random.default_rng(1).permutation(nb).tolist()
+    peer.call("hold", "big", src)
+    decode = Decode(nb, bb, mode, [peer])
+
+    async def main() -> float:
+        async with decode as transport:
+            handle = Source("prefill-0", "inc-a", tuple(src), bb)
+            task = asyncio.ensure_future(transport.fetch("big", handle, src, src, timeout=60))
+            await asyncio.sleep(0.15)
+            assert not task.done()
+            peer.kill()
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError):
+                await task
+            elapsed = time.monotonic() - t0
+            # The transport is usable afterwards and reports the dead peer at once.
+            with pytest.raises(KVTransferError):
+                await transport.fetch("again", handle, src[:1], [0], timeout=5)
+            return elapsed
+
+    # Detected, not timed out: far below the 60 s transfer timeout even on a loaded machine
+    # (about 1 s alone on 2 cores).
+    assert asyncio.run(main()) < 15.0
+
+
+def test_restarted_peer_is_reached_through_its_new_agent(peers):
+    old = peers("prefill-0", "inc-1", 16, 8192, seed=1)
+    decode = Decode(16, 8192, "read", [old])
+
+    async def main() -> None:
+        async with decode as transport:
+            h1 = Source("prefill-0", "inc-1", (3,), 8192)
+            old.call("hold", "a", [3])
+            await transport.fetch("a", h1, [3], [0], timeout=5)
+            assert decode.pool[0].tobytes() == old.expected()[3].tobytes()
+            old.kill()
+            new = peers("prefill-0", "inc-2", 16, 8192, seed=2)
+            decode.directory.agents["prefill-0"] = new.info  # what etcd now holds
+            with pytest.raises(StalePeerError):
+                await transport.fetch("b", h1, [3], [1], timeout=5)
+            new.call("hold", "c", [5])
+            h2 = Source("prefill-0", "inc-2", (5,), 8192)
+            await transport.fetch("c", h2, [5], [2], timeout=5)
+            assert decode.pool[2].tobytes() == new.expected()[5].tobytes()
+            assert transport.endpoint.knows(agent_name("prefill-0", "inc-2"))
+            assert not transport.endpoint.knows(agent_name("prefill-0", "inc-1"))
+
+    asyncio.run(main())
+
+
+def test_stuck_push_is_cancelled_after_the_timeout(peers):
+    peer = peers("prefill-0", "inc-a", 8, 4096)
+    peer.call("hold", "stuck", [1])
+    peer.call("ignore_pushes")
+
+    async def main() -> float:
+        async with Decode(8, 4096, "write", [peer]) as transport:
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError, match="timed out"):
+                await transport.fetch(
+                    "stuck", Source("prefill-0", "inc-a", (1,), 4096), [1], [0], timeout=1.0
+                )
+            return time.monotonic() - t0
+
+    assert 1.0 <= asyncio.run(main()) < 3.5
+
+
+def test_push_for_blocks_not_held_fails_cleanly(peers):
+    peer = peers("prefill-0", "inc-a", 8, 4096)
+
+    async def main() -> None:
+        async with Decode(8, 4096, "write", [peer]) as transport:
+            with pytest.raises(KVTransferError, match="could not push"):
+                await transport.fetch(
+                    "nope", Source("prefill-0", "inc-a", (1,), 4096), [1], [0], timeout=5
+                )
+
+    asyncio.run(main())
