@@ -113,8 +113,9 @@ def test_release_without_transfer_frees_the_peer_blocks(peers):
 
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_peer_killed_mid_transfer_fails_fast(peers, mode):
-    # 256 MiB in scattered 16 KiB blocks takes over a second here, so the kill lands inside.
-    nb, bb = 16384, 16 * 1024
+    # 1 GiB in scattered 16 KiB blocks: ~0.2 s even on a quiet machine (256 MiB could finish
+    # before the kill), so the kill after 30 ms lands inside the transfer.
+    nb, bb = 65536, 16 * 1024
     peer = peers("prefill-0", "inc-a", nb, bb, seed=-1)
     src = np.random.default_rng(1).permutation(nb).tolist()
     peer.call("hold", "big", src)
@@ -124,7 +125,7 @@ def test_peer_killed_mid_transfer_fails_fast(peers, mode):
         async with decode as transport:
             handle = Source("prefill-0", "inc-a", tuple(src), bb)
             task = asyncio.ensure_future(transport.fetch("big", handle, src, src, timeout=60))
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(0.03)
             assert not task.done()
             peer.kill()
             t0 = time.monotonic()
