@@ -74,7 +74,8 @@ class TorchStore:
         self.region = kv_peer.region(pool, block_bytes)
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        raise NotImplementedError
+        rows = self.blocks[torch.tensor(block_ids, device=self.blocks.device)].cpu()
+        return [row.numpy().tobytes() for row in rows]
 
     def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
         raw = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
