@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from services.common.codec import sampling_to_pb
 from services.gateway.core import (
     APIError,
     BackendEvent,
@@ -45,28 +46,10 @@ _SERVER_MESSAGES = {
 
 def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
     """BackendRequest -> GenerateRequest with a token-id prompt."""
-    s = req.sampling
-    sampling = common_pb2.SamplingOptions(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
-    if s.seed is not None:
-        sampling.seed = s.seed
-    if s.logprobs is not None:
-        sampling.logprobs = s.logprobs
     return router_pb2.GenerateRequest(
         request_id=req.request_id,
         token_ids=router_pb2.TokenIds(ids=list(req.token_ids)),
-        sampling=sampling,
+        sampling=sampling_to_pb(req.sampling),
         tenant=req.tenant,
         model=req.model,
     )
