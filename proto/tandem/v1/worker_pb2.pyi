@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingOptions
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    priority: _common_pb2.Priority
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "kv", "generator_state", "cached_tokens")
@@ -44,7 +46,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,7 @@ class DecodeRequest(_message.Message):
     FIRST_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingOptions
@@ -61,7 +64,8 @@ class DecodeRequest(_message.Message):
     first: _common_pb2.TokenEvent
     generator_state: bytes
     cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    priority: _common_pb2.Priority
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "incarnation", "block_ids")
