@@ -12,6 +12,7 @@ from tandem.v1 import worker_pb2_grpc
 from services.common.grpc_server import start_server
 from services.common.kv_setup import decode_side
 from services.common.worker import (
+    WorkerConfig,
     add_worker_flags,
     advertised,
     register,
@@ -26,10 +27,15 @@ from services.decode.server import DecodeServicer
 log = logging.getLogger("tandem.decode")
 
 
-async def serve(argv: list[str] | None = None) -> None:
+def parse_config(argv: list[str] | None = None) -> WorkerConfig:
+    """The frozen config from flags, falling back to TANDEM_* environment variables."""
     parser = argparse.ArgumentParser(prog="tandem decode", description=__doc__)
     add_worker_flags(parser)
-    config = worker_config("decode", parser.parse_args(argv))
+    return worker_config("decode", parser.parse_args(argv))
+
+
+async def serve(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
     kv = await decode_side(

@@ -12,6 +12,7 @@ from tandem.v1 import worker_pb2_grpc
 from services.common.grpc_server import start_server
 from services.common.kv_setup import prefill_side
 from services.common.worker import (
+    WorkerConfig,
     add_worker_flags,
     advertised,
     register,
@@ -26,10 +27,15 @@ from services.prefill.server import KVTransportServicer, PrefillServicer
 log = logging.getLogger("tandem.prefill")
 
 
-async def serve(argv: list[str] | None = None) -> None:
+def parse_config(argv: list[str] | None = None) -> WorkerConfig:
+    """The frozen config from flags, falling back to TANDEM_* environment variables."""
     parser = argparse.ArgumentParser(prog="tandem prefill", description=__doc__)
     add_worker_flags(parser)
-    config = worker_config("prefill", parser.parse_args(argv))
+    return worker_config("prefill", parser.parse_args(argv))
+
+
+async def serve(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
     core = PrefillCore(engine, config.worker_id, incarnation, config.lease_seconds)
