@@ -1,8 +1,9 @@
 """Run the gateway: ``python -m services.gateway --model-dir DIR --router HOST:PORT``.
 
-Flags fall back to the environment: ``TANDEM_ROUTERS`` (comma-separated host:port) and
+Flags fall back to the environment: ``TANDEM_ROUTERS`` (comma-separated host:port),
 ``TANDEM_API_KEYS`` (comma-separated ``key`` or ``key:tenant``; a bare key's tenant is a short
-hash of the key). With no API keys, authentication is off.
+hash of the key), and ``TANDEM_<FLAG>`` for the others (``TANDEM_HOST``, ``TANDEM_PORT``,
+``TANDEM_MODEL_DIR``, ...). With no API keys, authentication is off.
 """
 
 from __future__ import annotations
@@ -47,23 +48,41 @@ def _split(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The gateway's flags; most fall back to a ``TANDEM_*`` variable of ``env``."""
+    e = (os.environ if env is None else env).get
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-dir", required=True, help="model folder: tokenizer and config.json")
-    p.add_argument("--served-model-name", help="model id clients send (default: folder name)")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--host", default=e("TANDEM_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=e("TANDEM_PORT", "8000"))
+    p.add_argument(
+        "--model-dir",
+        default=e("TANDEM_MODEL_DIR"),
+        required=not e("TANDEM_MODEL_DIR"),
+        help="model folder: tokenizer and config.json",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=e("TANDEM_SERVED_MODEL_NAME") or None,
+        help="model id clients send (default: folder name)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=e("TANDEM_MAX_MODEL_LEN") or None,
+        help="context length (default: the model's)",
+    )
     p.add_argument("--router", action="append", default=[], help="router host:port; repeatable")
     p.add_argument("--api-key", action="append", default=[], help="key or key:tenant; repeatable")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--max-body-bytes", type=int, default=e("TANDEM_MAX_BODY_BYTES", str(4 * 1024 * 1024))
+    )
     p.add_argument(
         "--default-max-tokens",
         type=int,
-        default=4096,
+        default=e("TANDEM_DEFAULT_MAX_TOKENS", "4096"),
         help="cap on max_tokens when a request omits it",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default=e("TANDEM_LOG_LEVEL", "info").lower())
     return p
 
 
@@ -72,7 +91,7 @@ def parse_config(
 ) -> GatewayConfig:
     """The frozen config from flags, falling back to ``env``."""
     env = os.environ if env is None else env
-    parser = build_parser()
+    parser = build_parser(env)
     args = parser.parse_args(argv)
     routers = tuple(args.router or _split(env.get("TANDEM_ROUTERS")))
     if not routers:
