@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.step_stats import StepObserver, batch_stats
 from engine.tokenizer import Tokenizer
 from libkv.block_pool import BlockPool
 from libkv.hashing import encode_extra_keys
@@ -100,6 +102,7 @@ class LLMEngine(HandoffMixin):
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
         self._prompt_tokens = 0
+        self.on_step: StepObserver | None = None  # called with each step's StepStats
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -114,8 +117,10 @@ class LLMEngine(HandoffMixin):
         *,
         tenant: str | None = None,
         hold_kv: bool = False,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits).
+        ``priority``: 0 (interactive) is scheduled before 1 (batch), which is preempted first.
 
         ``hold_kv`` makes it a prefill: after the first token the request leaves the batch but
         keeps its blocks (output ``kv_held``) until ``release``; unless it already finished.
@@ -125,6 +130,7 @@ class LLMEngine(HandoffMixin):
         self._validate(ids, params)
         req = self._new_request(request_id, ids, params, tenant)
         req.hold_kv = hold_kv
+        req.seq.priority = priority
         with self._lock:
             self._register(req)
             self.scheduler.add(req.seq)
@@ -193,15 +199,20 @@ class LLMEngine(HandoffMixin):
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, detokenize, finish what is done."""
         with self._lock:
+            t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             if not sched.scheduled:
                 return []
+            info = batch_stats(sched) if self.on_step is not None else None
             due = [s.seq for s in sched.scheduled if s.samples]
             sampled = self.runner.execute(sched)
             self.scheduler.advance(sched.scheduled)
             outputs: list[RequestOutput] = []
             for seq, token, lp in zip(due, sampled.token_ids, sampled.logprobs, strict=True):
                 outputs.append(self._on_token(self._requests[seq.request_id], token, lp))
+            if info is not None and self.on_step is not None:
+                info.seconds = time.perf_counter() - t0
+                self.on_step(info)
             return outputs
 
     def _on_token(self, req: _Request, token: int, lp: TokenLogprob | None) -> RequestOutput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,9 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: Any = None  # torch.Generator for seeded sampling (owned by the engine)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None  # monotonic time of its first step (queue time)
+    priority: int = 0  # lower is scheduled first: 0 interactive, 1 batch
 
     @property
     def all_token_ids(self) -> list[int]:

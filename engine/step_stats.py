@@ -1,0 +1,53 @@
+"""What one engine step did, for observers (services turn it into metrics; the engine imports no
+metrics library). ``LLMEngine.on_step``, when set, receives one `StepStats` per step, on the
+engine's thread, so it must be quick and thread-safe."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One forward pass: its wall time, its batch, and the queue time of requests that were
+    scheduled for the first time in it (seconds from arrival to first scheduling)."""
+
+    seconds: float = 0.0
+    prefill_seqs: int = 0  # sequences computing (part of) a prompt in this step
+    prefill_tokens: int = 0
+    decode_seqs: int = 0  # sequences producing their next token from cached KV
+    queue_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def phase(self) -> str:
+        """"prefill" when the step computed any prompt tokens, else "decode"."""
+        return "prefill" if self.prefill_seqs else "decode"
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
+
+
+StepObserver = Callable[[StepStats], None]
+
+
+def batch_stats(sched: SchedulerOutput) -> StepStats:
+    """The batch of ``sched`` (call before the scheduler advances it); marks each sequence's
+    first scheduling so its queue time is counted once."""
+    now = time.monotonic()
+    out = StepStats()
+    for s in sched.scheduled:
+        seq = s.seq
+        if seq.first_scheduled is None:
+            seq.first_scheduled = now
+            out.queue_seconds.append(now - seq.arrival_time)
+        if seq.is_prefilling:
+            out.prefill_seqs += 1
+            out.prefill_tokens += s.num_new
+        else:
+            out.decode_seqs += 1
+    return out
