@@ -9,6 +9,8 @@ from pathlib import Path
 
 from engine.bundled import DEFAULT_DIR
 
+SERVICES = ("gateway", "router", "prefill", "decode")
+
 
 def _demo(args: argparse.Namespace) -> int:
     """Stream a chat reply from the model, token by token, in this process."""
@@ -82,7 +84,8 @@ def _service(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        importlib.import_module(f"services.{module}.__main__").main(args.rest)
+        rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+        importlib.import_module(f"services.{module}.__main__").main(rest)
         return 0
 
     return run
@@ -126,14 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
-    for name in ("gateway", "router", "prefill", "decode"):
-        svc = sub.add_parser(name, help=f"run one {name} (flags: tandem {name} -- --help)")
+    for name in SERVICES:
+        svc = sub.add_parser(name, help=f"run one {name} (flags: tandem {name} --help)")
         svc.add_argument("rest", nargs=argparse.REMAINDER)
         svc.set_defaults(func=_service(name))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in SERVICES:
+        # `tandem decode --port 1`: everything after the name is the service's own flags
+        # (argparse would take a leading flag for one of ours); `tandem decode -- ...` also works.
+        argv = [argv[0], "--", *argv[1:]] if argv[1:2] != ["--"] else argv
     args = build_parser().parse_args(argv)
     return args.func(args)
 
