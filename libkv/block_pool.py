@@ -197,6 +197,10 @@ class BlockPool:
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._by_hash)
 
+    def set_on_evict(self, on_evict: Callable[[BlockHash], None] | None) -> None:
+        """Replace the eviction callback (a block-location publisher attached after start)."""
+        self._on_evict = on_evict
+
     # -- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert free + used + cached bookkeeping is consistent (tests call it after each case)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from libkv.block_pool import BlockPool, KVBlock
 from libkv.hashing import ROOT_HASH, BlockHash, hash_block
@@ -56,6 +57,19 @@ class BlockTable:
         return [b.block_id for b in self.blocks]
 
 
+class CacheListener(Protocol):
+    """Told which prefixes enter and leave the prefix cache (e.g. a block-location publisher).
+
+    Both are called on the engine's thread, under its lock: keep them short and thread-safe.
+    """
+
+    def cached(self, index: int, block_hash: BlockHash) -> None:
+        """The full block at chain position ``index`` (0-based) is cached under ``block_hash``."""
+
+    def evicted(self, block_hash: BlockHash) -> None:
+        """The cached block ``block_hash`` was evicted."""
+
+
 class KVCacheManager:
     """Owns the block pool and one ``BlockTable`` per live sequence."""
 
@@ -64,6 +78,12 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[Hashable, BlockTable] = {}
+        self._listener: CacheListener | None = None
+
+    def set_listener(self, listener: CacheListener | None) -> None:
+        """Report cached and evicted prefix blocks to ``listener`` from now on."""
+        self._listener = listener
+        self.pool.set_on_evict(listener.evicted if listener is not None else None)
 
     # -- queries ----------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -163,6 +183,8 @@ class KVCacheManager:
             parent = hash_block(parent, chunk, table.extra)
             table.hashes.append(parent)
             added += int(self.pool.cache(table.blocks[i], parent, chunk))
+            if self._listener is not None:  # also when another block already holds the hash
+                self._listener.cached(i, parent)
         return added
 
     def free(self, seq_id: Hashable) -> None:

@@ -16,31 +16,22 @@ aetcd has no automatic keepalive and no watch resumption; both loops here supply
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-import aetcd
+from libkv.etcd_follow import Endpoints, PrefixFollower, backoff, cancel_task
+from libkv.etcd_follow import EtcdConnection as _Etcd
 
 log = logging.getLogger(__name__)
 
 MEMBERS_PREFIX = "/tandem/v1/members/"
 ROLES = ("prefill", "decode", "router", "gateway")
-Endpoints = str | Sequence[str]
-
-# gRPC retries a dead connection with exponential backoff up to 120 s by default; cap it so
-# a restarted etcd is found within a second.
-_CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
 
 
 @dataclass(frozen=True)
@@ -97,46 +88,6 @@ def member_key(role: str, worker_id: str) -> bytes:
     if not worker_id or "/" in worker_id:
         raise ValueError(f"worker_id must be non-empty and contain no '/': {worker_id!r}")
     return f"{MEMBERS_PREFIX}{role}/{worker_id}".encode()
-
-
-class _Etcd:
-    """An aetcd client on one of several endpoints, replaced (next endpoint) after an error."""
-
-    def __init__(self, endpoints: Endpoints, timeout: float) -> None:
-        if isinstance(endpoints, str):
-            endpoints = endpoints.split(",")
-        self._targets = [_parse_endpoint(e) for e in endpoints if e.strip()]
-        if not self._targets:
-            raise ValueError("no etcd endpoint given")
-        self.timeout = timeout
-        self._next = 0
-        self._client: aetcd.Client | None = None
-
-    @property
-    def client(self) -> aetcd.Client:
-        if self._client is None:
-            host, port = self._targets[self._next % len(self._targets)]
-            self._client = aetcd.Client(
-                host=host, port=port, timeout=self.timeout, options=_CHANNEL_OPTIONS
-            )
-        return self._client
-
-    async def reset(self) -> None:
-        """Drop the current client (its channel may be stuck) and move to the next endpoint."""
-        await self.close()
-        self._next += 1
-
-    async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), self.timeout)
-
-
-def _parse_endpoint(endpoint: str) -> tuple[str, int]:
-    endpoint = endpoint.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
-    host, _, port = endpoint.rpartition(":")
-    return (host or "127.0.0.1"), int(port)
 
 
 class Registration:
@@ -224,7 +175,7 @@ class Registration:
         failures = 0 if self.registered else 1
         while True:
             try:
-                pause = self.refresh if failures == 0 else _backoff(failures, self.refresh)
+                pause = self.refresh if failures == 0 else backoff(failures, self.refresh)
                 await asyncio.sleep(pause)
                 await self._refresh_once()
                 failures = 0
@@ -242,11 +193,8 @@ class Registration:
         ``revoke=False`` leaves the key to expire with its TTL, as a crashed process would.
         Never hangs on an unreachable etcd: each call is bounded by ``timeout``.
         """
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None
         if revoke and self.lease_id is not None:
             try:
                 await asyncio.wait_for(
@@ -257,10 +205,6 @@ class Registration:
         self.lease_id = None
         self.registered = False
         await self._etcd.close()
-
-
-def _backoff(failures: int, cap: float) -> float:
-    return min(cap, 0.05 * 2**failures)
 
 
 class MemberChange(NamedTuple):
@@ -278,20 +222,15 @@ class MemberDirectory(Protocol):
 
 
 class MemberWatcher:
-    """A live local view of all members, kept by a range read plus a watch; see module doc."""
+    """A live local view of all members, kept by a `PrefixFollower`; see module doc."""
 
     def __init__(self, endpoints: Endpoints, prefix: str, timeout: float) -> None:
         self.prefix = prefix.encode()
         self.members: dict[str, Member] = {}
-        self.revision = 0  # etcd revision the view reflects
-        self.synced = False  # a range read has succeeded at least once
-        self.watching = False  # a watch is established right now
-        self.resyncs = 0  # range reads done (1 after a clean start)
         self._keys: dict[bytes, str] = {}  # etcd key -> worker_id
         self._listeners: list[Callable[[MemberChange], None]] = []
         self._changed = asyncio.Condition()
-        self._etcd = _Etcd(endpoints, timeout)
-        self._task: asyncio.Task[None] | None = None
+        self._follower = PrefixFollower(endpoints, self.prefix, self, timeout, self._notify)
 
     @classmethod
     async def start(
@@ -299,13 +238,28 @@ class MemberWatcher:
     ) -> MemberWatcher:
         """Read the current members (if etcd answers) and follow changes in a task."""
         self = cls(endpoints, prefix, timeout)
-        try:
-            await self._resync()
-        except Exception as e:
-            log.warning("initial read of %s failed, will retry: %r", prefix, e)
-            await self._etcd.reset()
-        self._task = asyncio.create_task(self._run(), name="member-watcher")
+        await self._follower.start()
         return self
+
+    @property
+    def revision(self) -> int:
+        """etcd revision the view reflects."""
+        return self._follower.revision
+
+    @property
+    def synced(self) -> bool:
+        """A range read has succeeded at least once."""
+        return self._follower.synced
+
+    @property
+    def watching(self) -> bool:
+        """A watch is established right now."""
+        return self._follower.watching
+
+    @property
+    def resyncs(self) -> int:
+        """Range reads done (1 after a clean start)."""
+        return self._follower.resyncs
 
     def members_by_role(self, role: str) -> list[Member]:
         return sorted((m for m in self.members.values() if m.role == role), key=_by_id)
@@ -327,60 +281,26 @@ class MemberWatcher:
                 return False
         return True
 
-    async def _resync(self) -> None:
+    # -- FollowerSink -------------------------------------------------------------------------
+    def reset(self, items: list[tuple[bytes, bytes]]) -> None:
         """Replace the view with what etcd holds now (drops members that expired meanwhile)."""
-        got = await self._etcd.client.get_prefix(self.prefix)
         fresh: dict[bytes, Member] = {}
-        for kv in got:
-            member = _parse(kv.key, kv.value)
+        for key, value in items:
+            member = _parse(key, value)
             if member is not None:
-                fresh[kv.key] = member
+                fresh[key] = member
         for key in [k for k in self._keys if k not in fresh]:
             self._remove(key)
         for key, member in fresh.items():
             self._upsert(key, member)
-        self.revision = got.header.revision
-        self.synced = True
-        self.resyncs += 1
-        await self._notify()
 
-    async def _run(self) -> None:
-        failures = 0
-        need_resync = not self.synced
-        while True:
-            try:
-                if need_resync:
-                    await self._resync()
-                    need_resync = False
-                watch = await self._etcd.client.watch_prefix(
-                    self.prefix, start_revision=self.revision + 1
-                )
-                self.watching = True
-                failures = 0
-                async for event in watch:
-                    self._apply(event)
-                    await self._notify()
-                # The iterator only ends without error when the client is closed.
-                raise ConnectionError("watch ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.watching = False
-                need_resync = True
-                failures += 1
-                log.warning("member watch failed (%d), keeping last view: %r", failures, e)
-                await self._etcd.reset()
-                await asyncio.sleep(_backoff(failures, 1.0))
+    def put(self, key: bytes, value: bytes) -> None:
+        member = _parse(key, value)
+        if member is not None:
+            self._upsert(key, member)
 
-    def _apply(self, event: Any) -> None:
-        kv = event.kv
-        if event.kind == "PUT":
-            member = _parse(kv.key, kv.value)
-            if member is not None:
-                self._upsert(kv.key, member)
-        else:
-            self._remove(kv.key)
-        self.revision = max(self.revision, kv.mod_revision)
+    def delete(self, key: bytes) -> None:
+        self._remove(key)
 
     def _upsert(self, key: bytes, member: Member) -> None:
         if self.members.get(member.worker_id) == member and self._keys.get(key):
@@ -408,13 +328,7 @@ class MemberWatcher:
             self._changed.notify_all()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        self.watching = False
-        await self._etcd.close()
+        await self._follower.stop()
 
 
 def _by_id(member: Member) -> str:
