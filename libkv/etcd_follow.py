@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -29,10 +30,18 @@ _CHANNEL_OPTIONS = {
 }
 
 
-class EtcdConnection:
-    """An aetcd client on one of several endpoints, replaced (next endpoint) after an error."""
+# Failed etcd operations of this process by what the connection serves ("register", "watch",
+# "locations"): every failure resets its connection, so `EtcdConnection.reset` counts them here.
+# Services export it as tandem_etcd_errors_total{op}.
+ERRORS: Counter[str] = Counter()
 
-    def __init__(self, endpoints: Endpoints, timeout: float) -> None:
+
+class EtcdConnection:
+    """An aetcd client on one of several endpoints, replaced (next endpoint) after an error.
+    ``op`` names what it serves in `ERRORS`."""
+
+    def __init__(self, endpoints: Endpoints, timeout: float, op: str = "etcd") -> None:
+        self.op = op
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
         self._targets = [_parse_endpoint(e) for e in endpoints if e.strip()]
@@ -52,7 +61,9 @@ class EtcdConnection:
         return self._client
 
     async def reset(self) -> None:
-        """Drop the current client (its channel may be stuck) and move to the next endpoint."""
+        """Drop the current client (its channel may be stuck) and move to the next endpoint;
+        called after each failed operation, so it counts one error."""
+        ERRORS[self.op] += 1
         await self.close()
         self._next += 1
 
@@ -113,7 +124,7 @@ class PrefixFollower:
         self.watching = False  # a watch is established right now
         self.resyncs = 0  # range reads done (1 after a clean start)
         self.on_change = on_change  # awaited after every change of the view
-        self._etcd = EtcdConnection(endpoints, timeout)
+        self._etcd = EtcdConnection(endpoints, timeout, "watch")
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> PrefixFollower:

@@ -131,7 +131,7 @@ class LocationPublisher:
         self._pending: dict[BlockHash, bool] = {}  # hash -> True: put, False: delete
         self._published: set[BlockHash] = set()  # what etcd holds under the current lease
         self._registrations = -1  # lease grant the published set belongs to
-        self._etcd = EtcdConnection(endpoints, timeout)
+        self._etcd = EtcdConnection(endpoints, timeout, "locations")
         self._task: asyncio.Task[None] | None = None
 
     # -- engine thread ----------------------------------------------------------------------

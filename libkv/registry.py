@@ -112,7 +112,7 @@ class Registration:
         self.lease_id: int | None = None
         self.registered = False  # the last attempt to register or refresh succeeded
         self.registrations = 0  # how many times a lease was granted and the key put
-        self._etcd = _Etcd(endpoints, timeout)
+        self._etcd = _Etcd(endpoints, timeout, "register")
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
