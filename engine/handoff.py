@@ -110,6 +110,7 @@ class HandoffMixin:
         generator_state: bytes = b"",
         num_cached_tokens: int = 0,
         recompute: bool = False,
+        priority: int = 0,
     ) -> None:
         """Join a reserved request, whose prompt KV has been written, to the running batch.
 
@@ -121,6 +122,7 @@ class HandoffMixin:
         self._validate(prompt, params)
         req = self._new_request(request_id, prompt, params, tenant)
         seq = req.seq
+        seq.priority = priority
         if generator_state and seq.generator is not None:
             seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         seq.output_token_ids.append(first_token)

@@ -57,8 +57,14 @@ class Scheduler:
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting sequence of its priority or a more urgent one
+        (lower number), ahead of less urgent ones; arrival order within a priority."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        for i in range(len(self.waiting) - 1, -1, -1):
+            if self.waiting[i].priority <= seq.priority:
+                self.waiting.insert(i + 1, seq)
+                return
+        self.waiting.appendleft(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Remove ``seq`` wherever it is and free its blocks at once."""
@@ -103,18 +109,25 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             copies = self.kv.grow(seq.request_id, seq.num_computed, seq.num_computed + n)
             while copies is None:
-                victim = self.running[-1]
+                victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
                 copies = self.kv.grow(seq.request_id, seq.num_computed, seq.num_computed + n)
-            if copies is None:  # seq itself was preempted (it was the newest)
+            if copies is None:  # seq itself was the victim (newest of the least urgent)
                 break
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.request_id)))
             budget -= n
             i += 1
         return budget
+
+    def _victim(self, first: int) -> Sequence:
+        """The sequence to preempt, among those not yet scheduled this step (``running[first:]``):
+        the newest of the least urgent priority there (batch before interactive)."""
+        rest = self.running[first:]
+        worst = max(s.priority for s in rest)
+        return next(s for s in reversed(rest) if s.priority == worst)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -18,6 +18,16 @@ FINISH_TO_PB = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+PRIORITY_TO_PB = {
+    "interactive": common_pb2.PRIORITY_INTERACTIVE,
+    "batch": common_pb2.PRIORITY_BATCH,
+}
+PRIORITY_FROM_PB = {v: k for k, v in PRIORITY_TO_PB.items()}
+
+
+def priority_from_pb(value: int) -> str:
+    """The priority name ("interactive" or "batch"); an unknown (newer) value is interactive."""
+    return PRIORITY_FROM_PB.get(value, "interactive")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,18 @@ class FailedPrecondition(ServiceError):
     """Not in the state the call needs, e.g. a stale incarnation (FAILED_PRECONDITION)."""
 
 
+# Trailer of a RESOURCE_EXHAUSTED status: when to retry, in milliseconds.
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+
+
 class ResourceExhausted(ServiceError):
-    """Out of capacity (queue full, no KV blocks); retry later or elsewhere (RESOURCE_EXHAUSTED)."""
+    """Out of capacity (queue full, no KV blocks); retry later or elsewhere (RESOURCE_EXHAUSTED).
+
+    ``retry_after_ms``, when known, travels as the ``retry-after-ms`` trailer of the status."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class KVTransferFailed(ServiceError):

@@ -23,6 +23,8 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 from services.common import errors
+from services.common.grpc_observe import ObserveInterceptor
+from services.common.metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,9 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
         logger.exception("unexpected error in %s", method)
         await context.abort(code, f"internal error: {type(exc).__name__}: {_message(exc)}")
     logger.info("%s failed with %s: %s", method, code.name, _message(exc))
-    await context.abort(code, _message(exc))
+    retry_after_ms = getattr(exc, "retry_after_ms", None)
+    trailers = () if retry_after_ms is None else ((errors.RETRY_AFTER_MS_KEY, str(retry_after_ms)),)
+    await context.abort(code, _message(exc), trailing_metadata=trailers)
 
 
 def _wrap_unary_response(behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
@@ -206,6 +210,7 @@ async def start_server(
     address: str,
     *,
     maximum_concurrent_rpcs: int | None = None,
+    metrics: GrpcServerMetrics | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> GrpcServerHandle:
     """Build, bind and start a grpc.aio server with health, reflection and error mapping.
@@ -218,7 +223,9 @@ async def start_server(
     """
     host = _split_host(address)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
+        # ObserveInterceptor is outermost: it times and traces the call and sees the status
+        # that ErrorInterceptor mapped.
+        interceptors=[ObserveInterceptor(metrics), ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -49,6 +49,8 @@ class WorkerConfig:
     nixl_mode: str = "auto"  # decode: "read" (pull), "write" (prefill pushes) or per host kind
     on_transfer_failure: str = "recompute"  # decode: "recompute" locally or "retry" (router)
     kv_transfer_timeout: float = 10.0
+    max_pending_tokens: int = 0  # admission bound in tokens; 0: twice the KV pool's tokens
+    batch_admission_fraction: float = 0.5  # batch requests only up to this part of the bound
 
     @property
     def model_name(self) -> str:
@@ -101,6 +103,28 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=_env("DTYPE", "auto"))
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "safetensors"))
     add_kv_transfer_flags(p)
+    add_admission_flags(p)
+
+
+def add_admission_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-pending-tokens",
+        type=int,
+        default=int(_env("MAX_PENDING_TOKENS", "0") or 0),
+        help="refuse new requests (RESOURCE_EXHAUSTED) once the accepted ones hold this many "
+        "tokens (prompt + max_tokens; prefill: prompt); 0 = twice the KV pool",
+    )
+    p.add_argument(
+        "--batch-admission-fraction",
+        type=float,
+        default=float(_env("BATCH_ADMISSION_FRACTION", "0.5") or 0.5),
+        help="batch-priority requests are admitted only up to this fraction of the bound",
+    )
+
+
+def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:
+    """The admission bound in tokens (``--max-pending-tokens``, default twice the pool)."""
+    return config.max_pending_tokens or 2 * engine.pool.num_blocks * config.block_size
 
 
 def add_kv_transfer_flags(p: argparse.ArgumentParser) -> None:
@@ -153,6 +177,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         nixl_mode=args.nixl_mode,
         on_transfer_failure=args.on_transfer_failure,
         kv_transfer_timeout=args.kv_transfer_timeout,
+        max_pending_tokens=args.max_pending_tokens,
+        batch_admission_fraction=args.batch_admission_fraction,
     )
 
 

@@ -9,12 +9,14 @@ import uuid
 
 from tandem.v1 import worker_pb2_grpc
 
+from services.common.admission import TokenLedger
 from services.common.grpc_server import start_server
 from services.common.kv_setup import decode_side
 from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
     advertised,
+    pending_limit,
     register,
     run_until_signal,
     setup_logging,
@@ -54,6 +56,11 @@ async def serve(argv: list[str] | None = None) -> None:
         incarnation,
         transfer_timeout=config.kv_transfer_timeout,
         on_transfer_failure=config.on_transfer_failure,
+        ledger=TokenLedger(
+            pending_limit(config, engine.engine),
+            config.batch_admission_fraction,
+            name=f"decode worker {config.worker_id}",
+        ),
     )
     server = await start_server(
         [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],

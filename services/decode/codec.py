@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from tandem.v1 import worker_pb2
 
-from services.common.codec import handle_from_pb, logprob_from_pb, sampling_from_pb
+from services.common.codec import (
+    handle_from_pb,
+    logprob_from_pb,
+    priority_from_pb,
+    sampling_from_pb,
+)
 from services.decode.core import DecodeJob
 
 
@@ -15,6 +20,7 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
         params=sampling_from_pb(req.sampling),
         tenant=req.tenant,
         cached_tokens=req.cached_tokens,
+        priority=priority_from_pb(req.priority),
     )
     if req.HasField("kv"):
         job.kv = handle_from_pb(req.kv)

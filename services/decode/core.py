@@ -13,6 +13,7 @@ from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from libkv.transfer import KVTransferError, KVTransport
+from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle
 from services.common.errors import FailedPrecondition, KVTransferFailed
 
@@ -30,6 +31,12 @@ class DecodeJob:
     first_logprob: TokenLogprob | None = None
     generator_state: bytes = b""
     cached_tokens: int = 0
+    priority: str = "interactive"
+
+    @property
+    def cost(self) -> int:
+        """What admission books for it: prompt plus every token it may generate."""
+        return len(self.prompt) + self.params.max_tokens
 
 
 class DecodeCore:
@@ -49,6 +56,7 @@ class DecodeCore:
         incarnation: str,
         transfer_timeout: float = 10.0,
         on_transfer_failure: str = "recompute",
+        ledger: TokenLedger | None = None,
     ) -> None:
         if on_transfer_failure not in ("recompute", "retry"):
             raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
@@ -58,15 +66,25 @@ class DecodeCore:
         self.incarnation = incarnation
         self.transfer_timeout = transfer_timeout
         self.on_transfer_failure = on_transfer_failure
+        self.ledger = ledger or TokenLedger(0, name=f"decode worker {worker_id}")
         self.blocks_pulled = 0  # blocks that moved (cached prefix blocks never do)
         self.transfer_failures = 0
         self.recomputed = 0
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
+        """Stream the job's outputs; refused at once (ResourceExhausted) past the admission
+        bound. Closing the stream (client gone, deadline passed) aborts it and frees its blocks."""
+        with self.ledger.hold(job.request_id, job.cost, job.priority):
+            async for out in self._generate(job):
+                yield out
+
+    async def _generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
+        priority = ENGINE_PRIORITY[job.priority]
         if job.kv is None:
             async for out in self.engine.generate(
-                job.request_id, job.prompt, job.params, tenant=job.tenant or None
-            ):
+                job.request_id, job.prompt, job.params, tenant=job.tenant or None,
+                priority=priority,
+            ):  # fmt: skip
                 yield out
             return
         recompute = not await self._receive_kv(job)
@@ -84,6 +102,7 @@ class DecodeCore:
                 generator_state=job.generator_state,
                 num_cached_tokens=job.cached_tokens,
                 recompute=recompute,
+                priority=priority,
             )
 
         async for out in self.engine.follow(job.request_id, add):

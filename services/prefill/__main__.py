@@ -9,12 +9,14 @@ import uuid
 
 from tandem.v1 import worker_pb2_grpc
 
+from services.common.admission import TokenLedger
 from services.common.grpc_server import start_server
 from services.common.kv_setup import prefill_side
 from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
     advertised,
+    pending_limit,
     register,
     run_until_signal,
     setup_logging,
@@ -38,7 +40,12 @@ async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
-    core = PrefillCore(engine, config.worker_id, incarnation, config.lease_seconds)
+    ledger = TokenLedger(
+        pending_limit(config, engine.engine),
+        config.batch_admission_fraction,
+        name=f"prefill worker {config.worker_id}",
+    )
+    core = PrefillCore(engine, config.worker_id, incarnation, config.lease_seconds, ledger)
     server = await start_server(
         [
             (worker_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(core)),

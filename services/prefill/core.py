@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
+from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle
 from services.common.errors import FailedPrecondition
 
@@ -29,9 +30,16 @@ class PrefillCore:
     """Owns the engine of a prefill worker and the leases of held KV blocks."""
 
     def __init__(
-        self, engine: AsyncEngine, worker_id: str, incarnation: str, lease_seconds: float
+        self,
+        engine: AsyncEngine,
+        worker_id: str,
+        incarnation: str,
+        lease_seconds: float,
+        ledger: TokenLedger | None = None,
     ) -> None:
         self.engine = engine
+        # Admission in prompt tokens: a prefill's work and what it holds for the decode side.
+        self.ledger = ledger or TokenLedger(0, name=f"prefill worker {worker_id}")
         self.worker_id = worker_id
         self.incarnation = incarnation
         self.lease_seconds = lease_seconds
@@ -47,14 +55,27 @@ class PrefillCore:
             self._reaper.cancel()
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, tenant: str
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        tenant: str,
+        priority: str = "interactive",
     ) -> PrefillResult:
+        """Prefill ``prompt``; refused at once (ResourceExhausted) past the admission bound.
+        Cancelling the call (client gone, deadline passed) aborts it and frees its blocks."""
         eng = self.engine.engine
         first: RequestOutput | None = None
-        async for out in self.engine.generate(
-            request_id, prompt, params, tenant=tenant or None, hold_kv=True
-        ):
-            first = out
+        with self.ledger.hold(request_id, len(prompt), priority):
+            async for out in self.engine.generate(
+                request_id,
+                prompt,
+                params,
+                tenant=tenant or None,
+                hold_kv=True,
+                priority=ENGINE_PRIORITY[priority],
+            ):
+                first = out
         if first is None:
             raise FailedPrecondition(f"request {request_id} was aborted during prefill")
         if not first.kv_held:

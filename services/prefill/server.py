@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from services.common.codec import sampling_from_pb, stats_to_pb
+from services.common.codec import priority_from_pb, sampling_from_pb, stats_to_pb
 from services.prefill.codec import prefill_response
 from services.prefill.core import PrefillCore
 
@@ -19,6 +19,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             list(request.token_ids),
             sampling_from_pb(request.sampling),
             request.tenant,
+            priority_from_pb(request.priority),
         )
         return prefill_response(result)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,6 +15,7 @@ from engine.tokenizer import Tokenizer
 from libkv.registry import Member
 from services.common import codec as common
 from services.common.errors import (
+    RETRY_AFTER_MS_KEY,
     DeadlineExceeded,
     KVTransferFailed,
     ResourceExhausted,
@@ -27,7 +29,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def job_from_pb(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, rid: str) -> RouteJob:
+def job_from_pb(
+    req: router_pb2.GenerateRequest, tokenizer: Tokenizer, rid: str, time_left: float | None
+) -> RouteJob:
+    """The routing job of a request; ``time_left`` is the call's gRPC deadline (None: none)."""
     which = req.WhichOneof("prompt")
     if which == "text":
         prompt = tokenizer.encode(req.text)
@@ -37,7 +42,14 @@ def job_from_pb(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, rid: str)
         raise InvalidRequestError("GenerateRequest needs a prompt: text or token_ids")
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
-    return RouteJob(rid, prompt, common.sampling_from_pb(req.sampling), req.tenant)
+    return RouteJob(
+        rid,
+        prompt,
+        common.sampling_from_pb(req.sampling),
+        req.tenant,
+        common.priority_from_pb(req.priority),
+        None if time_left is None else time.monotonic() + time_left,
+    )
 
 
 def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
@@ -48,7 +60,9 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
     if code == grpc.StatusCode.NOT_FOUND:
         return RequestNotFoundError(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(f"{who}: {details}")
+        trailers = dict(e.trailing_metadata() or ())
+        wait = str(trailers.get(RETRY_AFTER_MS_KEY, ""))
+        return ResourceExhausted(f"{who}: {details}", int(wait) if wait.isdigit() else None)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"{who}: {details}")
     if code == grpc.StatusCode.ABORTED:
@@ -75,9 +89,10 @@ class GrpcWorkerClients:
             token_ids=job.prompt,
             sampling=common.sampling_to_pb(job.params),
             tenant=job.tenant,
+            priority=common.PRIORITY_TO_PB[job.priority],
         )
         try:
-            resp = await stub.Prefill(req, timeout=self.prefill_timeout)
+            resp = await stub.Prefill(req, timeout=job.time_left(self.prefill_timeout))
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, f"prefill {worker.worker_id}") from e
         handle = common.handle_from_pb(resp.kv) if resp.HasField("kv") else None
@@ -95,11 +110,12 @@ class GrpcWorkerClients:
             tenant=job.tenant,
             generator_state=call.generator_state,
             cached_tokens=call.cached_tokens,
+            priority=common.PRIORITY_TO_PB[job.priority],
         )
         if call.handle is not None and call.first is not None:
             req.kv.CopyFrom(common.handle_to_pb(call.handle))
             req.first.CopyFrom(common.event_to_pb(call.first))
-        stream = stub.Generate(req)
+        stream = stub.Generate(req, timeout=job.time_left())
         try:
             async for msg in stream:
                 yield common.event_from_pb(msg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -15,10 +16,28 @@ from typing import Protocol
 from engine.sampling_params import SamplingParams
 from libkv.registry import Member, MemberDirectory
 from services.common.codec import Event, KVHandle
-from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    KVTransferFailed,
+    ResourceExhausted,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 RETRYABLE = (Unavailable, ResourceExhausted)
+
+
+class NoWorker(Unavailable):
+    """No live worker is left to try (none registered, or all failed or refused)."""
+
+
+def soonest(refusals: list[ResourceExhausted]) -> ResourceExhausted:
+    """One refusal for the caller: every worker is full; retry when the first frees up."""
+    waits = [r.retry_after_ms for r in refusals if r.retry_after_ms is not None]
+    return ResourceExhausted(
+        f"all {len(refusals)} workers tried are at capacity; last: {refusals[-1]}",
+        retry_after_ms=min(waits) if waits else None,
+    )
 
 
 @dataclass(slots=True)
@@ -27,6 +46,17 @@ class RouteJob:
     prompt: list[int]
     params: SamplingParams
     tenant: str = ""
+    priority: str = "interactive"
+    deadline: float | None = None  # time.monotonic() after which the caller gave up
+
+    def time_left(self, cap: float | None = None) -> float | None:
+        """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
+        if self.deadline is None:
+            return cap
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.request_id} passed its deadline")
+        return left if cap is None else min(left, cap)
 
 
 @dataclass(slots=True)
@@ -97,20 +127,30 @@ class RouterCore:
 
     # -- one request -------------------------------------------------------------------------
     async def generate(self, job: RouteJob) -> AsyncIterator[Event]:
-        """Stream the request's events; retries once if a worker fails before the first token."""
+        """Stream the request's events; retries once if a worker fails before the first token,
+        and on every other worker while workers refuse it for capacity (ResourceExhausted, a
+        fast refusal); when all refused, raises the refusal that frees up soonest."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks[job.request_id] = task
         failed: set[str] = set()
         started = [False]
+        refusals: list[ResourceExhausted] = []
+        failures = 0
         try:
-            for attempt in range(2):
+            while True:
                 try:
                     async for ev in self._attempt(job, failed, started):
                         yield ev
                     return
                 except RETRYABLE as e:
-                    if started[0] or attempt == 1:
+                    if isinstance(e, NoWorker) and refusals:
+                        raise soonest(refusals) from e
+                    if isinstance(e, ResourceExhausted):
+                        refusals.append(e)
+                    else:
+                        failures += 1
+                    if started[0] or failures > 1 or isinstance(e, NoWorker):
                         raise
                     self.stats.retries += 1
                     log.warning("request %s: %s; retrying on another worker", job.request_id, e)
@@ -129,7 +169,7 @@ class RouterCore:
     async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
         decode = self.pick("decode", failed)
         if decode is None:
-            raise Unavailable("no live decode workers")
+            raise NoWorker("no live decode workers")
         prefill = None
         if len(job.prompt) >= self.threshold:
             prefill = self.pick("prefill", failed)

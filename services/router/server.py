@@ -34,7 +34,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             from engine.errors import RequestNotFoundError
 
             raise RequestNotFoundError(f"model {request.model!r} is not served here")
-        job = job_from_pb(request, self.tokenizer, request.request_id or self.core.new_request_id())
+        rid = request.request_id or self.core.new_request_id()
+        job = job_from_pb(request, self.tokenizer, rid, context.time_remaining())
         async for ev in self.core.generate(job):
             yield event_to_pb(ev)
 
