@@ -89,7 +89,7 @@ async def test_least_loaded_and_threshold():
     events = await collect(core, job(300))
     assert clients.calls == [("prefill", "p1"), ("decode", "d1")]
     assert [e.token_ids for e in events] == [[7], [8], [9]]
-    assert core.stats.decisions == {"decode_only": 1, "disaggregated": 1}
+    assert core.stats.decisions == {("least-loaded", "decode-only"): 1, ("least-loaded", "load"): 1}
     await asyncio.sleep(0)
     assert clients.released == ["r1"]  # prefill blocks released (idempotent on the worker)
 

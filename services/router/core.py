@@ -22,6 +22,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.router.policy import Chooser, LocationLookup, PolicyConfig, RouteRequest
 
 log = logging.getLogger(__name__)
 RETRYABLE = (Unavailable, ResourceExhausted)
@@ -48,6 +49,12 @@ class RouteJob:
     tenant: str = ""
     priority: str = "interactive"
     deadline: float | None = None  # time.monotonic() after which the caller gave up
+    session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
+
+    @property
+    def route(self) -> RouteRequest:
+        """What the routing policy looks at."""
+        return RouteRequest(self.prompt, self.tenant, self.session, self.params.max_tokens)
 
     def time_left(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
@@ -89,41 +96,32 @@ class WorkerClients(Protocol):
 
 @dataclass(slots=True)
 class RouterStats:
-    decisions: Counter = field(default_factory=Counter)
+    decisions: Counter = field(default_factory=Counter)  # (policy, reason) -> plans made
     retries: int = 0
 
 
 class RouterCore:
     def __init__(
-        self, directory: MemberDirectory, clients: WorkerClients, decode_only_threshold: int = 256
+        self,
+        directory: MemberDirectory,
+        clients: WorkerClients,
+        decode_only_threshold: int = 256,
+        policy: PolicyConfig | None = None,
+        index: LocationLookup | None = None,
     ) -> None:
+        """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
+        ``index``, the block-location index, feeds the "kv" policy."""
         self.directory = directory
         self.clients = clients
-        self.threshold = decode_only_threshold
+        self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
         self.inflight: Counter[str] = Counter()
+        self.chooser = Chooser(directory, self.policy, index, self.inflight)
         self.stats = RouterStats()
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
-
-    # -- choosing --------------------------------------------------------------------------
-    def pick(self, role: str, exclude: set[str]) -> Member | None:
-        """Least-loaded live worker of ``role``: own in-flight count first, then reported load."""
-        candidates = [m for m in self.directory.members_by_role(role) if m.worker_id not in exclude]
-        if not candidates:
-            return None
-
-        def load(m: Member) -> tuple[float, float, str]:
-            total = max(m.kv_blocks_total, 1)
-            return (
-                self.inflight[m.worker_id] + m.load.queue_length,
-                m.load.kv_blocks_used / total,
-                m.worker_id,
-            )
-
-        return min(candidates, key=load)
 
     # -- one request -------------------------------------------------------------------------
     async def generate(self, job: RouteJob) -> AsyncIterator[Event]:
@@ -167,18 +165,15 @@ class RouterCore:
             self._aborted.discard(job.request_id)
 
     async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
-        decode = self.pick("decode", failed)
-        if decode is None:
+        plan = self.chooser.plan(job.route, failed)
+        if plan is None:
             raise NoWorker("no live decode workers")
-        prefill = None
-        if len(job.prompt) >= self.threshold:
-            prefill = self.pick("prefill", failed)
+        self.stats.decisions[(self.policy.name, plan.reason)] += 1
+        decode, prefill = plan.decode, plan.prefill
         if prefill is None:
-            self.stats.decisions["decode_only"] += 1
             async for ev in self._decode(decode, DecodeCall(job), failed, started):
                 yield ev
             return
-        self.stats.decisions["disaggregated"] += 1
         reply = await self._prefill(prefill, job, failed)
         started[0] = True
         yield reply.first
@@ -204,7 +199,7 @@ class RouterCore:
                 return
             except KVTransferFailed as e:
                 failed.add(prefill.worker_id)
-                prefill = self.pick("prefill", failed)
+                prefill = self.chooser.pick_prefill(job.route, failed)
                 if prefill is None:
                     raise Unavailable(f"{e}; no other prefill worker to retry on") from e
                 self.stats.retries += 1

@@ -1,0 +1,202 @@
+"""Routing policies (no grpc): which prefill and decode worker serve a request.
+
+``kv`` (the default) scores every live worker by the prompt blocks it already caches (from the
+block-location index, on the shared tenant-salted hash chain) against its load, separately for
+the prefill choice and the decode choice, with conditional disaggregation on the *uncached*
+part: when the best decode worker would have to compute fewer than ``decode_only_threshold``
+prompt tokens itself, the request goes decode-only to it. Costs are in prompt blocks::
+
+    cost(w) = miss_weight * (prompt blocks w does not cache)
+            + load_weight * load(w) * (prompt blocks)         load = requests queued + running
+            + a penalty when w reports too few free KV blocks for the request
+
+``miss_weight`` is 1 where the worker computes the missing part (prefill, decode-only) and
+``TRANSFER_WEIGHT`` for a disaggregated decode worker, which only receives the blocks it lacks.
+``load(w)`` is the larger of the requests this router has in flight on w (current) and those
+w last reported in etcd (every router's, up to one member refresh old). Ties go to the lower
+worker id, so replicas with the same etcd view choose alike.
+
+``least-loaded``: fewest requests, then least KV in use. ``round-robin``: each role in turn.
+``session``: the same session key (OpenAI ``user``) always lands on the same workers while
+they live (rendezvous hashing), least-loaded without a key. These three disaggregate by prompt
+length alone. Every plan carries a reason (``kv-hit``, ``load``, ``decode-only``,
+``round-robin``, ``session``) that the router counts per policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
+from libkv.registry import Member, MemberDirectory
+
+POLICIES = ("kv", "least-loaded", "round-robin", "session")
+TRANSFER_WEIGHT = 0.25  # a block moved to a decode worker, relative to a block computed
+FULL_PENALTY = 1000.0  # per prompt block, for a worker without room for the request
+DEFAULT_BLOCK_SIZE = 16
+
+
+class LocationLookup(Protocol):
+    """The read side of the block-location index (``libkv.location_index.PrefixIndex``)."""
+
+    def match(self, hashes: Sequence[BlockHash]) -> dict[tuple[str, str], int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy looks at."""
+
+    prompt: Sequence[int]
+    tenant: str = ""
+    session: str = ""
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where one request runs: ``prefill`` None means decode-only."""
+
+    decode: Member
+    prefill: Member | None
+    reason: str
+    cached_blocks: int = 0  # blocks the computing worker is expected to hold
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = "kv"
+    decode_only_threshold: int = 256
+    load_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; one of {', '.join(POLICIES)}")
+
+
+class _Chain:
+    """The request's hash chain per block size, computed on first use."""
+
+    def __init__(self, req: RouteRequest, index: LocationLookup | None) -> None:
+        self.req, self.index = req, index
+        self._depths: dict[int, dict[tuple[str, str], int]] = {}
+
+    def cached_blocks(self, m: Member) -> int:
+        if self.index is None:
+            return 0
+        bs = m.block_size or DEFAULT_BLOCK_SIZE
+        if bs not in self._depths:
+            extra = encode_extra_keys(self.req.tenant or None)
+            self._depths[bs] = self.index.match(hash_prefix_blocks(self.req.prompt, bs, extra))
+        return self._depths[bs].get((m.worker_id, m.incarnation), 0)
+
+
+class Chooser:
+    """Applies one policy to the live members of a `MemberDirectory`."""
+
+    def __init__(
+        self,
+        directory: MemberDirectory,
+        config: PolicyConfig,
+        index: LocationLookup | None = None,
+        inflight: Counter[str] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self.index = index
+        self.inflight: Counter[str] = inflight if inflight is not None else Counter()
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def live(self, role: str, exclude: set[str]) -> list[Member]:
+        return [m for m in self.directory.members_by_role(role) if m.worker_id not in exclude]
+
+    def load(self, m: Member) -> int:
+        return max(self.inflight[m.worker_id], m.load.queue_length + m.load.running)
+
+    # -- plans ----------------------------------------------------------------------------------
+    def plan(self, req: RouteRequest, exclude: set[str]) -> Plan | None:
+        """Workers for ``req`` avoiding ``exclude``; None when no decode worker is live."""
+        decoders = self.live("decode", exclude)
+        if not decoders:
+            return None
+        if self.config.name == "kv":
+            return self._plan_kv(req, decoders, exclude)
+        decode = self._pick(req, decoders, "decode")
+        prefill = None
+        if len(req.prompt) >= self.config.decode_only_threshold:
+            prefill = self.pick_prefill(req, exclude)
+        if prefill is None:
+            return Plan(decode, None, "decode-only")
+        reason = {"least-loaded": "load", "round-robin": "round-robin"}.get(self.config.name)
+        return Plan(decode, prefill, reason or ("session" if req.session else "load"))
+
+    def pick_prefill(self, req: RouteRequest, exclude: set[str]) -> Member | None:
+        """The prefill worker for ``req`` under this policy (also for a retry)."""
+        candidates = self.live("prefill", exclude)
+        if not candidates:
+            return None
+        if self.config.name == "kv":
+            chain = _Chain(req, self.index)
+            return min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
+        return self._pick(req, candidates, "prefill")
+
+    def _plan_kv(self, req: RouteRequest, decoders: list[Member], exclude: set[str]) -> Plan:
+        chain = _Chain(req, self.index)
+        decode = min(decoders, key=lambda m: self._cost(req, chain, m, 1.0))
+        hit = chain.cached_blocks(decode)
+        bs = decode.block_size or DEFAULT_BLOCK_SIZE
+        uncached = len(req.prompt) - hit * bs
+        prefill = None
+        if uncached >= self.config.decode_only_threshold:
+            candidates = self.live("prefill", exclude)
+            if candidates:
+                prefill = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
+        if prefill is None:
+            return Plan(decode, None, "decode-only", hit)
+        decode = min(decoders, key=lambda m: self._cost(req, chain, m, TRANSFER_WEIGHT))
+        hit = chain.cached_blocks(prefill)
+        return Plan(decode, prefill, "kv-hit" if hit else "load", hit)
+
+    # -- scoring ----------------------------------------------------------------------------------
+    def _cost(
+        self, req: RouteRequest, chain: _Chain, m: Member, miss_weight: float
+    ) -> tuple[float, str]:
+        bs = m.block_size or DEFAULT_BLOCK_SIZE
+        blocks = -(-len(req.prompt) // bs)
+        miss = blocks - min(chain.cached_blocks(m), blocks)
+        cost = miss_weight * miss + self.config.load_weight * self.load(m) * blocks
+        need = miss + -(-req.max_tokens // bs)
+        if (
+            m.kv_blocks_total
+            and m.load.kv_blocks_free + m.load.kv_blocks_used
+            and (m.load.kv_blocks_free < need)
+        ):
+            cost += FULL_PENALTY * blocks
+        return (cost, m.worker_id)
+
+    def _pick(self, req: RouteRequest, candidates: list[Member], role: str) -> Member:
+        name = self.config.name
+        if name == "round-robin":
+            return candidates[next(self._turn[role]) % len(candidates)]
+        if name == "session" and req.session:
+            return max(candidates, key=_rendezvous(req.session))
+        return min(candidates, key=self._least_loaded)
+
+    def _least_loaded(self, m: Member) -> tuple[float, float, str]:
+        total = max(m.kv_blocks_total, 1)
+        queued = self.inflight[m.worker_id] + m.load.queue_length
+        return (queued, m.load.kv_blocks_used / total, m.worker_id)
+
+
+def _rendezvous(session: str) -> Callable[[Member], bytes]:
+    """Highest-random-weight key: stable per (session, worker), so only the sessions of a
+    worker that leaves move, and every router replica agrees."""
+
+    def weight(m: Member) -> bytes:
+        return hashlib.sha256(f"{session}\x00{m.worker_id}".encode()).digest()
+
+    return weight

@@ -1,0 +1,156 @@
+"""Routing policies in isolation: a fixed member list and a hand-filled prefix index."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from libkv.hashing import encode_extra_keys, hash_prefix_blocks
+from libkv.location_index import PrefixIndex
+from libkv.locations import location_key
+from libkv.registry import Member, MemberLoad
+from services.router.policy import Chooser, PolicyConfig, RouteRequest
+
+BS = 16
+PROMPT = list(range(1000, 1000 + 40 * BS))  # 40 blocks
+
+
+class Directory:
+    def __init__(self, members: list[Member]) -> None:
+        self.members = members
+
+    def members_by_role(self, role: str) -> list[Member]:
+        return sorted((m for m in self.members if m.role == role), key=lambda m: m.worker_id)
+
+
+def member(worker_id: str, role: str, queue: int = 0, running: int = 0, free: int = 900) -> Member:
+    load = MemberLoad(queue_length=queue, running=running, kv_blocks_free=free, kv_blocks_used=10)
+    return Member(worker_id, role, "m", f"{worker_id}:1", 1000, BS, f"inc-{worker_id}", load=load)
+
+
+def publish(index: PrefixIndex, m: Member, prompt: list[int], blocks: int, tenant: str = ""):
+    """``m`` holds the first ``blocks`` blocks of ``prompt`` (published every 4 blocks)."""
+    chain = hash_prefix_blocks(prompt, BS, encode_extra_keys(tenant or None))
+    for i in range(3, blocks, 4):
+        index.put(location_key(m.worker_id, m.incarnation, chain[i]), str(i + 1).encode())
+
+
+def chooser(members, policy="kv", index=None, threshold=256, inflight=None) -> Chooser:
+    config = PolicyConfig(policy, threshold)
+    return Chooser(Directory(members), config, index if index is not None else PrefixIndex(),
+                   inflight)  # fmt: skip
+
+
+def req(prompt=PROMPT, tenant="", session="") -> RouteRequest:
+    return RouteRequest(prompt, tenant, session, max_tokens=16)
+
+
+STACK = [member("p0", "prefill"), member("p1", "prefill"), member("d0", "decode"),
+         member("d1", "decode")]  # fmt: skip
+
+
+def test_kv_prefers_the_prefill_worker_holding_the_prefix():
+    index = PrefixIndex()
+    publish(index, STACK[1], PROMPT, 32)
+    plan = chooser(STACK, index=index).plan(req(), set())
+    assert plan.prefill.worker_id == "p1" and plan.reason == "kv-hit" and plan.cached_blocks == 32
+    # Without any hit it is load: the idle worker with the lower id.
+    plan = chooser(STACK).plan(req(), set())
+    assert (plan.prefill.worker_id, plan.decode.worker_id, plan.reason) == ("p0", "d0", "load")
+
+
+def test_kv_spills_over_when_the_holder_is_much_busier():
+    index = PrefixIndex()
+    publish(index, STACK[1], PROMPT, 32)
+    busy = [member("p0", "prefill"), member("p1", "prefill", running=1), *STACK[2:]]
+    assert chooser(busy, index=index).plan(req(), set()).prefill.worker_id == "p1"
+    busier = [member("p0", "prefill"), member("p1", "prefill", queue=3, running=2), *STACK[2:]]
+    plan = chooser(busier, index=index).plan(req(), set())
+    assert plan.prefill.worker_id == "p0" and plan.reason == "load"
+    # The router's own in-flight count weighs too (it is more current than etcd's report).
+    inflight = Counter({"p1": 5})
+    assert chooser(STACK, index=index, inflight=inflight).plan(req(), set()).prefill.worker_id \
+        == "p0"  # fmt: skip
+
+
+def test_a_worker_without_room_is_avoided():
+    index = PrefixIndex()
+    full = member("p1", "prefill", free=2)
+    publish(index, full, PROMPT, 32)
+    plan = chooser([STACK[0], full, *STACK[2:]], index=index).plan(req(), set())
+    assert plan.prefill.worker_id == "p0"
+
+
+def test_stale_incarnation_and_other_tenants_never_match():
+    index = PrefixIndex()
+    old = Member("p1", "prefill", "m", "p1:1", 1000, BS, "old-incarnation")
+    publish(index, old, PROMPT, 40)  # the previous process of p1 left these behind
+    publish(index, STACK[0], PROMPT, 40, tenant="acme")
+    plan = chooser(STACK, index=index).plan(req(), set())
+    assert plan.reason == "load" and plan.cached_blocks == 0
+    plan = chooser(STACK, index=index).plan(req(tenant="acme"), set())
+    assert plan.prefill.worker_id == "p0" and plan.reason == "kv-hit"
+    plan = chooser(STACK, index=index).plan(req(tenant="other"), set())
+    assert plan.reason == "load"
+
+
+def test_conditional_disaggregation_uses_the_cached_part():
+    index = PrefixIndex()
+    publish(index, STACK[3], PROMPT, 36)  # d1 holds 36 of 40 blocks: 64 tokens uncached
+    plan = chooser(STACK, index=index).plan(req(), set())
+    assert plan.prefill is None and plan.decode.worker_id == "d1"
+    assert plan.reason == "decode-only" and plan.cached_blocks == 36
+    # Holding only half leaves too much to compute: disaggregate, decode still on the holder
+    # (it receives only the blocks it lacks).
+    index = PrefixIndex()
+    publish(index, STACK[3], PROMPT, 20)
+    publish(index, STACK[0], PROMPT, 40)
+    plan = chooser(STACK, index=index).plan(req(), set())
+    assert (plan.prefill.worker_id, plan.decode.worker_id, plan.reason) == ("p0", "d1", "kv-hit")
+    # A short prompt goes decode-only whatever the cache holds.
+    assert chooser(STACK).plan(req(PROMPT[:100]), set()).prefill is None
+
+
+def test_replicas_with_the_same_view_choose_alike_and_exclusions_hold():
+    index = PrefixIndex()
+    publish(index, STACK[1], PROMPT, 24)
+    publish(index, STACK[0], PROMPT, 24)
+    a = chooser(STACK, index=index).plan(req(), set())
+    b = chooser(list(reversed(STACK)), index=index).plan(req(), set())
+    assert (a.prefill, a.decode) == (b.prefill, b.decode)
+    c = chooser(STACK, index=index).plan(req(), {"p0", "d0"})
+    assert (c.prefill.worker_id, c.decode.worker_id) == ("p1", "d1")
+    assert chooser(STACK[:2]).plan(req(), set()) is None  # no decode worker
+
+
+def test_round_robin_alternates_per_role():
+    ch = chooser(STACK, policy="round-robin")
+    plans = [ch.plan(req(), set()) for _ in range(4)]
+    assert [p.prefill.worker_id for p in plans] == ["p0", "p1", "p0", "p1"]
+    assert [p.decode.worker_id for p in plans] == ["d0", "d1", "d0", "d1"]
+    assert {p.reason for p in plans} == {"round-robin"}
+    assert ch.plan(req(PROMPT[:10]), set()).reason == "decode-only"
+
+
+def test_session_is_sticky_and_agreed_and_least_loaded_without_a_key():
+    plans = {s: chooser(STACK, policy="session").plan(req(session=s), set()) for s in "abcdefgh"}
+    assert {p.reason for p in plans.values()} == {"session"}
+    assert len({p.prefill.worker_id for p in plans.values()}) == 2  # keys spread over workers
+    for s, p in plans.items():  # another replica, workers listed differently: same choice
+        again = chooser(list(reversed(STACK)), policy="session").plan(req(session=s), set())
+        assert (again.prefill, again.decode) == (p.prefill, p.decode)
+    # Only the sessions of a worker that leaves move.
+    gone = plans["a"].prefill.worker_id
+    rest = [m for m in STACK if m.worker_id != gone]
+    for s, p in plans.items():
+        if p.prefill.worker_id != gone:
+            assert chooser(rest, policy="session").plan(req(session=s), set()).prefill == p.prefill
+    busy = [member("p0", "prefill", queue=4), *STACK[1:]]
+    plan = chooser(busy, policy="session").plan(req(), set())
+    assert plan.prefill.worker_id == "p1" and plan.reason == "load"
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="unknown policy"):
+        PolicyConfig("random")
