@@ -124,7 +124,7 @@ class KVHandle(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "queue_length", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "prompt_tokens", "preemptions", "held_requests", "integrity_ok", "role")
+    __slots__ = ("worker_id", "incarnation", "queue_length", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "prompt_tokens", "preemptions", "held_requests", "integrity_ok", "role", "location_txns", "location_puts", "location_deletes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,9 @@ class WorkerStats(_message.Message):
     HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_TXNS_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_PUTS_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_DELETES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     queue_length: int
@@ -151,7 +154,10 @@ class WorkerStats(_message.Message):
     held_requests: int
     integrity_ok: bool
     role: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., held_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
+    location_txns: int
+    location_puts: int
+    location_deletes: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., held_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., role: _Optional[str] = ..., location_txns: _Optional[int] = ..., location_puts: _Optional[int] = ..., location_deletes: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
