@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MEMBERS_PREFIX = "/tandem/v1/members/"
 ROLES = ("prefill", "decode", "router", "gateway")
+DRAINING = "draining"  # Member.extra key: "1" while the worker finishes its work and takes none
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,12 @@ class Member:
     @property
     def key(self) -> bytes:
         return member_key(self.role, self.worker_id)
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: it finishes what it has (and serves its KV blocks) but takes nothing
+        new, so routers leave it out (`MemberWatcher.members_by_role`)."""
+        return self.extra.get(DRAINING) == "1"
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
@@ -187,6 +194,21 @@ class Registration:
                 log.warning("refreshing %s failed (%d): %r", self.member.worker_id, failures, e)
                 await self._etcd.reset()
 
+    async def drain(self) -> None:
+        """Mark the member draining and put it now (later refreshes keep the mark). The key
+        stays until `stop`, so peers still find the worker, e.g. its NIXL agent, meanwhile."""
+        extra = {**self.member.extra, DRAINING: "1"}
+        self.member = dataclasses.replace(self.member, extra=extra)
+        if self.lease_id is None:
+            return  # not registered right now: the next registration carries the mark
+        try:
+            await asyncio.wait_for(
+                self._etcd.client.put(self.member.key, self.member.to_json(), lease=self.lease_id),
+                self._etcd.timeout,
+            )
+        except Exception as e:
+            log.warning("marking %s draining failed: %r", self.member.worker_id, e)
+
     async def stop(self, revoke: bool = True) -> None:
         """Stop refreshing and revoke the lease, which deletes the key at once.
 
@@ -262,7 +284,9 @@ class MemberWatcher:
         return self._follower.resyncs
 
     def members_by_role(self, role: str) -> list[Member]:
-        return sorted((m for m in self.members.values() if m.role == role), key=_by_id)
+        """Members of ``role`` that take new work, by id (draining ones are only in `members`)."""
+        ms = (m for m in self.members.values() if m.role == role and not m.draining)
+        return sorted(ms, key=_by_id)
 
     def add_listener(self, callback: Callable[[MemberChange], None]) -> None:
         """Call ``callback`` (synchronously, in the event loop) on every change of the view."""

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted, Unavailable
 
 PRIORITIES = ("interactive", "batch")
 # The engine's priority number of each class (lower is scheduled first).
@@ -58,6 +58,7 @@ class TokenLedger:
         self.inflight: dict[str, int] = {}
         self.pending_tokens = 0
         self.refused = {p: 0 for p in PRIORITIES}
+        self.closed = False  # draining: admit nothing more (see close)
         self._returned: deque[tuple[float, int]] = deque()  # (time, tokens) of releases
 
     def limit_for(self, priority: str) -> int:
@@ -70,6 +71,8 @@ class TokenLedger:
         """Book ``tokens`` for ``request_id`` or raise ResourceExhausted (with
         ``retry_after_ms``) when that would take the ledger past the priority's limit."""
         check_priority(priority)
+        if self.closed:
+            raise Unavailable(f"{self.name} is draining; it takes no new requests")
         if request_id in self.inflight:
             raise ValueError(f"request {request_id!r} is already admitted")
         limit = self.limit_for(priority)
@@ -83,6 +86,11 @@ class TokenLedger:
             )
         self.inflight[request_id] = tokens
         self.pending_tokens = after
+
+    def close(self) -> None:
+        """Refuse every later request with Unavailable (the router retries it on another
+        worker); those in flight run to the end. Graceful termination calls this first."""
+        self.closed = True
 
     def release(self, request_id: str) -> None:
         """Return a request's tokens (idempotent)."""

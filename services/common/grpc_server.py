@@ -29,6 +29,10 @@ from services.common.metrics import GrpcServerMetrics
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# grpc.health.v1 service name that stays SERVING while the process drains (set_serving(False)
+# leaves it alone) and turns NOT_SERVING only at stop: the target of liveness probes, where ""
+# (overall) is the readiness target.
+LIVENESS_SERVICE = "liveness"
 
 # First match wins (isinstance), so subclasses must come before their bases.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -251,5 +255,6 @@ async def start_server(
         raise RuntimeError(f"could not bind gRPC server to {address}")
     handle = GrpcServerHandle(server, health, service_names=names, host=host, port=port)
     await handle.set_serving(True)  # before start, so no check ever sees a service missing
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     return handle
