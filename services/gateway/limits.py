@@ -1,0 +1,199 @@
+"""The gateway's limits (no HTTP): admission of tokens in flight, and per-tenant rate limits
+metered in tokens (input + output) and requests.
+
+Each tenant with limits has two token buckets: ``tokens_per_window`` and
+``requests_per_window``, each refilled evenly over ``window_seconds``. Before a request runs it
+reserves its estimate (prompt + max_tokens, at most the bucket's size); when it ends, what it
+really used (prompt + the tokens it streamed, 0 if nothing was generated) is settled and the rest
+refunded, so the budget matches what clients got. Each answer carries the OpenAI rate-limit
+headers; a refusal is a 429 with ``Retry-After`` (seconds) and ``retry-after-ms``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from services.common.admission import TokenLedger
+from services.common.errors import ResourceExhausted
+from services.gateway.core import APIError, BackendEvent, BackendRequest, GatewayConfig
+from services.gateway.keys import TenantLimits
+
+
+def retry_headers(retry_after_ms: int) -> dict[str, str]:
+    """``Retry-After`` in whole seconds (HTTP) and ``retry-after-ms`` (OpenAI clients)."""
+    ms = max(int(retry_after_ms), 1)
+    return {"Retry-After": str(math.ceil(ms / 1000)), "retry-after-ms": str(ms)}
+
+
+def overloaded(message: str, retry_after_ms: int | None) -> APIError:
+    """The 429 for a service at capacity (gateway or every worker), as opposed to a tenant's
+    rate limit (code ``rate_limit_exceeded``)."""
+    return APIError(429, message, "rate_limit_error", code="server_overloaded",
+                    headers=retry_headers(retry_after_ms or 1000))  # fmt: skip
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 1000) / 1000:g}s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"
+
+
+@dataclass(slots=True)
+class Bucket:
+    """A token bucket of ``size`` refilled at ``size / window`` per second; may go negative
+    when a request used more than it reserved (the debt is paid back by refill)."""
+
+    size: int
+    window: float
+    level: float
+    updated: float
+
+    def refill(self, now: float) -> None:
+        rate = self.size / self.window
+        self.level = min(self.size, self.level + (now - self.updated) * rate)
+        self.updated = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` is available (0: now)."""
+        return max(0.0, (amount - self.level) * self.window / self.size)
+
+    def reset_in(self) -> float:
+        """Seconds until the bucket is full again."""
+        return self.wait_for(self.size)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One admitted request: its reservations, to be settled exactly once."""
+
+    request_id: str
+    prompt_tokens: int
+    reserved: int
+    buckets: tuple[Bucket, ...] = ()  # (tokens,) or () when the tenant has no token limit
+    headers: dict[str, str] = field(default_factory=dict)
+    on_settle: Callable[[], None] | None = None
+    settled: bool = False
+
+    def settle(self, completion_tokens: int) -> None:
+        """Charge what was really used (prompt + generated; 0 when nothing was generated)."""
+        if self.settled:
+            return
+        self.settled = True
+        used = self.prompt_tokens + completion_tokens if completion_tokens else 0
+        for bucket in self.buckets:
+            bucket.level = min(bucket.size, bucket.level + self.reserved - used)
+        if self.on_settle is not None:
+            self.on_settle()
+
+
+class Limits:
+    """Admission (tokens in flight at this gateway) and per-tenant rate limits."""
+
+    def __init__(
+        self,
+        tenant_limits: dict[str, TenantLimits],
+        max_inflight_tokens: int = 0,
+        batch_fraction: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tenant_limits = tenant_limits
+        self.ledger = TokenLedger(max_inflight_tokens, batch_fraction, name="the gateway")
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], Bucket] = {}
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> Limits:
+        """Limits per tenant from the API keys (the first key of a tenant that has any)."""
+        per_tenant: dict[str, TenantLimits] = {}
+        for key in config.api_keys:
+            if key.limits.limited:
+                per_tenant.setdefault(key.tenant, key.limits)
+        return cls(per_tenant, config.max_inflight_tokens, config.batch_admission_fraction)
+
+    def _bucket(self, tenant: str, kind: str, size: int, window: float) -> Bucket:
+        b = self._buckets.get((tenant, kind))
+        if b is None or b.size != size:
+            b = self._buckets[(tenant, kind)] = Bucket(size, window, size, self.clock())
+        b.refill(self.clock())
+        return b
+
+    def admit(self, req: BackendRequest) -> Ticket:
+        """Reserve for ``req`` or raise APIError 429 (rate limit, or the gateway is full)."""
+        estimate = len(req.token_ids) + req.sampling.max_tokens
+        lim = self.tenant_limits.get(req.tenant, TenantLimits())
+        ticket = Ticket(req.request_id, len(req.token_ids), 0)
+        headers: dict[str, str] = {}
+        taken: list[tuple[Bucket, float]] = []
+        for kind, size, amount in (
+            ("requests", lim.requests_per_window, 1),
+            ("tokens", lim.tokens_per_window, estimate),
+        ):
+            if not size:
+                continue
+            b = self._bucket(req.tenant, kind, size, lim.window_seconds)
+            amount = min(amount, size)
+            wait = b.wait_for(amount)
+            if wait > 0:
+                for bucket, n in taken:  # undo the request bucket
+                    bucket.level += n
+                raise _limited(kind, size, b, amount, wait)
+            b.level -= amount
+            taken.append((b, amount))
+            headers |= _rate_headers(kind, size, b)
+            if kind == "tokens":
+                ticket.buckets, ticket.reserved = (b,), int(amount)
+        try:
+            self.ledger.admit(req.request_id, estimate, req.priority)
+        except ResourceExhausted as e:
+            for bucket, n in taken:
+                bucket.level += n
+            raise overloaded(str(e), e.retry_after_ms) from e
+        ticket.headers = headers
+        ticket.on_settle = lambda: self.ledger.release(req.request_id)
+        return ticket
+
+
+def _rate_headers(kind: str, size: int, b: Bucket) -> dict[str, str]:
+    return {
+        f"x-ratelimit-limit-{kind}": str(size),
+        f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(b.level))),
+        f"x-ratelimit-reset-{kind}": _duration(b.reset_in()),
+    }
+
+
+def _limited(kind: str, size: int, b: Bucket, amount: float, wait: float) -> APIError:
+    per = f"{b.window:g} s"
+    headers = _rate_headers(kind, size, b) | retry_headers(math.ceil(wait * 1000))
+    return APIError(
+        429,
+        f"Rate limit reached for {kind} per {per}: limit {size}, remaining "
+        f"{max(0, math.floor(b.level))}, requested {math.ceil(amount)}. Please try again in "
+        f"{_duration(wait)}.",
+        kind,
+        code="rate_limit_exceeded",
+        headers=headers,
+    )
+
+
+async def metered(
+    events: AsyncIterator[BackendEvent], ticket: Ticket
+) -> AsyncGenerator[BackendEvent, None]:
+    """Pass ``events`` through, then settle ``ticket`` with the tokens that went by, however
+    the iteration ends (finished, failed, client gone)."""
+    generated = 0
+    try:
+        async for ev in events:
+            generated += len(ev.token_ids)
+            yield ev
+    finally:
+        ticket.settle(generated)
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
