@@ -80,6 +80,10 @@ class KVCacheManager:
         self._tables: dict[Hashable, BlockTable] = {}
         self._listener: CacheListener | None = None
 
+    @property
+    def listener(self) -> CacheListener | None:
+        return self._listener
+
     def set_listener(self, listener: CacheListener | None) -> None:
         """Report cached and evicted prefix blocks to ``listener`` from now on."""
         self._listener = listener

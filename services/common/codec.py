@@ -10,6 +10,7 @@ from tandem.v1 import common_pb2
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
+from libkv.locations import PublisherStats
 
 FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -193,8 +194,21 @@ def handle_from_pb(msg: common_pb2.KVHandle) -> KVHandle:
     )
 
 
-def stats_to_pb(stats, *, worker_id: str, incarnation: str, role: str, held: int, ok: bool):
+def stats_to_pb(
+    stats,
+    *,
+    worker_id: str,
+    incarnation: str,
+    role: str,
+    held: int,
+    ok: bool,
+    locations: PublisherStats | None = None,
+):
+    loc = locations or PublisherStats()
     return common_pb2.WorkerStats(
+        location_txns=loc.txns,
+        location_puts=loc.puts,
+        location_deletes=loc.deletes,
         worker_id=worker_id,
         incarnation=incarnation,
         queue_length=stats.num_waiting,

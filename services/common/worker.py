@@ -16,8 +16,11 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
+from libkv.locations import PublisherConfig
 from libkv.registry import Member, MemberLoad, Registration
+from services.common.grpc_server import GrpcServerHandle
 from services.common.kv_setup import NIXL_MODES, TRANSPORTS, default_transport
+from services.common.presence import Presence, add_location_flags, location_config
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class WorkerConfig:
     nixl_mode: str = "auto"  # decode: "read" (pull), "write" (prefill pushes) or per host kind
     on_transfer_failure: str = "recompute"  # decode: "recompute" locally or "retry" (router)
     kv_transfer_timeout: float = 10.0
+    drain_timeout: float = 30.0  # on SIGTERM: most seconds to finish the work in flight
+    locations: PublisherConfig = PublisherConfig()  # block locations published to etcd
     max_pending_tokens: int = 0  # admission bound in tokens; 0: twice the KV pool's tokens
     batch_admission_fraction: float = 0.5  # batch requests only up to this part of the bound
 
@@ -102,7 +107,15 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("DEVICE", "auto"))
     p.add_argument("--dtype", default=_env("DTYPE", "auto"))
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "safetensors"))
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(_env("DRAIN_TIMEOUT", "30") or 30),
+        help="on SIGTERM: most seconds to finish the work in flight (decode: running streams; "
+        "prefill: prefills and the hand-off of their KV blocks) before exiting",
+    )
     add_kv_transfer_flags(p)
+    add_location_flags(p)
     add_admission_flags(p)
 
 
@@ -177,6 +190,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         nixl_mode=args.nixl_mode,
         on_transfer_failure=args.on_transfer_failure,
         kv_transfer_timeout=args.kv_transfer_timeout,
+        drain_timeout=args.drain_timeout,
+        locations=location_config(args),
         max_pending_tokens=args.max_pending_tokens,
         batch_admission_fraction=args.batch_admission_fraction,
     )
@@ -194,8 +209,9 @@ async def register(
     engine: LLMEngine,
     incarnation: str,
     extra: dict[str, str] | None = None,
-) -> Registration | None:
-    """Register this worker in etcd (None when no etcd is configured)."""
+) -> Presence | None:
+    """Register this worker in etcd and publish its cached prefixes under the same lease
+    (None when no etcd is configured)."""
     if not config.etcd:
         return None
 
@@ -218,13 +234,37 @@ async def register(
         incarnation=incarnation,
         extra=dict(extra or {}),
     )
-    return await Registration.start(
+    registration = await Registration.start(
         list(config.etcd),
         member,
         ttl=config.member_ttl,
         refresh=config.member_refresh,
         load_fn=load,
     )
+    return Presence.start(list(config.etcd), registration, engine, config.locations)
+
+
+async def drain(
+    server: GrpcServerHandle,
+    registration: Registration | None,
+    busy: Callable[[], int],
+    timeout: float,
+) -> int:
+    """Graceful termination before the server stops, once admission is closed: readiness
+    turns NOT_SERVING, the etcd record is marked draining (routers send nothing new; the record
+    stays, so a prefill worker's KV blocks are still found and pulled), then wait up to
+    ``timeout`` seconds for ``busy()`` (work in flight) to reach 0. Returns what is left."""
+    await server.set_serving(False)
+    if registration is not None:
+        await registration.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while busy() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    left = busy()
+    if left:
+        log.warning("drain timed out after %.0f s with %d still in flight", timeout, left)
+    return left
 
 
 def advertised(config: WorkerConfig, port: int) -> str:
