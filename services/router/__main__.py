@@ -14,11 +14,13 @@ from pathlib import Path
 from tandem.v1 import router_pb2_grpc
 
 from engine.tokenizer import Tokenizer
+from libkv.location_index import LocationIndex
 from libkv.registry import Member, MemberWatcher, Registration
 from services.common.grpc_server import start_server
 from services.common.worker import run_until_signal, setup_logging
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouterCore
+from services.router.policy import POLICIES, PolicyConfig
 from services.router.server import RouterServicer
 
 log = logging.getLogger("tandem.router")
@@ -35,6 +37,8 @@ class RouterConfig:
     served_model_name: str = ""
     decode_only_threshold: int = 256
     api_keys: frozenset[str] = frozenset()
+    policy: str = "kv"  # see services.router.policy.POLICIES
+    kv_load_weight: float = 0.5  # kv policy: prompt blocks one queued/running request weighs
 
     @property
     def model_name(self) -> str:
@@ -57,6 +61,18 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         "--decode-only-threshold", type=int, default=int(env("TANDEM_DECODE_ONLY_THRESHOLD", "256"))
     )
     p.add_argument("--api-key", action="append", default=None)
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=env("TANDEM_ROUTER_POLICY", "kv"),
+        help="how workers are chosen (see services/router/policy.py)",
+    )
+    p.add_argument(
+        "--kv-load-weight",
+        type=float,
+        default=float(env("TANDEM_ROUTER_KV_LOAD_WEIGHT", "0.5")),
+        help="kv policy: cost of one queued or running request, in prompt blocks per block",
+    )
     a = p.parse_args(argv)
     keys = a.api_key or [k for k in env("TANDEM_API_KEYS", "").split(",") if k]
     etcd = tuple(e for e in a.etcd.split(",") if e)
@@ -72,6 +88,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         served_model_name=a.served_model_name,
         decode_only_threshold=a.decode_only_threshold,
         api_keys=frozenset(k.split(":", 1)[0] for k in keys),
+        policy=a.policy,
+        kv_load_weight=a.kv_load_weight,
     )
 
 
@@ -80,7 +98,10 @@ async def serve(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer(config.model_dir)
     watcher = await MemberWatcher.start(list(config.etcd))
     clients = GrpcWorkerClients()
-    core = RouterCore(watcher, clients, config.decode_only_threshold)
+    policy = PolicyConfig(config.policy, config.decode_only_threshold, config.kv_load_weight)
+    # The kv policy routes by the block locations workers publish in etcd (nothing else).
+    index = await LocationIndex.start(list(config.etcd)) if config.policy == "kv" else None
+    core = RouterCore(watcher, clients, policy=policy, index=index)
     server = await start_server(
         [
             (
@@ -105,6 +126,8 @@ async def serve(argv: list[str] | None = None) -> None:
         await core.close()
         await clients.close()
         await watcher.stop()
+        if index is not None:
+            await index.stop()
 
     await run_until_signal(cleanup)
 

@@ -49,6 +49,7 @@ def job_from_pb(
         req.tenant,
         common.priority_from_pb(req.priority),
         None if time_left is None else time.monotonic() + time_left,
+        session=req.session,
     )
 
 
