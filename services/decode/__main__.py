@@ -16,6 +16,7 @@ from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
     advertised,
+    drain,
     pending_limit,
     register,
     run_until_signal,
@@ -73,7 +74,9 @@ async def serve(argv: list[str] | None = None) -> None:
     print(f"READY decode {address}", flush=True)
 
     async def cleanup() -> None:
-        await server.set_serving(False)
+        core.ledger.close()  # new requests get UNAVAILABLE: the router retries them elsewhere
+        # Running streams finish (up to the drain timeout); aborts still reach them.
+        await drain(server, reg, lambda: len(core.ledger.inflight), config.drain_timeout)
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)

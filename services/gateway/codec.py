@@ -52,6 +52,7 @@ def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
         sampling=sampling_to_pb(req.sampling),
         tenant=req.tenant,
         model=req.model,
+        session=req.session,
     )
 
 

@@ -102,6 +102,7 @@ class BackendRequest:
     sampling: SamplingParams
     tenant: str = ""
     model: str = ""
+    session: str = ""  # sticky-routing key: the OpenAI ``user`` field
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,9 @@ def _prepare(
     if max_tokens is None:
         max_tokens = min(ctx - n, cfg.default_max_tokens)
     sampling = _sampling(body, max_tokens, top_logprobs)
-    req = BackendRequest(request_id, tuple(ids), sampling, tenant, cfg.served_model_name)
+    req = BackendRequest(
+        request_id, tuple(ids), sampling, tenant, cfg.served_model_name, session=body.user or ""
+    )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     kind = "chat" if chat else "completion"
     return Prepared(req, kind, bool(body.stream), include_usage, top_logprobs)

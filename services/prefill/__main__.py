@@ -16,6 +16,7 @@ from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
     advertised,
+    drain,
     pending_limit,
     register,
     run_until_signal,
@@ -63,8 +64,12 @@ async def serve(argv: list[str] | None = None) -> None:
     log.info("prefill worker %s listening on %s", config.worker_id, core.address)
     print(f"READY prefill {core.address}", flush=True)
 
+    def busy() -> int:  # prefills in flight, and finished ones whose KV decode has not pulled
+        return len(core.ledger.inflight) + core.num_held
+
     async def cleanup() -> None:
-        await server.set_serving(False)
+        core.ledger.close()  # new prefills get UNAVAILABLE: the router retries them elsewhere
+        await drain(server, reg, busy, config.drain_timeout)
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)
