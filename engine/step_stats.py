@@ -24,7 +24,7 @@ class StepStats:
 
     @property
     def phase(self) -> str:
-        """"prefill" when the step computed any prompt tokens, else "decode"."""
+        """The step's phase: prefill when it computed any prompt tokens, else decode."""
         return "prefill" if self.prefill_seqs else "decode"
 
     @property

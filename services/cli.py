@@ -56,9 +56,12 @@ def _serve(args: argparse.Namespace) -> int:
         stack.start()
         print(f"etcd      {stack.etcd.endpoint}")
         for child in stack.children.values():
-            print(f"{child.name:<9} {child.address:<22} log: {child.log_path}")
+            metrics = f"metrics: :{child.metrics_port}  " if child.metrics_port else ""
+            print(f"{child.name:<9} {child.address:<22} {metrics}log: {child.log_path}")
         print(f"\nOpenAI endpoint: {stack.url}/v1  (model: {Path(model).name})")
         print(f"topology: {config.topology}")
+        targets = ", ".join(f"'{t}'" for t in stack.scrape_targets().values())
+        print(f"Prometheus scrape targets: [{targets}]")
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
             for child in stack.children.values():

@@ -36,6 +36,8 @@ class StackConfig:
     lease_seconds: float = 30.0
     start_timeout: float = 120.0
     kv_transport: str = ""  # "nixl" or "grpc"; empty: the workers' default (nixl if importable)
+    metrics: bool = True  # each process serves /metrics on a free port (`Stack.scrape_targets`)
+    trace_files: bool = False  # each process appends its spans to run_dir/traces/NAME.jsonl
 
     @classmethod
     def colocated(cls, workers: int, **kwargs) -> StackConfig:
@@ -61,6 +63,7 @@ class Child:
     log_path: Path
     proc: subprocess.Popen | None = None
     address: str = ""
+    metrics_port: int = 0  # 0: no metrics server
 
     @property
     def pid(self) -> int:
@@ -130,8 +133,29 @@ class Stack:
         self.wait_ready()
         return self
 
+    def _observability_args(self, name: str) -> tuple[list[str], int]:
+        """Flags giving process ``name`` a free metrics port and (optionally) a trace file."""
+        args: list[str] = []
+        port = free_port(self.config.host) if self.config.metrics else 0
+        if port:
+            args += ["--metrics-host", self.config.host, "--metrics-port", str(port)]
+        if self.config.trace_files:
+            (self.run_dir / "traces").mkdir(exist_ok=True)
+            args += ["--trace-file", str(self.run_dir / "traces" / f"{name}.jsonl")]
+        return args, port
+
+    def scrape_targets(self) -> dict[str, str]:
+        """name -> host:port of every process's /metrics (what a local Prometheus scrapes)."""
+        return {
+            name: f"{self.config.host}:{child.metrics_port}"
+            for name, child in self.children.items()
+            if child.metrics_port
+        }
+
     def _spawn(self, name: str, argv: list[str], address: str = "") -> Child:
-        child = Child(name, argv, self.run_dir / "logs" / f"{name}.log", address=address)
+        extra, port = self._observability_args(name)
+        child = Child(name, [*argv, *extra], self.run_dir / "logs" / f"{name}.log", address=address)
+        child.metrics_port = port
         child.log_path.write_bytes(b"")  # a reused run dir must not show an old READY line
         self._launch(child)
         self.children[name] = child

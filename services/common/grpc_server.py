@@ -25,6 +25,7 @@ from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundE
 from services.common import errors
 from services.common.grpc_observe import ObserveInterceptor
 from services.common.metrics import GrpcServerMetrics
+from services.common.tls import TLSFiles, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ async def start_server(
     maximum_concurrent_rpcs: int | None = None,
     metrics: GrpcServerMetrics | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    tls: TLSFiles | None = None,
 ) -> GrpcServerHandle:
     """Build, bind and start a grpc.aio server with health, reflection and error mapping.
 
@@ -223,7 +225,7 @@ async def start_server(
     `service_names` are their full names (e.g. "tandem.v1.Decode"), reported SERVING by
     health and listed by reflection. `address` is host:port; port 0 picks a free port,
     which the handle reports. Beyond `maximum_concurrent_rpcs`, calls fail fast with
-    RESOURCE_EXHAUSTED instead of queueing.
+    RESOURCE_EXHAUSTED instead of queueing. With `tls` the port speaks mutual TLS only.
     """
     host = _split_host(address)
     server = grpc.aio.server(
@@ -250,7 +252,10 @@ async def start_server(
     reflection.enable_server_reflection(
         (*names, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:  # mutual TLS: callers must present a certificate signed by tls.ca
+        port = server.add_secure_port(address, server_credentials(tls))
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     handle = GrpcServerHandle(server, health, service_names=names, host=host, port=port)

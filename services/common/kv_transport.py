@@ -15,6 +15,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from engine.llm_engine import LLMEngine
 from libkv.transfer import BlockStore, KVSource, KVTransferError, PoolRegion, TransferStats
+from services.common.tracing import client_interceptors
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024**2),
@@ -60,7 +61,9 @@ class GrpcStreamTransport:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
+            )
         return self._channels[address]
 
     async def fetch(

@@ -20,7 +20,13 @@ from libkv.locations import PublisherConfig
 from libkv.registry import Member, MemberLoad, Registration
 from services.common.grpc_server import GrpcServerHandle
 from services.common.kv_setup import NIXL_MODES, TRANSPORTS, default_transport
+from services.common.obs_config import (
+    ObservabilityConfig,
+    add_observability_flags,
+    observability_config,
+)
 from services.common.presence import Presence, add_location_flags, location_config
+from services.common.tracing import install_log_context
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class WorkerConfig:
     kv_transfer_timeout: float = 10.0
     drain_timeout: float = 30.0  # on SIGTERM: most seconds to finish the work in flight
     locations: PublisherConfig = PublisherConfig()  # block locations published to etcd
+    observability: ObservabilityConfig = ObservabilityConfig()
     max_pending_tokens: int = 0  # admission bound in tokens; 0: twice the KV pool's tokens
     batch_admission_fraction: float = 0.5  # batch requests only up to this part of the bound
 
@@ -116,6 +123,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     add_kv_transfer_flags(p)
     add_location_flags(p)
+    add_observability_flags(p)
     add_admission_flags(p)
 
 
@@ -192,6 +200,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         kv_transfer_timeout=args.kv_transfer_timeout,
         drain_timeout=args.drain_timeout,
         locations=location_config(args),
+        observability=observability_config(args),
         max_pending_tokens=args.max_pending_tokens,
         batch_admission_fraction=args.batch_admission_fraction,
     )
@@ -287,3 +296,4 @@ def setup_logging(name: str) -> None:
         level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
+    install_log_context(name)  # lines carry the request id and trace id

@@ -10,8 +10,12 @@ import uuid
 from tandem.v1 import worker_pb2_grpc
 
 from services.common.admission import TokenLedger
+from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
+from services.common.kv_observe import ObservedTransport
 from services.common.kv_setup import decode_side
+from services.common.metrics import KVTransferMetrics
+from services.common.observability import Observability
 from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
@@ -39,8 +43,10 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
 
 async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    obs = Observability.start(config.observability, "decode", config.model_name, config.worker_id)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
+    observe_engine(engine.engine, obs.metrics.registry)
     kv = await decode_side(
         config.kv_transport,
         config.nixl_mode,
@@ -52,7 +58,7 @@ async def serve(argv: list[str] | None = None) -> None:
     assert kv.transport is not None
     core = DecodeCore(
         engine,
-        kv.transport,
+        ObservedTransport(kv.transport, KVTransferMetrics.create(obs.metrics.registry)),
         config.worker_id,
         incarnation,
         transfer_timeout=config.kv_transfer_timeout,
@@ -67,6 +73,7 @@ async def serve(argv: list[str] | None = None) -> None:
         [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],
         ["tandem.v1.Decode"],
         config.bind,
+        metrics=obs.grpc,
     )
     address = advertised(config, server.port)
     reg = await register(config, address, engine.engine, incarnation, kv.extra)
@@ -76,12 +83,13 @@ async def serve(argv: list[str] | None = None) -> None:
     async def cleanup() -> None:
         core.ledger.close()  # new requests get UNAVAILABLE: the router retries them elsewhere
         # Running streams finish (up to the drain timeout); aborts still reach them.
-        await drain(server, reg, lambda: len(core.ledger.inflight), config.drain_timeout)
+        await drain(server, reg.registration if reg else None, lambda: len(core.ledger.inflight), config.drain_timeout)
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)
         await kv.close()
         engine.stop()
+        obs.stop()
 
     await run_until_signal(cleanup)
 

@@ -3,16 +3,18 @@
 Flags fall back to the environment: ``TANDEM_ROUTERS`` (comma-separated host:port),
 ``TANDEM_API_KEYS`` (comma-separated ``key`` or ``key:tenant``; a bare key's tenant is a short
 hash of the key), and ``TANDEM_<FLAG>`` for the others (``TANDEM_HOST``, ``TANDEM_PORT``,
-``TANDEM_MODEL_DIR``, ...). With no API keys, authentication is off.
+``TANDEM_MODEL_DIR``, ...). With no API keys, authentication is off. Keys are kept only as
+SHA-256 hashes; ``--api-keys-file`` holds hashes with tenants and rate limits
+(``services.gateway.keys``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -22,26 +24,16 @@ import uvicorn
 
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
+from services.common.obs_config import add_observability_flags, observability_config
+from services.common.observability import Observability
+from services.common.tracing import install_log_context
 from services.gateway.core import GatewayConfig
 from services.gateway.grpc_backend import GrpcBackend
+from services.gateway.observe import GatewayMetrics
+from services.gateway.options import add_protection_flags, protection_config
 from services.gateway.server import create_app
 
 log = logging.getLogger("services.gateway")
-
-
-def tenant_of(key: str) -> str:
-    """The default tenant of an API key: a short, stable hash (never the key itself)."""
-    return "t-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def parse_api_keys(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    pairs = []
-    for item in items:
-        key, sep, tenant = item.strip().partition(":")
-        if not key:
-            raise ValueError(f"empty API key in {item!r}")
-        pairs.append((key, tenant if sep and tenant else tenant_of(key)))
-    return tuple(pairs)
 
 
 def _split(value: str | None) -> list[str]:
@@ -83,6 +75,15 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         help="cap on max_tokens when a request omits it",
     )
     p.add_argument("--log-level", default=e("TANDEM_LOG_LEVEL", "info").lower())
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=e("TANDEM_SLO_TTFT_MS", "1000"),
+        help="goodput counts requests with TTFT and TPOT within both SLOs",
+    )
+    p.add_argument("--slo-tpot-ms", type=float, default=e("TANDEM_SLO_TPOT_MS", "50"))
+    add_observability_flags(p, os.environ if env is None else env)
+    add_protection_flags(p, os.environ if env is None else env)
     return p
 
 
@@ -96,10 +97,6 @@ def parse_config(
     routers = tuple(args.router or _split(env.get("TANDEM_ROUTERS")))
     if not routers:
         parser.error("no router: pass --router HOST:PORT or set TANDEM_ROUTERS")
-    try:
-        keys = parse_api_keys(args.api_key or _split(env.get("TANDEM_API_KEYS")))
-    except ValueError as e:
-        parser.error(str(e))
     model_dir = Path(args.model_dir).expanduser()
     context = ModelConfig.from_dir(model_dir).max_position_embeddings
     max_model_len = args.max_model_len or context
@@ -112,10 +109,13 @@ def parse_config(
         host=args.host,
         port=args.port,
         routers=routers,
-        api_keys=keys,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
         log_level=args.log_level,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        observability=observability_config(args),
+        **protection_config(args, parser, env),
     )
     return config
 
@@ -123,15 +123,22 @@ def parse_config(
 async def serve(config: GatewayConfig) -> None:
     """Wire tokenizer, gRPC backend and app, then serve until SIGINT/SIGTERM (uvicorn drains
     open requests for up to 30 s, closes the router channels, then re-raises the signal)."""
+    gateway_id = f"gateway-{socket.gethostname()}-{config.port}"
+    obs = Observability.start(
+        config.observability, "gateway", config.served_model_name, gateway_id, etcd=False
+    )  # before the router channels exist: they pick up the tracing interceptor
     tokenizer = Tokenizer(config.model_dir)
-    backend = GrpcBackend(config.routers)  # inside the loop: grpc.aio channels bind to it
+    backend = GrpcBackend(config.routers, config.tls)  # in the loop: grpc.aio channels bind to it
 
     @asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:
         yield
         await backend.close()
 
-    app = create_app(config, backend, tokenizer, lifespan=lifespan)
+    metrics = GatewayMetrics(
+        obs.metrics.registry, config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000
+    )
+    app = create_app(config, backend, tokenizer, lifespan=lifespan, metrics=metrics)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -139,6 +146,8 @@ async def serve(config: GatewayConfig) -> None:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=30,
+            ssl_certfile=config.ssl_certfile or None,  # HTTPS when given
+            ssl_keyfile=config.ssl_keyfile or None,
         )
     )
     log.info(
@@ -148,7 +157,10 @@ async def serve(config: GatewayConfig) -> None:
         config.port,
         ",".join(config.routers),
     )
-    await server.serve()
+    try:
+        await server.serve()
+    finally:
+        obs.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    install_log_context("gateway")  # lines carry the request id and trace id
     asyncio.run(serve(config))
     return 0
 

@@ -9,6 +9,7 @@ before its last event, however the consumer stopped.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -16,6 +17,9 @@ from typing import Any, NamedTuple, Protocol
 import anyio
 
 from engine.sampling_params import SamplingParams
+from services.common.obs_config import ObservabilityConfig
+from services.common.tls import TLSFiles
+from services.gateway.keys import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,13 @@ class GatewayConfig:
 
     ``max_tokens`` omitted in a request means ``min(max_model_len - prompt_len,
     default_max_tokens)``: as much as fits, but bounded so a forgotten limit cannot hold a decode
-    slot for the whole context. ``api_keys`` holds ``(key, tenant)`` pairs; empty disables auth.
+    slot for the whole context. ``api_keys`` holds hashed keys with their tenants and limits
+    (``services.gateway.keys``); empty disables auth. ``max_inflight_tokens`` bounds the tokens
+    (prompt + max_tokens) of the requests in flight here (0: unbounded), batch ones to
+    ``batch_admission_fraction`` of it. A request's deadline is its ``timeout`` field, else
+    ``request_timeout``, at most ``max_request_timeout`` seconds. ``tls`` (cert, key, CA) is the
+    gateway's identity towards the routers (mutual TLS); ``ssl_certfile``/``ssl_keyfile`` serve
+    HTTPS to clients.
     """
 
     model_dir: str
@@ -37,10 +47,20 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     routers: tuple[str, ...] = ()
-    api_keys: tuple[tuple[str, str], ...] = ()
+    api_keys: tuple[ApiKey, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 4096
     log_level: str = "info"
+    slo_ttft_ms: float = 1000.0  # goodput: TTFT and TPOT both within these SLOs
+    slo_tpot_ms: float = 50.0
+    observability: ObservabilityConfig = ObservabilityConfig()
+    max_inflight_tokens: int = 0
+    batch_admission_fraction: float = 0.5
+    request_timeout: float = 600.0
+    max_request_timeout: float = 3600.0
+    tls: TLSFiles | None = None
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.max_body_bytes < 1 or self.default_max_tokens < 1:
@@ -102,7 +122,18 @@ class BackendRequest:
     sampling: SamplingParams
     tenant: str = ""
     model: str = ""
+    priority: str = "interactive"
+    deadline: float | None = None  # time.monotonic() after which the request is given up
     session: str = ""  # sticky-routing key: the OpenAI ``user`` field
+
+    def time_left(self) -> float | None:
+        """Seconds until the deadline (None: no deadline); APIError 504 once it passed."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise deadline_exceeded()
+        return left
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +228,11 @@ def check_event(event: BackendEvent) -> None:
 def internal_error() -> APIError:
     """The 500 sent for unexpected failures: no details, never a stack trace."""
     return APIError(500, "internal server error", "server_error", code="internal_error")
+
+
+def deadline_exceeded() -> APIError:
+    """The 504 of a request that passed its deadline (``timeout``) before it finished."""
+    return APIError(504, "The request did not finish in time.", "server_error", code="timeout")
 
 
 def unfinished() -> APIError:

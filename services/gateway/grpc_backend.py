@@ -14,6 +14,9 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import grpc
 
+from services.common.tls import TLSFiles
+from services.common.tls import channel as tls_channel
+from services.common.tracing import client_interceptors
 from services.gateway import codec
 from services.gateway.core import APIError, BackendEvent, BackendRequest
 
@@ -33,12 +36,13 @@ _CHANNEL_OPTIONS = [
 class GrpcBackend:
     """Backend over one channel per router address. Create it inside the running event loop."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], tls: TLSFiles | None = None) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
         self._addresses = tuple(addresses)
         self._channels = {
-            a: grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self._addresses
+            a: tls_channel(a, tls, _CHANNEL_OPTIONS, interceptors=client_interceptors())
+            for a in self._addresses
         }
         self._stubs = {a: codec.router_stub(ch) for a, ch in self._channels.items()}
         self._live: dict[str, str] = {}  # request id -> address of the router running it
@@ -46,7 +50,8 @@ class GrpcBackend:
     async def generate(self, req: BackendRequest) -> AsyncIterator[BackendEvent]:
         msg = codec.encode_request(req)
         for i, address in enumerate(self._addresses):
-            call = self._stubs[address].Generate(msg)
+            # The request's deadline is the call's gRPC deadline, passed on by the router.
+            call = self._stubs[address].Generate(msg, timeout=req.time_left())
             self._live[req.request_id] = address
             started = finished = False
             try:

@@ -38,6 +38,9 @@ from services.gateway.core import (
     unfinished,
 )
 from services.gateway.edge import EdgeMiddleware, error_response, validation_error
+from services.gateway.limits import Limits, metered
+from services.gateway.observe import GatewayMetrics, ObserveMiddleware, observe_generation
+from services.gateway.openapi import install_openapi
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import TokenText, full_response, stream_chunks
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -51,13 +54,30 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def create_app(
-    config: GatewayConfig, backend: Backend, tokenizer: Tokenizer, lifespan: Any = None
+    config: GatewayConfig,
+    backend: Backend,
+    tokenizer: Tokenizer,
+    lifespan: Any = None,
+    metrics: GatewayMetrics | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app: OpenAI routes over ``backend``, tokenizing with ``tokenizer``.
-    ``lifespan`` (optional) is FastAPI's: start-up and shutdown work such as closing channels."""
-    app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    ``lifespan`` (optional) is FastAPI's: start-up and shutdown work such as closing channels.
+    ``metrics`` (optional) records requests, token timings and goodput."""
+    app = FastAPI(
+        title="Tandem gateway",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+        # ObserveMiddleware owns the server span (with the request id) and the request metrics;
+        # FastAPI's native OpenTelemetry would add a second, unlinked server span.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     app.add_middleware(EdgeMiddleware, config=config)
+    app.add_middleware(ObserveMiddleware, metrics=metrics)  # outermost: sees every answer
+    app.state.metrics = metrics
+    app.state.limits = Limits.from_config(config)
     _add_error_handlers(app)
+    install_openapi(app, config.served_model_name)
     text_of = TokenText(tokenizer)
     started = int(time.time())
 
@@ -114,14 +134,24 @@ def create_app(
 
 
 async def _respond(request: Request, backend: Backend, p: Prepared, text_of: TokenText) -> Response:
-    """Run ``p`` on the backend; the backend is aborted if the client leaves at any point."""
-    events = run_generation(backend, p.backend_request)
+    """Run ``p`` on the backend; the backend is aborted if the client leaves at any point.
+    Admission and the tenant's rate limits are checked first (429); what the request really
+    generated is charged when its events end (``metered``)."""
+    ticket = request.app.state.limits.admit(p.backend_request)
+    events = observe_generation(
+        metered(run_generation(backend, p.backend_request), ticket),
+        p.backend_request,
+        request.app.state.metrics,
+    )
     if not p.stream:
-        async with aclosing(events):
-            gen = await _unless_disconnected(request, collect(events))
+        try:
+            async with aclosing(events):
+                gen = await _unless_disconnected(request, collect(events))
+        finally:
+            ticket.settle(0)  # no-op once metered settled (only if it never started)
         if gen is _GONE:
             return Response(status_code=499)
-        return JSONResponse(full_response(p, gen, text_of))
+        return JSONResponse(full_response(p, gen, text_of), headers=ticket.headers)
     # Wait for the first event before answering, so a failure to start (no workers, bad
     # request seen by the router) gets a real HTTP status instead of an error inside a 200.
     try:
@@ -132,11 +162,13 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
             check_event(first)
     except BaseException:
         await _close(events)
+        ticket.settle(0)
         raise
     if first is _GONE:
         await _close(events)
+        ticket.settle(0)
         return Response(status_code=499)
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ticket.headers}
     return _SSEResponse(
         _sse(p, first, events, text_of), media_type="text/event-stream", headers=headers
     )

@@ -10,8 +10,10 @@ import uuid
 from tandem.v1 import worker_pb2_grpc
 
 from services.common.admission import TokenLedger
+from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
 from services.common.kv_setup import prefill_side
+from services.common.observability import Observability
 from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
@@ -39,8 +41,10 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
 
 async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    obs = Observability.start(config.observability, "prefill", config.model_name, config.worker_id)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
+    observe_engine(engine.engine, obs.metrics.registry)
     ledger = TokenLedger(
         pending_limit(config, engine.engine),
         config.batch_admission_fraction,
@@ -54,6 +58,7 @@ async def serve(argv: list[str] | None = None) -> None:
         ],
         ["tandem.v1.Prefill", "tandem.v1.KVTransport"],
         config.bind,
+        metrics=obs.grpc,
     )
     core.address = advertised(config, server.port)
     core.start()
@@ -69,13 +74,14 @@ async def serve(argv: list[str] | None = None) -> None:
 
     async def cleanup() -> None:
         core.ledger.close()  # new prefills get UNAVAILABLE: the router retries them elsewhere
-        await drain(server, reg, busy, config.drain_timeout)
+        await drain(server, reg.registration if reg else None, busy, config.drain_timeout)
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)
         await kv.close()
         await core.stop()
         engine.stop()
+        obs.stop()
 
     await run_until_signal(cleanup)
 

@@ -17,9 +17,16 @@ from engine.tokenizer import Tokenizer
 from libkv.location_index import LocationIndex
 from libkv.registry import Member, MemberWatcher, Registration
 from services.common.grpc_server import start_server
+from services.common.obs_config import (
+    ObservabilityConfig,
+    add_observability_flags,
+    observability_config,
+)
+from services.common.observability import Observability
 from services.common.worker import run_until_signal, setup_logging
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouterCore
+from services.router.metrics import RouterCollector
 from services.router.policy import POLICIES, PolicyConfig
 from services.router.server import RouterServicer
 
@@ -39,6 +46,7 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     policy: str = "kv"  # see services.router.policy.POLICIES
     kv_load_weight: float = 0.5  # kv policy: prompt blocks one queued/running request weighs
+    observability: ObservabilityConfig = ObservabilityConfig()
 
     @property
     def model_name(self) -> str:
@@ -73,6 +81,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         default=float(env("TANDEM_ROUTER_KV_LOAD_WEIGHT", "0.5")),
         help="kv policy: cost of one queued or running request, in prompt blocks per block",
     )
+    add_observability_flags(p)
     a = p.parse_args(argv)
     keys = a.api_key or [k for k in env("TANDEM_API_KEYS", "").split(",") if k]
     etcd = tuple(e for e in a.etcd.split(",") if e)
@@ -90,11 +99,13 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         api_keys=frozenset(k.split(":", 1)[0] for k in keys),
         policy=a.policy,
         kv_load_weight=a.kv_load_weight,
+        observability=observability_config(a),
     )
 
 
 async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    obs = Observability.start(config.observability, "router", config.model_name, config.router_id)
     tokenizer = Tokenizer(config.model_dir)
     watcher = await MemberWatcher.start(list(config.etcd))
     clients = GrpcWorkerClients()
@@ -111,7 +122,9 @@ async def serve(argv: list[str] | None = None) -> None:
         ],
         ["tandem.v1.Router"],
         f"{config.host}:{config.port}",
+        metrics=obs.grpc,
     )
+    obs.metrics.register(RouterCollector(core, watcher))
     address = f"{config.advertise_host or config.host}:{server.port}"
     reg = await Registration.start(
         list(config.etcd), Member(config.router_id, "router", config.model_name, address)
@@ -128,6 +141,7 @@ async def serve(argv: list[str] | None = None) -> None:
         await watcher.stop()
         if index is not None:
             await index.stop()
+        obs.stop()
 
     await run_until_signal(cleanup)
 

@@ -21,6 +21,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.tracing import client_interceptors
 from services.router.core import DecodeCall, PrefillReply, RouteJob
 
 CHANNEL_OPTIONS = [
@@ -80,7 +81,9 @@ class GrpcWorkerClients:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
+            )
         return self._channels[address]
 
     async def prefill(self, worker: Member, job: RouteJob) -> PrefillReply:

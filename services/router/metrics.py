@@ -1,0 +1,59 @@
+"""The router's metrics, read from its core and member view at scrape time: routing decisions
+by policy and reason, retries, and live members by role."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+ROLES = ("prefill", "decode", "router")
+
+
+def decision_labels(key: Any) -> tuple[str, str]:
+    """(policy, reason) of a `RouterStats.decisions` key: a (policy, reason) pair, or a bare
+    reason recorded without a policy name."""
+    if isinstance(key, tuple) and len(key) == 2:
+        return str(key[0]), str(key[1])
+    return "default", str(key)
+
+
+class RouterCollector(Collector):
+    """``tandem_router_decisions_total{policy,reason}``, ``tandem_router_retries_total`` and
+    ``tandem_router_members{role}`` of one router."""
+
+    def __init__(self, core: Any, watcher: Any) -> None:
+        self.core = core
+        self.watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.core.stats
+        decisions = CounterMetricFamily(
+            "tandem_router_decisions",
+            "Routing decisions by policy and reason (e.g. kv-hit, load, decode-only).",
+            labels=["policy", "reason"],
+        )
+        totals: Counter[tuple[str, str]] = Counter()
+        for key, n in dict.copy(stats.decisions).items():  # dict.copy: atomic under the GIL
+            totals[decision_labels(key)] += n
+        for (policy, reason), n in sorted(totals.items()):
+            decisions.add_metric([policy, reason], n)
+        yield decisions
+        yield CounterMetricFamily(
+            "tandem_router_retries",
+            "Requests retried on another worker after a failure before their first token.",
+            value=stats.retries,
+        )
+        members = GaugeMetricFamily(
+            "tandem_router_members", "Live members in this router's view, by role.",
+            labels=["role"],
+        )  # fmt: skip
+        by_role: Counter[str] = Counter(dict.fromkeys(ROLES, 0))
+        for m in list(dict.copy(self.watcher.members).values()):
+            by_role[m.role] += 1
+        for role, n in sorted(by_role.items()):
+            members.add_metric([role], n)
+        yield members
