@@ -10,6 +10,9 @@ from engine.errors import InvalidSamplingParamsError
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_TOP_LOGPROBS = 20
+# top_k travels as int32 between services; any value >= the vocabulary means "no top-k".
+MAX_TOP_K = 2**31 - 1
+_MAX_REPR = 120  # error messages quote at most this much of a bad value
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +63,16 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> InvalidSamplingParamsError:
-            return InvalidSamplingParamsError(f"{name}: {why} (got {getattr(self, name)!r})")
+            got = repr(getattr(self, name))
+            got = got if len(got) <= _MAX_REPR else got[:_MAX_REPR] + "..."
+            return InvalidSamplingParamsError(f"{name}: {why} (got {got})")
 
         _check_int(self, "max_tokens", 1, None, bad)
         _check_float(self, "temperature", 0.0, 100.0, bad)
         _check_float(self, "top_p", 0.0, 1.0, bad)
         if self.top_p == 0.0:
             raise bad("top_p", "must be in (0, 1]")
-        _check_int(self, "top_k", 0, None, bad)
+        _check_int(self, "top_k", 0, MAX_TOP_K, bad)
         _check_float(self, "min_p", 0.0, 1.0, bad)
         _check_float(self, "presence_penalty", -2.0, 2.0, bad)
         _check_float(self, "frequency_penalty", -2.0, 2.0, bad)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,13 @@ class Tokenizer:
         if not path.is_file():
             raise UnsupportedModelError(f"{path} not found")
         self.hf = HFTokenizer.from_file(str(path))
+        # The same vocabulary, encoding special-token text ("<|im_end|>") as plain characters:
+        # used for message content, which is data and must never forge a role boundary.
+        self._text_hf = HFTokenizer.from_file(str(path))
+        self._text_hf.encode_special_tokens = True
+        self._specials = tuple(
+            t.content for t in self.hf.get_added_tokens_decoder().values() if t.special
+        )
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
@@ -79,8 +88,52 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
-        """Template, then tokenize (special tokens written in the template are parsed)."""
-        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+        """Template, then tokenize. Special tokens written by the template are parsed; message
+        content is text: special-token text inside it (a user's ``<|im_end|>``) is encoded as
+        ordinary characters, so content can never open or close a turn. Content without such
+        text is tokenized exactly as the whole rendered prompt always was."""
+        text = self.apply_chat_template(messages, **kwargs)
+        if not any(self._holds_special(m.get("content")) for m in messages):
+            return self.encode(text)
+        return self._encode_content_as_text(messages, text, **kwargs)
+
+    def _holds_special(self, content: Any) -> bool:
+        return isinstance(content, str) and any(t in content for t in self._specials)
+
+    def _encode_content_as_text(
+        self, messages: Sequence[Mapping[str, Any]], text: str, **kwargs: Any
+    ) -> list[int]:
+        """Render again with unique markers in place of the contents that hold special-token
+        text, split the result at the markers, and encode the template's pieces with special
+        tokens and the contents as text. Refuses a template that alters such content (the
+        pieces would no longer add up to the prompt it renders)."""
+        nonce = secrets.token_hex(8)
+        contents: dict[str, str] = {}
+        marked = []
+        for i, m in enumerate(messages):
+            msg = dict(m)
+            if self._holds_special(msg.get("content")):
+                mark = f"\ue000{nonce}-{i}\ue001"
+                contents[mark] = msg["content"]
+                msg["content"] = mark
+            marked.append(msg)
+        skeleton = self.apply_chat_template(marked, **kwargs)
+        pattern = "(" + "|".join(re.escape(mark) for mark in contents) + ")"
+        ids: list[int] = []
+        rebuilt: list[str] = []
+        for piece in re.split(pattern, skeleton):
+            if piece in contents:
+                ids += self._text_hf.encode(contents[piece], add_special_tokens=False).ids
+                rebuilt.append(contents[piece])
+            elif piece:
+                ids += self.encode(piece)
+                rebuilt.append(piece)
+        if "".join(rebuilt) != text:
+            raise InvalidRequestError(
+                "this chat template rewrites message content, so content holding special-token "
+                f"text ({', '.join(self._specials[:3])}, ...) cannot be kept as text; remove it"
+            )
+        return ids
 
 
 def _token_text(tok: Any) -> str | None:
