@@ -83,7 +83,8 @@ async def serve(argv: list[str] | None = None) -> None:
     async def cleanup() -> None:
         core.ledger.close()  # new requests get UNAVAILABLE: the router retries them elsewhere
         # Running streams finish (up to the drain timeout); aborts still reach them.
-        await drain(server, reg.registration if reg else None, lambda: len(core.ledger.inflight), config.drain_timeout)
+        registration = reg.registration if reg else None
+        await drain(server, registration, lambda: len(core.ledger.inflight), config.drain_timeout)
         if reg is not None:
             await reg.stop()
         await server.stop(grace=5)
