@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.bundled import DEFAULT_DIR
+from services.router.policy import POLICIES
 
 SERVICES = ("gateway", "router", "prefill", "decode")
 
@@ -41,6 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="tandem-run-")
     common = dict(model_dir=str(model), run_dir=str(run_dir), port=args.port)
     common["api_keys"] = tuple(args.api_key or ())
+    common["num_routers"] = args.routers
+    common["router_policy"] = args.router_policy or ""
     if args.colocated:
         config = StackConfig.colocated(args.colocated, **common)
     else:
@@ -124,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts shorter than this skip the prefill pool (router default: 256)",
     )
     serve.add_argument("--api-key", action="append", help="require this API key (repeatable)")
+    serve.add_argument(
+        "--routers", type=int, default=1, help="router replicas; the gateway spreads over them"
+    )
+    serve.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default=None,
+        help="routing policy (router default: kv)",
+    )
     serve.set_defaults(func=_serve)
     from bench.cli import add_arguments as add_bench_arguments
 

@@ -38,6 +38,8 @@ class StackConfig:
     kv_transport: str = ""  # "nixl" or "grpc"; empty: the workers' default (nixl if importable)
     metrics: bool = True  # each process serves /metrics on a free port (`Stack.scrape_targets`)
     trace_files: bool = False  # each process appends its spans to run_dir/traces/NAME.jsonl
+    num_routers: int = 1  # replicas: "router", "router-1", ...; the gateway spreads over them
+    router_policy: str = ""  # --policy of the routers; empty: their default (kv)
 
     @classmethod
     def colocated(cls, workers: int, **kwargs) -> StackConfig:
@@ -103,20 +105,27 @@ class Stack:
             *(["--kv-transport", c.kv_transport] if c.kv_transport else []),
         )  # fmt: skip
 
-    def start(self) -> Stack:
+    def _router_args(self, port: int) -> list[str]:
         c = self.config
-        self.etcd.start()
-        router_port = free_port()
-        keys = [f"--api-key={k}" for k in c.api_keys]
-        router = self._python(
+        return self._python(
             "services.router",
             "--model-dir", c.model_dir,
             "--etcd", self.etcd.endpoint,
-            "--port", str(router_port),
+            "--port", str(port),
             "--decode-only-threshold", str(c.decode_only_threshold),
-            *keys,
+            *(["--policy", c.router_policy] if c.router_policy else []),
+            *[f"--api-key={k}" for k in c.api_keys],
         )  # fmt: skip
-        self._spawn("router", router, f"{c.host}:{router_port}")
+
+    def start(self) -> Stack:
+        c = self.config
+        self.etcd.start()
+        keys = [f"--api-key={k}" for k in c.api_keys]
+        routers = []
+        for i in range(max(c.num_routers, 1)):
+            port = free_port()
+            routers.append(f"{c.host}:{port}")
+            self._spawn("router" if i == 0 else f"router-{i}", self._router_args(port), routers[-1])
         for i in range(c.num_prefill):
             self._spawn(f"prefill-{i}", self._worker_args("prefill", i))
         for i in range(c.num_decode):
@@ -126,7 +135,7 @@ class Stack:
             "--model-dir", c.model_dir,
             "--host", c.host,
             "--port", str(c.port),
-            "--router", f"{c.host}:{router_port}",
+            *[f"--router={address}" for address in routers],
             *keys,
         )  # fmt: skip
         self._spawn("gateway", gateway, f"{c.host}:{c.port}")

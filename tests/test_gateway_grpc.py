@@ -287,3 +287,35 @@ def test_gateway_process_without_a_router(tmp_path) -> None:
         assert proc.wait(30) in (0, -signal.SIGTERM)
         log.close()
     assert "Traceback" not in (tmp_path / "gateway.log").read_text()
+
+
+async def start_fake_router() -> tuple[FakeRouter, str, grpc.aio.Server]:
+    server = grpc.aio.server()
+    fake = FakeRouter()
+    router_pb2_grpc.add_RouterServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return fake, f"127.0.0.1:{port}", server
+
+
+async def test_requests_spread_over_routers_and_skip_a_dead_one() -> None:
+    (a, addr_a, server_a), (b, addr_b, server_b) = [await start_fake_router() for _ in range(2)]
+    backend = GrpcBackend([addr_a, addr_b])
+    try:
+        for i in range(4):
+            events = [ev async for ev in backend.generate(make_request(f"r{i}"))]
+            assert events[-1].finish_reason == "stop"
+        assert (len(a.requests), len(b.requests)) == (2, 2)
+        await server_a.stop(0)  # router a is gone: every request still succeeds, on b
+        for i in range(4, 8):
+            events = [ev async for ev in backend.generate(make_request(f"r{i}"))]
+            assert events[-1].finish_reason == "stop"
+        assert len(b.requests) == 6  # a was tried once, then put last while it stays down
+    finally:
+        await backend.close()
+        await server_b.stop(0)
+
+
+def test_session_key_travels_to_the_router() -> None:
+    req = BackendRequest("r", (1, 2), SamplingParams(), "acme", "smol", session="user-7")
+    assert codec.encode_request(req).session == "user-7"

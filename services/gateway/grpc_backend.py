@@ -1,14 +1,16 @@
 """The production Backend: the Router service over grpc.aio.
 
-Routers are tried in the configured order; a router that is down (UNAVAILABLE before any token
-arrived) passes the request to the next one. Stopping the iteration early cancels the gRPC call
-(the router turns that into an abort) and also calls the router's Abort RPC. Router addresses
-are static for now; discovery through etcd will replace the list.
+Requests are spread over the routers in turn (every replica sees the same workers and block
+locations in etcd, so any of them routes alike). A router that is down (UNAVAILABLE before any
+token arrived) passes the request to the next one and is tried last for the next
+``DOWN_RETRY_S`` seconds. Stopping the iteration early cancels the gRPC call (the router turns
+that into an abort) and also calls the router's Abort RPC. Router addresses are static.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import anyio
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
+DOWN_RETRY_S = 5.0  # a router that was unavailable goes last in the order for this long
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -46,10 +49,21 @@ class GrpcBackend:
         }
         self._stubs = {a: codec.router_stub(ch) for a, ch in self._channels.items()}
         self._live: dict[str, str] = {}  # request id -> address of the router running it
+        self._turn = 0
+        self._down_until: dict[str, float] = {}  # address -> time.monotonic()
+
+    def order(self) -> list[str]:
+        """The routers to try for the next request: in turn, the ones seen down lately last."""
+        n = len(self._addresses)
+        self._turn = (self._turn + 1) % n
+        rotated = [self._addresses[(self._turn + i) % n] for i in range(n)]
+        now = time.monotonic()
+        return sorted(rotated, key=lambda a: self._down_until.get(a, 0.0) > now)
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[BackendEvent]:
         msg = codec.encode_request(req)
-        for i, address in enumerate(self._addresses):
+        order = self.order()
+        for i, address in enumerate(order):
             # The request's deadline is the call's gRPC deadline, passed on by the router.
             call = self._stubs[address].Generate(msg, timeout=req.time_left())
             self._live[req.request_id] = address
@@ -66,7 +80,9 @@ class GrpcBackend:
                 raise APIError(502, "the router ended the stream early", "server_error")
             except grpc.aio.AioRpcError as e:
                 finished = True  # the call is over either way
-                last = i == len(self._addresses) - 1
+                last = i == len(order) - 1
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not started:
+                    self._down_until[address] = time.monotonic() + DOWN_RETRY_S
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not started and not last:
                     log.warning("router %s unavailable (%s); trying the next", address, e.details())
                     continue
