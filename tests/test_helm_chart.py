@@ -1,0 +1,202 @@
+"""The Helm chart: `helm lint --strict` and `helm template` for every topology, the output
+validated with kubernetes-validate (strict) for each Kubernetes version the chart claims, the
+schema rejecting typos and wrong types, and what the pods get (GPUs, RDMA, probes, drain)."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.helm_render import (
+    CHART,
+    CRD_KINDS,
+    KUBE_VERSIONS,
+    TOPOLOGIES,
+    Manifest,
+    by_kind,
+    component,
+    find_helm,
+    render,
+    run_helm,
+    template_args,
+    workloads,
+)
+
+VARIANTS = [None, *TOPOLOGIES]  # None: the chart's defaults
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return find_helm()
+
+
+@pytest.fixture(scope="module")
+def rendered(helm) -> dict[str | None, list[Manifest]]:
+    return {v: render(helm, v) for v in VARIANTS}
+
+
+def test_topologies_exist() -> None:
+    assert TOPOLOGIES == ["colocated", "disagg-1p1d", "disagg-xpyd"]
+
+
+@pytest.mark.parametrize("topology", VARIANTS)
+def test_lint_strict(helm, topology) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    if topology:
+        args += ["-f", str(CHART / "topologies" / f"{topology}.yaml")]
+    proc = run_helm(helm, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def check_crd_object(doc: Manifest) -> None:
+    """CRD kinds have no schema in kubernetes-validate: check what KEDA and the Prometheus
+    Operator need from them structurally."""
+    assert doc["apiVersion"] == CRD_KINDS[doc["kind"]]
+    spec = doc["spec"]
+    if doc["kind"] == "ScaledObject":
+        assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount",
+                             "cooldownPeriod", "pollingInterval", "triggers"}  # fmt: skip
+        assert spec["scaleTargetRef"]["name"].endswith(("-prefill", "-decode"))
+        assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus"
+        meta = trigger["metadata"]
+        assert meta["serverAddress"].startswith("http") and meta["query"].startswith("sum(")
+        assert float(meta["threshold"]) > 0 and isinstance(meta["threshold"], str)
+    else:
+        assert spec["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "tandem"
+        assert [e["port"] for e in spec["endpoints"]] == ["metrics"]
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("topology", VARIANTS)
+def test_manifests_validate_strictly(helm, topology, version) -> None:
+    docs = render(helm, topology, kube_version=version)
+    kinds = set()
+    for doc in docs:
+        kinds.add(doc["kind"])
+        if doc["kind"] in CRD_KINDS:
+            check_crd_object(doc)
+            continue
+        kubernetes_validate.validate(doc, version, strict=True)
+    assert {"Deployment", "Service", "ConfigMap", "StatefulSet", "PodDisruptionBudget"} <= kinds
+
+
+def test_validation_is_strict(rendered) -> None:
+    """A misspelt field in a rendered Deployment is caught (the check above has teeth)."""
+    (doc,) = [d for d in by_kind(rendered[None], "Deployment") if component(d) == "router"]
+    doc["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[0], strict=True)
+
+
+BAD_VALUES = {
+    "router.replica=3": "Additional property replica is not allowed",
+    "decode.gpus=two": "gpus",
+    "decode.engine.dtype=fp8": "dtype",
+    "prefill.kvTransport=rdma": "kvTransport",
+    "decode.resources.request.cpu=1": "Additional property request is not allowed",
+    "decode.tolerations[0].keyy=x": "Additional property keyy is not allowed",
+    "decode.env.FOO=1": "FOO",
+    "prefill.ucxEnv.TANDEM_X=1": "TANDEM_X",
+    "model.source=s3": "source",
+    "etcd.replicas=2": "replicas",
+    "gateway.port=70000": "port",
+    "metrics.serviceMonitor.interval=soon": "interval",
+    "decode.autoscaling.mode=vpa": "mode",
+    "typo=1": "Additional property typo is not allowed",
+}
+
+
+@pytest.mark.parametrize("setting", list(BAD_VALUES))
+def test_schema_rejects_bad_values(helm, setting) -> None:
+    for args in (template_args(sets=[setting]), ["lint", "--strict", str(CHART), "--set", setting]):
+        proc = run_helm(helm, *args)
+        assert proc.returncode != 0, f"{setting} was accepted by helm {args[0]}"
+        assert BAD_VALUES[setting] in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("decode.terminationGracePeriodSeconds=60", "must exceed decode.drainTimeoutSeconds"),
+        ("etcd.enabled=false", "etcd.externalEndpoints is required"),
+        ("model.source=image", "model.image.repository is required"),
+    ],
+)
+def test_render_time_checks(helm, setting, message) -> None:
+    proc = run_helm(helm, *template_args(sets=[setting]))
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+def pod(docs: list[Manifest], role: str) -> Manifest:
+    (doc,) = [d for d in by_kind(docs, "Deployment") if component(d) == role]
+    return doc["spec"]["template"]["spec"]
+
+
+def test_worker_pods_get_gpus_rdma_shm_and_drain_time(rendered) -> None:
+    values = yaml.safe_load((CHART / "topologies" / "disagg-xpyd.yaml").read_text())
+    for role in ("prefill", "decode"):
+        spec = pod(rendered["disagg-xpyd"], role)
+        (c,) = spec["containers"]
+        rdma = values[role]["rdma"]["resourceName"]
+        for kind in ("requests", "limits"):
+            assert c["resources"][kind]["nvidia.com/gpu"] == 1
+            assert c["resources"][kind][rdma] == 1
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        shm = [v for v in spec["volumes"] if v["name"] == "shm"][0]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert c["readinessProbe"]["grpc"]["service"] == ""
+        assert c["livenessProbe"]["grpc"]["service"] == "liveness"
+        assert spec["nodeSelector"] == values[role]["nodeSelector"]
+        config = [d for d in by_kind(rendered["disagg-xpyd"], "ConfigMap")]
+        (data,) = [d["data"] for d in config if component(d) == role]
+        assert spec["terminationGracePeriodSeconds"] > float(data["TANDEM_DRAIN_TIMEOUT"])
+    spec = pod(rendered[None], "decode")
+    assert "capabilities" not in spec["containers"][0]["securityContext"]  # no RDMA: no IPC_LOCK
+
+
+def test_colocated_has_no_prefill_pool(rendered) -> None:
+    names = {d["metadata"]["name"] for d in rendered["colocated"]}
+    assert not any(n.endswith("-prefill") for n in names)
+    assert pod(rendered["colocated"], "decode") and pod(rendered["colocated"], "router")
+
+
+def test_router_has_two_replicas_and_pdbs_cover_every_component(rendered) -> None:
+    for docs in rendered.values():
+        (router,) = [d for d in by_kind(docs, "Deployment") if component(d) == "router"]
+        assert router["spec"]["replicas"] == 2
+        pdbs = {component(d) for d in by_kind(docs, "PodDisruptionBudget")}
+        assert {component(w) for w, _ in workloads(docs)} | {"etcd"} == pdbs
+
+
+@pytest.mark.parametrize("source", ["pvc", "hostPath", "image"])
+def test_model_sources_render_and_validate(helm, source) -> None:
+    sets = [f"model.source={source}", "model.image.repository=registry.example/llama-8b"]
+    docs = render(helm, sets=sets, kube_version=KUBE_VERSIONS[-1])
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    spec = pod(docs, "decode")
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "model"]
+    expected = {"pvc": "persistentVolumeClaim", "hostPath": "hostPath", "image": "emptyDir"}
+    assert expected[source] in volume
+    assert [i["name"] for i in spec.get("initContainers", [])] == (
+        ["copy-model"] if source == "image" else []
+    )
+    assert bool(by_kind(docs, "PersistentVolumeClaim")) == (source == "pvc")
+
+
+def test_one_dashboard_configmap_per_json_file(helm) -> None:
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    docs = render(helm, sets=["metrics.dashboards.enabled=true"])
+    maps = [d for d in by_kind(docs, "ConfigMap") if component(d) == "dashboards"]
+    assert len(maps) == len(files)
+    keys = sorted(k for m in maps for k in m["data"])
+    assert keys == [f.name for f in files]
+    for m in maps:
+        assert m["metadata"]["labels"]["grafana_dashboard"] == "1"
+    off = render(helm, sets=["metrics.dashboards.enabled=false"])
+    assert not [d for d in by_kind(off, "ConfigMap") if component(d) == "dashboards"]

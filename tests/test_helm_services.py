@@ -1,0 +1,156 @@
+"""Every flag and environment variable the chart gives a Tandem container is one the service
+accepts: the rendered args and env go through each service's real config parser, which must
+accept the args and read every TANDEM_* variable set (a misspelt variable is silently ignored
+by a service, so "read" is checked by recording the lookups)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from tests.helm_render import (
+    CHART,
+    FIELD_VALUES,
+    SERVICES,
+    TOPOLOGIES,
+    Manifest,
+    RecordingEnv,
+    by_kind,
+    component,
+    container_env,
+    find_helm,
+    render,
+    workloads,
+)
+
+# Environment a worker container may carry for the libraries under it (UCX, NIXL).
+LIBRARY_ENV = re.compile(r"^(UCX|NIXL)_[A-Z0-9_]+$")
+# Values that exercise optional parts of the chart (API-key Secret, tracing, extra env).
+VARIANTS = {
+    "defaults": (None, ()),
+    **{t: (t, ()) for t in TOPOLOGIES},
+    "api-keys-and-tracing": (
+        None,
+        (
+            "apiKeys.keys={sk-1,sk-2:team}",
+            "tracing.otlpEndpoint=otel-collector.monitoring:4317",
+            "gateway.maxModelLen=8192",
+            "decode.env.TANDEM_KV_TRANSFER_TIMEOUT=20",
+            "metrics.enabled=false",
+        ),
+    ),
+}
+# The shape of Llama-3.1-8B (no weights): the gateway reads the context length from it.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[Manifest]]:
+    helm = find_helm()
+    return {name: render(helm, topo, sets) for name, (topo, sets) in VARIANTS.items()}
+
+
+def parse(service: str, argv: list[str], env: RecordingEnv, monkeypatch) -> Any:
+    """Run the service's own config parser on ``argv`` with ``env`` as the whole environment."""
+    from services.common.worker import setup_logging
+
+    module = importlib.import_module(f"services.{service}.__main__")
+    with monkeypatch.context() as m:
+        m.setattr(os, "environ", env)
+        try:
+            if service == "gateway":
+                return module.parse_config(argv, env)
+            config = module.parse_config(argv)
+            setup_logging(service)  # reads TANDEM_LOG_LEVEL
+            return config
+        except SystemExit as e:
+            pytest.fail(f"{service} rejected the chart's args {argv} / env {dict(env)}: exit {e}")
+
+
+def model_stand_in(tmp_path: Path, docs: list[Manifest], env: dict[str, str]) -> str:
+    """A folder with the served model's config.json in place of the chart's model volume."""
+    folder = tmp_path / Path(env["TANDEM_MODEL_DIR"]).name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return str(folder)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_flag_and_env_var_is_accepted(variant, rendered, tmp_path, monkeypatch) -> None:
+    docs = rendered[variant]
+    seen = set()
+    for workload, container in workloads(docs):
+        role = component(workload)
+        args = container["args"]
+        assert args[0] == role and role in SERVICES, args
+        env = container_env(docs, container)
+        chart_model_dir = env["TANDEM_MODEL_DIR"]
+        if role == "gateway":
+            env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
+        recorded = RecordingEnv(env)
+        config = parse(role, args[1:], recorded, monkeypatch)
+        tandem_vars = {k for k in env if k.startswith("TANDEM_")}
+        assert tandem_vars - recorded.read == set(), f"{role} never reads these"
+        others = set(env) - tandem_vars
+        if role in ("prefill", "decode"):
+            assert all(LIBRARY_ENV.match(k) for k in others), others
+        else:
+            assert others == set(), others
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert config.host == "0.0.0.0"
+        assert config.port == ports["http" if role == "gateway" else "grpc"]
+        if role != "gateway":
+            assert config.model_dir == chart_model_dir
+            assert config.advertise_host == FIELD_VALUES["status.podIP"]
+            assert ",".join(config.etcd) == env["TANDEM_ETCD_ENDPOINTS"]
+        seen.add(role)
+    expected = {"gateway", "router", "decode"} | ({"prefill"} if variant != "colocated" else set())
+    assert seen == expected
+
+
+def test_parsed_values_follow_the_chart_values(rendered, monkeypatch) -> None:
+    """Values reach the config they are meant for (not just any accepted variable)."""
+    values = yaml.safe_load((CHART / "topologies" / "disagg-xpyd.yaml").read_text())
+    docs = rendered["disagg-xpyd"]
+    for workload, container in workloads(docs):
+        role = component(workload)
+        if role not in ("prefill", "decode"):
+            continue
+        env = RecordingEnv(container_env(docs, container))
+        config = parse(role, container["args"][1:], env, monkeypatch)
+        assert config.worker_id == FIELD_VALUES["metadata.name"]
+        assert config.kv_transport == "nixl"
+        assert env["UCX_TLS"] == values[role]["ucxEnv"]["UCX_TLS"]
+        if role == "decode":
+            assert config.nixl_mode == values["decode"]["nixlMode"]
+
+
+def test_api_keys_come_from_the_secret(rendered, monkeypatch, tmp_path) -> None:
+    docs = rendered["api-keys-and-tracing"]
+    (secret,) = by_kind(docs, "Secret")
+    keys = secret["stringData"]["api-keys"]
+    assert keys == "sk-1,sk-2:team"
+    (gateway,) = [c for w, c in workloads(docs) if component(w) == "gateway"]
+    (ref,) = [e for e in gateway["env"] if e["name"] == "TANDEM_API_KEYS"]
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-keys"}
+    env = container_env(docs, gateway)
+    env["TANDEM_API_KEYS"] = keys
+    env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
+    config = parse("gateway", gateway["args"][1:], RecordingEnv(env), monkeypatch)
+    assert len(config.api_keys) == 2 and "team" in {k.tenant for k in config.api_keys}
+    assert config.max_model_len == 8192
