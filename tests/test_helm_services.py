@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from tests.helm_render import (
     CHART,
     FIELD_VALUES,
@@ -147,7 +148,8 @@ def test_api_keys_come_from_the_secret(rendered, monkeypatch, tmp_path) -> None:
     assert keys == "sk-1,sk-2:team"
     (gateway,) = [c for w, c in workloads(docs) if component(w) == "gateway"]
     (ref,) = [e for e in gateway["env"] if e["name"] == "TANDEM_API_KEYS"]
-    assert ref["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-keys"}
+    expected_ref = {"name": secret["metadata"]["name"], "key": "api-keys"}
+    assert ref["valueFrom"]["secretKeyRef"] == expected_ref
     env = container_env(docs, gateway)
     env["TANDEM_API_KEYS"] = keys
     env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
