@@ -34,12 +34,14 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 REQUEST_ID: ContextVar[str] = ContextVar("tandem_request_id", default="")
 REQUEST_ID_ATTR = "tandem.request_id"
 _PROPAGATOR = TraceContextTextMapPropagator()
-_state = {"enabled": False}
+# The process's tracer, None while tracing is off. Kept here rather than as OpenTelemetry's
+# global provider, which can be set only once per process (tests set up and shut down several).
+_state: dict[str, Any] = {"tracer": None, "provider": None}
 
 
 def enabled() -> bool:
     """Whether this process records spans."""
-    return _state["enabled"]
+    return _state["tracer"] is not None
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -86,18 +88,24 @@ class Tracing:
     provider: TracerProvider | None = None
 
     def shutdown(self) -> None:
-        """Flush spans still buffered and stop the exporters."""
+        """Flush spans still buffered, stop the exporters, and turn tracing off."""
         if self.provider is not None:
             self.provider.shutdown()
+            if _state["provider"] is self.provider:
+                _state.update(tracer=None, provider=None)
 
 
 def setup_tracing(
-    service: str, otlp_endpoint: str = "", trace_file: str = "", **attributes: str
+    service: str,
+    otlp_endpoint: str = "",
+    trace_file: str = "",
+    exporter: SpanExporter | None = None,
+    **attributes: str,
 ) -> Tracing:
-    """Install the global tracer provider of a process named ``tandem-<service>``: batched OTLP
-    over gRPC to ``otlp_endpoint`` and/or JSON lines appended to ``trace_file``. With
-    neither, tracing stays off."""
-    if not otlp_endpoint and not trace_file:
+    """Start tracing for a process named ``tandem-<service>``: batched OTLP over gRPC to
+    ``otlp_endpoint`` and/or JSON lines appended to ``trace_file`` (and/or ``exporter``, e.g.
+    an in-memory one in tests). With none of them, tracing stays off."""
+    if not otlp_endpoint and not trace_file and exporter is None:
         return Tracing()
     resource = Resource.create({"service.name": f"tandem-{service}", **attributes})
     provider = TracerProvider(resource=resource)
@@ -107,13 +115,14 @@ def setup_tracing(
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
     if trace_file:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
-    trace.set_tracer_provider(provider)
-    _state["enabled"] = True
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _state.update(tracer=provider.get_tracer("tandem"), provider=provider)
     return Tracing(provider)
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("tandem")
+    return _state["tracer"] or trace.get_tracer("tandem")
 
 
 @contextlib.contextmanager
