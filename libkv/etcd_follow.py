@@ -35,6 +35,11 @@ _CHANNEL_OPTIONS = {
 # Services export it as tandem_etcd_errors_total{op}.
 ERRORS: Counter[str] = Counter()
 
+# What EtcdConnection builds its clients with (keyword arguments host, port, timeout, options).
+# A service with TLS or authentication towards etcd replaces it once at start-up
+# (services.common.security.apply); libkv itself knows nothing of certificates.
+client_factory: Callable[..., aetcd.Client] = aetcd.Client
+
 
 class EtcdConnection:
     """An aetcd client on one of several endpoints, replaced (next endpoint) after an error.
@@ -55,7 +60,7 @@ class EtcdConnection:
     def client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self._targets[self._next % len(self._targets)]
-            self._client = aetcd.Client(
+            self._client = client_factory(
                 host=host, port=port, timeout=self.timeout, options=_CHANNEL_OPTIONS
             )
         return self._client

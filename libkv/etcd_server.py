@@ -12,17 +12,36 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 INSTALL_HINT = "install it with `apt-get install etcd-server` (Debian/Ubuntu) or put it on PATH"
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTLS:
+    """Serve the client port over TLS with this certificate and key, and require client
+    certificates signed by ``ca`` (etcd's ``--client-cert-auth``)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def ssl_context(self, client_cert: str = "", client_key: str = "") -> ssl.SSLContext:
+        """A client context trusting ``ca``, presenting ``client_cert`` when given."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if client_cert:
+            ctx.load_cert_chain(client_cert, client_key)
+        return ctx
 
 
 class EtcdNotFoundError(RuntimeError):
@@ -74,6 +93,7 @@ class EtcdServer:
         host: str = "127.0.0.1",
         start_timeout: float = 20.0,
         die_with_parent: bool = True,
+        tls: EtcdTLS | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if run_dir is None:
@@ -88,6 +108,7 @@ class EtcdServer:
         self.start_timeout = start_timeout
         self.die_with_parent = die_with_parent and sys.platform == "linux"
         self.binary = find_etcd_binary()
+        self.tls = tls
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         while self.peer_port == self.client_port:
@@ -102,7 +123,8 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -136,7 +158,15 @@ class EtcdServer:
             "new",
             "--initial-cluster-token",
             f"{self.name}-{self.client_port}",
+            *self._tls_flags(),
         ]
+
+    def _tls_flags(self) -> list[str]:
+        if self.tls is None:
+            return []
+        t = self.tls
+        return ["--cert-file", t.cert, "--key-file", t.key, "--trusted-ca-file", t.ca,
+                "--client-cert-auth"]  # fmt: skip
 
     def start(self) -> EtcdServer:
         """Start etcd and block until /health answers; raises EtcdStartError otherwise."""
@@ -169,7 +199,9 @@ class EtcdServer:
                     + self._log_tail()
                 )
             try:
-                with urllib.request.urlopen(self.client_url + "/health", timeout=1.0) as r:
+                ctx = self.tls.ssl_context(self.tls.cert, self.tls.key) if self.tls else None
+                url = self.client_url + "/health"
+                with urllib.request.urlopen(url, timeout=1.0, context=ctx) as r:
                     body = r.read().decode(errors="replace")
                 if r.status == 200 and '"true"' in body:
                     return

@@ -12,7 +12,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from libkv.etcd_server import EtcdServer, free_port
+from libkv.etcd_server import EtcdServer, EtcdTLS, free_port
 
 # The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
 # decode-only (the router also falls back to decode-only when no prefill worker is live).
@@ -40,6 +40,11 @@ class StackConfig:
     trace_files: bool = False  # each process appends its spans to run_dir/traces/NAME.jsonl
     num_routers: int = 1  # replicas: "router", "router-1", ...; the gateway spreads over them
     router_policy: str = ""  # --policy of the routers; empty: their default (kv)
+    # Extra flags per kind of process (limits, TLS, ...), appended to its command line.
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    etcd_tls: EtcdTLS | None = None  # serve etcd over TLS (client certificates required)
 
     @classmethod
     def colocated(cls, workers: int, **kwargs) -> StackConfig:
@@ -80,7 +85,7 @@ class Stack:
         self.config = config
         self.run_dir = Path(config.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer(self.run_dir / "etcd")
+        self.etcd = EtcdServer(self.run_dir / "etcd", tls=config.etcd_tls)
         self.children: dict[str, Child] = {}
 
     @property
@@ -103,6 +108,7 @@ class Stack:
             "--member-refresh", str(c.member_refresh),
             "--lease-seconds", str(c.lease_seconds),
             *(["--kv-transport", c.kv_transport] if c.kv_transport else []),
+            *c.worker_args,
         )  # fmt: skip
 
     def _router_args(self, port: int) -> list[str]:
@@ -115,6 +121,7 @@ class Stack:
             "--decode-only-threshold", str(c.decode_only_threshold),
             *(["--policy", c.router_policy] if c.router_policy else []),
             *[f"--api-key={k}" for k in c.api_keys],
+            *c.router_args,
         )  # fmt: skip
 
     def start(self) -> Stack:
@@ -137,6 +144,7 @@ class Stack:
             "--port", str(c.port),
             *[f"--router={address}" for address in routers],
             *keys,
+            *c.gateway_args,
         )  # fmt: skip
         self._spawn("gateway", gateway, f"{c.host}:{c.port}")
         self.wait_ready()

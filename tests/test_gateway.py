@@ -26,6 +26,7 @@ from services.gateway.core import (
     TokenLogprob,
     Usage,
 )
+from services.gateway.keys import ApiKey, hash_key, tenant_of_hash
 from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.server import create_app
@@ -36,7 +37,7 @@ CONFIG = GatewayConfig(
     model_dir=str(DEFAULT_DIR),
     served_model_name=MODEL,
     max_model_len=512,
-    api_keys=((KEY, TENANT),),
+    api_keys=(ApiKey(hash_key(KEY), TENANT),),
     max_body_bytes=64 * 1024,
     default_max_tokens=100,
 )
@@ -488,7 +489,7 @@ def test_non_streaming_disconnect_aborts_within_1s(gw: Gateway) -> None:
 
 
 def test_parse_config_flags() -> None:
-    from services.gateway.__main__ import parse_config, tenant_of
+    from services.gateway.__main__ import parse_config
 
     cfg = parse_config(
         [
@@ -510,8 +511,11 @@ def test_parse_config_flags() -> None:
         env={"TANDEM_ROUTERS": "ignored:1", "TANDEM_API_KEYS": "ignored"},
     )
     assert cfg.routers == ("a:1", "b:2") and cfg.port == 9000 and cfg.host == "127.0.0.1"
-    assert cfg.api_keys == (("k1", tenant_of("k1")), ("k2", "team"))
-    assert "k1" not in tenant_of("k1")
+    assert cfg.api_keys == (
+        ApiKey(hash_key("k1"), tenant_of_hash(hash_key("k1"))),
+        ApiKey(hash_key("k2"), "team"),
+    )
+    assert "k1" not in repr(cfg)  # only hashes are kept
     assert cfg.served_model_name == DEFAULT_DIR.name
     assert cfg.max_model_len == 8192  # SmolLM2's max_position_embeddings
     assert cfg.max_body_bytes == 1000
@@ -525,7 +529,10 @@ def test_parse_config_env_fallbacks() -> None:
     env = {"TANDEM_ROUTERS": "x:1, y:2", "TANDEM_API_KEYS": "a:t1,b:t2"}
     cfg = parse_config(["--model-dir", str(DEFAULT_DIR), "--served-model-name", "m"], env=env)
     assert cfg.routers == ("x:1", "y:2")
-    assert cfg.api_keys == (("a", "t1"), ("b", "t2"))
+    assert [(k.sha256, k.tenant) for k in cfg.api_keys] == [
+        (hash_key("a"), "t1"),
+        (hash_key("b"), "t2"),
+    ]
     assert cfg.served_model_name == "m"
     with pytest.raises(SystemExit):  # no router at all
         parse_config(["--model-dir", str(DEFAULT_DIR)], env={})

@@ -94,10 +94,15 @@ def test_status_mapping(code: grpc.StatusCode, status: int) -> None:
 
 def test_429_carries_retry_after() -> None:
     assert codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy").headers == {
-        "Retry-After": "1"
+        "Retry-After": "1",
+        "retry-after-ms": "1000",
     }
     err = codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", [("retry-after", "7")])
-    assert err.headers == {"Retry-After": "7"}
+    assert err.headers == {"Retry-After": "7", "retry-after-ms": "7000"}
+    # The workers' estimate in ms wins; Retry-After rounds it up to whole seconds (HTTP).
+    err = codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", [("retry-after-ms", "1250")])
+    assert err.headers == {"Retry-After": "2", "retry-after-ms": "1250"}
+    assert err.status == 429 and err.code == "server_overloaded"
 
 
 # --- GrpcBackend against a stand-in router ------------------------------------------------------

@@ -21,6 +21,7 @@ from libkv.transfer import (
     agent_name,
 )
 from services.common.kv_transport import EngineBlockStore, GrpcStreamTransport
+from services.common.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,15 @@ async def _endpoint(kind: str, engine: LLMEngine, worker_id: str, incarnation: s
 
 
 async def decode_side(
-    kind: str, mode: str, engine: LLMEngine, worker_id: str, incarnation: str, etcd: tuple
+    kind: str,
+    mode: str,
+    engine: LLMEngine,
+    worker_id: str,
+    incarnation: str,
+    etcd: tuple,
+    tls: TLSFiles | None = None,
 ) -> KVSide:
-    grpc = GrpcStreamTransport(EngineBlockStore(engine))
+    grpc = GrpcStreamTransport(EngineBlockStore(engine), tls)
     endpoint = await _endpoint(kind, engine, worker_id, incarnation, etcd)
     if endpoint is None:
         return KVSide(transport=grpc, closers=[grpc.close])

@@ -15,6 +15,8 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from engine.llm_engine import LLMEngine
 from libkv.transfer import BlockStore, KVSource, KVTransferError, PoolRegion, TransferStats
+from services.common.tls import TLSFiles
+from services.common.tls import channel as tls_channel
 from services.common.tracing import client_interceptors
 
 CHANNEL_OPTIONS = [
@@ -54,15 +56,16 @@ class GrpcStreamTransport:
 
     name = "grpc"
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, tls: TLSFiles | None = None) -> None:
         self.store = store
         self.stats = TransferStats()
+        self.tls = tls  # mutual TLS towards the prefill workers when set
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
+            self._channels[address] = tls_channel(
+                address, self.tls, CHANNEL_OPTIONS, interceptors=client_interceptors()
             )
         return self._channels[address]
 

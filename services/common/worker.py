@@ -26,6 +26,7 @@ from services.common.obs_config import (
     observability_config,
 )
 from services.common.presence import Presence, add_location_flags, location_config
+from services.common.security import Security, add_security_flags, security_from_args
 from services.common.tracing import install_log_context
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class WorkerConfig:
     drain_timeout: float = 30.0  # on SIGTERM: most seconds to finish the work in flight
     locations: PublisherConfig = PublisherConfig()  # block locations published to etcd
     observability: ObservabilityConfig = ObservabilityConfig()
+    security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     max_pending_tokens: int = 0  # admission bound in tokens; 0: twice the KV pool's tokens
     batch_admission_fraction: float = 0.5  # batch requests only up to this part of the bound
 
@@ -125,6 +127,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     add_location_flags(p)
     add_observability_flags(p)
     add_admission_flags(p)
+    add_security_flags(p)
 
 
 def add_admission_flags(p: argparse.ArgumentParser) -> None:
@@ -203,7 +206,15 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         observability=observability_config(args),
         max_pending_tokens=args.max_pending_tokens,
         batch_admission_fraction=args.batch_admission_fraction,
+        security=_security(args),
     )
+
+
+def _security(args: argparse.Namespace) -> Security:
+    try:
+        return security_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
 
 
 def start_engine(config: WorkerConfig) -> AsyncEngine:

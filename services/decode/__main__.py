@@ -16,6 +16,7 @@ from services.common.kv_observe import ObservedTransport
 from services.common.kv_setup import decode_side
 from services.common.metrics import KVTransferMetrics
 from services.common.observability import Observability
+from services.common.security import apply as apply_security
 from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
@@ -43,6 +44,7 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
 
 async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    apply_security(config.security)  # before any etcd connection
     obs = Observability.start(config.observability, "decode", config.model_name, config.worker_id)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
@@ -54,6 +56,7 @@ async def serve(argv: list[str] | None = None) -> None:
         config.worker_id,
         incarnation,
         config.etcd,
+        config.security.tls,
     )
     assert kv.transport is not None
     core = DecodeCore(
@@ -74,6 +77,7 @@ async def serve(argv: list[str] | None = None) -> None:
         ["tandem.v1.Decode"],
         config.bind,
         metrics=obs.grpc,
+        tls=config.security.tls,
     )
     address = advertised(config, server.port)
     reg = await register(config, address, engine.engine, incarnation, kv.extra)

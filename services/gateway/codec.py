@@ -9,7 +9,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from services.common.codec import sampling_to_pb
+from services.common.codec import PRIORITY_TO_PB, sampling_to_pb
+from services.common.errors import RETRY_AFTER_MS_KEY
 from services.gateway.core import (
     APIError,
     BackendEvent,
@@ -17,6 +18,7 @@ from services.gateway.core import (
     TokenLogprob,
     Usage,
 )
+from services.gateway.limits import retry_headers
 
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -30,7 +32,7 @@ STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error", None),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_overloaded"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", None),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
@@ -44,6 +46,14 @@ _SERVER_MESSAGES = {
 }
 
 
+def _retry_after(metadata: Sequence[tuple[str, str | bytes]]) -> dict[str, str]:
+    trailers = {k.lower(): str(v) for k, v in metadata}
+    ms, secs = trailers.get(RETRY_AFTER_MS_KEY, ""), trailers.get("retry-after", "")
+    if ms.isdigit():
+        return retry_headers(int(ms))
+    return retry_headers(1000 * int(secs if secs.isdigit() else DEFAULT_RETRY_AFTER_S))
+
+
 def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
     """BackendRequest -> GenerateRequest with a token-id prompt."""
     return router_pb2.GenerateRequest(
@@ -52,6 +62,7 @@ def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
         sampling=sampling_to_pb(req.sampling),
         tenant=req.tenant,
         model=req.model,
+        priority=PRIORITY_TO_PB[req.priority],
         session=req.session,
     )
 
@@ -97,13 +108,13 @@ async def health_check(channel: grpc.aio.Channel, timeout: float) -> bool:
 def http_error(
     code: grpc.StatusCode, details: str | None, metadata: Sequence[tuple[str, str | bytes]] = ()
 ) -> APIError:
-    """The client-facing error for a failed router call. 429 carries ``Retry-After`` (the
-    router's ``retry-after`` trailer when it sent one). Details of 5xx failures stay inside."""
+    """The client-facing error for a failed router call. 429 (every worker at capacity) carries
+    ``Retry-After`` in seconds and ``retry-after-ms``, from the router's ``retry-after-ms`` (or
+    ``retry-after``, seconds) trailer, 1 s without one. Details of 5xx failures stay inside."""
     status, type_, err_code = STATUS_MAP.get(code, _INTERNAL)
     headers: dict[str, str] = {}
     if status == 429:
-        given = next((str(v) for k, v in metadata if k.lower() == "retry-after"), None)
-        headers["Retry-After"] = given or DEFAULT_RETRY_AFTER_S
+        headers = _retry_after(metadata)
     if status < 500:  # the client's problem: say what the router said
         message = details or code.name.lower().replace("_", " ")
     else:  # ours: keep internal addresses and state out of the answer (the backend logs it)

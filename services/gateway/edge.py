@@ -3,7 +3,6 @@ and the OpenAI error JSON shape (including for pydantic validation errors)."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import uuid
@@ -14,6 +13,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.core import APIError, GatewayConfig, internal_error
+from services.gateway.keys import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EdgeMiddleware:
     def __init__(self, app: ASGIApp, config: GatewayConfig) -> None:
         self.app = app
         self.max_body = config.max_body_bytes
-        self.keys = [(k.encode(), tenant) for k, tenant in config.api_keys]
+        self.keys = KeyRing(config.api_keys)  # hashes only; compared in constant time
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,12 +117,9 @@ class EdgeMiddleware:
         if not self.keys or not path.startswith("/v1/"):
             return ""
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        tenant = None
-        for key, t in self.keys:  # compare against every key: timing reveals nothing
-            if hmac.compare_digest(key, given):
-                tenant = t
-        if not given or tenant is None:
+        given = token.strip() if scheme.lower() == "bearer" else ""
+        found = self.keys.find(given) if given else None
+        if found is None:
             raise APIError(
                 401,
                 "Incorrect API key provided."
@@ -132,7 +129,7 @@ class EdgeMiddleware:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        return tenant
+        return found.tenant
 
     def _too_large(self) -> APIError:
         return APIError(

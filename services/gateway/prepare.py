@@ -123,7 +123,14 @@ def _prepare(
         max_tokens = min(ctx - n, cfg.default_max_tokens)
     sampling = _sampling(body, max_tokens, top_logprobs)
     req = BackendRequest(
-        request_id, tuple(ids), sampling, tenant, cfg.served_model_name, session=body.user or ""
+        request_id,
+        tuple(ids),
+        sampling,
+        tenant,
+        cfg.served_model_name,
+        body.priority or "interactive",
+        time.monotonic() + _timeout(cfg, body.timeout),
+        session=body.user or "",
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     kind = "chat" if chat else "completion"
@@ -175,6 +182,16 @@ def _sampling(
     except InvalidRequestError as e:  # messages read "<field>: <why> (got ...)"
         param = str(e).split(":", 1)[0]
         raise APIError(400, str(e), param=param if param.isidentifier() else None) from e
+
+
+def _timeout(cfg: GatewayConfig, asked: float | None) -> float:
+    """The request's time budget: the client's ``timeout`` (> 0) capped by the server's
+    maximum, else the server's default."""
+    if asked is None:
+        return min(cfg.request_timeout, cfg.max_request_timeout)
+    if not asked > 0:  # also NaN
+        raise APIError(400, f"timeout must be > 0 seconds (got {asked})", param="timeout")
+    return min(asked, cfg.max_request_timeout)
 
 
 def _check_range(name: str, value: int, lo: int, hi: int) -> None:

@@ -59,6 +59,10 @@ class _Sampling(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
+    # Tandem extensions: scheduling class (batch is shed first under load) and a deadline in
+    # seconds for the whole request (capped by the server's --max-request-timeout).
+    priority: Literal["interactive", "batch"] | None = None
+    timeout: float | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -14,6 +14,7 @@ from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
 from services.common.kv_setup import prefill_side
 from services.common.observability import Observability
+from services.common.security import apply as apply_security
 from services.common.worker import (
     WorkerConfig,
     add_worker_flags,
@@ -41,6 +42,7 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
 
 async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    apply_security(config.security)  # before any etcd connection
     obs = Observability.start(config.observability, "prefill", config.model_name, config.worker_id)
     incarnation = uuid.uuid4().hex
     engine = start_engine(config)
@@ -59,6 +61,7 @@ async def serve(argv: list[str] | None = None) -> None:
         ["tandem.v1.Prefill", "tandem.v1.KVTransport"],
         config.bind,
         metrics=obs.grpc,
+        tls=config.security.tls,
     )
     core.address = advertised(config, server.port)
     core.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
 import socket
@@ -23,6 +24,8 @@ from services.common.obs_config import (
     observability_config,
 )
 from services.common.observability import Observability
+from services.common.security import Security, add_security_flags, security_from_args
+from services.common.security import apply as apply_security
 from services.common.worker import run_until_signal, setup_logging
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouterCore
@@ -47,6 +50,7 @@ class RouterConfig:
     policy: str = "kv"  # see services.router.policy.POLICIES
     kv_load_weight: float = 0.5  # kv policy: prompt blocks one queued/running request weighs
     observability: ObservabilityConfig = ObservabilityConfig()
+    security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
 
     @property
     def model_name(self) -> str:
@@ -82,7 +86,12 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         help="kv policy: cost of one queued or running request, in prompt blocks per block",
     )
     add_observability_flags(p)
+    add_security_flags(p)
     a = p.parse_args(argv)
+    try:
+        security = security_from_args(a)
+    except ValueError as e:
+        p.error(str(e))
     keys = a.api_key or [k for k in env("TANDEM_API_KEYS", "").split(",") if k]
     etcd = tuple(e for e in a.etcd.split(",") if e)
     if not etcd:
@@ -96,19 +105,22 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         router_id=a.router_id or f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
         served_model_name=a.served_model_name,
         decode_only_threshold=a.decode_only_threshold,
-        api_keys=frozenset(k.split(":", 1)[0] for k in keys),
+        # Only hashes are kept (compared in constant time by the servicer).
+        api_keys=frozenset(hashlib.sha256(k.split(":", 1)[0].encode()).hexdigest() for k in keys),
         policy=a.policy,
         kv_load_weight=a.kv_load_weight,
         observability=observability_config(a),
+        security=security,
     )
 
 
 async def serve(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    apply_security(config.security)  # before any etcd connection
     obs = Observability.start(config.observability, "router", config.model_name, config.router_id)
     tokenizer = Tokenizer(config.model_dir)
     watcher = await MemberWatcher.start(list(config.etcd))
-    clients = GrpcWorkerClients()
+    clients = GrpcWorkerClients(tls=config.security.tls)
     policy = PolicyConfig(config.policy, config.decode_only_threshold, config.kv_load_weight)
     # The kv policy routes by the block locations workers publish in etcd (nothing else).
     index = await LocationIndex.start(list(config.etcd)) if config.policy == "kv" else None
@@ -123,6 +135,7 @@ async def serve(argv: list[str] | None = None) -> None:
         ["tandem.v1.Router"],
         f"{config.host}:{config.port}",
         metrics=obs.grpc,
+        tls=config.security.tls,
     )
     obs.metrics.register(RouterCollector(core, watcher))
     address = f"{config.advertise_host or config.host}:{server.port}"

@@ -21,6 +21,8 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.tls import TLSFiles
+from services.common.tls import channel as tls_channel
 from services.common.tracing import client_interceptors
 from services.router.core import DecodeCall, PrefillReply, RouteJob
 
@@ -75,14 +77,15 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
 class GrpcWorkerClients:
     """WorkerClients over grpc.aio, one channel per worker address."""
 
-    def __init__(self, prefill_timeout: float = 300.0) -> None:
+    def __init__(self, prefill_timeout: float = 300.0, tls: TLSFiles | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.prefill_timeout = prefill_timeout
+        self.tls = tls  # mutual TLS towards the workers when set
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
+            self._channels[address] = tls_channel(
+                address, self.tls, CHANNEL_OPTIONS, interceptors=client_interceptors()
             )
         return self._channels[address]
 

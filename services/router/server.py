@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from tandem.v1 import common_pb2, router_pb2_grpc
 
 from engine.tokenizer import Tokenizer
@@ -25,7 +28,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return
         meta = dict(context.invocation_metadata() or ())
         token = meta.get("authorization", "").removeprefix("Bearer ").strip()
-        if token not in self.api_keys:
+        digest = hashlib.sha256(token.encode()).hexdigest().encode()
+        # api_keys holds SHA-256 hex digests; compare with all of them in constant time.
+        found = False
+        for stored in self.api_keys:
+            found |= hmac.compare_digest(stored.encode(), digest)
+        if not token or not found:
             raise Unauthenticated("missing or wrong API key in 'authorization' metadata")
 
     async def Generate(self, request, context):  # noqa: N802 - generated name

@@ -1,0 +1,239 @@
+"""The gateway's protection in isolation: hashed API keys, per-tenant token and request rate
+limits with their headers and settlement, gateway admission, and deadlines (a stand-in router
+over real gRPC; the whole stack is covered in test_e2e_protection)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from engine.bundled import DEFAULT_DIR
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from services.gateway import keys as keys_mod
+from services.gateway.core import APIError, BackendRequest, GatewayConfig
+from services.gateway.grpc_backend import GrpcBackend
+from services.gateway.keys import ApiKey, KeyRing, TenantLimits, hash_key, load_keys_file
+from services.gateway.limits import Limits, _duration
+from services.gateway.server import create_app
+from tests.test_gateway import MODEL, FakeBackend
+from tests.test_gateway_grpc import make_request, router  # noqa: F401 - fixture
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(rid: str, prompt: int, max_tokens: int, tenant: str = "acme", **kw) -> BackendRequest:
+    return BackendRequest(rid, tuple(range(prompt)), SamplingParams(max_tokens=max_tokens),
+                          tenant, **kw)  # fmt: skip
+
+
+# --- keys ----------------------------------------------------------------------------------------
+
+
+def test_keys_file_holds_only_hashes_and_lookup_matches(tmp_path: Path, capsys) -> None:
+    keys_mod.main(["sk-alpha", "--tenant", "acme", "--tokens-per-window", "500"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sha256"] == hash_key("sk-alpha") and "sk-alpha" not in json.dumps(printed)
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [printed, keys_mod.entry("sk-beta")]}))
+    loaded = load_keys_file(path)
+    assert loaded[0] == ApiKey(hash_key("sk-alpha"), "acme", TenantLimits(500, 0, 60.0))
+    assert loaded[1].tenant == "t-" + hash_key("sk-beta")[:12] and not loaded[1].limits.limited
+    ring = KeyRing(loaded)
+    assert ring.find("sk-alpha") is loaded[0] and ring.find("sk-beta") is loaded[1]
+    assert ring.find("sk-alph") is None and ring.find("") is None
+    assert not KeyRing(())
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"keys": [{"sha256": "abc"}]}', '{"keys": [{"tenant": "x"}]}', "[]",
+     '{"keys": [{"sha256": "' + "0" * 64 + '", "window_seconds": 0}]}'],
+)  # fmt: skip
+def test_bad_keys_files_are_refused(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    with pytest.raises(ValueError):
+        load_keys_file(path)
+
+
+# --- rate limits ---------------------------------------------------------------------------------
+
+
+def limits(clock: Clock, tokens: int = 100, requests: int = 3, inflight: int = 0) -> Limits:
+    return Limits({"acme": TenantLimits(tokens, requests, 10.0)}, inflight, 0.5, clock=clock)
+
+
+def test_reserve_then_settle_what_was_really_generated() -> None:
+    clock = Clock()
+    lim = limits(clock)
+    t = lim.admit(req("a", 10, 40))  # reserves 50 tokens and 1 request
+    assert t.headers == {
+        "x-ratelimit-limit-requests": "3",
+        "x-ratelimit-remaining-requests": "2",
+        "x-ratelimit-reset-requests": "3.334s",
+        "x-ratelimit-limit-tokens": "100",
+        "x-ratelimit-remaining-tokens": "50",
+        "x-ratelimit-reset-tokens": "5s",
+    }
+    t.settle(5)  # 10 prompt + 5 generated used; 35 come back
+    t.settle(5)  # once only
+    t2 = lim.admit(req("b", 10, 10))
+    assert t2.headers["x-ratelimit-remaining-tokens"] == str(100 - 15 - 20)
+    t2.settle(0)  # nothing generated (failed before the first token): nothing charged
+    assert lim.admit(req("c", 1, 1)).headers["x-ratelimit-remaining-tokens"] == str(100 - 15 - 2)
+    assert lim.admit(req("free", 10**6, 1, tenant="other")).headers == {}  # no limits
+
+
+def test_over_the_token_budget_is_a_429_with_retry_after() -> None:
+    clock = Clock()
+    lim = limits(clock, requests=0)
+    lim.admit(req("a", 10, 80))  # 10 left
+    with pytest.raises(APIError) as e:
+        lim.admit(req("b", 10, 20))  # needs 30: 20 more at 10 tokens/s = 2 s
+    err = e.value
+    assert (err.status, err.type, err.code) == (429, "tokens", "rate_limit_exceeded")
+    assert err.headers["Retry-After"] == "2" and err.headers["retry-after-ms"] == "2000"
+    assert err.headers["x-ratelimit-remaining-tokens"] == "10"
+    assert "try again in 2s" in err.message
+    clock.now += 2.0
+    lim.admit(req("b", 10, 20))  # refilled
+
+
+def test_a_request_larger_than_the_budget_waits_for_a_full_bucket() -> None:
+    clock = Clock()
+    lim = limits(clock, requests=0)
+    t = lim.admit(req("big", 50, 4000))  # reserves the whole bucket, not more
+    assert t.reserved == 100
+    t.settle(90)  # used 140: a debt of 40, paid back by refill
+    with pytest.raises(APIError) as e:
+        lim.admit(req("next", 1, 1))
+    assert e.value.headers["retry-after-ms"] == "4200"
+
+
+def test_request_limit_and_no_partial_reservation() -> None:
+    clock = Clock()
+    lim = limits(clock, tokens=100, requests=1)
+    lim.admit(req("a", 1, 1))
+    with pytest.raises(APIError) as e:
+        lim.admit(req("b", 1, 1))
+    assert e.value.type == "requests" and e.value.headers["x-ratelimit-remaining-requests"] == "0"
+    lim2 = limits(clock, tokens=10, requests=5)
+    lim2.admit(req("x", 2, 3))  # 5 tokens left
+    with pytest.raises(APIError):
+        lim2.admit(req("c", 10, 10))  # 10 > 5 left: tokens refuse...
+    t = lim2.admit(req("d", 1, 1))  # ...and the request slot it took was given back
+    assert t.headers["x-ratelimit-remaining-requests"] == "3"
+
+
+def test_gateway_admission_sheds_batch_first_and_releases_on_settle() -> None:
+    lim = limits(Clock(), tokens=0, requests=0, inflight=100)
+    t = lim.admit(req("i", 30, 30))
+    with pytest.raises(APIError) as e:
+        lim.admit(req("b", 1, 1, priority="batch"))  # 62 > 50
+    assert (e.value.status, e.value.code) == (429, "server_overloaded")
+    assert e.value.headers["Retry-After"] == "1"
+    lim.admit(req("i2", 20, 20))  # interactive fits up to 100
+    t.settle(3)
+    lim.admit(req("b", 1, 1, priority="batch"))
+
+
+def test_durations_in_openai_format() -> None:
+    assert [_duration(s) for s in (0.02, 1.5, 59.9991, 360.0)] == ["20ms", "1.5s", "60s", "6m0s"]
+
+
+# --- over HTTP (stand-in backend) ----------------------------------------------------------------
+
+KEY = "sk-limited"
+CONFIG = GatewayConfig(
+    model_dir=str(DEFAULT_DIR),
+    served_model_name=MODEL,
+    max_model_len=512,
+    api_keys=(ApiKey(hash_key(KEY), "acme", TenantLimits(300, 100, 1e6)),),
+    default_max_tokens=50,
+    max_request_timeout=5.0,
+)
+
+
+@pytest.fixture(scope="module")
+def app_url() -> Iterator[tuple[str, FakeBackend]]:
+    tok = Tokenizer(DEFAULT_DIR)
+    fake = FakeBackend(tok)
+    app = create_app(CONFIG, fake, tok)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", fake
+    server.should_exit = True
+    thread.join(10)
+
+
+def post(url: str, body: dict, key: str = KEY) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=10)  # fmt: skip
+
+
+def test_usage_charged_matches_what_was_streamed(app_url) -> None:
+    url, fake = app_url
+    body = {"prompt": "Hi", "max_tokens": 40, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    r = post(url, body)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-tokens"] == "300"
+    before = int(r.headers["x-ratelimit-remaining-tokens"])  # after reserving prompt + 40
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == len(fake.reply_ids())
+    r2 = post(url, {"prompt": "Hi", "max_tokens": 1})
+    assert r2.status_code == 200
+    # The first request's unused reservation came back; the second reserved prompt + 1.
+    expected = before + 40 - usage["completion_tokens"] - (usage["prompt_tokens"] + 1)
+    assert abs(int(r2.headers["x-ratelimit-remaining-tokens"]) - expected) <= 1
+    r3 = post(url, {"prompt": "Hi", "max_tokens": 290})
+    assert r3.status_code == 429 and r3.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(r3.headers["Retry-After"]) >= 1 and "x-ratelimit-reset-tokens" in r3.headers
+
+
+def test_timeout_field_is_checked_and_priority_carried(app_url) -> None:
+    url, fake = app_url
+    fake.reset()
+    assert post(url, {"prompt": "Hi", "max_tokens": 1, "timeout": 0}).status_code == 400
+    assert post(url, {"prompt": "Hi", "max_tokens": 1, "priority": "urgent"}).status_code == 400
+    r = post(url, {"prompt": "Hi", "max_tokens": 1, "timeout": 999, "priority": "batch"})
+    assert r.status_code == 200
+    sent = fake.requests[-1]
+    assert sent.priority == "batch"
+    assert sent.time_left() is not None and sent.time_left() <= 5.0  # capped by the server
+
+
+async def test_deadline_passes_as_grpc_deadline_and_gives_504(router) -> None:  # noqa: F811
+    fake, address = router
+    fake.mode = "hang"  # three tokens, then nothing
+    backend = GrpcBackend([address])
+    request = dataclasses.replace(make_request(), deadline=time.monotonic() + 0.5)
+    got, t0 = [], time.monotonic()
+    with pytest.raises(APIError) as e:
+        async for ev in backend.generate(request):
+            got.append(ev)
+    assert (e.value.status, e.value.code) == (504, "timeout") and len(got) == 3
+    assert time.monotonic() - t0 < 3
+    await fake.cancelled.wait()  # the router side saw the call end
+    await backend.close()

@@ -1,0 +1,149 @@
+"""Transport security without the model: a gRPC server with mutual TLS (as every service starts
+it), the gateway over HTTPS, and a real etcd that requires client certificates, reached through
+the registry with ``--etcd-ca/--etcd-cert/--etcd-key``. Certificates are made on the fly."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aetcd
+import grpc
+import httpx
+import pytest
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.bundled import DEFAULT_DIR
+from engine.tokenizer import Tokenizer
+from libkv.etcd_server import EtcdServer, EtcdTLS
+from libkv.registry import Member, MemberWatcher, Registration
+from services.common import security
+from services.common.grpc_server import start_server
+from services.common.security import EtcdSecurity, Security
+from services.common.tls import TLSFiles, channel
+from services.gateway.server import create_app
+from tests.test_gateway import CONFIG, KEY, FakeBackend
+from tests.tls_certs import TestCA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, TLSFiles]:
+    folder = tmp_path_factory.mktemp("pki")
+    ca, rogue = TestCA(folder / "ca"), TestCA(folder / "rogue", "rogue-ca")
+    out = {}
+    for name in ("server", "client"):
+        f = ca.issue(name)
+        out[name] = TLSFiles(f.cert, f.key, f.ca)
+    f = rogue.issue("intruder")  # a valid certificate, but from a CA the server does not trust
+    out["rogue"] = TLSFiles(f.cert, f.key, str(ca.ca_path))
+    return out
+
+
+@pytest.fixture
+async def tls_server(pki) -> AsyncIterator[str]:
+    handle = await start_server([], [], "127.0.0.1:0", tls=pki["server"])
+    yield handle.address
+    await handle.stop(None)
+
+
+async def check(ch: grpc.aio.Channel) -> int:
+    async with ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+        return resp.status
+
+
+async def test_mutual_tls_admits_only_clients_with_a_certificate_of_our_ca(pki, tls_server):
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert await check(channel(tls_server, pki["client"])) == serving
+    refused = [
+        grpc.aio.insecure_channel(tls_server),  # plaintext
+        grpc.aio.secure_channel(  # TLS, but no client certificate
+            tls_server, grpc.ssl_channel_credentials(Path(pki["client"].ca).read_bytes())
+        ),
+        channel(tls_server, pki["rogue"]),  # a certificate from another CA
+    ]
+    for ch in refused:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await check(ch)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --- the gateway over HTTPS ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def https_gateway(pki) -> Iterator[str]:
+    tok = Tokenizer(DEFAULT_DIR)
+    app = create_app(CONFIG, FakeBackend(tok), tok)
+    s = pki["server"]
+    cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                         ssl_certfile=s.cert, ssl_keyfile=s.key)  # fmt: skip
+    server = uvicorn.Server(cfg)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    yield f"127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_gateway_serves_https_only(pki, https_gateway):
+    body = {"model": CONFIG.served_model_name, "prompt": "Hi", "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"https://{https_gateway}/v1/completions", json=body, headers=auth,
+                   verify=ssl.create_default_context(cafile=pki["server"].ca),
+                   timeout=10)  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(f"http://{https_gateway}/v1/completions", json=body, headers=auth, timeout=5)
+
+
+def test_gateway_parses_https_and_mtls_flags(pki) -> None:
+    from services.gateway.__main__ import parse_config
+
+    s = pki["server"]
+    argv = ["--model-dir", str(DEFAULT_DIR), "--router", "127.0.0.1:1",
+            "--ssl-certfile", s.cert, "--ssl-keyfile", s.key]  # fmt: skip
+    env = {"TANDEM_TLS_CERT": s.cert, "TANDEM_TLS_KEY": s.key, "TANDEM_TLS_CA": s.ca}
+    cfg = parse_config(argv, env=env)
+    assert cfg.ssl_certfile == s.cert and cfg.tls == TLSFiles(s.cert, s.key, s.ca)
+    with pytest.raises(SystemExit):  # half a TLS configuration is an error, not plaintext
+        parse_config(argv, env={"TANDEM_TLS_CERT": s.cert})
+
+
+# --- etcd with client certificates ---------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_etcd(pki, tmp_path) -> Iterator[EtcdServer]:
+    s = pki["server"]
+    with EtcdServer(tmp_path / "etcd", tls=EtcdTLS(s.cert, s.key, s.ca)) as etcd:
+        yield etcd
+    security.apply(Security())  # back to plaintext clients for the rest of the session
+
+
+async def test_registry_over_etcd_tls_with_client_certificates(pki, tls_etcd):
+    host, port = tls_etcd.endpoint.split(":")
+    with pytest.raises(Exception):  # noqa: B017, PT011 - plaintext gets no answer
+        async with aetcd.Client(host=host, port=int(port), timeout=2) as plain:
+            await asyncio.wait_for(plain.get(b"/x"), 3)
+    c = pki["client"]
+    security.apply(Security(etcd=EtcdSecurity(c.ca, c.cert, c.key)))
+    member = Member("decode-tls", "decode", "m", "127.0.0.1:1")
+    reg = await Registration.start([tls_etcd.endpoint], member, ttl=5, refresh=1)
+    watcher = await MemberWatcher.start([tls_etcd.endpoint])
+    try:
+        assert reg.registered
+        assert await watcher.wait_for(lambda ms: "decode-tls" in ms, 5)
+    finally:
+        await watcher.stop()
+        await reg.stop()
