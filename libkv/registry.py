@@ -153,12 +153,25 @@ class Registration:
                 log.exception("load_fn failed; keeping the last load")
         return self.member
 
+    async def _current_soon(self) -> Member:
+        """``_current()`` in a thread, waited for at most half a refresh: a worker's load
+        function takes the engine's lock, held for a whole model step, and neither this event
+        loop nor the lease may wait behind a slow step (the lease would lapse and a live worker
+        drop out of the member view). Meanwhile the last load is published."""
+        if self.load_fn is None:
+            return self.member
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._current), self.refresh / 2)
+        except TimeoutError:
+            return self.member
+
     async def _register(self) -> None:
         """Grant a new lease and put the key under it."""
         self.registered = False
         lease = await self._etcd.client.lease(self.ttl)
         self.lease_id = lease.id
-        await self._etcd.client.put(self.member.key, self._current().to_json(), lease=lease.id)
+        member = await self._current_soon()
+        await self._etcd.client.put(member.key, member.to_json(), lease=lease.id)
         self.registered = True
         self.registrations += 1
         log.info("registered %s under lease %x", self.member.worker_id, lease.id)
@@ -175,7 +188,8 @@ class Registration:
             self.lease_id = None
             await self._register()
             return
-        await self._etcd.client.put(self.member.key, self._current().to_json(), lease=self.lease_id)
+        member = await self._current_soon()
+        await self._etcd.client.put(member.key, member.to_json(), lease=self.lease_id)
         self.registered = True
 
     async def _run(self) -> None:
