@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from bench import kv_stats
 from bench.metrics import SLO, summarize
 from bench.report import (
     RunReport,
@@ -165,9 +166,12 @@ def _targets(args: argparse.Namespace) -> list[Endpoint | StackSpec]:
 
 
 @contextlib.contextmanager
-def _open(target: Endpoint | StackSpec, args: argparse.Namespace, i: int) -> Iterator[Endpoint]:
+def _open(
+    target: Endpoint | StackSpec, args: argparse.Namespace, i: int
+) -> Iterator[tuple[Endpoint, dict[str, str]]]:
+    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats)."""
     if isinstance(target, Endpoint):
-        yield target
+        yield target, {}
         return
     overrides = {}
     if args.kv_cache_mib:
@@ -176,8 +180,13 @@ def _open(target: Endpoint | StackSpec, args: argparse.Namespace, i: int) -> Ite
         args.logs = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     run_dir = args.logs / f"{i}-{target.name.replace(':', '-')}"
     print(f"starting stack {target.name} (logs: {run_dir}/logs) ...", flush=True)
-    with running_stack(target, str(_model_dir(args)), run_dir, **overrides) as endpoint:
-        yield endpoint
+    with running_stack(target, str(_model_dir(args)), run_dir, **overrides) as (endpoint, stack):
+        workers = {
+            name: child.address
+            for name, child in stack.children.items()
+            if name.startswith(("prefill", "decode"))
+        }
+        yield endpoint, workers
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -239,13 +248,20 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     reports: list[RunReport] = []
     for i, target in enumerate(_targets(args)):
-        with _open(target, args, i) as endpoint:
+        with _open(target, args, i) as (endpoint, workers):
             for sweep in workloads:
                 for rate, workload in zip(rates, sweep, strict=True):
                     load = LoadConfig(rate, args.concurrency, args.time_limit, args.seed)
+                    before = kv_stats.snapshot(workers) if workers else {}
                     result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))
+                    cache = None
+                    if workers:  # a local stack: prefix hits and block-location writes
+                        prompts = kv_stats.prompts_in_order(
+                            workload, result.records, str(_model_dir(args)), args.api
+                        )
+                        cache = kv_stats.measure(workers, before, prompts, result.duration)
                     reports.append(
-                        RunReport(result, summarize(result.records, result.duration, slo))
+                        RunReport(result, summarize(result.records, result.duration, slo), cache)
                     )
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
@@ -269,6 +285,15 @@ def _print_one(rep: RunReport) -> None:
         f"({s.slo_attainment:.0%} met the SLOs)",
         flush=True,
     )
+    if rep.cache is not None:
+        c = rep.cache
+        print(
+            f"  prefix hit rate {c.hit_rate:.1%} (one shared cache: {c.ideal_hit_rate:.1%} "
+            f"unbounded, {c.ideal_pooled_hit_rate:.1%} pooled); {c.location_writes} location "
+            f"writes in {c.location_txns} txns, {c.writes_per_1k_prefilled:.1f} per 1k "
+            "prefilled tokens",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.kv_stats import CacheReport, render_cache_table
 from bench.metrics import Summary
 from bench.runner import RunResult
 
@@ -22,6 +23,7 @@ class RunReport:
 
     result: RunResult
     summary: Summary
+    cache: CacheReport | None = None  # local stacks: prefix hits and block-location writes
 
     @property
     def rate_label(self) -> str:
@@ -143,6 +145,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 "not_sent": r.not_sent,
                 "seed": r.seed,
                 "summary": dataclasses.asdict(rep.summary),
+                "cache": dataclasses.asdict(rep.cache) if rep.cache else None,
                 "records": records,
             }
         )
@@ -170,6 +173,10 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
     ratios = render_ratios(reports)
     if ratios:
         lines += ["", ratios]
+    caches = [(r.result.endpoint, r.result.workload, r.cache) for r in reports if r.cache]
+    if caches:
+        lines += ["", "Prefix cache (from worker stats) and block-location writes to etcd", ""]
+        lines.append(render_cache_table(caches))
     if notes:
         lines += ["", notes]
     path.write_text("\n".join(lines) + "\n")

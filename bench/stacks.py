@@ -1,7 +1,9 @@
 """Local stack configurations that ``tandem bench --stack SPEC`` starts, measures and stops.
 
-SPEC is ``disagg:XpYd`` (X prefill and Y decode workers, the router's decode-only threshold)
-optionally followed by ``:threshold=N``, or ``colocated:N`` (N workers doing both phases).
+SPEC is ``disagg:XpYd`` (X prefill and Y decode workers) optionally followed by options
+``:threshold=N`` (the routers' decode-only threshold), ``:policy=NAME`` (routing policy: kv,
+least-loaded, round-robin, session) and ``:routers=N`` (router replicas), or ``colocated:N``
+(N workers doing both phases).
 """
 
 from __future__ import annotations
@@ -11,10 +13,16 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.runner import Endpoint
+from services.router.policy import POLICIES
 
-_DISAGG = re.compile(r"disagg:(\d+)p(\d+)d(?::threshold=(\d+))?")
+if TYPE_CHECKING:
+    from services.launcher import Stack
+
+_DISAGG = re.compile(r"disagg:(\d+)p(\d+)d((?::[a-z]+=[a-z0-9-]+)*)")
+_OPTIONS = {"threshold": int, "policy": str, "routers": int}
 _COLOCATED = re.compile(r"colocated:(\d+)")
 
 
@@ -27,15 +35,26 @@ class StackSpec:
     num_decode: int
     colocated: bool = False
     threshold: int | None = None
+    policy: str | None = None  # None: the routers' default
+    routers: int = 1
 
 
 def parse_stack(text: str) -> StackSpec:
-    """``disagg:1p1d``, ``disagg:1p2d:threshold=0`` or ``colocated:2``."""
+    """``disagg:1p1d``, ``disagg:1p2d:threshold=0``, ``disagg:2p2d:policy=kv:routers=2`` or
+    ``colocated:2``."""
     if m := _DISAGG.fullmatch(text):
         p, d = int(m[1]), int(m[2])
         if p < 1 or d < 1:
             raise ValueError(f"{text}: a disaggregated stack needs >= 1 prefill and decode worker")
-        return StackSpec(text, p, d, threshold=int(m[3]) if m[3] is not None else None)
+        options: dict = {}
+        for item in filter(None, m[3].split(":")):
+            key, _, value = item.partition("=")
+            if key not in _OPTIONS:
+                raise ValueError(f"{text}: unknown option {key!r}; one of {', '.join(_OPTIONS)}")
+            options[key] = _OPTIONS[key](value)
+        if options.get("policy", "kv") not in POLICIES:
+            raise ValueError(f"{text}: unknown policy; one of {', '.join(POLICIES)}")
+        return StackSpec(text, p, d, **options)
     if m := _COLOCATED.fullmatch(text):
         if int(m[1]) < 1:
             raise ValueError(f"{text}: needs >= 1 worker")
@@ -54,20 +73,21 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     config = StackConfig(num_prefill=spec.num_prefill, num_decode=spec.num_decode, **common)
     if spec.threshold is not None:
         config = replace(config, decode_only_threshold=spec.threshold)
-    return config
+    return replace(config, router_policy=spec.policy or "", num_routers=spec.routers)
 
 
 @contextlib.contextmanager
 def running_stack(
     spec: StackSpec, model_dir: str, run_dir: Path, **overrides
-) -> Iterator[Endpoint]:
-    """Start the stack of ``spec`` (logs under ``run_dir``), yield its endpoint, stop it."""
+) -> Iterator[tuple[Endpoint, Stack]]:
+    """Start the stack of ``spec`` (logs under ``run_dir``), yield its endpoint and the
+    stack, stop it."""
     from services.launcher import Stack
 
     config = stack_config(spec, model_dir, str(run_dir), **overrides)
     stack = Stack(config)
     try:
         stack.start()
-        yield Endpoint(spec.name, stack.url + "/v1")
+        yield Endpoint(spec.name, stack.url + "/v1"), stack
     finally:
         stack.stop()
