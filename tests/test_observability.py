@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -347,3 +348,35 @@ def test_every_dashboard_query_parses_as_a_recording_rule(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {n} rules found" in proc.stdout
+
+
+def test_spans_are_exported_over_otlp():
+    """A real OTLP/gRPC exchange with an in-process collector (what production points
+    ``--otlp-endpoint`` at)."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - generated name
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        handle = tracing.setup_tracing("gateway", otlp_endpoint=f"http://127.0.0.1:{port}")
+        with tracing.span("work", attributes={tracing.REQUEST_ID_ATTR: "req-7"}):
+            pass
+        handle.shutdown()  # flushes the batch processor
+    finally:
+        server.stop(None)
+    resources = [rs for req in received for rs in req.resource_spans]
+    spans = [s for rs in resources for ss in rs.scope_spans for s in ss.spans]
+    assert [s.name for s in spans] == ["work"]
+    attrs = {a.key: a.value.string_value for a in spans[0].attributes}
+    assert attrs[tracing.REQUEST_ID_ATTR] == "req-7"
+    service = {a.key: a.value.string_value for a in resources[0].resource.attributes}
+    assert service["service.name"] == "tandem-gateway"
