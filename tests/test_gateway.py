@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.bundled import DEFAULT_DIR
 from engine.tokenizer import Tokenizer
@@ -30,6 +28,7 @@ from services.gateway.keys import ApiKey, hash_key, tenant_of_hash
 from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.server import create_app
+from tests.app_server import serving
 
 MODEL = "smol"
 KEY, TENANT = "sk-test-key", "acme"
@@ -131,22 +130,10 @@ def tok() -> Tokenizer:
 @pytest.fixture(scope="module")
 def gateway(tok: Tokenizer) -> Iterator[Gateway]:
     fake = FakeBackend(tok)
-    app = create_app(CONFIG, fake, tok)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with openai_client(url) as client:
-        yield Gateway(url, fake, client)
-    server.should_exit = True
-    thread.join(10)
+    with serving(create_app(CONFIG, fake, tok)) as port:
+        url = f"http://127.0.0.1:{port}"
+        with openai_client(url) as client:
+            yield Gateway(url, fake, client)
 
 
 @pytest.fixture

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from engine.bundled import DEFAULT_DIR
 from engine.sampling_params import SamplingParams
@@ -24,6 +22,7 @@ from services.gateway.grpc_backend import GrpcBackend
 from services.gateway.keys import ApiKey, KeyRing, TenantLimits, hash_key, load_keys_file
 from services.gateway.limits import Limits, _duration
 from services.gateway.server import create_app
+from tests.app_server import serving
 from tests.test_gateway import MODEL, FakeBackend
 from tests.test_gateway_grpc import make_request, router  # noqa: F401 - fixture
 
@@ -173,17 +172,8 @@ CONFIG = GatewayConfig(
 def app_url() -> Iterator[tuple[str, FakeBackend]]:
     tok = Tokenizer(DEFAULT_DIR)
     fake = FakeBackend(tok)
-    app = create_app(CONFIG, fake, tok)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", fake
-    server.should_exit = True
-    thread.join(10)
+    with serving(create_app(CONFIG, fake, tok)) as port:
+        yield f"http://127.0.0.1:{port}", fake
 
 
 def post(url: str, body: dict, key: str = KEY) -> httpx.Response:

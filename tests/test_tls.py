@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,7 +13,6 @@ import aetcd
 import grpc
 import httpx
 import pytest
-import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.bundled import DEFAULT_DIR
@@ -27,6 +24,7 @@ from services.common.grpc_server import start_server
 from services.common.security import EtcdSecurity, Security
 from services.common.tls import TLSFiles, channel
 from services.gateway.server import create_app
+from tests.app_server import serving
 from tests.test_gateway import CONFIG, KEY, FakeBackend
 from tests.tls_certs import TestCA
 
@@ -82,18 +80,8 @@ def https_gateway(pki) -> Iterator[str]:
     tok = Tokenizer(DEFAULT_DIR)
     app = create_app(CONFIG, FakeBackend(tok), tok)
     s = pki["server"]
-    cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                         ssl_certfile=s.cert, ssl_keyfile=s.key)  # fmt: skip
-    server = uvicorn.Server(cfg)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    yield f"127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
+    with serving(app, ssl_certfile=s.cert, ssl_keyfile=s.key) as port:
+        yield f"127.0.0.1:{port}"
 
 
 def test_gateway_serves_https_only(pki, https_gateway):
