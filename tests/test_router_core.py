@@ -127,6 +127,26 @@ async def test_no_retry_after_the_first_token():
     assert len(seen) == 1 and clients.calls == [("decode", "d0")]
 
 
+async def test_prefilled_request_moves_to_another_decode_worker_before_its_tokens():
+    """A decode worker that fails before sending a token (killed, still in the member view)
+    does not fail a prefilled request: the client has only the first token, from prefill, so
+    another decode worker continues from the same KV, released once at the end."""
+    d = Directory([member("p0", "prefill"), member("d0", "decode"),
+                   member("d1", "decode", queue=1)])  # fmt: skip
+    clients = Clients(down={"d0"})
+    core = RouterCore(d, clients)
+    events = await collect(core, job(300))
+    assert [e.token_ids for e in events] == [[7], [8], [9]]
+    assert clients.calls == [("prefill", "p0"), ("decode", "d0"), ("decode", "d1")]
+    await asyncio.sleep(0)
+    assert clients.released == ["r1"] and core.stats.retries == 1
+
+    clients = Clients(down={"d0", "d1"})  # moved once; then the failure reaches the client
+    with pytest.raises(Unavailable):
+        await collect(RouterCore(d, clients), job(300))
+    assert clients.calls == [("prefill", "p0"), ("decode", "d0"), ("decode", "d1")]
+
+
 async def test_no_decode_workers_is_unavailable_and_no_prefill_falls_back():
     with pytest.raises(Unavailable, match="no live decode workers"):
         await collect(RouterCore(Directory([member("p0", "prefill")]), Clients()), job(300))

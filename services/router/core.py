@@ -190,13 +190,28 @@ class RouterCore:
         with KVTransferFailed (its policy "retry"), prefill again on another prefill worker and
         decode from that KV; the first token, already streamed, and its generator state stay."""
         job = call.job
+        moved = False  # already moved to another decode worker once
         while True:
             handle = call.handle
             assert handle is not None
+            keep = False  # the next attempt decodes from this same KV
+            sent = 0
             try:
                 async for ev in self._decode(decode, call, failed, started):
+                    sent += 1
                     yield ev
                 return
+            except RETRYABLE as e:
+                # The decode worker failed (dead, not yet out of the member view, or full)
+                # before sending a token: the client has only the first token, so another
+                # decode worker continues from the same KV, which prefill still holds.
+                plan = None if sent or moved else self.chooser.plan(job.route, failed)
+                if plan is None:
+                    raise
+                decode, moved, keep = plan.decode, True, True
+                self.stats.retries += 1
+                log.warning("request %s: %s; decoding on %s instead", job.request_id, e,
+                            decode.worker_id)  # fmt: skip
             except KVTransferFailed as e:
                 failed.add(prefill.worker_id)
                 prefill = self.chooser.pick_prefill(job.route, failed)
@@ -214,7 +229,8 @@ class RouterCore:
             finally:
                 # Free the prefill side's blocks now if decode never took them (cancel,
                 # failure). Harmless after a successful transfer: the release finds nothing.
-                asyncio.ensure_future(self.clients.release(handle, job.request_id))
+                if not keep:
+                    asyncio.ensure_future(self.clients.release(handle, job.request_id))
 
     async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
         self.inflight[worker.worker_id] += 1
