@@ -118,6 +118,19 @@ def pools() -> Dashboard:
                       "{{worker}}"),)),
     )  # fmt: skip
     d.row(
+        "Admission",
+        Panel("Admitted tokens", "Tokens of the requests admitted and running, and the "
+              "admission bound (0: none), per gateway and worker.", "short",
+              (Target(f"sum by ({ENGINE_BY}) (tandem_admission_pending_tokens{{{sel()}}})",
+                      "{{worker}} admitted"),
+               Target(f"sum by ({ENGINE_BY}) (tandem_admission_limit_tokens{{{sel()}}})",
+                      "{{worker}} bound"))),
+        Panel("Refused at admission", "Requests refused at the bound (429 at the gateway, "
+              "RESOURCE_EXHAUSTED from workers) per second, by component and priority.", "ops",
+              (Target(f"sum by (component, priority) ({rate('tandem_admission_refused_total')})",
+                      "{{component}} {{priority}}"),)),
+    )  # fmt: skip
+    d.row(
         "Batches and steps",
         Panel("Mean batch size (sequences)", "Sequences per engine step, by worker and phase "
               "(prefill: the step computed prompt tokens).", "short",

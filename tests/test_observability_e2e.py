@@ -45,8 +45,14 @@ WORKER = {
     "tandem_engine_queue_time_seconds": "histogram",
 }
 GRPC = {"tandem_grpc_server_handling_seconds": "histogram", "tandem_etcd_errors": "counter"}
+ADMISSION = {
+    "tandem_admission_pending_tokens": "gauge",
+    "tandem_admission_limit_tokens": "gauge",
+    "tandem_admission_refused": "counter",
+}
 EXPECTED = {
     "gateway": {
+        **ADMISSION,
         "tandem_gateway_requests": "counter",
         "tandem_gateway_requests_in_flight": "gauge",
         "tandem_gateway_time_to_first_token_seconds": "histogram",
@@ -64,10 +70,11 @@ EXPECTED = {
         "tandem_router_retries": "counter",
         "tandem_router_members": "gauge",
     },
-    "prefill-0": {**GRPC, **WORKER},
+    "prefill-0": {**GRPC, **WORKER, **ADMISSION},
     "decode-0": {
         **GRPC,
         **WORKER,
+        **ADMISSION,
         "tandem_kv_transfers": "counter",
         "tandem_kv_transfer_blocks": "counter",
         "tandem_kv_transfer_bytes": "counter",

@@ -23,7 +23,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from libkv.etcd_follow import ERRORS
@@ -186,3 +186,32 @@ class KVTransferMetrics:
 
     def failed(self, transport: str) -> None:
         self.failures.labels(transport).inc()
+
+
+class AdmissionCollector(Collector):
+    """A `services.common.admission.TokenLedger` at scrape time: tokens admitted and in flight,
+    the bound (0: none) and requests refused (429 / RESOURCE_EXHAUSTED) by priority."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        led = self.ledger
+        yield GaugeMetricFamily(
+            "tandem_admission_pending_tokens",
+            "Tokens (prompt + max_tokens; prefill: prompt) of the requests admitted and running.",
+            value=led.pending_tokens,
+        )
+        yield GaugeMetricFamily(
+            "tandem_admission_limit_tokens",
+            "The admission bound in tokens (0: unbounded).",
+            value=led.max_tokens,
+        )
+        refused = CounterMetricFamily(
+            "tandem_admission_refused",
+            "Requests refused at the admission bound, by priority.",
+            labels=["priority"],
+        )
+        for priority, n in sorted(dict.copy(led.refused).items()):
+            refused.add_metric([priority], n)
+        yield refused

@@ -14,7 +14,7 @@ from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
 from services.common.kv_observe import ObservedTransport
 from services.common.kv_setup import decode_side
-from services.common.metrics import KVTransferMetrics
+from services.common.metrics import AdmissionCollector, KVTransferMetrics
 from services.common.observability import Observability
 from services.common.security import apply as apply_security
 from services.common.worker import (
@@ -72,6 +72,7 @@ async def serve(argv: list[str] | None = None) -> None:
             name=f"decode worker {config.worker_id}",
         ),
     )
+    obs.metrics.register(AdmissionCollector(core.ledger))
     server = await start_server(
         [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],
         ["tandem.v1.Decode"],

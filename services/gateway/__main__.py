@@ -24,6 +24,7 @@ import uvicorn
 
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
+from services.common.metrics import AdmissionCollector
 from services.common.obs_config import add_observability_flags, observability_config
 from services.common.observability import Observability
 from services.common.tracing import install_log_context
@@ -139,6 +140,7 @@ async def serve(config: GatewayConfig) -> None:
         obs.metrics.registry, config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000
     )
     app = create_app(config, backend, tokenizer, lifespan=lifespan, metrics=metrics)
+    obs.metrics.register(AdmissionCollector(app.state.limits.ledger))
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -13,6 +13,7 @@ from services.common.admission import TokenLedger
 from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
 from services.common.kv_setup import prefill_side
+from services.common.metrics import AdmissionCollector
 from services.common.observability import Observability
 from services.common.security import apply as apply_security
 from services.common.worker import (
@@ -53,6 +54,7 @@ async def serve(argv: list[str] | None = None) -> None:
         name=f"prefill worker {config.worker_id}",
     )
     core = PrefillCore(engine, config.worker_id, incarnation, config.lease_seconds, ledger)
+    obs.metrics.register(AdmissionCollector(ledger))
     server = await start_server(
         [
             (worker_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(core)),
