@@ -1,0 +1,47 @@
+# syntax=docker/dockerfile:1
+# The image every Tandem pod runs (helm/tandem): CUDA 12.8 runtime, Python, the CUDA build of
+# PyTorch, NIXL with its bundled UCX (nixl-cu12, plus the verbs libraries UCX needs for RDMA),
+# and this package. The entrypoint is the `tandem` command; the chart passes the service:
+#   tandem gateway|router|prefill|decode FLAGS    (flags fall back to TANDEM_* variables)
+#
+#   docker build -t ghcr.io/tandem-serving/tandem:0.1.0 .
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \
+#     --build-arg CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04 ...   # CUDA 13 hosts
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM ${CUDA_IMAGE}
+
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      python3 python3-venv ca-certificates \
+      libibverbs1 ibverbs-providers librdmacm1 libnuma1 \
+ && rm -rf /var/lib/apt/lists/*
+
+ENV VIRTUAL_ENV=/opt/tandem \
+    PATH=/opt/tandem/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv "$VIRTUAL_ENV"
+
+# PyTorch first, from the CUDA index: installed after the package, pip would pick whatever build
+# PyPI's default wheel is. Triton comes with it.
+ARG TORCH_VERSION=2.11.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+
+# The package (engine, kernels, libkv, services and the generated tandem.v1 API), not editable.
+COPY . /src
+RUN pip install /src && rm -rf /src
+
+# Unprivileged at run time; the model volume is mounted read-only, /dev/shm is an emptyDir.
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin tandem
+USER 1000:1000
+WORKDIR /home/tandem
+
+# gateway 8000 (HTTP), router 50051, prefill 50061, decode 50071 (gRPC), metrics 9400.
+EXPOSE 8000 50051 50061 50071 9400
+# SIGTERM (what Kubernetes sends) drains each service; see helm/tandem/README.md.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["tandem"]
+CMD ["--help"]

@@ -1,0 +1,66 @@
+"""The Dockerfile the chart's image is built from (not built here: no Docker daemon in CI):
+its entrypoint is the `tandem` command, every service the chart starts is a subcommand of it,
+the build context keeps what `pip install` needs, and the exposed ports are the chart's."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+
+import pytest
+import yaml
+
+from services.cli import SERVICES, main
+from tests.helm_render import CHART, ROOT, find_helm, render, workloads
+
+
+def instructions(name: str) -> list[str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return [m.group(1) for m in re.finditer(rf"^{name}\s+(.+)$", text, re.MULTILINE)]
+
+
+def test_entrypoint_is_the_tandem_command() -> None:
+    (entrypoint,) = instructions("ENTRYPOINT")
+    assert json.loads(entrypoint) == ["tandem"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["tandem"] == "services.cli:main"
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_entrypoint_exists(service, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([service, "--help"])
+    assert exit_info.value.code == 0
+    assert "--model-dir" in capsys.readouterr().out  # the service's own parser answered
+
+
+def test_chart_containers_run_tandem_subcommands() -> None:
+    docs = render(find_helm(), "disagg-xpyd")
+    started = {c["args"][0] for _, c in workloads(docs)}
+    assert started == set(SERVICES)
+    for _, container in workloads(docs):
+        assert "command" not in container  # the image's ENTRYPOINT runs
+        assert container["image"].startswith("ghcr.io/tandem-serving/tandem:")
+
+
+def test_build_context_keeps_the_package() -> None:
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    needed = {p.rstrip("*").split(".")[0] for p in packages} | {"proto", "pyproject.toml"}
+    needed.discard("tandem")  # generated API package, lives under proto/
+    needed.add(config["project"]["readme"])
+    assert needed & ignored == set()
+
+
+def test_exposed_ports_are_the_charts() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    ports = {values[c]["port"] for c in ("gateway", "router", "prefill", "decode")}
+    ports.add(values["metrics"]["port"])
+    exposed = {int(p) for line in instructions("EXPOSE") for p in line.split()}
+    assert exposed == ports
