@@ -18,6 +18,7 @@ import yaml
 from tests.helm_render import (
     CHART,
     FIELD_VALUES,
+    SECRET_VALUE,
     SERVICES,
     TOPOLOGIES,
     Manifest,
@@ -46,7 +47,25 @@ VARIANTS = {
             "metrics.enabled=false",
         ),
     ),
+    "secured": (
+        None,
+        (
+            "tls.enabled=true",
+            "tls.secretName=tandem-mtls",
+            "etcd.tls.secretName=etcd-tls",
+            "etcd.auth.user=tandem",
+            "etcd.auth.passwordSecret=etcd-password",
+            f"apiKeys.entries[0].sha256={'ab' * 32}",
+            "apiKeys.entries[0].tenant=acme",
+            "apiKeys.entries[0].tokens_per_window=100000",
+            "gateway.httpsSecretName=gateway-https",
+            "router.policy=session",
+        ),
+    ),
+    "existing-keys-secret": (None, ("apiKeys.existingSecret=my-keys", "apiKeys.secretKey=t.json")),
 }
+SECRET_DIR = "/etc/tandem/"
+SAMPLE_KEYS_FILE = json.dumps({"keys": [{"sha256": "cd" * 32, "tenant": "ops"}]})
 # The shape of Llama-3.1-8B (no weights): the gateway reads the context length from it.
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -83,6 +102,33 @@ def parse(service: str, argv: list[str], env: RecordingEnv, monkeypatch) -> Any:
             pytest.fail(f"{service} rejected the chart's args {argv} / env {dict(env)}: exit {e}")
 
 
+def secret_file(docs: list[Manifest], pod: Manifest, container: Manifest, path: str) -> str:
+    """The content ``path`` will have in the container: it must be mounted from a Secret that
+    has the file (chart-made Secrets give their content, others a stand-in)."""
+    (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    name = path.removeprefix(mount["mountPath"] + "/")
+    items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+    key = items.get(name, name)
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in by_kind(docs, "Secret")}
+    made = secrets.get(volume["secret"]["secretName"])
+    if made is not None:
+        assert key in made, f"{path}: Secret {volume['secret']['secretName']} has no {key}"
+        return made[key]
+    return SAMPLE_KEYS_FILE if name.endswith(".json") else "-----BEGIN STAND-IN-----\n"
+
+
+def files_stand_in(tmp_path: Path, docs, workload, container, env: dict[str, str]) -> None:
+    """Point every TANDEM_* file path of ``env`` at a local copy of what the pod would mount."""
+    pod = workload["spec"]["template"]["spec"]
+    for name, value in env.items():
+        if value.startswith(SECRET_DIR):
+            local = tmp_path / component(workload) / value.removeprefix(SECRET_DIR)
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(secret_file(docs, pod, container, value))
+            env[name] = str(local)
+
+
 def model_stand_in(tmp_path: Path, docs: list[Manifest], env: dict[str, str]) -> str:
     """A folder with the served model's config.json in place of the chart's model volume."""
     folder = tmp_path / Path(env["TANDEM_MODEL_DIR"]).name
@@ -103,6 +149,7 @@ def test_every_flag_and_env_var_is_accepted(variant, rendered, tmp_path, monkeyp
         chart_model_dir = env["TANDEM_MODEL_DIR"]
         if role == "gateway":
             env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
+        files_stand_in(tmp_path, docs, workload, container, env)
         recorded = RecordingEnv(env)
         config = parse(role, args[1:], recorded, monkeypatch)
         tandem_vars = {k for k in env if k.startswith("TANDEM_")}
@@ -156,3 +203,29 @@ def test_api_keys_come_from_the_secret(rendered, monkeypatch, tmp_path) -> None:
     config = parse("gateway", gateway["args"][1:], RecordingEnv(env), monkeypatch)
     assert len(config.api_keys) == 2 and "team" in {k.tenant for k in config.api_keys}
     assert config.max_model_len == 8192
+
+
+def test_security_settings_reach_every_service(rendered, tmp_path, monkeypatch) -> None:
+    docs = rendered["secured"]
+    for workload, container in workloads(docs):
+        role = component(workload)
+        env = container_env(docs, container)
+        if role == "gateway":
+            env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
+        files_stand_in(tmp_path, docs, workload, container, env)
+        config = parse(role, container["args"][1:], RecordingEnv(env), monkeypatch)
+        tls = config.tls if role == "gateway" else config.security.tls
+        assert tls is not None and tls.server_name == "tandem.internal"
+        probes = [container[p] for p in ("readinessProbe", "livenessProbe")]
+        if role == "gateway":
+            assert config.ssl_certfile.endswith("tls.crt") and config.ssl_keyfile
+            (key,) = config.api_keys
+            assert key.sha256 == "ab" * 32 and key.tenant == "acme"
+            assert probes[0]["httpGet"]["scheme"] == "HTTPS"
+        else:
+            etcd = config.security.etcd
+            assert etcd.ca and etcd.cert and etcd.key and etcd.user == "tandem"
+            assert etcd.password == SECRET_VALUE
+            assert all("tcpSocket" in p for p in probes)  # kubelet gRPC probes speak no TLS
+        if role == "router":
+            assert config.policy == "session"

@@ -161,13 +161,6 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{- define "tandem.apiKeysSecret" -}}
-{{- default (printf "%s-api-keys" (include "tandem.fullname" .)) .Values.apiKeys.existingSecret }}
-{{- end }}
-
-{{- define "tandem.apiKeysEnabled" -}}
-{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys }}true{{- end }}
-{{- end }}
 
 {{/* A PodDisruptionBudget: (dict "ctx" $ "component" "router" "pdb" .Values.router.pdb). */}}
 {{- define "tandem.pdb" -}}
@@ -186,4 +179,102 @@ spec:
     matchLabels:
       {{- include "tandem.selectorLabels" . | nindent 6 }}
 {{- end }}
+{{- end }}
+
+{{/* Where Secrets are mounted; the ConfigMaps point the services' TANDEM_* file flags here. */}}
+{{- define "tandem.tlsDir" -}}/etc/tandem/tls{{- end }}
+{{- define "tandem.etcdTlsDir" -}}/etc/tandem/etcd-tls{{- end }}
+{{- define "tandem.apiKeysDir" -}}/etc/tandem/api-keys{{- end }}
+{{- define "tandem.httpsDir" -}}/etc/tandem/https{{- end }}
+
+{{- define "tandem.apiKeysFileEnabled" -}}
+{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.entries }}true{{- end }}
+{{- end }}
+
+{{/* Secret-backed volumes of a component: (dict "ctx" $ "component" "gateway"). */}}
+{{- define "tandem.secretVolumes" -}}
+{{- $v := .ctx.Values }}
+{{- if $v.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled" $v.tls.secretName }}
+{{- end }}
+{{- if and $v.etcd.tls.secretName (ne .component "gateway") }}
+- name: etcd-tls
+  secret:
+    secretName: {{ $v.etcd.tls.secretName }}
+{{- end }}
+{{- if and (eq .component "gateway") (include "tandem.apiKeysFileEnabled" .ctx) }}
+- name: api-keys
+  secret:
+    secretName: {{ default (printf "%s-api-keys" (include "tandem.fullname" .ctx)) $v.apiKeys.existingSecret }}
+    items:
+      - key: {{ ternary $v.apiKeys.secretKey "keys.json" (not (empty $v.apiKeys.existingSecret)) }}
+        path: keys.json
+{{- end }}
+{{- if and (eq .component "gateway") $v.gateway.httpsSecretName }}
+- name: https
+  secret:
+    secretName: {{ $v.gateway.httpsSecretName }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.secretMounts" -}}
+{{- $v := .ctx.Values }}
+{{- if $v.tls.enabled }}
+- {name: tls, mountPath: {{ include "tandem.tlsDir" . }}, readOnly: true}
+{{- end }}
+{{- if and $v.etcd.tls.secretName (ne .component "gateway") }}
+- {name: etcd-tls, mountPath: {{ include "tandem.etcdTlsDir" . }}, readOnly: true}
+{{- end }}
+{{- if and (eq .component "gateway") (include "tandem.apiKeysFileEnabled" .ctx) }}
+- {name: api-keys, mountPath: {{ include "tandem.apiKeysDir" . }}, readOnly: true}
+{{- end }}
+{{- if and (eq .component "gateway") $v.gateway.httpsSecretName }}
+- {name: https, mountPath: {{ include "tandem.httpsDir" . }}, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{/* The etcd password of router and workers (etcd authentication). */}}
+{{- define "tandem.etcdPasswordEnv" -}}
+{{- with .Values.etcd.auth.passwordSecret }}
+- name: TANDEM_ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ . }}, key: password}
+{{- end }}
+{{- end }}
+
+{{/*
+Readiness, liveness and startup probes of a gRPC service: (dict "ctx" $ "port" 50051
+"startupFailures" 90 "startupPeriod" 2). grpc.health.v1 "" is NOT_SERVING while draining,
+"liveness" stays SERVING until exit. Kubelet gRPC probes speak no TLS: with tls.enabled they
+are TCP probes.
+*/}}
+{{- define "tandem.grpcProbes" -}}
+{{- $tls := .ctx.Values.tls.enabled }}
+readinessProbe:
+  {{- if $tls }}
+  tcpSocket: {port: {{ .port }}}
+  {{- else }}
+  grpc: {port: {{ .port }}, service: ""}
+  {{- end }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  {{- if $tls }}
+  tcpSocket: {port: {{ .port }}}
+  {{- else }}
+  grpc: {port: {{ .port }}, service: liveness}
+  {{- end }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+startupProbe:
+  {{- if $tls }}
+  tcpSocket: {port: {{ .port }}}
+  {{- else }}
+  grpc: {port: {{ .port }}, service: liveness}
+  {{- end }}
+  periodSeconds: {{ .startupPeriod }}
+  failureThreshold: {{ .startupFailures }}
 {{- end }}
