@@ -49,6 +49,7 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     policy: str = "kv"  # see services.router.policy.POLICIES
     kv_load_weight: float = 0.5  # kv policy: prompt blocks one queued/running request weighs
+    drain_timeout: float = 30.0  # on SIGTERM: most seconds streams in flight get to finish
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
 
@@ -85,6 +86,13 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         default=float(env("TANDEM_ROUTER_KV_LOAD_WEIGHT", "0.5")),
         help="kv policy: cost of one queued or running request, in prompt blocks per block",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
+        help="on SIGTERM: most seconds streams in flight get to finish (new calls are refused "
+        "at once, so clients reconnect to another router)",
+    )
     add_observability_flags(p)
     add_security_flags(p)
     a = p.parse_args(argv)
@@ -109,6 +117,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         api_keys=frozenset(hashlib.sha256(k.split(":", 1)[0].encode()).hexdigest() for k in keys),
         policy=a.policy,
         kv_load_weight=a.kv_load_weight,
+        drain_timeout=a.drain_timeout,
         observability=observability_config(a),
         security=security,
     )
@@ -148,7 +157,8 @@ async def serve(argv: list[str] | None = None) -> None:
     async def cleanup() -> None:
         await server.set_serving(False)
         await reg.stop()
-        await server.stop(grace=5)
+        # GOAWAY: new calls go to another router; streams in flight run to the end (or timeout).
+        await server.stop(grace=config.drain_timeout)
         await core.close()
         await clients.close()
         await watcher.stop()
