@@ -121,6 +121,7 @@ def test_schema_rejects_bad_values(helm, setting) -> None:
     "setting, message",
     [
         ("decode.terminationGracePeriodSeconds=60", "must exceed decode.drainTimeoutSeconds"),
+        ("router.terminationGracePeriodSeconds=60", "must exceed router.preStopSleepSeconds"),
         ("etcd.enabled=false", "etcd.externalEndpoints is required"),
         ("model.source=image", "model.image.repository is required"),
     ],
