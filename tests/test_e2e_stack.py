@@ -10,16 +10,15 @@ import concurrent.futures
 import json
 import time
 
-import grpc
 import httpx
 import openai
 import pytest
-from tandem.v1 import common_pb2, worker_pb2_grpc
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from libkv.etcd_server import free_port
 from libkv.nixl_agent import nixl_available
 from services.launcher import Stack, StackConfig
+from tests.stack_probe import worker_stats
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG = " ".join(
@@ -74,24 +73,6 @@ def offline_greedy(engine: LLMEngine, prompt: list[int], max_tokens: int):
             if out.finished:
                 final = out
     return final
-
-
-def worker_stats(stack: Stack) -> dict[str, common_pb2.WorkerStats]:
-    async def query():
-        out = {}
-        for name, child in stack.children.items():
-            if not name.startswith(("prefill", "decode")) or child.proc.poll() is not None:
-                continue
-            async with grpc.aio.insecure_channel(child.address) as ch:
-                stub = (
-                    worker_pb2_grpc.PrefillStub(ch)
-                    if name.startswith("prefill")
-                    else worker_pb2_grpc.DecodeStub(ch)
-                )
-                out[name] = await stub.Stats(common_pb2.StatsRequest(), timeout=5)
-        return out
-
-    return asyncio.run(query())
 
 
 def assert_all_free(stack: Stack, within: float = 1.0) -> None:
