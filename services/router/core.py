@@ -169,6 +169,12 @@ class RouterCore:
         if plan is None:
             raise NoWorker("no live decode workers")
         self.stats.decisions[(self.policy.name, plan.reason)] += 1
+        log.info(
+            "request %s (%d tokens): %s -> prefill %s, decode %s (%d blocks cached)",
+            job.request_id, len(job.prompt), plan.reason,
+            plan.prefill.worker_id if plan.prefill else "-", plan.decode.worker_id,
+            plan.cached_blocks,
+        )  # fmt: skip
         decode, prefill = plan.decode, plan.prefill
         if prefill is None:
             async for ev in self._decode(decode, DecodeCall(job), failed, started):
