@@ -159,6 +159,15 @@ def test_worker_pods_get_gpus_rdma_shm_and_drain_time(rendered) -> None:
     assert "capabilities" not in spec["containers"][0]["securityContext"]  # no RDMA: no IPC_LOCK
 
 
+def test_gateway_metrics_stay_off_the_api_service(rendered) -> None:
+    services = {d["metadata"]["name"]: d for d in by_kind(rendered["disagg-xpyd"], "Service")}
+    api = services["tandem-gateway"]
+    assert [p["name"] for p in api["spec"]["ports"]] == ["http"]
+    metrics = services["tandem-gateway-metrics"]
+    assert metrics["spec"]["clusterIP"] == "None"
+    assert [p["name"] for p in metrics["spec"]["ports"]] == ["metrics"]
+
+
 def test_colocated_has_no_prefill_pool(rendered) -> None:
     names = {d["metadata"]["name"] for d in rendered["colocated"]}
     assert not any(n.endswith("-prefill") for n in names)
