@@ -71,8 +71,10 @@ def check_crd_object(doc: Manifest) -> None:
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 @pytest.mark.parametrize("topology", VARIANTS)
-def test_manifests_validate_strictly(helm, topology, version) -> None:
-    docs = render(helm, topology, kube_version=version)
+def test_manifests_validate_strictly(rendered, topology, version) -> None:
+    # The templates do not branch on the Kubernetes version: one rendering serves every
+    # version (test_kube_version_constraint checks helm accepts each of them).
+    docs = rendered[topology]
     kinds = set()
     for doc in docs:
         kinds.add(doc["kind"])
@@ -81,6 +83,13 @@ def test_manifests_validate_strictly(helm, topology, version) -> None:
             continue
         kubernetes_validate.validate(doc, version, strict=True)
     assert {"Deployment", "Service", "ConfigMap", "StatefulSet", "PodDisruptionBudget"} <= kinds
+
+
+def test_kube_version_constraint(helm) -> None:
+    for version in (KUBE_VERSIONS[0], KUBE_VERSIONS[-1]):
+        assert render(helm, kube_version=version)
+    proc = run_helm(helm, *template_args(kube_version="1.28.0"))
+    assert proc.returncode != 0 and "kubeVersion" in proc.stderr
 
 
 def test_validation_is_strict(rendered) -> None:
