@@ -133,6 +133,7 @@ def test_schema_rejects_bad_values(helm, setting) -> None:
         ("router.terminationGracePeriodSeconds=60", "must exceed router.preStopSleepSeconds"),
         ("etcd.enabled=false", "etcd.externalEndpoints is required"),
         ("model.source=image", "model.image.repository is required"),
+        ("tls.enabled=true", "tls.enabled needs tls.secretName or tls.cert"),
     ],
 )
 def test_render_time_checks(helm, setting, message) -> None:
@@ -175,6 +176,18 @@ def test_gateway_metrics_stay_off_the_api_service(rendered) -> None:
     metrics = services["tandem-gateway-metrics"]
     assert metrics["spec"]["clusterIP"] == "None"
     assert [p["name"] for p in metrics["spec"]["ports"]] == ["metrics"]
+
+
+def test_tls_secret_from_pem_values(helm) -> None:
+    sets = ["tls.enabled=true", "tls.cert=CERT", "tls.key=KEY", "tls.ca=CA"]
+    docs = render(helm, sets=sets, kube_version=KUBE_VERSIONS[-1])
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["type"] == "kubernetes.io/tls"]
+    assert secret["stringData"] == {"tls.crt": "CERT", "tls.key": "KEY", "ca.crt": "CA"}
+    kubernetes_validate.validate(secret, KUBE_VERSIONS[-1], strict=True)
+    for workload, _ in workloads(docs):
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        (tls,) = [v for v in volumes if v["name"] == "tls"]
+        assert tls["secret"]["secretName"] == secret["metadata"]["name"]
 
 
 def test_colocated_has_no_prefill_pool(rendered) -> None:

@@ -197,7 +197,7 @@ spec:
 {{- if $v.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "tls.secretName is required when tls.enabled" $v.tls.secretName }}
+    secretName: {{ default (printf "%s-tls" (include "tandem.fullname" .ctx)) $v.tls.secretName }}
 {{- end }}
 {{- if and $v.etcd.tls.secretName (ne .component "gateway") }}
 - name: etcd-tls
