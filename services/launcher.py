@@ -259,7 +259,11 @@ class Stack:
         self.etcd.close()
 
     def __enter__(self) -> Stack:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # __exit__ is not called then: leave no process behind
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
