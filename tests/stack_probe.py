@@ -55,6 +55,14 @@ def worker_stats(stack: Stack) -> dict[str, common_pb2.WorkerStats]:
     return asyncio.run(query())
 
 
+def wait_running(stack: Stack, name: str, within: float) -> None:
+    """Block until worker ``name`` runs a request, so a fault injected next hits work."""
+    deadline = time.monotonic() + within
+    while worker_stats(stack)[name].running < 1:
+        assert time.monotonic() < deadline, f"{name} never ran a request"
+        time.sleep(0.05)
+
+
 def busy(stats: common_pb2.WorkerStats) -> bool:
     return bool(stats.kv_blocks_used or stats.held_requests or stats.running or stats.queue_length)
 
@@ -218,6 +226,8 @@ class Load:
                 out.result, out.detail = "dropped", repr(e)
             out.seconds = time.monotonic() - out.started
             self.outcomes.append(out)
+            if out.result == "error":  # as a client would, instead of hammering at once
+                await asyncio.sleep(0.25)
 
     async def _send(self, http, out: Outcome, path: str, body: dict, cancel_after) -> None:
         url = self.spec.url + path

@@ -6,7 +6,11 @@ Each test checks what README "Operating" promises: a request on the dead process
 (an HTTP error or an SSE error event, both OpenAI error JSON; a dropped connection only when the
 gateway itself died) or is retried when no token had reached the client; no request hangs past
 the bound; the others finish; no worker leaks a block (Stats: used/held/running == 0 and
-``check_integrity()``); the member view in etcd heals within the member TTL."""
+``check_integrity()``); the member view in etcd heals within the member TTL.
+
+The default run has the decode, gateway and etcd cases (about 2 minutes with the stack start);
+the prefill and router cases are marked ``slow``. A run with ``TANDEM_TEST_REPORT=FILE`` appends
+each fault's outcome counts and heal times to FILE (see ``bench/results/faults_cpu.md``)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from tests.stack_probe import (
     record,
     summary,
     wait_members,
+    wait_running,
     wait_serving,
 )
 
@@ -58,18 +63,19 @@ def mixed_request(rng: random.Random) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
-def stack_config(model_dir, run_dir) -> StackConfig:
-    """One prefill and two decode workers, short member TTL and KV lease; each decode worker
-    holds the whole load alone (one may be dead)."""
+def stack_config(model_dir, run_dir, ttl: int = TTL, refresh: float = 0.5) -> StackConfig:
+    """Two routers, one prefill and two decode workers, short member TTL and KV lease; each
+    decode worker holds the whole load alone (one may be dead)."""
     return StackConfig(
         model_dir=str(model_dir),
         run_dir=str(run_dir),
         port=free_port(),
         num_prefill=1,
         num_decode=2,
+        num_routers=2,
         kv_cache_bytes=128 * 1024**2,
-        member_ttl=TTL,
-        member_refresh=0.5,
+        member_ttl=ttl,
+        member_refresh=refresh,
         lease_seconds=LEASE,
     )
 
@@ -115,6 +121,7 @@ def serves_after(stack: Stack, seed: int) -> None:
 def test_decode_worker_killed(stack):
     with load(spec(stack, seed=1)) as running:
         running.wait_for(3, 120)
+        wait_running(stack, "decode-1", 30)
         stack.kill("decode-1")
         killed_at = time.monotonic()
         took = heal_time(stack, "decode-1", "decode")
@@ -128,8 +135,7 @@ def test_decode_worker_killed(stack):
     record("decode_killed", results=summary(running.outcomes), heal_s=round(took, 2))
     assert took <= TTL + 2, f"decode-1 left the member view after {took:.1f} s"
     assert_no_leaks(stack, within=LEASE + 3)  # prefill blocks meant for decode-1 included
-    restart_and_rejoin(stack, "decode-1", "decode")
-    serves_after(stack, seed=2)
+    restart_and_rejoin(stack, "decode-1", "decode")  # the next test's load runs through it
     assert_no_leaks(stack)
 
 
@@ -174,6 +180,7 @@ def test_etcd_killed_and_restarted(stack):
 def test_prefill_worker_killed(stack):
     with load(spec(stack, seed=6)) as running:
         running.wait_for(3, 120)
+        wait_running(stack, "prefill-0", 30)
         stack.kill("prefill-0")
         took = heal_time(stack, "prefill-0", "prefill")
         ok_before = summary(running.outcomes).get("ok", 0)
@@ -192,27 +199,22 @@ def test_prefill_worker_killed(stack):
 
 @pytest.mark.slow  # the default run keeps decode, gateway and etcd faults (~2 min)
 def test_router_killed(stack):
+    """Two routers; one dies mid-load. Its streams end in an error (or, before any token, the
+    gateway retries them on the other router); requests after the kill are all served."""
     routers = sorted(n for n in stack.children if n.startswith("router"))
+    assert len(routers) == 2
     with load(spec(stack, seed=8)) as running:
         running.wait_for(3, 120)
         stack.kill(routers[0], signal.SIGKILL)
         killed_at = time.monotonic()
-        # The worker streams of the dead router are cancelled, held prefill KV times out.
-        assert_no_leaks(stack, within=LEASE + 3)
-        if len(routers) > 1:  # the gateway moves on to the other router
-            ok_before = summary(running.outcomes).get("ok", 0)
-            running.wait_for(ok_before + 3, BOUND)
-        else:
-            time.sleep(1.0)
-    # In flight on the dead router: an error; with a second router, later requests are served.
+        ok_before = summary(running.outcomes).get("ok", 0)
+        running.wait_for(ok_before + 4, BOUND)
     record("router_killed", routers=len(routers), results=summary(running.outcomes))
     assert_accounted(running.outcomes, {"ok", "error"})
-    if len(routers) > 1:
-        late = [o for o in running.outcomes if o.started > killed_at + 1.0]
-        assert late and all(o.result == "ok" for o in late), errors(late)
-    else:  # with one router, requests fail fast while it is down
-        late = [o for o in running.outcomes if o.started > killed_at + 0.5]
-        assert all(o.result == "error" and o.seconds < 5 for o in late), errors(late)
+    late = [o for o in running.outcomes if o.started > killed_at]
+    assert late and all(o.result == "ok" for o in late), errors(late)
+    # Its worker streams were cancelled when it died; prefill KV it held lapses with the lease.
+    assert_no_leaks(stack, within=LEASE + 3)
     before = members(stack).get("router", set())
     stack.restart(routers[0])
     wait_members(stack, lambda v: len(v.get("router", set()) - before) >= 1, within=30)
