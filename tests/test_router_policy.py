@@ -154,3 +154,18 @@ def test_session_is_sticky_and_agreed_and_least_loaded_without_a_key():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="unknown policy"):
         PolicyConfig("random")
+
+
+async def test_router_core_counts_plans_by_policy_and_reason():
+    from engine.sampling_params import SamplingParams
+    from services.router.core import RouteJob, RouterCore
+    from tests.test_router_core import Clients, collect
+
+    index = PrefixIndex()
+    publish(index, STACK[1], PROMPT, 32)
+    clients = Clients()
+    core = RouterCore(Directory(STACK), clients, policy=PolicyConfig("kv"), index=index)
+    await collect(core, RouteJob("r1", PROMPT, SamplingParams(max_tokens=3)))
+    await collect(core, RouteJob("r2", PROMPT[:100], SamplingParams(max_tokens=3)))
+    assert clients.calls == [("prefill", "p1"), ("decode", "d0"), ("decode", "d0")]
+    assert core.stats.decisions == {("kv", "kv-hit"): 1, ("kv", "decode-only"): 1}
