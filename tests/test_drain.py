@@ -14,6 +14,7 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from libkv.etcd_server import EtcdServer, free_port
 from libkv.registry import Member, MemberWatcher, Registration
@@ -134,7 +135,7 @@ def wait_exit(stack: Stack, name: str, timeout: float) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_drains_decode_streams_and_prefill_stops_taking_work(smol_dir, tmp_path) -> None:
+def test_sigterm_drains_decode_streams_and_prefill_hands_off(smol_dir, tmp_path) -> None:
     config = StackConfig(
         model_dir=str(smol_dir),
         run_dir=str(tmp_path),
@@ -170,8 +171,40 @@ def test_sigterm_drains_decode_streams_and_prefill_stops_taking_work(smol_dir, t
         assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
         assert wait_exit(stack, busy, 30) == 0
 
+        asyncio.run(prefill_hands_off_then_exits(stack, client))
+
+
+async def prefill_hands_off_then_exits(stack: Stack, client: openai.OpenAI) -> None:
+    """Prefill a prompt straight on the prefill worker (as a router would) and keep its KV
+    blocks; SIGTERM the worker: it takes no new prefill and no new routed prompt, but stays
+    until its blocks are pulled and released, then exits."""
+    proc = stack.children["prefill-0"].proc
+    assert proc is not None
+    sampling = common_pb2.SamplingOptions(max_tokens=4, temperature=0.0)
+    async with grpc.aio.insecure_channel(stack.children["prefill-0"].address) as channel:
+        prefill = worker_pb2_grpc.PrefillStub(channel)
+        prompt = list(range(1000, 1300))  # 300 tokens: several blocks
+        reply = await prefill.Prefill(
+            worker_pb2.PrefillRequest(request_id="held", token_ids=prompt, sampling=sampling)
+        )
+        assert reply.kv.block_ids
         terminate(stack, "prefill-0")
-        # A long prompt no longer goes to the draining prefill worker: decode prefills it.
-        out = client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
+        await asyncio.sleep(1.5)
+        assert proc.poll() is None  # waiting for the hand-off
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await prefill.Prefill(
+                worker_pb2.PrefillRequest(request_id="late", token_ids=prompt, sampling=sampling)
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A long prompt through the gateway no longer goes to it: decode prefills it.
+        out = await asyncio.to_thread(
+            client.completions.create, model=MODEL, prompt=LONG, max_tokens=4
+        )
         assert out.usage.completion_tokens == 4
-        assert wait_exit(stack, "prefill-0", 30) == 0
+        pull = worker_pb2.PullBlocksRequest(
+            request_id="held", incarnation=reply.kv.incarnation, block_ids=reply.kv.block_ids
+        )
+        chunks = [c async for c in worker_pb2_grpc.KVTransportStub(channel).PullBlocks(pull)]
+        assert len(chunks) == len(reply.kv.block_ids)
+        await prefill.Release(worker_pb2.ReleaseRequest(request_id="held"))
+    assert await asyncio.to_thread(proc.wait, 30) == 0
