@@ -55,8 +55,11 @@ def check_crd_object(doc: Manifest) -> None:
     assert doc["apiVersion"] == CRD_KINDS[doc["kind"]]
     spec = doc["spec"]
     if doc["kind"] == "ScaledObject":
-        assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount",
-                             "cooldownPeriod", "pollingInterval", "triggers"}  # fmt: skip
+        known = {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "cooldownPeriod",
+                 "pollingInterval", "triggers", "advanced"}  # fmt: skip
+        assert set(spec) <= known
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == spec["cooldownPeriod"]
         assert spec["scaleTargetRef"]["name"].endswith(("-prefill", "-decode"))
         assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
         (trigger,) = spec["triggers"]
