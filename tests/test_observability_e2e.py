@@ -129,6 +129,18 @@ class Prometheus:
                 time.sleep(0.2)
         raise TimeoutError("prometheus did not become ready")
 
+    def wait_all_up(self, n: int, timeout: float = 30.0) -> None:
+        """Until Prometheus has scraped all ``n`` targets successfully (it starts scraping a few
+        seconds after start: target updates are batched every 5 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(self.url + "/api/v1/targets", timeout=5) as r:
+                active = json.loads(r.read())["data"]["activeTargets"]
+            if len(active) == n and all(t["health"] == "up" for t in active):
+                return
+            assert time.monotonic() < deadline, f"targets not all up: {active}"
+            time.sleep(0.5)
+
     def query(self, expr: str) -> list[dict]:
         """The result vector of an instant query (raises on a PromQL error)."""
         url = f"{self.url}/api/v1/query?query={urllib.parse.quote(expr)}"
@@ -186,6 +198,7 @@ def observed(smol_dir, tmp_path_factory) -> Iterator[Observed]:
         assert set(targets) == set(EXPECTED)
         prometheus = Prometheus(run / "prometheus", list(targets.values()))
         try:
+            prometheus.wait_all_up(len(targets))
             rid = _load(stack)
             time.sleep(3)  # at least two scrapes after the last request: rates have data
             yield Observed(stack, prometheus, rid)
@@ -256,3 +269,6 @@ def test_one_request_shares_a_trace_across_all_services(observed):
     by_id = {s["span_id"]: s for s in spans}
     roots = [s for s in spans if s["parent_id"] not in by_id]
     assert [r["service"] for r in roots] == ["tandem-gateway"]  # one tree, rooted at the gateway
+    # The router logs its routing plan inside the request: the line names both ids.
+    router_log = observed.stack.children["router"].log_path.read_text()
+    assert f"[rid={rid} trace={spans[0]['trace_id']}]" in router_log
