@@ -525,3 +525,14 @@ def test_parse_config_env_fallbacks() -> None:
         parse_config(["--model-dir", str(DEFAULT_DIR)], env={})
     with pytest.raises(SystemExit):  # longer than the model's context
         parse_config(["--model-dir", str(DEFAULT_DIR), "--max-model-len", "9000"], env=env)
+
+
+def test_session_key_from_user_field_or_header(gw: Gateway) -> None:
+    """The sticky-routing key: the OpenAI ``user`` field, else the X-Session-Id header."""
+    assert gw.post("/v1/chat/completions", chat_body(user="u1")).status_code == 200
+    r = gw.post("/v1/chat/completions", chat_body(), headers={"X-Session-Id": "s-9"})
+    assert r.status_code == 200
+    both = chat_body(user="u2")
+    assert gw.post("/v1/chat/completions", both, headers={"X-Session-Id": "s-9"}).status_code == 200
+    assert gw.post("/v1/chat/completions", chat_body()).status_code == 200
+    assert [req.session for req in gw.fake.requests] == ["u1", "s-9", "u2", ""]

@@ -9,6 +9,7 @@ streaming (Starlette cancels the body iterator; ``_SSEResponse`` closes it in ev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -48,6 +49,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+SESSION_HEADER = "x-session-id"  # sticky-routing key when the body has no ``user``
 _GONE: Any = object()  # what _unless_disconnected returns when the client went away
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -136,7 +138,13 @@ def create_app(
 async def _respond(request: Request, backend: Backend, p: Prepared, text_of: TokenText) -> Response:
     """Run ``p`` on the backend; the backend is aborted if the client leaves at any point.
     Admission and the tenant's rate limits are checked first (429); what the request really
-    generated is charged when its events end (``metered``)."""
+    generated is charged when its events end (``metered``). An ``X-Session-Id`` header is the
+    sticky-routing key of a request whose body names no ``user``."""
+    session = request.headers.get(SESSION_HEADER, "")[:256]
+    if session and not p.backend_request.session:
+        p = dataclasses.replace(
+            p, backend_request=dataclasses.replace(p.backend_request, session=session)
+        )
     ticket = request.app.state.limits.admit(p.backend_request)
     events = observe_generation(
         metered(run_generation(backend, p.backend_request), ticket),
