@@ -306,6 +306,16 @@ class LLMEngine(HandoffMixin):
                 prompt_tokens=self._prompt_tokens,
             )
 
+    def try_stats(self, timeout: float) -> EngineStats | None:
+        """``stats()``, or None when a step holds the engine for more than ``timeout`` seconds
+        (metrics scrapes must not wait behind a long step)."""
+        if not self._lock.acquire(timeout=timeout):
+            return None
+        try:
+            return self.stats()
+        finally:
+            self._lock.release()
+
     def check_integrity(self) -> None:
         with self._lock:
             self.kv.check_integrity()

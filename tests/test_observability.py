@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.bundled import DEFAULT_DIR
 from engine.errors import InvalidRequestError
+from engine.llm_engine import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
@@ -31,7 +32,7 @@ from engine.step_stats import batch_stats
 from engine.tokenizer import Tokenizer
 from libkv import etcd_follow
 from services.common import tracing
-from services.common.engine_metrics import StepMetrics
+from services.common.engine_metrics import EngineCollector, StepMetrics
 from services.common.grpc_server import start_server
 from services.common.metrics import EtcdErrorsCollector, GrpcServerMetrics, Metrics
 from services.gateway.observe import GatewayMetrics, route_of
@@ -380,3 +381,30 @@ def test_spans_are_exported_over_otlp():
     assert attrs[tracing.REQUEST_ID_ATTR] == "req-7"
     service = {a.key: a.value.string_value for a in resources[0].resource.attributes}
     assert service["service.name"] == "tandem-gateway"
+
+
+def test_engine_collector_never_waits_behind_a_long_step():
+    class Engine:
+        """try_stats answers None while a step holds the engine."""
+
+        num_held = 1
+        busy = False
+
+        def __init__(self) -> None:
+            self.stats_ = EngineStats(2, 3, 100, 40, 10, 5, 64, 256)
+
+        def try_stats(self, timeout: float) -> EngineStats | None:
+            return None if self.busy else self.stats_
+
+        def stats(self) -> EngineStats:
+            raise AssertionError("a scrape must not block on the engine lock")
+
+    engine = Engine()
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(engine))  # type: ignore[arg-type]
+    assert value(reg, "tandem_engine_kv_blocks", state="free") == 50
+    engine.busy, engine.stats_ = True, EngineStats(0, 0, 100, 0, 0, 0, 0, 0)
+    assert value(reg, "tandem_engine_sequences_waiting") == 2  # the last scrape's view
+    assert value(reg, "tandem_engine_preemptions_total") == 5
+    assert value(reg, "tandem_engine_prefix_cache_hit_tokens_total") == 64
+    assert value(reg, "tandem_engine_kv_held_requests") == 1

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.step_stats import StepStats
 from services.common.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
@@ -18,11 +18,22 @@ from services.common.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 class EngineCollector(Collector):
     """Queue lengths, KV blocks, prefix-cache hits and preemptions of one engine."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, wait: float = 0.25) -> None:
         self.engine = engine
+        self.wait = wait
+        self._last: EngineStats | None = None
+
+    def _stats(self) -> EngineStats:
+        """Fresh stats, or those of the previous scrape while a long step holds the engine (a
+        scrape times out after its interval; a CPU step may take longer)."""
+        s = self.engine.try_stats(self.wait)
+        if s is None:
+            s = self._last or self.engine.stats()
+        self._last = s
+        return s
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.stats()
+        s = self._stats()
         yield _gauge(
             "tandem_engine_sequences_running", "Sequences in the running batch.", s.num_running
         )
