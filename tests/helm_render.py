@@ -83,10 +83,12 @@ def component(doc: Manifest) -> str:
 
 
 def workloads(docs: list[Manifest]) -> Iterator[tuple[Manifest, Manifest]]:
-    """(workload, container) for every container of the Tandem services' Deployments."""
-    for doc in by_kind(docs, "Deployment"):
-        for container in doc["spec"]["template"]["spec"]["containers"]:
-            yield doc, container
+    """(workload, container) for every container of the Tandem services (Deployments, and the
+    routers' StatefulSet; not etcd)."""
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet") and component(doc) in SERVICES:
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                yield doc, container
 
 
 # Stand-ins for what the kubelet fills in at run time.

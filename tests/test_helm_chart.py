@@ -97,7 +97,7 @@ def test_kube_version_constraint(helm) -> None:
 
 def test_validation_is_strict(rendered) -> None:
     """A misspelt field in a rendered Deployment is caught (the check above has teeth)."""
-    (doc,) = [d for d in by_kind(rendered[None], "Deployment") if component(d) == "router"]
+    (doc,) = [w for w, _ in workloads(rendered[None]) if component(w) == "router"]
     doc["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, KUBE_VERSIONS[0], strict=True)
@@ -145,7 +145,7 @@ def test_render_time_checks(helm, setting, message) -> None:
 
 
 def pod(docs: list[Manifest], role: str) -> Manifest:
-    (doc,) = [d for d in by_kind(docs, "Deployment") if component(d) == role]
+    (doc,) = [w for w, _ in workloads(docs) if component(w) == role]
     return doc["spec"]["template"]["spec"]
 
 
@@ -201,8 +201,8 @@ def test_colocated_has_no_prefill_pool(rendered) -> None:
 
 def test_router_has_two_replicas_and_pdbs_cover_every_component(rendered) -> None:
     for docs in rendered.values():
-        (router,) = [d for d in by_kind(docs, "Deployment") if component(d) == "router"]
-        assert router["spec"]["replicas"] == 2
+        (router,) = [w for w, _ in workloads(docs) if component(w) == "router"]
+        assert router["kind"] == "StatefulSet" and router["spec"]["replicas"] == 2
         pdbs = {component(d) for d in by_kind(docs, "PodDisruptionBudget")}
         assert {component(w) for w, _ in workloads(docs)} | {"etcd"} == pdbs
 

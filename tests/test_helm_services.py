@@ -162,7 +162,12 @@ def test_every_flag_and_env_var_is_accepted(variant, rendered, tmp_path, monkeyp
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert config.host == "0.0.0.0"
         assert config.port == ports["http" if role == "gateway" else "grpc"]
-        if role != "gateway":
+        if role == "gateway":  # every router replica, by its stable name
+            replicas = [w for w, _ in workloads(docs) if component(w) == "router"]
+            count = replicas[0]["spec"]["replicas"]
+            expected = [f"tandem-router-{i}.tandem-router-headless.llm.svc:" for i in range(count)]
+            assert [r.rsplit(":", 1)[0] + ":" for r in config.routers] == expected
+        else:
             assert config.model_dir == chart_model_dir
             assert config.advertise_host == FIELD_VALUES["status.podIP"]
             assert ",".join(config.etcd) == env["TANDEM_ETCD_ENDPOINTS"]

@@ -71,6 +71,16 @@ app.kubernetes.io/part-of: tandem
 {{- end }}
 {{- end }}
 
+{{/* host:port of every router replica (StatefulSet pods through the headless Service). */}}
+{{- define "tandem.routerAddresses" -}}
+{{- $full := include "tandem.fullname" . }}
+{{- $out := list }}
+{{- range $i := until (int .Values.router.replicas) }}
+{{- $out = append $out (printf "%s-router-%d.%s-router-headless.%s.svc:%d" $full $i $full $.Release.Namespace (int $.Values.router.port)) }}
+{{- end }}
+{{- join "," $out }}
+{{- end }}
+
 {{/* The env every Tandem container shares (the rest comes from its ConfigMap). */}}
 {{- define "tandem.podEnv" -}}
 - name: TANDEM_ADVERTISE_HOST
