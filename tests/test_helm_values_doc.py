@@ -26,7 +26,7 @@ def test_readme_values_table_is_current() -> None:
 
 
 def test_a_missing_comment_is_found() -> None:
-    text = VALUES.replace("  # -- Router replicas;", "  # Router replicas;", 1)
+    text = VALUES.replace("  # -- Router replicas", "  # Router replicas", 1)
     assert values_doc.undocumented(text) == ["router.replicas"]
 
 
