@@ -39,18 +39,20 @@ def stack(smol_dir, tmp_path_factory):
     limited = entry(KEY_LIMITED, "lim", tokens=RATE_TOKENS, requests=100, window=3600)
     entries = [entry(KEY_A, "acme"), entry(KEY_B, "beta"), limited]
     keys.write_text(json.dumps({"keys": entries}))
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(run),
-        port=free_port(),
-        num_prefill=0,
-        num_decode=1,
-        kv_transport="grpc",
+    config = one_decode_worker(
+        smol_dir,
+        run,
         worker_args=("--max-pending-tokens", str(MAX_PENDING)),
         gateway_args=("--api-keys-file", str(keys), "--max-request-timeout", "60"),
     )
     with Stack(config) as s:
         yield s
+
+
+def one_decode_worker(smol_dir: Path, run: Path, **kw) -> StackConfig:
+    """A small stack: router, gateway and one decode worker (short prompts go decode-only)."""
+    return StackConfig(model_dir=str(smol_dir), run_dir=str(run), port=free_port(),
+                       num_prefill=0, num_decode=1, kv_transport="grpc", **kw)  # fmt: skip
 
 
 def post(stack: Stack, body: dict, key: str = KEY_A, timeout: float = 60) -> httpx.Response:
@@ -206,13 +208,9 @@ def tls_stack(smol_dir, tmp_path_factory):
 
     e = certs["etcd"]
     gw = certs["gateway"]
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(run),
-        port=free_port(),
-        num_prefill=0,
-        num_decode=1,
-        kv_transport="grpc",
+    config = one_decode_worker(
+        smol_dir,
+        run,
         etcd_tls=EtcdTLS(e.cert, e.key, e.ca),
         worker_args=flags("decode"),
         router_args=flags("router"),
