@@ -153,6 +153,29 @@ async def test_load_updates_propagate_on_refresh(etcd, watcher):
         await reg.stop()
 
 
+async def test_a_slow_load_function_does_not_lose_the_lease(etcd, watcher):
+    """A worker's load function waits for the engine lock, held for a whole model step: the
+    lease must be refreshed meanwhile, and the last load published."""
+    m = make_member()
+    slow = {"on": False}
+
+    def load() -> MemberLoad:
+        if slow["on"]:
+            time.sleep(TTL + 1.0)  # one "step" longer than the whole lease
+        return MemberLoad(queue_length=7)
+
+    reg = await Registration.start(etcd.endpoint, m, ttl=TTL, refresh=REFRESH, load_fn=load)
+    try:
+        assert await watcher.wait_for(present(m.worker_id), timeout=1.0)
+        slow["on"] = True
+        await asyncio.sleep(2 * TTL)
+        assert m.worker_id in watcher.members and reg.registrations == 1
+        assert watcher.members[m.worker_id].load.queue_length == 7
+    finally:
+        slow["on"] = False
+        await reg.stop()
+
+
 async def test_stop_deletes_the_member_promptly(etcd, watcher):
     m = make_member()
     changes: list[MemberChange] = []
