@@ -218,11 +218,12 @@ class Stack:
             time.sleep(0.2)
         raise TimeoutError(f"gateway {self.url}{path} not ready; see {self.run_dir}/logs")
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+        """Send ``sig`` and wait up to ``timeout`` s for the exit (SIGTERM drains first)."""
         child = self.children[name]
         assert child.proc is not None
         child.proc.send_signal(sig)
-        child.proc.wait(10)
+        child.proc.wait(timeout)
 
     def restart(self, name: str) -> Child:
         """Start a (killed) child again with the same command line."""

@@ -64,7 +64,7 @@ def test_soak(stack):
     with load(spec) as running:
         time.sleep(SOAK_SECONDS / 2)
         restart_at = time.monotonic()
-        stack.kill(RESTARTED, signal.SIGTERM)
+        stack.kill(RESTARTED, signal.SIGTERM, timeout=60)  # it drains for up to 30 s
         stack.restart(RESTARTED)
         wait_members(stack, lambda v: RESTARTED in v.get("decode", set()), within=30)
         restarted_rss = rss_mib(stack.children[RESTARTED].pid)
