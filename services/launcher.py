@@ -144,6 +144,8 @@ class Stack:
             "--port", str(c.port),
             *[f"--router={address}" for address in routers],
             *keys,
+            # The routers check the same keys: the gateway presents the first as its own.
+            *([f"--router-api-key={c.api_keys[0].partition(':')[0]}"] if c.api_keys else []),
             *c.gateway_args,
         )  # fmt: skip
         self._spawn("gateway", gateway, f"{c.host}:{c.port}")

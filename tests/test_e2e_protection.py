@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from tandem.v1 import common_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 from libkv.etcd_server import EtcdTLS, free_port
 from services.common.tls import TLSFiles
@@ -28,6 +28,7 @@ from tests.test_e2e_stack import LONG, MODEL, assert_all_free
 from tests.tls_certs import TestCA
 
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a", "sk-tenant-b", "sk-limited"
+INTERNAL_KEY = "sk-internal"
 MAX_PENDING = 300  # tokens (prompt + max_tokens) a decode worker accepts at once
 RATE_TOKENS = 300  # the limited tenant's tokens per (long) window
 
@@ -212,12 +213,19 @@ def tls_stack(smol_dir, tmp_path_factory):
         smol_dir,
         run,
         etcd_tls=EtcdTLS(e.cert, e.key, e.ca),
+        api_keys=(INTERNAL_KEY,),  # the routers check it too: the gateway presents it
         worker_args=flags("decode"),
         router_args=flags("router"),
         gateway_args=("--tls-cert", gw.cert, "--tls-key", gw.key, "--tls-ca", gw.ca),
     )
     with Stack(config) as s:
         yield s, certs
+
+
+async def _generate(address: str, tls: TLSFiles) -> list:
+    async with tls_channel(address, tls) as ch:
+        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 2]))
+        return [ev async for ev in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=10)]
 
 
 async def _decode_stats(address: str, tls: TLSFiles | None) -> common_pb2.WorkerStats:
@@ -228,13 +236,15 @@ async def _decode_stats(address: str, tls: TLSFiles | None) -> common_pb2.Worker
 
 def test_mutual_tls_stack_serves_and_refuses_clients_without_a_certificate(tls_stack):
     stack, certs = tls_stack
-    r = httpx.post(f"{stack.url}/v1/completions", timeout=60,
-                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})  # fmt: skip
+    r = post(stack, {"prompt": "Hello", "max_tokens": 4}, key=INTERNAL_KEY)
     assert r.status_code == 200, r.text  # gateway -> router -> decode, all over mutual TLS
     decode = stack.children["decode-0"].address
     p = certs["probe"]
     stats = asyncio.run(_decode_stats(decode, TLSFiles(p.cert, p.key, p.ca)))
     assert stats.integrity_ok and stats.kv_blocks_used == 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a certificate, but no API key
+        asyncio.run(_generate(stack.children["router"].address, TLSFiles(p.cert, p.key, p.ca)))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     for address in (decode, stack.children["router"].address):
         with pytest.raises(grpc.aio.AioRpcError) as err:  # plaintext, no certificate
             asyncio.run(_decode_stats(address, None))

@@ -129,7 +129,8 @@ async def serve(config: GatewayConfig) -> None:
         config.observability, "gateway", config.served_model_name, gateway_id, etcd=False
     )  # before the router channels exist: they pick up the tracing interceptor
     tokenizer = Tokenizer(config.model_dir)
-    backend = GrpcBackend(config.routers, config.tls)  # in the loop: grpc.aio channels bind to it
+    # Inside the loop: grpc.aio channels bind to it.
+    backend = GrpcBackend(config.routers, config.tls, config.router_api_key)
 
     @asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:

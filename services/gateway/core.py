@@ -61,6 +61,7 @@ class GatewayConfig:
     tls: TLSFiles | None = None
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
+    router_api_key: str = field(default="", repr=False)  # presented to routers checking keys
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.max_body_bytes < 1 or self.default_max_tokens < 1:

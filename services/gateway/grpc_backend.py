@@ -39,10 +39,14 @@ _CHANNEL_OPTIONS = [
 class GrpcBackend:
     """Backend over one channel per router address. Create it inside the running event loop."""
 
-    def __init__(self, addresses: Sequence[str], tls: TLSFiles | None = None) -> None:
+    def __init__(
+        self, addresses: Sequence[str], tls: TLSFiles | None = None, router_api_key: str = ""
+    ) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
         self._addresses = tuple(addresses)
+        # The gateway's own credential for routers that check API keys (internal callers').
+        self._metadata = (("authorization", f"Bearer {router_api_key}"),) if router_api_key else ()
         self._channels = {
             a: tls_channel(a, tls, _CHANNEL_OPTIONS, interceptors=client_interceptors())
             for a in self._addresses
@@ -65,7 +69,9 @@ class GrpcBackend:
         order = self.order()
         for i, address in enumerate(order):
             # The request's deadline is the call's gRPC deadline, passed on by the router.
-            call = self._stubs[address].Generate(msg, timeout=req.time_left())
+            call = self._stubs[address].Generate(
+                msg, timeout=req.time_left(), metadata=self._metadata
+            )
             self._live[req.request_id] = address
             started = finished = False
             try:
@@ -102,7 +108,9 @@ class GrpcBackend:
             return
         with anyio.move_on_after(ABORT_TIMEOUT_S, shield=True):
             try:
-                await self._stubs[address].Abort(codec.abort_request(request_id))
+                await self._stubs[address].Abort(
+                    codec.abort_request(request_id), metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as e:
                 log.warning("Abort(%s) on %s failed: %s", request_id, address, e.code())
 

@@ -47,6 +47,11 @@ def add_protection_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         default=float(e("TANDEM_MAX_REQUEST_TIMEOUT", "3600")),
         help="the largest 'timeout' a client may ask for (larger ones are cut to it)",
     )
+    p.add_argument(
+        "--router-api-key",
+        default=e("TANDEM_ROUTER_API_KEY", ""),
+        help="key the gateway presents to routers started with --api-key",
+    )
     p.add_argument("--ssl-certfile", default=e("TANDEM_SSL_CERTFILE", ""), help="serve HTTPS")
     p.add_argument("--ssl-keyfile", default=e("TANDEM_SSL_KEYFILE", ""))
     add_tls_flags(p, env)
@@ -79,4 +84,5 @@ def protection_config(
         "tls": tls,
         "ssl_certfile": args.ssl_certfile,
         "ssl_keyfile": args.ssl_keyfile,
+        "router_api_key": args.router_api_key,
     }
