@@ -15,6 +15,7 @@ import platform
 import signal
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,10 @@ def rss_all(stack: Stack) -> dict[str, float]:
     out = {name: rss_mib(child.pid) for name, child in stack.children.items()}
     out["etcd"] = rss_mib(stack.etcd.pid)
     return out
+
+
+def lease_losses(log: Path) -> int:
+    return log.read_text(errors="replace").count("is gone; re-registering")
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +105,8 @@ def test_soak(stack):
             n: [s.kv_blocks_used, s.kv_blocks_cached, s.kv_blocks_total] for n, s in final.items()
         },  # fmt: skip
         "completion_tokens": sum(o.tokens for o in outcomes if o.result == "ok"),
+        # Member leases that lapsed under a live worker (it re-registered): a sign of stalls.
+        "lease_losses": {n: lease_losses(c.log_path) for n, c in stack.children.items()},
     }
     record("soak", **report)
     # Every request is accounted for.
