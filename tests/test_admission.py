@@ -187,3 +187,38 @@ async def test_router_still_retries_a_dead_worker_only_once() -> None:
     with pytest.raises(Unavailable):
         _ = [ev async for ev in core.generate(_job())]
     assert clients.calls == ["d0", "d1"]
+
+
+# --- a worker core refuses before touching its engine -------------------------------------------
+
+
+class _Engine:
+    """The slice of AsyncEngine a PrefillCore uses; records what reached it."""
+
+    def __init__(self) -> None:
+        self.engine = self
+        self.added: list[tuple[str, int]] = []
+
+    async def generate(self, request_id, prompt, params, **kw):
+        self.added.append((request_id, kw["priority"]))
+        yield type("Out", (), {"kv_held": False})()
+
+
+async def test_prefill_core_admits_in_prompt_tokens_and_passes_priority() -> None:
+    from services.prefill.core import PrefillCore
+
+    engine = _Engine()
+    core = PrefillCore(engine, "p0", "inc", 30.0, TokenLedger(100, batch_fraction=0.5))
+    params = SamplingParams(max_tokens=1000)  # prefill books the prompt only
+    core.ledger.admit("other", 60)
+    result = await core.prefill("a", list(range(40)), params, "t", "interactive")
+    assert result.handle is None and core.ledger.pending_tokens == 60  # released again
+    with pytest.raises(ResourceExhausted) as e:
+        await core.prefill("b", list(range(41)), params, "t", "interactive")
+    assert e.value.retry_after_ms is not None
+    with pytest.raises(ResourceExhausted):
+        await core.prefill("c", list(range(1)), params, "t", "batch")  # 61 > 50
+    assert engine.added == [("a", 0)]  # refused requests never reached the engine
+    core.ledger.release("other")
+    await core.prefill("d", list(range(10)), params, "t", "batch")
+    assert engine.added[-1] == ("d", 1)

@@ -135,3 +135,20 @@ async def test_registry_over_etcd_tls_with_client_certificates(pki, tls_etcd):
     finally:
         await watcher.stop()
         await reg.stop()
+
+
+def test_every_service_binds_loopback_unless_told(tmp_path) -> None:
+    from services.decode.__main__ import parse_config as decode_config
+    from services.gateway.__main__ import parse_config as gateway_config
+    from services.prefill.__main__ import parse_config as prefill_config
+    from services.router.__main__ import parse_config as router_config
+
+    model = ["--model-dir", str(DEFAULT_DIR)]
+    gw = gateway_config([*model, "--router", "127.0.0.1:1"], env={})
+    assert (gw.host, gw.observability.metrics_host) == ("127.0.0.1", "127.0.0.1")
+    router = router_config([*model, "--etcd", "127.0.0.1:2379"])
+    assert (router.host, router.observability.metrics_host) == ("127.0.0.1", "127.0.0.1")
+    for parse in (prefill_config, decode_config):
+        worker = parse(model)
+        assert (worker.host, worker.observability.metrics_host) == ("127.0.0.1", "127.0.0.1")
+        assert worker.security.tls is None and worker.security.etcd is None
