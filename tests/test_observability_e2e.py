@@ -272,3 +272,5 @@ def test_one_request_shares_a_trace_across_all_services(observed):
     # The router logs its routing plan inside the request: the line names both ids.
     router_log = observed.stack.children["router"].log_path.read_text()
     assert f"[rid={rid} trace={spans[0]['trace_id']}]" in router_log
+    for child in observed.stack.children.values():  # spans opened and closed in one context
+        assert "Failed to detach context" not in child.log_path.read_text(), child.name
