@@ -170,11 +170,8 @@ class Chooser:
         miss = blocks - min(chain.cached_blocks(m), blocks)
         cost = miss_weight * miss + self.config.load_weight * self.load(m) * blocks
         need = miss + -(-req.max_tokens // bs)
-        if (
-            m.kv_blocks_total
-            and m.load.kv_blocks_free + m.load.kv_blocks_used
-            and (m.load.kv_blocks_free < need)
-        ):
+        reported = m.load.kv_blocks_free + m.load.kv_blocks_used > 0  # a load report arrived
+        if reported and m.load.kv_blocks_free < need:
             cost += FULL_PENALTY * blocks
         return (cost, m.worker_id)
 
