@@ -14,7 +14,8 @@ prompt tokens itself, the request goes decode-only to it. Costs are in prompt bl
 ``TRANSFER_WEIGHT`` for a disaggregated decode worker, which only receives the blocks it lacks.
 ``load(w)`` is the larger of the requests this router has in flight on w (current) and those
 w last reported in etcd (every router's, up to one member refresh old). Ties go to the lower
-worker id, so replicas with the same etcd view choose alike.
+worker id, so replicas with the same etcd view choose alike (under load each one also weighs
+the requests it has in flight itself, which the others learn at w's next load report).
 
 ``least-loaded``: fewest requests, then least KV in use. ``round-robin``: each role in turn.
 ``session``: the same session key (OpenAI ``user``) always lands on the same workers while
