@@ -13,6 +13,7 @@ import aetcd
 import grpc
 import httpx
 import pytest
+from aetcd import rpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.bundled import DEFAULT_DIR
@@ -152,3 +153,34 @@ def test_every_service_binds_loopback_unless_told(tmp_path) -> None:
         worker = parse(model)
         assert (worker.host, worker.observability.metrics_host) == ("127.0.0.1", "127.0.0.1")
         assert worker.security.tls is None and worker.security.etcd is None
+
+
+async def _enable_etcd_auth(endpoint: str, password: str) -> None:
+    """etcd's own authentication on: a root user with the root role (what etcdctl does)."""
+    async with grpc.aio.insecure_channel(endpoint) as ch:
+        auth = rpc.AuthStub(ch)
+        await auth.RoleAdd(rpc.AuthRoleAddRequest(name="root"), timeout=5)
+        await auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=password), timeout=5)
+        await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+        await auth.AuthEnable(rpc.AuthEnableRequest(), timeout=5)
+
+
+async def test_registry_with_etcd_user_and_password(tmp_path):
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        await _enable_etcd_auth(etcd.endpoint, "s3cret")
+        host, port = etcd.endpoint.split(":")
+        with pytest.raises(Exception):  # noqa: B017, PT011 - no credentials: refused
+            async with aetcd.Client(host=host, port=int(port), timeout=2) as anonymous:
+                await anonymous.put(b"/x", b"1")
+        security.apply(Security(etcd=EtcdSecurity(user="root", password="s3cret")))
+        try:
+            member = Member("decode-auth", "decode", "m", "127.0.0.1:1")
+            reg = await Registration.start([etcd.endpoint], member, ttl=5, refresh=1)
+            watcher = await MemberWatcher.start([etcd.endpoint])
+            assert reg.registered
+            assert await watcher.wait_for(lambda ms: "decode-auth" in ms, 5)
+            await watcher.stop()
+            await reg.stop()
+        finally:
+            security.apply(Security())
+    assert "s3cret" not in repr(EtcdSecurity(user="root", password="s3cret"))
