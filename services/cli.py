@@ -63,8 +63,11 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{child.name:<9} {child.address:<22} {metrics}log: {child.log_path}")
         print(f"\nOpenAI endpoint: {stack.url}/v1  (model: {Path(model).name})")
         print(f"topology: {config.topology}")
-        targets = ", ".join(f"'{t}'" for t in stack.scrape_targets().values())
-        print(f"Prometheus scrape targets: [{targets}]")
+        if stack.scrape_targets():
+            prom = stack.write_prometheus_config()
+            print(f"metrics: prometheus --config.file={prom} "
+                  f"--storage.tsdb.path={stack.run_dir / 'prometheus'} "
+                  "--web.listen-address=127.0.0.1:9090")  # fmt: skip
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
             for child in stack.children.values():

@@ -3,6 +3,7 @@ gateway as child processes on 127.0.0.1. Used by ``tandem serve`` and the end-to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -170,6 +171,25 @@ class Stack:
             for name, child in self.children.items()
             if child.metrics_port
         }
+
+    def write_prometheus_config(
+        self, path: Path | None = None, namespace: str = "local", interval: str = "5s"
+    ) -> Path:
+        """A Prometheus config that scrapes every process of the stack, with the ``namespace``
+        label the dashboards select on (JSON, which Prometheus reads as YAML)."""
+        path = path or self.run_dir / "prometheus.yml"
+        targets = sorted(self.scrape_targets().values())
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "scrape_configs": [
+                {
+                    "job_name": "tandem",
+                    "static_configs": [{"targets": targets, "labels": {"namespace": namespace}}],
+                }
+            ],
+        }
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        return path
 
     def _spawn(self, name: str, argv: list[str], address: str = "") -> Child:
         extra, port = self._observability_args(name)

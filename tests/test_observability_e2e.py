@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from libkv.etcd_server import free_port
@@ -85,26 +84,16 @@ EXPECTED = {
 
 
 class Prometheus:
-    """A real Prometheus on a free loopback port, scraping ``targets`` every second."""
+    """A real Prometheus on a free loopback port with the scrape ``config`` file."""
 
-    def __init__(self, run_dir: Path, targets: list[str]) -> None:
+    def __init__(self, run_dir: Path, config: Path) -> None:
         self.port = free_port()
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                {
-                    "job_name": "tandem",
-                    "static_configs": [{"targets": targets, "labels": {"namespace": NAMESPACE}}],
-                }
-            ],
-        }
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(run_dir / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop
         self.proc = subprocess.Popen(
             [
                 "prometheus",
-                f"--config.file={run_dir / 'prometheus.yml'}",
+                f"--config.file={config}",
                 f"--storage.tsdb.path={run_dir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
             ],
@@ -196,7 +185,8 @@ def observed(smol_dir, tmp_path_factory) -> Iterator[Observed]:
     with Stack(config) as stack:
         targets = stack.scrape_targets()
         assert set(targets) == set(EXPECTED)
-        prometheus = Prometheus(run / "prometheus", list(targets.values()))
+        prom_config = stack.write_prometheus_config(namespace=NAMESPACE, interval="1s")
+        prometheus = Prometheus(run / "prometheus", prom_config)
         try:
             prometheus.wait_all_up(len(targets))
             rid = _load(stack)
