@@ -130,7 +130,7 @@ class ObserveMiddleware:
                 status = message["status"]
             await send(message)
 
-        parent = tracing.extract(dict(Headers(scope=scope)))
+        parent = tracing.extract(dict(Headers(scope=scope))) if tracing.enabled() else None
         name = f"{scope['method']} {route}"
         attrs = {"http.request.method": scope["method"], "http.route": route}
         if self.metrics is not None:
