@@ -408,3 +408,21 @@ def test_engine_collector_never_waits_behind_a_long_step():
     assert value(reg, "tandem_engine_preemptions_total") == 5
     assert value(reg, "tandem_engine_prefix_cache_hit_tokens_total") == 64
     assert value(reg, "tandem_engine_kv_held_requests") == 1
+
+
+async def test_gateway_span_continues_the_callers_trace(spans):
+    tok = Tokenizer(DEFAULT_DIR)
+    app = create_app(CONFIG, FakeBackend(tok), tok)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {
+        "Authorization": f"Bearer {KEY}",
+        "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01",
+    }
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/chat/completions"]
+    assert f"{span.context.trace_id:032x}" == trace_id
+    assert span.attributes[tracing.REQUEST_ID_ATTR] == r.json()["id"]
+    assert span.attributes["http.response.status_code"] == 200
