@@ -27,6 +27,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 from libkv.etcd_follow import Endpoints, PrefixFollower, backoff, cancel_task
 from libkv.etcd_follow import EtcdConnection as _Etcd
+from libkv.keepalive import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Registration:
         self.registrations = 0  # how many times a lease was granted and the key put
         self._etcd = _Etcd(endpoints, timeout, "register")
         self._task: asyncio.Task[None] | None = None
+        self._keeper: LeaseKeeper | None = None
 
     @classmethod
     async def start(
@@ -143,6 +145,10 @@ class Registration:
             log.warning("registering %s failed, will retry: %r", member.worker_id, e)
             await self._etcd.reset()
         self._task = asyncio.create_task(self._run(), name=f"registration-{member.worker_id}")
+        # The lease also stays alive while this event loop is held up (see libkv.keepalive).
+        self._keeper = LeaseKeeper(
+            endpoints, timeout, refresh, lambda: self.lease_id, member.worker_id
+        ).start()
         return self
 
     def _current(self) -> Member:
@@ -229,6 +235,8 @@ class Registration:
         ``revoke=False`` leaves the key to expire with its TTL, as a crashed process would.
         Never hangs on an unreachable etcd: each call is bounded by ``timeout``.
         """
+        if self._keeper is not None:
+            self._keeper.stop()
         await cancel_task(self._task)
         self._task = None
         if revoke and self.lease_id is not None:

@@ -176,6 +176,21 @@ async def test_a_slow_load_function_does_not_lose_the_lease(etcd, watcher):
         await reg.stop()
 
 
+async def test_a_held_up_event_loop_does_not_lose_the_lease(etcd):
+    """The worker's event loop itself is held up longer than the TTL (it waits for the engine
+    lock through a multi-second model step): the lease is kept alive from its own thread."""
+    m = make_member()
+    reg = await Registration.start(etcd.endpoint, m, ttl=TTL, refresh=REFRESH)
+    try:
+        time.sleep(2 * TTL)  # blocks this loop: the registration task cannot run
+        host, port = etcd.endpoint.split(":")
+        async with aetcd.Client(host=host, port=int(port), timeout=2) as client:
+            assert await client.get(m.key) is not None
+        assert reg.registrations == 1
+    finally:
+        await reg.stop()
+
+
 async def test_stop_deletes_the_member_promptly(etcd, watcher):
     m = make_member()
     changes: list[MemberChange] = []
