@@ -184,3 +184,17 @@ async def test_registry_with_etcd_user_and_password(tmp_path):
         finally:
             security.apply(Security())
     assert "s3cret" not in repr(EtcdSecurity(user="root", password="s3cret"))
+
+
+def test_a_loopback_worker_keeps_ucx_on_loopback() -> None:
+    from services.common.kv_setup import confine_kv_network
+
+    env: dict[str, str] = {}
+    confine_kv_network("127.0.0.1", env)
+    assert env == {"UCX_NET_DEVICES": "lo"}
+    env = {"UCX_NET_DEVICES": "mlx5_0:1"}  # the operator's choice stands
+    confine_kv_network("localhost", env)
+    assert env == {"UCX_NET_DEVICES": "mlx5_0:1"}
+    env = {}
+    confine_kv_network("10.0.0.5", env)
+    assert env == {}

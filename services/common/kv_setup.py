@@ -4,8 +4,9 @@ their etcd member records."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
@@ -42,6 +43,21 @@ DEFAULT_NIXL_MODE = {"cpu": "read", "cuda": "read"}
 
 def default_transport() -> str:
     return "nixl" if nixl_available() else "grpc"
+
+
+def confine_kv_network(host: str, env: MutableMapping[str, str]) -> None:
+    """A worker bound to loopback keeps its KV transfers (UCX, under NIXL) on loopback too:
+    UCX otherwise listens on every network device. Set UCX_NET_DEVICES to choose the
+    data-plane devices of a multi-host deployment (then this leaves it alone)."""
+    if "UCX_NET_DEVICES" not in env and _is_loopback(host):
+        env["UCX_NET_DEVICES"] = "lo"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def nixl_mode_for(mode: str, device_type: str) -> str:

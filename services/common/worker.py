@@ -18,8 +18,14 @@ from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from libkv.locations import PublisherConfig
 from libkv.registry import Member, MemberLoad, Registration
+from services.common.admission import add_admission_flags
 from services.common.grpc_server import GrpcServerHandle
-from services.common.kv_setup import NIXL_MODES, TRANSPORTS, default_transport
+from services.common.kv_setup import (
+    NIXL_MODES,
+    TRANSPORTS,
+    confine_kv_network,
+    default_transport,
+)
 from services.common.obs_config import (
     ObservabilityConfig,
     add_observability_flags,
@@ -130,22 +136,6 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     add_security_flags(p)
 
 
-def add_admission_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--max-pending-tokens",
-        type=int,
-        default=int(_env("MAX_PENDING_TOKENS", "0") or 0),
-        help="refuse new requests (RESOURCE_EXHAUSTED) once the accepted ones hold this many "
-        "tokens (prompt + max_tokens; prefill: prompt); 0 = twice the KV pool",
-    )
-    p.add_argument(
-        "--batch-admission-fraction",
-        type=float,
-        default=float(_env("BATCH_ADMISSION_FRACTION", "0.5") or 0.5),
-        help="batch-priority requests are admitted only up to this fraction of the bound",
-    )
-
-
 def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:
     """The admission bound in tokens (``--max-pending-tokens``, default twice the pool)."""
     return config.max_pending_tokens or 2 * engine.pool.num_blocks * config.block_size
@@ -218,6 +208,7 @@ def _security(args: argparse.Namespace) -> Security:
 
 
 def start_engine(config: WorkerConfig) -> AsyncEngine:
+    confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
     engine = AsyncEngine(LLMEngine(config.engine_config()))
     engine.start()
     return engine
