@@ -244,6 +244,7 @@ class Load:
             return
         async with http.stream("POST", url, json=body) as r:
             out.status = r.status_code
+            out.detail = r.headers.get("x-request-id", "")  # kept if it ends in a timeout
             if r.status_code != 200:
                 await r.aread()
                 _classify_json(out, r)
@@ -281,7 +282,7 @@ async def _classify_sse(out: Outcome, r: httpx.Response) -> None:
         elif event.get("usage"):
             out.tokens = event["usage"]["completion_tokens"]
     if not done:
-        out.result, out.detail = "dropped", out.detail or "stream ended without [DONE]"
+        out.result, out.detail = "dropped", f"stream ended without [DONE] {out.detail}"
     elif not out.result:
         out.result = "ok"
 
