@@ -123,6 +123,7 @@ class Registration:
         self._etcd = _Etcd(endpoints, timeout, "register")
         self._task: asyncio.Task[None] | None = None
         self._keeper: LeaseKeeper | None = None
+        self._draining = False  # every later put carries the draining mark (see drain)
 
     @classmethod
     async def start(
@@ -176,7 +177,7 @@ class Registration:
         self.registered = False
         lease = await self._etcd.client.lease(self.ttl)
         self.lease_id = lease.id
-        member = await self._current_soon()
+        member = self._published(await self._current_soon())
         await self._etcd.client.put(member.key, member.to_json(), lease=lease.id)
         self.registered = True
         self.registrations += 1
@@ -194,7 +195,7 @@ class Registration:
             self.lease_id = None
             await self._register()
             return
-        member = await self._current_soon()
+        member = self._published(await self._current_soon())
         await self._etcd.client.put(member.key, member.to_json(), lease=self.lease_id)
         self.registered = True
 
@@ -214,16 +215,23 @@ class Registration:
                 log.warning("refreshing %s failed (%d): %r", self.member.worker_id, failures, e)
                 await self._etcd.reset()
 
+    def _published(self, member: Member) -> Member:
+        """``member`` as put in etcd: marked draining once `drain` was called. Applied at each
+        put, since the load thread (``_current``) may write back a member read before."""
+        if not self._draining or member.draining:
+            return member
+        return dataclasses.replace(member, extra={**member.extra, DRAINING: "1"})
+
     async def drain(self) -> None:
         """Mark the member draining and put it now (later refreshes keep the mark). The key
         stays until `stop`, so peers still find the worker, e.g. its NIXL agent, meanwhile."""
-        extra = {**self.member.extra, DRAINING: "1"}
-        self.member = dataclasses.replace(self.member, extra=extra)
+        self._draining = True
         if self.lease_id is None:
             return  # not registered right now: the next registration carries the mark
+        member = self._published(self.member)
         try:
             await asyncio.wait_for(
-                self._etcd.client.put(self.member.key, self.member.to_json(), lease=self.lease_id),
+                self._etcd.client.put(member.key, member.to_json(), lease=self.lease_id),
                 self._etcd.timeout,
             )
         except Exception as e:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from libkv.etcd_server import EtcdServer, free_port
-from libkv.registry import Member, MemberWatcher, Registration
+from libkv.registry import Member, MemberLoad, MemberWatcher, Registration
 from services.common.admission import TokenLedger
 from services.common.errors import Unavailable
 from services.common.grpc_server import LIVENESS_SERVICE, start_server
@@ -100,14 +100,25 @@ async def test_draining_member_stays_registered_but_is_not_routed_to(tmp_path) -
     with EtcdServer(tmp_path) as etcd:
         watcher = await MemberWatcher.start(etcd.endpoint)
         member = Member("p0", "prefill", "m", "127.0.0.1:1", extra={"nixl": "agent"})
-        reg = await Registration.start(etcd.endpoint, member, ttl=2, refresh=0.2)
+        calls = [0]
+
+        def slow_load() -> MemberLoad:
+            # Like a worker's load function waiting on the engine lock: the refresh thread
+            # holds an old copy of the member while drain() marks it.
+            time.sleep(0.08)
+            calls[0] += 1
+            return MemberLoad(queue_length=calls[0])
+
+        reg = await Registration.start(etcd.endpoint, member, ttl=2, refresh=0.2, load_fn=slow_load)
         try:
             assert await watcher.wait_for(lambda ms: "p0" in ms, 2)
             assert [m.worker_id for m in watcher.members_by_role("prefill")] == ["p0"]
             await reg.drain()
             assert await watcher.wait_for(lambda ms: ms["p0"].draining, 2)
             assert watcher.members_by_role("prefill") == []
-            await asyncio.sleep(0.6)  # refreshes with new load keep the mark and the agent
+            seen = watcher.members["p0"].load.queue_length
+            await asyncio.sleep(0.8)  # refreshes with new load keep the mark and the agent
+            assert watcher.members["p0"].load.queue_length > seen
             assert watcher.members["p0"].draining
             assert watcher.members["p0"].extra["nixl"] == "agent"
         finally:
