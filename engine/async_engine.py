@@ -4,21 +4,29 @@ Services call ``generate`` (an async iterator of ``RequestOutput``) and ``abort`
 event loop; the engine thread steps whenever there is work and hands each output to the
 request's asyncio queue with ``call_soon_threadsafe``. Leaving the iterator early (client gone,
 task cancelled) aborts the request, which frees its blocks at once.
+
+The engine holds its lock for a whole model step, so nothing on the event loop takes it: adds
+run in a worker thread (awaited), and the abort of an abandoned iterator is queued for the step
+thread, which applies it before its next step. The loop keeps serving other streams, health
+checks and lease refreshes while a long prefill step runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from engine.errors import RequestNotFoundError
 from engine.llm_engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -31,6 +39,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._failure: BaseException | None = None
+        self._deferred: collections.deque[Callable[[], object]] = collections.deque()
         self.steps = 0
 
     def start(self) -> None:
@@ -45,11 +54,9 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: list[int], params: Any, **kw: Any):
         """Queue a request and yield its outputs until it finishes (or hands its KV off)."""
         queue = self._open(request_id)
-        try:
-            self.engine.add_request(request_id, prompt, params, **kw)
-        except BaseException:
-            self._queues.pop(request_id, None)
-            raise
+        await self._add(
+            request_id, functools.partial(self.engine.add_request, request_id, prompt, params, **kw)
+        )
         self._wake.set()
         async for out in self._drain(request_id, queue):
             yield out
@@ -57,11 +64,7 @@ class AsyncEngine:
     async def follow(self, request_id: str, add: Any) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a request added by ``add()`` (e.g. ``add_prefilled``)."""
         queue = self._open(request_id)
-        try:
-            add()
-        except BaseException:
-            self._queues.pop(request_id, None)
-            raise
+        await self._add(request_id, add)
         self._wake.set()
         async for out in self._drain(request_id, queue):
             yield out
@@ -74,6 +77,44 @@ class AsyncEngine:
             return False
         self._close(request_id)
         return True
+
+    async def run(
+        self, fn: Callable[..., T], *args: Any, undo: Callable[[T], None] | None = None
+    ) -> T:
+        """``fn(*args)`` in a worker thread: for engine calls that take the engine lock (adds,
+        stats, block reads, reservations), which would stall the event loop for a model step.
+
+        A call cannot be interrupted once it runs. With ``undo``, if the caller is cancelled
+        meanwhile, ``undo(result)`` runs on the step thread once ``fn`` has succeeded (an added
+        request is aborted, reserved blocks are released), so cancellation never leaks."""
+        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+        if undo is None:
+            return await fut
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._undo_later(f, undo))
+            raise
+
+    def _undo_later(self, fut: asyncio.Future, undo: Callable[[Any], None]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._later(functools.partial(undo, fut.result()))
+
+    def _later(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the step thread before its next step."""
+        self._deferred.append(fn)
+        self._wake.set()
+
+    def _abort_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(RequestNotFoundError):
+            self.engine.abort(request_id)
+
+    async def _add(self, request_id: str, add: Callable[[], object]) -> None:
+        try:
+            await self.run(add, undo=lambda _: self._abort_quietly(request_id))
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
 
     def _open(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -101,13 +142,13 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not done:
-                with contextlib.suppress(RequestNotFoundError):
-                    self.engine.abort(request_id)
+            if not done:  # the step thread aborts it before its next step
+                self._later(functools.partial(self._abort_quietly, request_id))
 
     # -- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._apply_deferred()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -124,6 +165,13 @@ class AsyncEngine:
                 if entry is not None:
                     loop, queue = entry
                     loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _apply_deferred(self) -> None:
+        while self._deferred:
+            try:
+                self._deferred.popleft()()
+            except Exception:  # noqa: BLE001 - one failed clean-up must not stop the loop
+                log.exception("deferred engine call failed")
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._queues):

@@ -119,7 +119,13 @@ class DecodeCore:
                 f"KV layout mismatch: prefill blocks are {job.kv.block_bytes} bytes, "
                 f"this worker's are {eng.runner.block_bytes}"
             )
-        dst, cached = eng.reserve(job.request_id, job.prompt, job.tenant or None)
+        dst, cached = await self.engine.run(
+            eng.reserve,
+            job.request_id,
+            job.prompt,
+            job.tenant or None,
+            undo=lambda _: eng.release(job.request_id),
+        )
         skip = cached // eng.config.block_size
         src = job.kv.block_ids[skip:]
         try:

@@ -24,7 +24,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             yield event_to_pb(ev)
 
     async def Abort(self, request, context):  # noqa: N802
-        return common_pb2.AbortResponse(found=self.core.abort(request.request_id))
+        found = await self.core.engine.run(self.core.abort, request.request_id)
+        return common_pb2.AbortResponse(found=found)
 
     async def Stats(self, request, context):  # noqa: N802
-        return worker_stats(self.core.engine.engine, self.core, "decode")
+        return await self.core.engine.run(
+            worker_stats, self.core.engine.engine, self.core, "decode"
+        )

@@ -1,4 +1,7 @@
-"""gRPC servicers of a prefill worker: decode message -> call core -> encode reply."""
+"""gRPC servicers of a prefill worker: decode message -> call core -> encode reply.
+
+Calls that take the engine lock run in a worker thread (``AsyncEngine.run``): the engine holds
+it for a whole model step, and the event loop must keep serving meanwhile."""
 
 from __future__ import annotations
 
@@ -24,13 +27,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return prefill_response(result)
 
     async def Release(self, request, context):  # noqa: N802
-        return worker_pb2.ReleaseResponse(found=self.core.release(request.request_id))
+        found = await self.core.engine.run(self.core.release, request.request_id)
+        return worker_pb2.ReleaseResponse(found=found)
 
     async def Abort(self, request, context):  # noqa: N802
-        return common_pb2.AbortResponse(found=self.core.abort(request.request_id))
+        found = await self.core.engine.run(self.core.abort, request.request_id)
+        return common_pb2.AbortResponse(found=found)
 
     async def Stats(self, request, context):  # noqa: N802
-        return worker_stats(self.core.engine.engine, self.core, "prefill")
+        return await self.core.engine.run(
+            worker_stats, self.core.engine.engine, self.core, "prefill"
+        )
 
 
 class KVTransportServicer(worker_pb2_grpc.KVTransportServicer):
@@ -38,8 +45,8 @@ class KVTransportServicer(worker_pb2_grpc.KVTransportServicer):
         self.core = core
 
     async def PullBlocks(self, request, context):  # noqa: N802
-        data = self.core.read_blocks(
-            request.request_id, request.incarnation, list(request.block_ids)
+        data = await self.core.engine.run(
+            self.core.read_blocks, request.request_id, request.incarnation, list(request.block_ids)
         )
         for i, raw in enumerate(data):
             yield worker_pb2.BlockChunk(index=i, data=raw)
