@@ -30,6 +30,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from bench.report import cpu_model
 from engine import LLM, SamplingParams
 
 DEFAULT_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
@@ -188,16 +189,8 @@ def compare(a: list[list[int]], b: list[list[int]], eos_ids: set[int]) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu_model": cpu,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
