@@ -6,11 +6,9 @@ import asyncio
 import itertools
 import os
 import signal
-import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aetcd
 import pytest
@@ -27,10 +25,10 @@ from libkv.locations import (
     parse_location_key,
 )
 from libkv.registry import Member, Registration
+from tests.child import python_child
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[1]
 TTL, REFRESH = 2, 0.3
 BS = 4  # tokens per block in these tests
 _ids = itertools.count()
@@ -193,12 +191,7 @@ CHILD = textwrap.dedent(
 
 async def test_entries_of_another_process_appear_within_1s_and_vanish_after_kill_9(etcd, index):
     worker_id = f"child-{next(_ids)}"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CHILD, etcd.endpoint, worker_id,
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
+    async with python_child(CHILD, etcd.endpoint, worker_id) as proc:
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
         assert line.startswith(b"ready ")
         incarnation = line.split()[1].decode()
@@ -209,7 +202,3 @@ async def test_entries_of_another_process_appear_within_1s_and_vanish_after_kill
         t0 = time.monotonic()
         assert await index.wait_for(lambda i: i.entries(worker_id) == 0, timeout=TTL + 1.5)
         assert time.monotonic() - t0 <= TTL + 1.5
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()

@@ -6,11 +6,9 @@ import asyncio
 import itertools
 import os
 import signal
-import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aetcd
 import pytest
@@ -25,10 +23,10 @@ from libkv.registry import (
     Registration,
     member_key,
 )
+from tests.child import python_child
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[1]
 TTL, REFRESH = 2, 0.3
 _ids = itertools.count()
 
@@ -294,18 +292,9 @@ CHILD = textwrap.dedent(
 
 async def test_member_of_another_process_appears_and_expires_after_kill_9(etcd, watcher):
     worker_id = f"child-{next(_ids)}"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CHILD, etcd.endpoint, worker_id,
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
+    async with python_child(CHILD, etcd.endpoint, worker_id) as proc:
         assert await asyncio.wait_for(proc.stdout.readline(), 20) == b"ready\n"
         assert await watcher.wait_for(present(worker_id), timeout=1.0)
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
         assert await watcher.wait_for(absent(worker_id), timeout=3.5)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
