@@ -44,6 +44,7 @@ from bench.workloads import (
     make_counter,
     parse_workload,
 )
+from services.stack_options import add_worker_options, worker_overrides
 
 BUNDLED_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1"
@@ -93,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="folder with tokenizer.json for exact prompt lengths (default: "
         "--model-dir when it has one; 'none': approximate)",
     )
-    t.add_argument("--kv-cache-mib", type=int, default=None, help="--stack workers' KV pool")
+    add_worker_options(p)
     w = p.add_argument_group("workload")
     w.add_argument(
         "--workload",
@@ -173,9 +174,7 @@ def _open(
     if isinstance(target, Endpoint):
         yield target, {}
         return
-    overrides = {}
-    if args.kv_cache_mib:
-        overrides["kv_cache_bytes"] = args.kv_cache_mib * 1024**2
+    overrides = worker_overrides(args)
     if args.logs is None:
         args.logs = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     run_dir = args.logs / f"{i}-{target.name.replace(':', '-')}"

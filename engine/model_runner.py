@@ -3,23 +3,31 @@ engine's step loop."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 import kernels
-from engine.config import EngineConfig, ModelConfig
+from engine import memory
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.loader import dummy_weights, load_weights
 from engine.model import DecoderModel
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 
+log = logging.getLogger(__name__)
+
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -38,26 +46,43 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:  # for this thread; the threads that run steps call bind_thread()
+            torch.cuda.set_device(self.device)
+            start = memory.CudaStart.now(self.device)
         if config.load_format == "dummy":
             weights = dummy_weights(model_config, self.device, self.dtype, config.seed)
         else:
             weights = load_weights(Path(config.model_dir), model_config, self.device, self.dtype)
         self.model = DecoderModel(model_config, weights, max_len)
-        self.num_blocks = self._num_blocks()
+        self.sampler = Sampler()
+        sizes: list[int] = []
+        if on_cuda and not config.enforce_eager:
+            sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_num_seqs)
+        if on_cuda:
+            self.kv_plan = memory.plan_for_cuda(
+                start, self.model, config, self.block_bytes, max_len, sizes
+            )
+        else:
+            self.kv_plan = memory.plan_fixed(
+                self.block_bytes, config.num_kv_blocks, config.kv_cache_bytes,
+                DEFAULT_CPU_KV_CACHE_BYTES,
+            )  # fmt: skip
+        self.num_blocks = self.kv_plan.num_blocks
         c = model_config
         self.kv_cache = torch.zeros(
             (self.num_blocks, c.num_layers, 2, config.block_size, c.num_kv_heads, c.head_dim),
             device=self.device,
             dtype=self.dtype,
         )
-        self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_num_seqs)
-            if sizes:
-                bs = config.block_size
-                self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, -(-max_len // bs), bs)
-                self.graphs.capture()
+        if sizes:
+            before = torch.cuda.memory_reserved(self.device)
+            bs = config.block_size
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, -(-max_len // bs), bs)
+            self.graphs.capture()
+            memory.check_graphs(self.kv_plan, torch.cuda.memory_reserved(self.device) - before)
+        log.info("%s", self.kv_plan.describe())
 
     @property
     def block_bytes(self) -> int:
@@ -65,18 +90,15 @@ class ModelRunner:
         elem = torch.finfo(self.dtype).bits // 8
         return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * elem
 
-    def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_fraction)
-        else:
-            budget = self.config.kv_cache_bytes
-        return max(budget // self.block_bytes, 1)
+    def bind_thread(self) -> None:
+        """Make this engine's device the calling thread's current one (CUDA's current device
+        is per thread, and kernels launch on it)."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         """Copy blocks, run the forward pass on every scheduled token, sample where due."""
+        self.bind_thread()
         if sched.copies:
             src = torch.tensor([c.src for c in sched.copies], device=self.device)
             dst = torch.tensor([c.dst for c in sched.copies], device=self.device)
@@ -124,12 +146,14 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         if not block_ids:
             return []
+        self.bind_thread()
         idx = torch.tensor(block_ids, device=self.device)
         blocks = self.kv_cache[idx].cpu()
         return [_tensor_bytes(b) for b in blocks]
 
     def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
         shape = self.kv_cache.shape[1:]
+        self.bind_thread()
         for block_id, raw in zip(block_ids, data, strict=True):
             if len(raw) != self.block_bytes:
                 raise ValueError(f"block of {len(raw)} bytes, expected {self.block_bytes}")

@@ -13,11 +13,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import importlib
+import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -44,6 +48,44 @@ def nixl_api() -> ModuleType | None:
 
 def nixl_available() -> bool:
     return nixl_api() is not None
+
+
+def ucx_cuda_problem() -> str | None:
+    """Why NIXL's bundled UCX cannot move GPU memory device-direct here (cuda_copy/cuda_ipc
+    modules missing or not loadable), or None when it can.
+
+    UCX loads its CUDA modules at run time; when one fails to load (``libucm_cuda`` needs the
+    CUDA runtime of the wheel's CUDA major version, which the wheel does not ship) UCX still
+    runs, but moves GPU memory by "software emulation" over TCP. The runtime that PyTorch
+    installed (``nvidia/*/lib/libcudart.so.N``) is loaded first, globally, so the modules find
+    it."""
+    for variant in ("nixl_cu13", "nixl_cu12"):
+        spec = importlib.util.find_spec(variant)
+        if spec is not None and spec.origin is not None:
+            break
+    else:
+        return "NIXL is not installed"
+    ucx = Path(spec.origin).parent.parent / f"{variant}.libs" / "ucx"
+    modules = sorted(ucx.glob("libuct_cuda.so*")) + sorted(ucx.glob("libucm_cuda.so*"))
+    if not modules:
+        return f"{variant}'s UCX has no CUDA modules in {ucx}"
+    _load_cuda_runtime("13" if variant.endswith("13") else "12")
+    for module in modules:
+        try:
+            ctypes.CDLL(str(module), mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            return f"{variant}'s UCX module {module.name} does not load: {e}"
+    return None
+
+
+def _load_cuda_runtime(major: str) -> None:
+    for root in map(Path, sys.path):
+        for lib in sorted(root.glob(f"nvidia/*/lib/libcudart.so.{major}*")):
+            try:
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                continue
 
 
 def block_descs(region: PoolRegion) -> np.ndarray:

@@ -118,7 +118,13 @@ class PrefillCore:
             raise FailedPrecondition(f"request {request_id} does not hold blocks {block_ids}")
 
     def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
-        """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``."""
+        """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``. Refused for a
+        pool in GPU memory: GPU memory never moves through the host and TCP."""
+        if self.engine.engine.runner.device.type == "cuda":
+            raise FailedPrecondition(
+                f"the KV of prefill worker {self.worker_id} is in GPU memory: it moves only over "
+                "a GPU-direct path (CUDA IPC, NIXL), never the gRPC stream"
+            )
         self.held_blocks(request_id, incarnation, block_ids)
         return self.engine.engine.read_blocks(block_ids)
 

@@ -220,7 +220,7 @@ class RouterCore:
                             decode.worker_id)  # fmt: skip
             except KVTransferFailed as e:
                 failed.add(prefill.worker_id)
-                prefill = self.chooser.pick_prefill(job.route, failed)
+                prefill = self.chooser.pick_prefill(job.route, failed, decode)
                 if prefill is None:
                     raise Unavailable(f"{e}; no other prefill worker to retry on") from e
                 self.stats.retries += 1
