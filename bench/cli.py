@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import kv_stats
+from bench import handoff, kv_stats
 from bench.metrics import SLO, summarize
 from bench.report import (
     RunReport,
@@ -169,10 +169,11 @@ def _targets(args: argparse.Namespace) -> list[Endpoint | StackSpec]:
 @contextlib.contextmanager
 def _open(
     target: Endpoint | StackSpec, args: argparse.Namespace, i: int
-) -> Iterator[tuple[Endpoint, dict[str, str]]]:
-    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats)."""
+) -> Iterator[tuple[Endpoint, dict[str, str], dict[str, str]]]:
+    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats) and
+    the /metrics addresses of its processes (for the hand-off)."""
     if isinstance(target, Endpoint):
-        yield target, {}
+        yield target, {}, {}
         return
     overrides = worker_overrides(args)
     if args.logs is None:
@@ -185,7 +186,7 @@ def _open(
             for name, child in stack.children.items()
             if name.startswith(("prefill", "decode"))
         }
-        yield endpoint, workers
+        yield endpoint, workers, stack.scrape_targets()
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -247,11 +248,12 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     reports: list[RunReport] = []
     for i, target in enumerate(_targets(args)):
-        with _open(target, args, i) as (endpoint, workers):
+        with _open(target, args, i) as (endpoint, workers, scrape):
             for sweep in workloads:
                 for rate, workload in zip(rates, sweep, strict=True):
                     load = LoadConfig(rate, args.concurrency, args.time_limit, args.seed)
                     before = kv_stats.snapshot(workers) if workers else {}
+                    moved = handoff.snapshot(scrape) if scrape else None
                     result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))
                     cache = None
                     if workers:  # a local stack: prefix hits and block-location writes
@@ -259,9 +261,11 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                             workload, result.records, str(_model_dir(args)), args.api
                         )
                         cache = kv_stats.measure(workers, before, prompts, result.duration)
-                    reports.append(
-                        RunReport(result, summarize(result.records, result.duration, slo), cache)
-                    )
+                    hand = None
+                    if moved is not None:
+                        hand = handoff.report(moved, handoff.snapshot(scrape), result.records)
+                    summary = summarize(result.records, result.duration, slo)
+                    reports.append(RunReport(result, summary, cache, hand))
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
                     write_json(args.out / "results.json", meta, reports)  # partial, kept on failure

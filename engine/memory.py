@@ -33,7 +33,7 @@ import kernels
 from engine.errors import InsufficientMemoryError
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, ModelConfig
     from engine.model import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,28 @@ def plan_cuda(
             "its own"
         )
     return KVPlan(blocks, block_bytes, budget, memory)
+
+
+def weight_bytes(config: ModelConfig, element_size: int) -> int:
+    """Bytes of a model's weights, from its config alone."""
+    c = config
+    attn = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
+    attn += c.hidden_size * c.num_heads * c.head_dim
+    mlp = 3 * c.intermediate_size * c.hidden_size
+    layers = c.num_layers * (attn + mlp + 2 * c.hidden_size)
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return (layers + embed + c.hidden_size) * element_size
+
+
+def check_weights_fit(start: CudaStart, weights: int, utilization: float) -> None:
+    """Refuse before loading when the weights alone exceed the engine's share."""
+    budget = int(utilization * start.total)
+    if weights >= budget:
+        raise InsufficientMemoryError(
+            f"--gpu-memory-utilization {utilization:g} of {_gib(start.total)} is "
+            f"{_gib(budget)}, less than the model's weights alone ({_gib(weights)}): raise "
+            "--gpu-memory-utilization, or give the worker a device of its own"
+        )
 
 
 def plan_fixed(

@@ -50,6 +50,9 @@ class ModelRunner:
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
             torch.cuda.set_device(self.device)
             start = memory.CudaStart.now(self.device)
+            size = torch.finfo(self.dtype).bits // 8
+            need = memory.weight_bytes(model_config, size)
+            memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
             weights = dummy_weights(model_config, self.device, self.dtype, config.seed)
         else:

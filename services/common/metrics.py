@@ -243,3 +243,19 @@ class KVPathCollector(Collector):
             "memory after one).",
             value=self.side.slow_transfers,
         )
+
+
+class HandoffCollector(Collector):
+    """A decode worker's hand-offs that fell back to computing the prompt itself
+    (`services.decode.core.DecodeCore.recomputed`): its KV did not arrive."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "tandem_kv_handoff_recomputed",
+            "Prefilled requests whose KV did not arrive, so the decode worker recomputed the "
+            "prompt.",
+            value=self.core.recomputed,
+        )
