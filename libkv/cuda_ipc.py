@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+import kernels
 from libkv.transfer import (
     CUDA_IPC_KEY,
     DEVICE_KEY,
@@ -45,6 +46,7 @@ from libkv.transfer import (
 )
 
 log = logging.getLogger(__name__)
+MEMCPY_RUNS = 4  # up to this many contiguous runs: cudaMemcpy each; more: one copy kernel
 
 
 def host_id() -> str:
@@ -231,8 +233,14 @@ class CudaIpcTransport:
             self._stream = torch.cuda.Stream(self.device)
         src = self._mapped(name, info)
         with torch.cuda.stream(self._stream):
-            for s, d, n in block_runs(src_blocks, dst_blocks):
-                self.pool[d : d + n].copy_(src[s : s + n], non_blocking=True)
+            runs = block_runs(src_blocks, dst_blocks)
+            if len(runs) <= MEMCPY_RUNS:  # a few long runs: one DMA copy each
+                for s, d, n in runs:
+                    self.pool[d : d + n].copy_(src[s : s + n], non_blocking=True)
+            else:  # scattered blocks: one gather/scatter kernel
+                idx = torch.tensor([src_blocks, dst_blocks], dtype=torch.int64)
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+                kernels.copy_blocks_between(self.pool, src, idx[0], idx[1])
         self._stream.synchronize()
 
     def _mapped(self, name: str, info: IpcPool) -> torch.Tensor:

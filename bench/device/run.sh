@@ -42,9 +42,13 @@ case $job in
       --out "$OUT" "$@" 2>&1 | tee "$OUT/probe.log"
     ;;
   tests)
-    [ $# -gt 0 ] || set -- tests/test_serving_gpu.py tests/test_gpu_sharing.py
-    python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -m gpu -rA "$@" 2>&1 \
-      | tee "$OUT/tests.log"
+    case " $* " in *" tests/"*) ;; *) set -- tests/test_serving_gpu.py tests/test_gpu_sharing.py "$@" ;; esac
+    rc=0
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rA --durations=15 "$@" 2>&1 \
+      | tee "$OUT/tests.log" || rc=$?
+    # The services' logs of every test stack, for whoever reads a failure.
+    find /tmp/pytest-of-*/ -name '*.log' 2>/dev/null | tar czf "$OUT/stack-logs.tgz" -T - || true
+    exit $rc
     ;;
   serving)
     model=$(shape "${1:?serving SHAPE}")
