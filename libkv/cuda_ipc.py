@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import json
 import logging
 import time
@@ -161,9 +160,9 @@ class CudaIpcTransport:
     """`KVTransport` over CUDA IPC for peers on this host whose GPU this process can map.
 
     ``pool`` is this worker's own pool (``[num_blocks, ...]`` contiguous on its GPU). Copies
-    run on a side stream, so they overlap the engine's steps, from one thread that owns the
-    mappings. ``can_reach(extra)`` tells whether a peer's record qualifies; `fetch` raises
-    KVTransferError for one that does not (the caller picks another path)."""
+    are launched from the event loop on a side stream of their own, so they overlap the
+    engine's steps. ``can_reach(extra)`` tells whether a peer's record qualifies; `fetch`
+    raises KVTransferError for one that does not (the caller picks another path)."""
 
     name = "cuda-ipc"
 
@@ -175,7 +174,6 @@ class CudaIpcTransport:
         self.host = host_id()
         self.visible = set(visible_devices())
         self.stats = TransferStats()
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuda-ipc")
         self._stream: Any = None
         self._peers: dict[str, torch.Tensor] = {}  # agent name (worker@incarnation) -> pool
         self._current: dict[str, str] = {}  # worker id -> agent name of its mapped pool
@@ -210,13 +208,9 @@ class CudaIpcTransport:
                 f"{self.block_bytes}, the handle says {source.block_bytes}"
             )
         name = agent_name(source.worker_id, source.incarnation)
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._thread, self._copy, name, info, src_blocks, dst_blocks)
         try:
-            await asyncio.wait_for(asyncio.shield(job), timeout)
-        except TimeoutError as e:  # a device copy of a few GiB takes milliseconds
-            await job  # never free the destination under a copy still running
-            raise KVTransferError(f"CUDA IPC copy took over {timeout:.1f} s") from e
+            done = self._launch(name, info, src_blocks, dst_blocks)
+            await self._wait(done, timeout)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.stats.failures += 1
             raise KVTransferError(f"CUDA IPC copy from {source.worker_id} failed: {e}") from e
@@ -224,10 +218,13 @@ class CudaIpcTransport:
         self.stats.add(n, n * self.block_bytes, time.monotonic() - t0)
         return self.name
 
-    def _copy(
+    def _launch(
         self, name: str, info: IpcPool, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> None:
-        """On the transport's thread: map the peer's pool if new, copy, wait for the copy."""
+    ) -> torch.cuda.Event:
+        """Map the peer's pool if new, queue the copy on this transport's stream (it overlaps
+        the engine's steps: the destination blocks are reserved, no step touches them), and
+        return an event that completes with it. Launched from the event loop's thread: a few
+        tens of microseconds, less than a hop to another thread."""
         torch.cuda.set_device(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
@@ -238,10 +235,27 @@ class CudaIpcTransport:
                 for s, d, n in runs:
                     self.pool[d : d + n].copy_(src[s : s + n], non_blocking=True)
             else:  # scattered blocks: one gather/scatter kernel
-                idx = torch.tensor([src_blocks, dst_blocks], dtype=torch.int64)
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
+                idx = torch.tensor([list(src_blocks), list(dst_blocks)], dtype=torch.int64)
+                idx = idx.to(self.device)
                 kernels.copy_blocks_between(self.pool, src, idx[0], idx[1])
-        self._stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return done
+
+    @staticmethod
+    async def _wait(done: torch.cuda.Event, timeout: float) -> None:
+        """Until the copy completed: polled on the event loop for the first half millisecond
+        (a hand-off of a few hundred MiB), then waited for in a thread."""
+        deadline = time.monotonic() + 5e-4
+        while not done.query():
+            if time.monotonic() > deadline:
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(done.synchronize), timeout)
+                except TimeoutError as e:  # never free the destination under a running copy
+                    await asyncio.to_thread(done.synchronize)
+                    raise KVTransferError(f"CUDA IPC copy took over {timeout:.1f} s") from e
+                return
+            await asyncio.sleep(0)
 
     def _mapped(self, name: str, info: IpcPool) -> torch.Tensor:
         worker = name.rpartition("@")[0]
@@ -258,9 +272,7 @@ class CudaIpcTransport:
         """Nothing to tell over CUDA IPC: the caller releases through its network transport."""
 
     async def close(self) -> None:
-        def drop() -> None:
-            self._peers.clear()
-            self._current.clear()
-
-        await asyncio.get_running_loop().run_in_executor(self._thread, drop)
-        self._thread.shutdown(wait=True)
+        if self._stream is not None:
+            await asyncio.to_thread(self._stream.synchronize)
+        self._peers.clear()
+        self._current.clear()
