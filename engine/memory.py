@@ -183,7 +183,7 @@ def graph_pool_estimate(graph_sizes: list[int], vocab_size: int, step_peak_per_t
     if not graph_sizes:
         return 0
     logits = sum(graph_sizes) * vocab_size * 4
-    return int(logits + step_peak_per_token * max(graph_sizes)) + 64 * 1024**2
+    return int(logits + step_peak_per_token * max(graph_sizes)) + 128 * 1024**2
 
 
 def plan_for_cuda(
