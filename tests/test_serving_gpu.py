@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -168,3 +169,37 @@ def test_worker_refuses_a_share_too_small_with_the_numbers(tmp_path_factory):
     assert proc.returncode != 0
     assert "--gpu-memory-utilization 0.1 of" in proc.stderr and "GiB" in proc.stderr
     assert "Traceback" not in proc.stderr.splitlines()[-1]
+
+
+def test_nixl_on_one_gpu_is_caught_as_slow_and_routers_stop_pairing(smol, tmp_path):
+    """Without CUDA IPC, two workers of one GPU only have NIXL, whose UCX moves GPU memory
+    between them at ~0.6 GB/s: the first hand-off (correct, but slow) turns NIXL off for GPU
+    memory on the decode worker, which says so in its record; routers then serve the rest
+    decode-only, and every request succeeds."""
+    cfg = config(
+        smol, tmp_path, gpu_memory_utilization=0.2, kv_transport="nixl",
+        worker_args=("--no-cuda-ipc",), member_ttl=3, member_refresh=1.0,
+    )  # fmt: skip
+    with Stack(cfg) as stack:
+        client = OpenAI(base_url=stack.url + "/v1", api_key="unused")
+
+        def ask(i: int) -> str:
+            r = client.completions.create(
+                model=MODEL, prompt=prompt(i, 400), max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return r.choices[0].text
+
+        assert ask(0)
+        m = metrics(stack, "decode-0")
+        if sample(m, "tandem_kv_gpu_direct", path="network") == 1:  # UCX found a fast path
+            assert sample(m, "tandem_kv_slow_transfers_total") == 0
+            return
+        assert sample(m, "tandem_kv_slow_transfers_total") == 1
+        assert sample(m, "tandem_kv_handoff_recomputed_total") == 0  # the data did arrive
+        time.sleep(3)  # the record's change reaches the router within a refresh
+        for i in range(1, 5):
+            assert ask(i)
+        after = metrics(stack, "decode-0")
+        assert sample(after, "tandem_kv_transfers_total", transport="nixl-read") == 1
+        assert sample(after, "tandem_kv_slow_transfers_total") == 1
