@@ -179,6 +179,7 @@ class Stack:
             "--host", c.host,
             "--port", str(c.port),
             *[f"--router={address}" for address in routers],
+            *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
             *keys,
             # The routers check the same keys: the gateway presents the first as its own.
             *([f"--router-api-key={c.api_keys[0].partition(':')[0]}"] if c.api_keys else []),

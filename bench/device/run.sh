@@ -6,6 +6,8 @@
 #                                                  # between two processes of one GPU
 #   bash bench/device/run.sh tests [PYTEST ARGS]   # the GPU-marked tests (default: serving ones)
 #   bash bench/device/run.sh serving SHAPE [BENCH ARGS]   # tandem bench, colocated:1 vs disagg:1p1d
+#   bash bench/device/run.sh serving2 SHAPE [BENCH ARGS]  # two GPUs: colocated:2 vs disagg:1p1d,
+#                                                  # and the hand-off against a P2P copy
 #   bash bench/device/run.sh bench MODULE [ARGS]   # any python -m MODULE (bench.gpu, ...)
 #
 # Results go to $OUT (the device tool's folder; /tmp/out elsewhere).
@@ -56,6 +58,24 @@ case $job in
     python3 -m services.cli bench --stack colocated:1 --stack disagg:1p1d --gpus 0 \
       --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
       --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  serving2)
+    # The run of the two-GPU issue (bench/results/serving_gpu_h200x2/): GPUS=0 for a dry run
+    # on one GPU. The transfer bench first: CUDA IPC and NIXL between the two GPUs against a
+    # contiguous peer-to-peer copy, in the same call.
+    model=$(shape "${1:?serving2 SHAPE}")
+    shift
+    gpus=${GPUS:-0,1}
+    peer=cuda:$([ "$gpus" = 0 ] && echo 0 || echo 1)
+    python3 -m bench.kv_transfer --device cuda --peer-device "$peer" \
+      --methods cuda-ipc nixl-read --block-kib 2048 --request-mib 256 --total-mib 2048 \
+      --repeats 2 --latency-reps 10 --out "$OUT" 2>&1 | tee "$OUT/transfer.log"
+    python3 -m services.cli bench --stack colocated:2 --stack disagg:1p1d --gpus "$gpus" \
+      --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
+      --max-model-len 8192 --max-num-batched-tokens 4096 --slo-tpot-ms 40 \
+      --workload prefill-heavy:input=4096,output=256 \
+      --workload decode-heavy:input=256,output=1024 \
+      --workload chat --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
   bench)
     python3 -m "$@" 2>&1 | tee "$OUT/bench.log"
