@@ -61,7 +61,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         self._validate()
 
     @property
