@@ -105,7 +105,8 @@ class Sampler:
             assert bitmask is not None
             masked = _take(x, guided)
             apply_bitmask_(masked, _take(bitmask, guided))
-            _put(x, guided, masked)
+            if masked is not x:
+                _put(x, guided, masked)
         if biased:
             _apply_logit_bias_(x, params, biased)
         if penalised:

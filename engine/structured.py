@@ -18,13 +18,24 @@ a fresh matcher and replays the tokens produced so far.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.grammar import GrammarSpec, InvalidGrammarError, llguidance_grammar
+
+
+@dataclass(slots=True)
+class MaskStats:
+    """Time spent on bitmasks: filling them (helper thread) and waiting for them (the step)."""
+
+    fills: int = 0
+    fill_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 class GrammarRuntime:
@@ -42,6 +53,7 @@ class GrammarRuntime:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
+        self.stats = MaskStats()
 
     @property
     def words(self) -> int:
@@ -87,22 +99,28 @@ class GrammarRuntime:
         self._tokenizer()
         assert self._pool is not None
         mask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
-        return MaskJob(mask, self._pool.submit(self._fill, rows, mask))
+        return MaskJob(mask, self._pool.submit(self._fill, rows, mask), self.stats)
 
     def _fill(self, rows: list[tuple[Any, int]], mask: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(rows, mask.data_ptr(), mask.shape[1] * 4, len(mask))
+        self.stats.fills += 1
+        self.stats.fill_seconds += time.perf_counter() - t0
 
 
 class MaskJob:
     """A bitmask being filled on the helper thread."""
 
-    def __init__(self, mask: torch.Tensor, future: Future) -> None:
+    def __init__(self, mask: torch.Tensor, future: Future, stats: MaskStats) -> None:
         self._mask = mask
         self._future = future
+        self._stats = stats
 
     def result(self, device: torch.device) -> torch.Tensor:
         """The filled ``[rows, words]`` int32 bitmask on ``device`` (waits for the fill)."""
+        t0 = time.perf_counter()
         self._future.result()
+        self._stats.wait_seconds += time.perf_counter() - t0
         return self._mask.to(device, non_blocking=True)
 
 

@@ -287,3 +287,20 @@ def test_unimplemented_openai_fields_are_400(gw: Gateway, path, extra, param) ->
 def test_fields_that_ask_for_nothing_are_accepted(gw: Gateway) -> None:
     body = chat_body(store=False, modalities=["text"], service_tier="auto", metadata=None)
     assert gw.post("/v1/chat/completions", body).status_code == 200
+
+
+def test_tool_flags_and_their_environment_variables(tmp_path, tok: Tokenizer) -> None:
+    from services.gateway.__main__ import parse_config
+
+    base = ["--model-dir", CONFIG.model_dir, "--router", "x:1"]
+    assert parse_config(base, env={}).tool_call_parser == "auto"
+    env = {"TANDEM_TOOL_CALL_PARSER": "llama3_json", "TANDEM_TOOL_CHAT_TEMPLATE": "t.jinja"}
+    cfg = parse_config(base, env=env)
+    assert (cfg.tool_call_parser, cfg.tool_chat_template) == ("llama3_json", "t.jinja")
+    assert parse_config([*base, "--tool-call-parser", "none"], env=env).tool_call_parser == "none"
+    with pytest.raises(SystemExit):
+        parse_config([*base, "--tool-call-parser", "xml"], env={})
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}")
+    support = tool_support(tok, "llama3_json", str(template))
+    assert support.parser == "llama3_json" and support.template is not None
