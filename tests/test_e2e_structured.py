@@ -57,7 +57,10 @@ TOOLS = [
         "function": {
             "name": "get_time",
             "description": "Current local time in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 30}},
+            },
         },
     },
 ]
@@ -137,16 +140,18 @@ def test_json_schema_samples_at_temperature_one_all_validate(stack, client, stre
 
 
 def test_forced_tool_calls_validate(client):
+    """Named and required choices force a call at temperature 1.0. (With parallel calls
+    allowed, ``required`` lets a sampled model go on calling until max_tokens: one call.)"""
     named = {"type": "function", "function": {"name": "get_weather"}}
     for long, choice in ((False, named), (True, named), (False, "required")):
         context = f"[{len(str(choice))}] {CONTEXT}" if long else ""
         messages = [{"role": "user", "content": context + " Weather in Oslo?"}]
         out = client.chat.completions.create(
             model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, temperature=1.0,
-            max_tokens=200, n=2,
+            max_tokens=200, n=2, parallel_tool_calls=False,
         )  # fmt: skip
         for c in out.choices:
-            assert c.finish_reason == "tool_calls" and c.message.tool_calls
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
             for call in c.message.tool_calls:
                 args = json.loads(call.function.arguments)
                 if choice == named:
