@@ -15,7 +15,8 @@ from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.loader import dummy_weights, load_weights
 from engine.model import DecoderModel
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.structured import GrammarRuntime
 
 log = logging.getLogger(__name__)
 
@@ -99,31 +100,52 @@ class ModelRunner:
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
 
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """Copy blocks, run the forward pass on every scheduled token, sample where due."""
+    def execute(
+        self, sched: SchedulerOutput, grammar: GrammarRuntime | None = None
+    ) -> SamplerOutput:
+        """Copy blocks, run the forward pass on every scheduled token, sample where due.
+
+        One row is sampled per sampling sequence and per fork of it (forks reuse its logits).
+        With ``grammar``, the bitmasks of constrained rows are filled while the forward pass
+        runs (``engine.structured``)."""
         self.bind_thread()
         if sched.copies:
             src = torch.tensor([c.src for c in sched.copies], device=self.device)
             dst = torch.tensor([c.dst for c in sched.copies], device=self.device)
             kernels.copy_blocks(self.kv_cache, src, dst)
-        logits = self._decode_graph_logits(sched)
-        if logits is None:
-            input_ids, positions, meta, sample_rows = self._prepare(sched)
-            if not sample_rows:
-                self.model.forward(input_ids, positions, self.kv_cache, meta)
-                return SamplerOutput([], [])
-            # Made before the forward pass, so that on CUDA building it waits for no kernel.
-            sample_idx = torch.tensor(sample_rows, device=self.device)
-            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
-            logits = self.model.logits(hidden[sample_idx])
+        due = [(i, seq) for i, s in enumerate(_sampling(sched)) for seq in (s.seq, *s.forks)]
         rows = [
             SamplingRow(
-                s.seq.params, s.seq.generator, s.seq.prompt_token_ids, s.seq.output_token_ids
+                seq.params,
+                seq.generator,
+                seq.prompt_token_ids,
+                seq.output_token_ids,
+                seq.matcher is not None,
             )
-            for s in sched.scheduled
-            if s.samples
+            for _, seq in due
         ]
-        return self.sampler(logits, rows)
+        masks = grammar.start_fill([seq.matcher for _, seq in due]) if grammar else None
+        logits = self._logits(sched)
+        if logits is None:
+            return SamplerOutput([], [])
+        if len(due) != logits.shape[0]:  # forks: repeat their parent's row
+            logits = logits[torch.tensor([i for i, _ in due], device=logits.device)]
+        bitmask = masks.result(logits.device) if masks is not None else None
+        return self.sampler(logits, rows, bitmask)
+
+    def _logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of the sampling rows (None when no row samples this step)."""
+        logits = self._decode_graph_logits(sched)
+        if logits is not None:
+            return logits
+        input_ids, positions, meta, sample_rows = self._prepare(sched)
+        if not sample_rows:
+            self.model.forward(input_ids, positions, self.kv_cache, meta)
+            return None
+        # Made before the forward pass, so that on CUDA building it waits for no kernel.
+        sample_idx = torch.tensor(sample_rows, device=self.device)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        return self.model.logits(hidden[sample_idx])
 
     def _decode_graph_logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Logits from a captured graph when the step is pure decode and fits one; else None."""
@@ -204,6 +226,10 @@ class ModelRunner:
             block_size=bs,
         )
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows
+
+
+def _sampling(sched: SchedulerOutput) -> list[ScheduledSeq]:
+    return [s for s in sched.scheduled if s.samples]
 
 
 def _token_at(seq, pos: int) -> int:
