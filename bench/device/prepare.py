@@ -40,11 +40,13 @@ NEEDED = (
     "opentelemetry-semantic-conventions", "opentelemetry-exporter-otlp-proto-grpc",
     "opentelemetry-exporter-otlp-common", "opentelemetry-exporter-otlp-proto-common",
     "opentelemetry-proto", "googleapis-common-protos", "pytest", "pytest-asyncio",
-    "pytest-timeout", "pluggy", "iniconfig",
+    "pytest-timeout", "pluggy", "iniconfig", "llguidance", "jsonschema",
+    "jsonschema-specifications", "referencing", "rpds-py",
 )  # fmt: skip
 NIXL = "nixl-cu13==1.5.1"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_34_x86_64")  # fmt: skip
+             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64",
+             "manylinux_2_34_x86_64")  # fmt: skip
 # Kept of the NIXL wheel: the Python API and bindings, the core library and its needs, the UCX
 # plugin, UCX with its modules; everything else (nixl_ep, storage/cloud plugins) goes.
 NIXL_DROP = (

@@ -8,7 +8,8 @@
 #   bash bench/device/run.sh serving SHAPE [BENCH ARGS]   # tandem bench, colocated:1 vs disagg:1p1d
 #   bash bench/device/run.sh serving2 SHAPE [BENCH ARGS]  # two GPUs: colocated:2 vs disagg:1p1d,
 #                                                  # and the hand-off against a P2P copy
-#   bash bench/device/run.sh bench MODULE [ARGS]   # any python -m MODULE (bench.gpu, ...)
+#   [SHAPE=NAME] bash bench/device/run.sh bench MODULE [ARGS]   # any python -m MODULE
+#                                                  # (bench.gpu, ...); SHAPE writes /tmp/models/NAME
 #
 # Results go to $OUT (the device tool's folder; /tmp/out elsewhere).
 set -euo pipefail
@@ -77,7 +78,8 @@ case $job in
       --workload decode-heavy:input=256,output=1024 \
       --workload chat --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
-  bench)
+  bench)  # SHAPE=NAME first writes /tmp/models/NAME (engine.shapes) for the module's flags
+    [ -z "${SHAPE:-}" ] || shape "$SHAPE" >/dev/null
     python3 -m "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
   *) echo "unknown job $job" >&2; exit 2 ;;
