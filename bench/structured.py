@@ -10,13 +10,10 @@ bitmasks per step, and how long the step waited for them after its forward pass 
 hidden behind it).
 
     python -m bench.structured                      # CPU, the bundled model (its real weights)
-    python -m bench.structured --pack .gpu-bench    # on a CPU host: files a GPU host needs
-    python -m bench.structured --device cuda --model-dir .gpu-bench/llama-8b --load-format dummy
+    SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.structured --device cuda \
+        --model-dir /tmp/models/llama-3.1-8b --load-format dummy --out $OUT   # a GPU host
 
-``--pack DIR`` writes ``DIR/llama-8b`` (the Llama-3.1-8B shape's config.json with the bundled
-model's tokenizer; random weights at run time) and ``DIR/wheels`` (llguidance, the one wheel the
-engine needs beyond torch, tokenizers, safetensors, jinja2 and numpy). Results go to
-``--out/structured_<device>.{json,md}``.
+Results go to ``--out/structured_<device>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -25,9 +22,7 @@ import argparse
 import datetime as dt
 import json
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,7 +56,6 @@ TOPICS = (
     "sailors", "bakers", "chess players", "painters", "nurses", "pilots", "farmers", "poets",
     "divers", "judges", "miners", "chemists", "drummers", "tailors", "monks", "rangers",
 )  # fmt: skip
-LLGUIDANCE_PIN = "llguidance==1.9.1"
 
 
 @dataclass
@@ -241,25 +235,6 @@ def machine(device: str) -> str:
     return f"{cpu_model()}, torch {torch.__version__} (threads: {torch.get_num_threads()})"
 
 
-def pack(folder: Path) -> None:
-    """What a GPU host needs: a Llama-3.1-8B-shaped model folder (config and tokenizer only)
-    and the llguidance wheel."""
-    from bench.gpu_common import LLAMA_31_8B
-
-    model = folder / "llama-8b"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(LLAMA_31_8B, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_DIR / name, model / name)
-    wheels = folder / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
-         LLGUIDANCE_PIN],
-        check=True,
-    )  # fmt: skip
-    print(f"wrote {model} and {wheels}: {', '.join(p.name for p in wheels.iterdir())}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=str(DEFAULT_DIR))
@@ -271,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool on CPU")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--pack", default="", help="write the GPU host's files to this folder; exit")
     args = p.parse_args(argv)
-    if args.pack:
-        pack(Path(args.pack))
-        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure(args)
