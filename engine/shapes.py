@@ -8,7 +8,8 @@ chat template (so prompts tokenize and chats render), but no weights: serve it w
 ``--load-format dummy``, which fills every weight with seeded random values of the right shape
 (identical in every worker with the same seed). Outputs are meaningless text; speed, memory
 and KV-transfer sizes are those of the real model. The tokenizer's ids are a subset of every
-shape's vocabulary; sampled ids beyond the tokenizer's decode to nothing.
+shape's vocabulary (sampled ids beyond the tokenizer's decode to nothing), and the folder's
+BOS/EOS ids are the tokenizer's, so that grammars and stop conditions refer to real tokens.
 """
 
 from __future__ import annotations
@@ -124,9 +125,26 @@ def write_shape(name: str, out: Path, tokenizer_dir: Path = DEFAULT_DIR) -> Path
             "tokenizer.json and tokenizer_config.json), or run `make model` for the bundled one"
         )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(SHAPES[name], indent=2) + "\n")
+    config = {**SHAPES[name], **_special_ids(tokenizer_dir)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / f, out / f)
+    return out
+
+
+def _special_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` of the tokenizer's BOS and EOS tokens."""
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    out = {}
+    for key in ("bos", "eos"):
+        token = cfg.get(f"{key}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        token_id = tok.token_to_id(token) if token else None
+        if token_id is not None:
+            out[f"{key}_token_id"] = token_id
     return out
 
 

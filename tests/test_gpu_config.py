@@ -168,7 +168,9 @@ def test_weight_bytes_of_the_shapes():
 def test_shape_folders_load_as_models(tmp_path, smol_dir):
     for name in SHAPES:
         out = write_shape(name, tmp_path / name, smol_dir)
-        assert ModelConfig.from_dir(out).num_layers == SHAPES[name]["num_hidden_layers"]
+        config = ModelConfig.from_dir(out)
+        assert config.num_layers == SHAPES[name]["num_hidden_layers"]
+        assert config.eos_token_ids == (2,) and config.bos_token_id == 1  # the tokenizer's
         assert (out / "tokenizer.json").is_file()
     cli = subprocess.run(
         [sys.executable, "-m", "engine.shapes", "qwen2.5-7b", "--out", str(tmp_path / "q"),
