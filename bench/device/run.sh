@@ -68,9 +68,10 @@ case $job in
     shift
     gpus=${GPUS:-0,1}
     peer=cuda:$([ "$gpus" = 0 ] && echo 0 || echo 1)
-    python3 -m bench.kv_transfer --device cuda --peer-device "$peer" \
+    timeout 150 python3 -m bench.kv_transfer --device cuda --peer-device "$peer" \
       --methods cuda-ipc nixl-read --block-kib 2048 --request-mib 256 --total-mib 2048 \
-      --repeats 2 --latency-reps 10 --out "$OUT" 2>&1 | tee "$OUT/transfer.log"
+      --nixl-total-mib 256 --repeats 2 --latency-reps 10 --out "$OUT" 2>&1 \
+      | tee "$OUT/transfer.log" || true
     python3 -m services.cli bench --stack colocated:2 --stack disagg:1p1d --gpus "$gpus" \
       --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
       --max-model-len 8192 --max-num-batched-tokens 4096 --slo-tpot-ms 40 \
