@@ -1,4 +1,7 @@
-"""Block locations in etcd: which worker holds which cached prefix (the publishing side).
+"""Block locations in etcd, one key per published block: the first design (publishing side).
+
+Services now publish bounded summaries instead (``libkv.summary_publisher``); this design is
+kept as the baseline that ``bench/location_sim.py`` measures against, and for its key helpers.
 
 Key layout (one key per published prefix and worker, under that worker's member lease)::
 
@@ -135,8 +138,8 @@ class LocationPublisher:
         self._task: asyncio.Task[None] | None = None
 
     # -- engine thread ----------------------------------------------------------------------
-    def cached(self, index: int, block_hash: BlockHash) -> None:
-        """A block entered the prefix cache (see ``CacheListener``)."""
+    def cached(self, index: int, block_hash: BlockHash, parent: BlockHash | None = None) -> None:
+        """A block entered the prefix cache (see ``CacheListener``; ``parent`` is not used)."""
         if (index + 1) % self.config.every:
             return
         with self._lock:

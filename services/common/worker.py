@@ -16,8 +16,8 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
-from libkv.locations import PublisherConfig
 from libkv.registry import Member, MemberLoad, Registration
+from libkv.summary_publisher import SummaryConfig
 from services.common.admission import add_admission_flags
 from services.common.grpc_server import GrpcServerHandle
 from services.common.kv_setup import (
@@ -66,7 +66,7 @@ class WorkerConfig:
     on_transfer_failure: str = "recompute"  # decode: "recompute" locally or "retry" (router)
     kv_transfer_timeout: float = 10.0
     drain_timeout: float = 30.0  # on SIGTERM: most seconds to finish the work in flight
-    locations: PublisherConfig = PublisherConfig()  # block locations published to etcd
+    locations: SummaryConfig = SummaryConfig()  # block locations published to etcd
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     max_pending_tokens: int = 0  # admission bound in tokens; 0: twice the KV pool's tokens

@@ -15,8 +15,8 @@ from pathlib import Path
 from tandem.v1 import router_pb2_grpc
 
 from engine.tokenizer import Tokenizer
-from libkv.location_index import LocationIndex
 from libkv.registry import Member, MemberWatcher, Registration
+from libkv.summary_index import LocationIndex
 from services.common.grpc_server import start_server
 from services.common.obs_config import (
     ObservabilityConfig,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,9 +43,9 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class LocationLookup(Protocol):
-    """The read side of the block-location index (``libkv.location_index.PrefixIndex``)."""
+    """The read side of the block-location index (``libkv.summary_index.SummaryIndex``)."""
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[tuple[str, str], int]: ...
+    def match(self, hashes: Sequence[BlockHash]) -> Mapping[tuple[str, str], int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class _Chain:
 
     def __init__(self, req: RouteRequest, index: LocationLookup | None) -> None:
         self.req, self.index = req, index
-        self._depths: dict[int, dict[tuple[str, str], int]] = {}
+        self._depths: dict[int, Mapping[tuple[str, str], int]] = {}
 
     def cached_blocks(self, m: Member) -> int:
         if self.index is None:
