@@ -18,8 +18,11 @@ Entries are the first 8 bytes (little-endian u64) of prefix hashes of the shared
 (``libkv.hashing``): a chain hash names its whole prefix. A false match of two 64-bit keys
 costs at most a routing choice (the worker compares tokens before serving a hit).
 
-Value: ``<BBIIHII`` header (version, kind, epoch, seq, granularity, adds, removes), then the
-added keys and the removed keys as u64 little-endian (a snapshot only adds).
+Entries sit only at chain positions that are multiples of the worker's ``base`` granularity
+(in blocks; 4 by default): a router probes only those positions of a prompt's chain.
+
+Value: ``<BBIIHHII`` header (version, kind, epoch, seq, granularity, base, adds, removes), then
+the added keys and the removed keys as u64 little-endian (a snapshot only adds).
 """
 
 from __future__ import annotations
@@ -27,16 +30,17 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from libkv.hashing import BlockHash
+from libkv.hashing import HASH_BYTES, BlockHash
 
 LOCATIONS_PREFIX = "/tandem/v1/locations/"
 RING = 8  # delta slots per worker incarnation
 SNAPSHOT, DELTA = 0, 1
 VERSION = 1
-_HEADER = struct.Struct("<BBIIHII")
+_HEADER = struct.Struct("<BBIIHHII")
 _SNAPSHOT_NAME = "snapshot"
 _DELTA_NAME = "delta"
 
@@ -44,6 +48,17 @@ _DELTA_NAME = "delta"
 def entry_key(block_hash: BlockHash) -> int:
     """The 64-bit entry of a prefix hash (its first 8 bytes, little-endian)."""
     return int.from_bytes(block_hash[:8], "little")
+
+
+def chain_entries(hashes: Sequence[BlockHash]) -> array[int]:
+    """`entry_key` of every hash of a chain, at once (a lookup's hot path)."""
+    joined = b"".join(hashes)
+    if len(joined) != HASH_BYTES * len(hashes):
+        raise ValueError("chain hashes must be HASH_BYTES long")
+    both = array("Q", joined)  # two u64 per hash: the entry is the first
+    if sys.byteorder != "little":
+        both.byteswap()
+    return both[::2]
 
 
 def holder_prefix(worker_id: str, incarnation: str = "") -> bytes:
@@ -95,12 +110,13 @@ class Summary:
     epoch: int
     seq: int
     granularity: int  # blocks between the fixed chain positions published (leaves aside)
+    base: int  # every entry's position (depth in blocks) is a multiple of it
     added: tuple[int, ...] | list[int]
     removed: tuple[int, ...] | list[int] = ()
 
     def encode(self) -> bytes:
         header = _HEADER.pack(VERSION, self.kind, self.epoch, self.seq, self.granularity,
-                              len(self.added), len(self.removed))  # fmt: skip
+                              self.base, len(self.added), len(self.removed))  # fmt: skip
         return header + _u64(self.added).tobytes() + _u64(self.removed).tobytes()
 
     @classmethod
@@ -108,8 +124,8 @@ class Summary:
         """The summary in ``data``, or None when it is not a well-formed one of this version."""
         if len(data) < _HEADER.size:
             return None
-        version, kind, epoch, seq, gran, n_add, n_del = _HEADER.unpack_from(data)
-        if version != VERSION or kind not in (SNAPSHOT, DELTA):
+        version, kind, epoch, seq, gran, base, n_add, n_del = _HEADER.unpack_from(data)
+        if version != VERSION or kind not in (SNAPSHOT, DELTA) or base < 1:
             return None
         if len(data) != _HEADER.size + 8 * (n_add + n_del):
             return None
@@ -118,7 +134,7 @@ class Summary:
         if sys.byteorder != "little":
             keys.byteswap()
         values = keys.tolist()
-        return cls(kind, epoch, seq, gran, values[:n_add], values[n_add:])
+        return cls(kind, epoch, seq, gran, base, values[:n_add], values[n_add:])
 
 
 def encoded_size(entries: int) -> int:

@@ -121,6 +121,7 @@ class LocationPublisher:
         lease: LeaseHolder,
         config: PublisherConfig = PublisherConfig(),  # noqa: B008 - frozen
         timeout: float = 2.0,
+        etcd: EtcdConnection | None = None,
     ) -> None:
         if not worker_id or not incarnation or "/" in worker_id + incarnation:
             raise ValueError("worker_id and incarnation must be non-empty, without '/'")
@@ -134,7 +135,8 @@ class LocationPublisher:
         self._pending: dict[BlockHash, bool] = {}  # hash -> True: put, False: delete
         self._published: set[BlockHash] = set()  # what etcd holds under the current lease
         self._registrations = -1  # lease grant the published set belongs to
-        self._etcd = EtcdConnection(endpoints, timeout, "locations")
+        self._own_etcd = etcd is None  # else shared (many simulated workers in one process)
+        self._etcd = etcd or EtcdConnection(endpoints, timeout, "locations")
         self._task: asyncio.Task[None] | None = None
 
     # -- engine thread ----------------------------------------------------------------------
@@ -246,4 +248,5 @@ class LocationPublisher:
         """Stop flushing. The entries stay until the worker's lease is revoked or expires."""
         await cancel_task(self._task)
         self._task = None
-        await self._etcd.close()
+        if self._own_etcd:
+            await self._etcd.close()

@@ -15,15 +15,29 @@ workers (a popular system prompt) are not expanded per worker.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import heapq
+import math
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import reduce
+from itertools import compress
+from typing import Any
 
 from libkv.etcd_follow import Endpoints, PrefixFollower, poll_until
 from libkv.hashing import BlockHash
-from libkv.location_summary import LOCATIONS_PREFIX, Summary, entry_key, parse_summary_key
+from libkv.location_summary import (
+    LOCATIONS_PREFIX,
+    Summary,
+    chain_entries,
+    entry_key,
+    parse_summary_key,
+)
 
 Holder = tuple[str, str]  # (worker_id, incarnation)
-_Value = Holder | set[Holder]  # one holder (the common case), or several
+_Entry = Holder | set[Holder]  # holders of an entry in the index: one (the common case), or more
+_Value = Holder | set[Holder] | frozenset[Holder]  # in a match: also a route's holders
 
 
 @dataclass(slots=True)
@@ -34,6 +48,7 @@ class _Worker:
     epoch: int
     seq: int
     granularity: int
+    base: int
     entries: set[int]
 
 
@@ -47,16 +62,22 @@ class IndexStats:
 
 class PrefixMatch(Mapping[Holder, int]):
     """holder -> depth of its deepest published prefix of the chain; valid until the index
-    changes next (routing uses it at once; ``dict(match)`` keeps a copy)."""
+    changes next (routing uses it at once; ``dict(match)`` keeps a copy).
 
-    def __init__(self, hits: list[tuple[int, _Value]]) -> None:
-        self._hits = hits  # (depth, holders), deepest first
+    Made of one or more lists of (depth, holders) hits, each deepest first (the etcd index's,
+    a router's recent routes): a holder's depth is its deepest in any of them."""
+
+    def __init__(self, *hits: Sequence[tuple[int, _Value]]) -> None:
+        self.hits = hits  # read only
 
     def get(self, holder: Holder, default: int = 0) -> int:  # type: ignore[override]
-        for depth, v in self._hits:
-            if (holder in v) if isinstance(v, set) else (holder == v):
-                return depth
-        return default
+        best = None
+        for hits in self.hits:
+            for depth, v in hits:
+                if (holder == v) if isinstance(v, tuple) else (holder in v):
+                    best = depth if best is None else max(best, depth)
+                    break
+        return default if best is None else best
 
     def __getitem__(self, holder: Holder) -> int:
         depth = self.get(holder, -1)
@@ -64,10 +85,16 @@ class PrefixMatch(Mapping[Holder, int]):
             raise KeyError(holder)
         return depth
 
+    def positions(self) -> Iterator[tuple[int, Iterable[Holder]]]:
+        """(depth, holders) of every published position of the chain, deepest first."""
+        for depth, v in heapq.merge(*self.hits, key=_neg_depth):
+            yield depth, ((v,) if isinstance(v, tuple) else v)
+
     def _expanded(self) -> dict[Holder, int]:
         out: dict[Holder, int] = {}
-        for depth, v in reversed(self._hits):
-            out.update(dict.fromkeys(v if isinstance(v, set) else (v,), depth))
+        for depth, holders in self.positions():
+            for h in holders:
+                out.setdefault(h, depth)
         return out
 
     def __iter__(self) -> Iterator[Holder]:
@@ -77,18 +104,36 @@ class PrefixMatch(Mapping[Holder, int]):
         return len(self._expanded())
 
 
+def found_deepest_first(found: list[Any], step: int = 1) -> list[tuple[int, Any]]:
+    """(depth, value) of the non-None values of ``found`` (one per probed chain position:
+    depths ``step``, ``2 * step``, ...), deepest first; in C loops, as lookups walk whole chains."""
+    depths = list(compress(range(step, step * len(found) + 1, step), found))
+    values = list(compress(found, found))
+    depths.reverse()
+    values.reverse()
+    return list(zip(depths, values, strict=True))
+
+
+def _neg_depth(hit: tuple[int, _Value]) -> int:
+    return -hit[0]
+
+
 class SummaryIndex:
     """entry -> the worker incarnations that published it. A ``FollowerSink``."""
 
     def __init__(self) -> None:
-        self._by_entry: dict[int, _Value] = {}
+        self._by_entry: dict[int, _Entry] = {}
         self._workers: dict[Holder, _Worker] = {}
+        self._bases: Counter[int] = Counter()  # workers per base granularity
+        self._step = 0  # chain positions a lookup probes (0: to be computed)
         self.stats = IndexStats()
 
     # -- FollowerSink -------------------------------------------------------------------------
     def reset(self, items: list[tuple[bytes, bytes]]) -> None:
         self._by_entry.clear()
         self._workers.clear()
+        self._bases.clear()
+        self._step = 0
         deltas: list[tuple[bytes, bytes]] = []
         for key, value in items:  # snapshots first, then the deltas in sequence order
             k = parse_summary_key(key)
@@ -111,6 +156,8 @@ class SummaryIndex:
             return  # a delta slot goes with its snapshot (same lease)
         w = self._workers.pop((k.worker_id, k.incarnation), None)
         if w is not None:
+            self._bases[w.base] -= 1
+            self._step = 0
             for e in w.entries:
                 self._unlink(e, w.holder)
 
@@ -146,7 +193,14 @@ class SummaryIndex:
         self.stats.snapshots += 1
         new = set(s.added)
         if w is None:
-            w = self._workers[holder] = _Worker(holder, s.epoch, s.seq, s.granularity, set())
+            w = self._workers[holder] = _Worker(holder, s.epoch, s.seq, s.granularity, s.base,
+                                                set())  # fmt: skip
+            self._bases[s.base] += 1
+        elif w.base != s.base:
+            self._bases[w.base] -= 1
+            self._bases[s.base] += 1
+            w.base = s.base
+        self._step = 0
         for e in w.entries - new:
             self._unlink(e, w.holder)
         for e in new - w.entries:
@@ -179,13 +233,23 @@ class SummaryIndex:
         """For each holder of any prefix of the chain ``hashes``: its deepest one, in blocks.
 
         A chain hash names its whole prefix, so the deepest published position is the match."""
-        get = self._by_entry.get
-        hits = []
-        for i in range(len(hashes) - 1, -1, -1):
-            v = get(int.from_bytes(hashes[i][:8], "little"))
-            if v is not None:
-                hits.append((i + 1, v))
-        return PrefixMatch(hits)
+        return self.match_entries(chain_entries(hashes))
+
+    def match_entries(self, entries: array[int]) -> PrefixMatch:
+        """`match` of a chain given as its entries (``chain_entries``)."""
+        return PrefixMatch(self.hit_list(entries, self.step))
+
+    @property
+    def step(self) -> int:
+        """Every entry sits at a multiple of this many blocks (the workers' common base)."""
+        if not self._step:
+            self._step = reduce(math.gcd, (b for b, n in self._bases.items() if n > 0), 0) or 1
+        return self._step
+
+    def hit_list(self, entries: array[int], step: int) -> list[tuple[int, _Entry]]:
+        """(depth, holders) of the chain positions in the index, deepest first, probing every
+        ``step``-th position (a divisor of `step`)."""
+        return found_deepest_first(list(map(self._by_entry.get, entries[step - 1 :: step])), step)
 
     def entries(self, worker_id: str | None = None) -> int:
         """Published entries in the index (of one worker's incarnations when given)."""

@@ -1,11 +1,13 @@
 """Publishes a worker's cached prefixes as a bounded stream of summaries (the worker side).
 
 What is published: the prefix hashes at every ``granularity``-th position of the chain (``base``
-blocks at first) that the prefix cache holds, plus the *leaves*: the deepest block of every
-committed run (a prompt's last full block, the end of a conversation turn), which is exactly
-where the next turn's chain passes. Shared system prompts are found by the fixed positions,
-conversations by their leaves. A leaf that gets a cached child stops being one; an evicted
-block is retracted (a prefix whose leaf was evicted keeps only its fixed positions).
+blocks at first) that the prefix cache holds, plus the *leaves*: the deepest position that is a
+multiple of ``base`` in every committed run (the end of a prompt, or of a conversation turn,
+rounded down to ``base`` blocks), which is where the next turn's chain passes. Shared system
+prompts are found by the fixed positions, conversations by their leaves. A leaf stops being
+one when the run goes on past its next ``base`` position; an evicted block is retracted (a
+prefix whose leaf was evicted keeps only its fixed positions). Every entry sits at a multiple
+of ``base``, so routers probe only those positions of a chain.
 
 How it is written (keys and values: ``libkv.location_summary``): at most one etcd put per
 ``interval``, a delta of the entries added and removed since the last write, or a snapshot of
@@ -58,10 +60,13 @@ class SummaryConfig:
     max_granularity: int = 1024
     max_entries: int = 65536  # entries of one snapshot (~512 KiB), coarsened beyond
     patience: int = 10  # quiet writes before the granularity is refined
+    granularity: int = 0  # to start with (a multiple of base); 0: base
 
     def __post_init__(self) -> None:
         if self.base < 1 or self.interval <= 0 or self.budget < 1:
             raise ValueError(f"bad summary config {self}")
+        if self.granularity % self.base:
+            raise ValueError(f"granularity must be a multiple of base: {self}")
         if self.max_granularity < self.base or self.max_entries < 1 or self.patience < 1:
             raise ValueError(f"bad summary config {self}")
 
@@ -118,9 +123,10 @@ class SummaryPublisher:
         self.worker_id, self.incarnation = worker_id, incarnation
         self.lease = lease
         self.config = config
-        self.stats = SummaryStats(granularity=config.base)
+        self.stats = SummaryStats(granularity=config.granularity or config.base)
         self._lock = threading.Lock()
-        self._held: dict[BlockHash, int] = {}  # cached fixed positions and leaves -> depth
+        self._held: dict[BlockHash, int] = {}  # cached blocks at base positions -> depth
+        self._tails: dict[BlockHash, BlockHash] = {}  # last block of a run -> its last anchor
         self._leaves: set[BlockHash] = set()
         self._dirty: set[BlockHash] = set()  # entries whose published state may be stale
         self._published: set[BlockHash] = set()  # what etcd holds (this epoch)
@@ -129,21 +135,26 @@ class SummaryPublisher:
         self._snap_seq = 0
         self._since_snapshot = 0  # entries in the deltas written after the last snapshot
         self._quiet = 0
-        self._granularity = config.base
+        self._granularity = config.granularity or config.base
         self._need_snapshot = True  # the next write is a snapshot (new epoch, failed snapshot)
         self._own_etcd = etcd is None
         self._etcd = etcd or EtcdConnection(endpoints, timeout, "locations")
         self._task: asyncio.Task[None] | None = None
 
     # -- engine thread ----------------------------------------------------------------------
-    def cached(self, index: int, block_hash: BlockHash, parent: BlockHash | None = None) -> None:
-        """The block at chain position ``index`` entered the cache (see ``CacheListener``)."""
+    def cached(self, index: int, block_hash: BlockHash, parent: BlockHash) -> None:
+        """The block at chain position ``index`` entered the cache, after ``parent`` (see
+        ``CacheListener``)."""
         with self._lock:
-            if parent is not None and parent in self._leaves:  # no longer a leaf
-                self._leaves.discard(parent)
-                self._dirty.add(parent)
-                if self._held[parent] % self.config.base:
-                    del self._held[parent]
+            # The run's last base position so far: the parent itself, or what its run passed on.
+            anchor = parent if parent in self._held else self._tails.pop(parent, None)
+            if (index + 1) % self.config.base:
+                if anchor is not None:
+                    self._tails[block_hash] = anchor
+                return
+            if anchor is not None and anchor in self._leaves:  # the run went on past it
+                self._leaves.discard(anchor)
+                self._dirty.add(anchor)
             if block_hash not in self._held:
                 self._held[block_hash] = index + 1
                 self._leaves.add(block_hash)
@@ -152,6 +163,7 @@ class SummaryPublisher:
     def evicted(self, block_hash: BlockHash) -> None:
         """A cached block was evicted: retract it if it was published."""
         with self._lock:
+            self._tails.pop(block_hash, None)
             if self._held.pop(block_hash, None) is not None:
                 self._leaves.discard(block_hash)
                 self._dirty.add(block_hash)
@@ -227,7 +239,8 @@ class SummaryPublisher:
                 removes = ordered[: min(len(removes), per_write)]
                 adds = ordered[len(removes) : per_write]
             added, removed = [entry_key(h) for h in adds], [entry_key(h) for h in removes]
-            summary = Summary(DELTA, self._epoch, seq, granularity, added, removed)
+            summary = Summary(DELTA, self._epoch, seq, granularity, self.config.base, added,
+                              removed)  # fmt: skip
             return _Plan(summary, adds, removes)
 
     def _snapshot_plan(self, seq: int, granularity: int) -> _Plan:
@@ -239,7 +252,7 @@ class SummaryPublisher:
             deepest = sorted(target, key=self._held.__getitem__, reverse=True)
             target = set(deepest[: self.config.max_entries])
         entries = [entry_key(h) for h in target]
-        summary = Summary(SNAPSHOT, self._epoch, seq, granularity, entries)
+        summary = Summary(SNAPSHOT, self._epoch, seq, granularity, self.config.base, entries)
         return _Plan(summary, [], [], target)
 
     # -- event loop -----------------------------------------------------------------------------

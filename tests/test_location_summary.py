@@ -58,31 +58,31 @@ def test_keys_and_values_round_trip_and_reject_foreign_ones():
     for bad in (b"/tandem/v1/locations/p-0/snapshot", b"/tandem/v1/locations/p/i/delta/99",
                 b"/tandem/v1/locations/p/i/other", b"/tandem/v1/blocks/p/i/snapshot"):  # fmt: skip
         assert parse_summary_key(bad) is None
-    s = Summary(DELTA, 3, 7, 16, [1, 2**64 - 1], [5])
+    s = Summary(DELTA, 3, 7, 16, 4, [1, 2**64 - 1], [5])
     assert Summary.decode(s.encode()) == s
-    assert len(s.encode()) == 20 + 3 * 8
+    assert len(s.encode()) == 22 + 3 * 8
     assert Summary.decode(s.encode()[:-1]) is None and Summary.decode(b"x") is None
 
 
 def test_index_rebuilds_from_snapshot_and_ring_and_ignores_gaps_and_stale_ones():
-    c = chain(list(range(40)))  # 10 blocks
+    c = chain(list(range(48)))  # 12 blocks
     idx = SummaryIndex()
-    snap = Summary(SNAPSHOT, 1, 4, 4, keys(c, 4, 8))
-    d5 = Summary(DELTA, 1, 5, 4, keys(c, 10), keys(c, 8))
-    d6 = Summary(DELTA, 1, 6, 4, keys(c, 9))
-    old = Summary(DELTA, 1, 3, 4, keys(c, 2))  # before the snapshot: already in it
+    snap = Summary(SNAPSHOT, 1, 4, 4, 4, keys(c, 4, 8))
+    d5 = Summary(DELTA, 1, 5, 4, 4, keys(c, 12), keys(c, 8))
+    d6 = Summary(DELTA, 1, 6, 4, 4, keys(c, 8))
+    old = Summary(DELTA, 1, 3, 4, 4, keys(c, 4))  # before the snapshot: already in it
     # A range read returns the ring in key order, not sequence order.
     ring = [(delta_key("a", "i", n), s.encode()) for n, s in [(6, d6), (3, old), (5, d5)]]
     idx.reset([ring[0], ring[1], (snapshot_key("a", "i"), snap.encode()), ring[2]])
-    assert idx.match(c) == {("a", "i"): 10} and idx.entries("a") == 3
-    assert idx.match(c[:9]) == {("a", "i"): 9} and idx.match(c[:7]) == {("a", "i"): 4}
+    assert idx.match(c) == {("a", "i"): 12} and idx.entries("a") == 3
+    assert idx.match(c[:11]) == {("a", "i"): 8} and idx.match(c[:7]) == {("a", "i"): 4}
     # A delta that skips one is not applied (the next snapshot heals); a stale one neither.
-    idx.put(delta_key("a", "i", 8), Summary(DELTA, 1, 8, 4, keys(c, 1)).encode())
+    idx.put(delta_key("a", "i", 8), Summary(DELTA, 1, 8, 4, 4, [], keys(c, 4)).encode())
     idx.put(delta_key("a", "i", 6), d6.encode())
     assert idx.entries("a") == 3 and (idx.stats.gaps, idx.stats.stale) == (1, 2)
     # Another worker shares a position; the lookup keeps each one's deepest.
-    idx.put(snapshot_key("b", "j"), Summary(SNAPSHOT, 1, 0, 4, keys(c, 4)).encode())
-    assert idx.match(c) == {("a", "i"): 10, ("b", "j"): 4}
+    idx.put(snapshot_key("b", "j"), Summary(SNAPSHOT, 1, 0, 4, 4, keys(c, 4)).encode())
+    assert idx.match(c) == {("a", "i"): 12, ("b", "j"): 4}
     assert idx.holders(c[3]) == {("a", "i"), ("b", "j")}
     # The snapshot key going (lease expired) drops the worker; its delta keys do not matter.
     idx.delete(delta_key("a", "i", 5))
@@ -128,28 +128,32 @@ def depth(index: SummaryIndex, reg: Registration, tokens: list[int]) -> int:
 async def test_fixed_positions_and_leaves_follow_the_cache(etcd, index):
     reg = await registered(etcd)
     wid = reg.member.worker_id
-    pub, kv = publisher(etcd, reg, 16)
+    pub, kv = publisher(etcd, reg, 20, granularity=16)  # fixed positions: every 16th block
     try:
-        turn1 = list(range(100, 140))  # 10 blocks: fixed positions 4 and 8, leaf 10
+        turn1 = list(range(100, 140))  # 10 blocks: leaf 8 (the last multiple of base 4)
         fill(kv, "t1", turn1)
         assert await pub.flush() == 1 and pub.stats.snapshots == 1  # the epoch's first write
-        assert await index.wait_for(lambda i: i.entries(wid) == 3, timeout=1.0)
-        assert depth(index, reg, turn1 + [1, 2, 3, 4]) == 10
-        # The next turn extends it: leaf 10 retracted, fixed 12 and leaf 13 announced.
+        assert await index.wait_for(lambda i: i.entries(wid) == 1, timeout=1.0)
+        assert depth(index, reg, turn1 + [1, 2, 3, 4]) == 8
+        # The next turn goes on past 12 and 16 in one interval: leaf 8 is retracted, 12 never
+        # leaves the worker, 16 (a fixed position and the new leaf) is announced.
         kv.free("t1")
-        turn2 = turn1 + list(range(500, 512))
+        turn2 = turn1 + list(range(500, 528))  # 17 blocks
         fill(kv, "t2", turn2)
-        assert await pub.flush() == 1 and pub.stats.snapshots == 1
-        assert (pub.stats.puts, pub.stats.deletes) == (3 + 2, 1)
-        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 13, timeout=1.0)
-        assert depth(index, reg, turn1) == 8  # turn 1's own end is no longer published
+        assert await pub.flush() == 1
+        # (written as a snapshot of one entry: smaller than the delta +16 -8)
+        assert pub.stats.snapshots == 2 and (pub.stats.puts, pub.stats.deletes) == (1 + 1, 0)
+        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 16, timeout=1.0)
+        assert depth(index, reg, turn1) == 0  # cached, but neither a leaf nor a fixed position
         # Nothing changed: nothing is written.
         assert await pub.flush() == 0 and pub.stats.txns == 2
-        # Fill the pool with another prompt: turn 2's blocks go, leaves first.
+        # Another prompt evicts turn 2's deepest blocks (leaves first): 16 is retracted.
         kv.free("t2")
-        fill(kv, "x", list(range(900, 948)))  # 12 blocks: 3 fresh + 9 evicted
+        other = list(range(900, 948))  # 12 blocks, leaf 12
+        fill(kv, "x", other)
         await pub.flush()
-        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 4, timeout=1.0)
+        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 0, timeout=1.0)
+        assert depth(index, reg, other) == 12 and index.entries(wid) == 1
         kv.check_integrity()
     finally:
         await pub.stop()
@@ -169,7 +173,7 @@ async def test_granularity_adapts_to_the_budget_and_writes_stay_one_per_flush(et
         assert await index.wait_for(lambda i: i.granularity((wid, inc)) == 8, timeout=1.0)
         assert index.entries(wid) == 2 + 4  # positions 8, 16 and 8, 16, 24, 32 (the leaves)
         for n in range(3):  # small changes: refined after `patience` quiet writes
-            fill(kv, f"s{n}", [7, 7, 7, n, 5])  # one block each: a leaf
+            fill(kv, f"s{n}", [7] * 15 + [n])  # 4 blocks each: a leaf
             assert await pub.flush() == 1
         assert pub.granularity == 4 and pub.stats.txns == 5
         assert await index.wait_for(lambda i: i.entries(wid) == pub.num_held, timeout=1.0)
