@@ -15,12 +15,13 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
 from libkv.hashing import ROOT_HASH, BlockHash
 
 BLOCK = 16  # tokens per block
-HOLDERS_PER_POSITION = 32  # workers a route considers per published chain position
+HOLDERS_PER_POSITION = 32  # holders a route looks at per chain position (the first ones)
 
 Hits = Iterable[tuple[int, Iterable[int]]]  # (depth in blocks, worker indexes), deepest first
 
@@ -83,18 +84,16 @@ class Cluster:
         best = self._least_busy()
         best_cost = max(self._busy[best] - now, 0.0) + n * per_block
         seen: set[int] = set()
+        busy = self._busy
         for depth, holders in hits:
-            k = 0
-            for w in holders:
-                if w in seen:
-                    continue
-                seen.add(w)
-                cost = max(self._busy[w] - now, 0.0) + (n - depth) * per_block
-                if cost < best_cost:
-                    best, best_cost = w, cost
-                k += 1
-                if k >= HOLDERS_PER_POSITION:
-                    break
+            miss = (n - depth) * per_block
+            for w in islice(holders, HOLDERS_PER_POSITION):
+                if w not in seen:  # a holder's deepest position comes first
+                    seen.add(w)
+                    cost = busy[w] - now
+                    cost = (cost if cost > 0.0 else 0.0) + miss
+                    if cost < best_cost:
+                        best, best_cost = w, cost
         return best
 
     # -- serving --------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import random
 import statistics
 import time
@@ -69,6 +70,8 @@ class Sim:
         self.summary = cfg.design.startswith("summary")
         self.hinted: HintedIndex | None = None
         self.now = 0.0  # virtual
+        self.per_request = PER_REQUEST_GUESS  # prefilled tokens per request, lately
+        self._last = (0, 0)  # (requests, prefilled tokens) at the last rate update
         self.interval = cfg.interval if self.summary else locations.PublisherConfig().interval
         # A conversation's next turn comes after about `active` other requests.
         active = int(cfg.think * cfg.workers * cfg.rate / PER_REQUEST_GUESS)
@@ -108,7 +111,7 @@ class Sim:
     def _hits(self, match):
         w = self._widx
         if self.summary:
-            return ((d, [w.setdefault(h, int(h[0][1:])) for h in hs])
+            return ((d, (w.setdefault(h, int(h[0][1:])) for h in hs))
                     for d, hs in match.positions())  # fmt: skip
         return ((d, (w.setdefault(h, int(h[0][1:])),))
                 for h, d in sorted(match.items(), key=lambda kv: -kv[1]))  # fmt: skip
@@ -145,43 +148,51 @@ class Sim:
         return txns, keys, keys * key_bytes + sum(s.puts for s in st) * 2, keys
 
     async def run(self) -> Row:
-        cfg = self.cfg
+        """Warm up until the caches are full, then measure ``cfg.measure`` virtual seconds; both
+        start and end on a flush round, so each measured interval holds one round."""
+        cfg, iv = self.cfg, self.interval
         rng = random.Random(cfg.seed + 1)
         await self.setup()
         sim = Cluster(cfg.workers, cfg.capacity, cfg.rate, self.pubs)
         oracle = Cluster(cfg.workers, cfg.capacity, cfg.rate)
         warmup = cfg.warmup or 1.5 * cfg.capacity * BLOCK / cfg.rate
-        end = warmup + cfg.measure
-        now, next_flush, per_request = 0.0, self.interval, PER_REQUEST_GUESS
-        last = (0, 0)  # (requests, prefilled tokens) at the last rate update
-        measuring, t_wall = False, time.monotonic()
-        base: tuple = ()
-        assert self.index is not None
-        while now < end:
-            now += rng.expovariate(cfg.workers * cfg.rate / per_request)
-            while now >= next_flush:
-                await self.flush_round()
-                next_flush += self.interval
-                if not measuring and next_flush > warmup:
-                    measuring, t_measure = True, next_flush - self.interval
-                    base = (self._stats(), await self._revision(), self.apply_s[0],
-                            asdict(sim.counters), asdict(oracle.counters))  # fmt: skip
-            chain = self.trace.next()
-            match = self._match(chain, now)
-            if measuring:
-                self.chains.append(chain)
-            w = sim.route(chain, self._hits(match), now)
-            if self.hinted is not None:
-                self.hinted.note([(f"w{w}", "i0")], chain, now)
-            sim.serve(w, chain, now)
-            oracle.serve(oracle.route(chain, oracle.exact_hits(chain), now), chain, now)
-            c = sim.counters
-            if c.requests - last[0] >= 500:  # keep the prefill rate at cfg.rate
-                prefilled = c.prompt_tokens - c.hit_tokens
-                per_request = max((prefilled - last[1]) / (c.requests - last[0]), 16.0)
-                last = (c.requests, prefilled)
+        first, last = math.ceil(warmup / iv), math.ceil((warmup + cfg.measure) / iv)
+        now, t_wall, base = 0.0, time.monotonic(), ()
+        for k in range(1, last + 1):
+            while True:  # the requests before round k (Poisson arrivals: memoryless)
+                gap = rng.expovariate(cfg.workers * cfg.rate / self.per_request)
+                if now + gap >= k * iv:
+                    break
+                now += gap
+                self._request(sim, oracle, now, k > first)
+            now = k * iv
+            await self.flush_round()
+            if now % 1.0 < iv:
+                print(f"  {cfg.design} x{cfg.workers}: {now:.0f}/{last * iv:.0f} virtual s, "
+                      f"{time.monotonic() - t_wall:.0f} s", flush=True)  # fmt: skip
+            if k == first:
+                base = (self._stats(), await self._revision(), self.apply_s[0],
+                        asdict(sim.counters), asdict(oracle.counters))  # fmt: skip
         self.now = now
-        return await self._finish(sim, oracle, base, now - t_measure, time.monotonic() - t_wall)
+        span = (last - first) * iv
+        return await self._finish(sim, oracle, base, span, time.monotonic() - t_wall)
+
+    def _request(self, sim: Cluster, oracle: Cluster, now: float, measuring: bool) -> None:
+        """Route and serve one request in both clusters; keep the prefill rate at cfg.rate."""
+        chain = self.trace.next()
+        match = self._match(chain, now)
+        if measuring:
+            self.chains.append(chain)
+        w = sim.route(chain, self._hits(match), now)
+        if self.hinted is not None:
+            self.hinted.note([(f"w{w}", "i0")], chain, now)
+        sim.serve(w, chain, now)
+        oracle.serve(oracle.route(chain, oracle.exact_hits(chain), now), chain, now)
+        c = sim.counters
+        if c.requests - self._last[0] >= 20 * self.cfg.workers:  # about every 0.5 virtual s
+            prefilled = c.prompt_tokens - c.hit_tokens
+            self.per_request = max((prefilled - self._last[1]) / (c.requests - self._last[0]), 16.0)
+            self._last = (c.requests, prefilled)
 
     async def _finish(self, sim, oracle, base, span, wall) -> Row:
         (txns0, keys0, bytes0, changes0), rev0, apply0, sim0, ora0 = base

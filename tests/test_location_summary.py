@@ -11,7 +11,7 @@ import pytest
 
 from libkv.block_pool import BlockPool
 from libkv.etcd_server import EtcdServer
-from libkv.hashing import encode_extra_keys, hash_prefix_blocks
+from libkv.hashing import ROOT_HASH, encode_extra_keys, hash_prefix_blocks
 from libkv.kv_manager import KVCacheManager
 from libkv.location_summary import (
     DELTA,
@@ -27,6 +27,7 @@ from libkv.location_summary import (
 from libkv.registry import Member, Registration
 from libkv.summary_index import LocationIndex, SummaryIndex
 from libkv.summary_publisher import SummaryConfig, SummaryPublisher
+from libkv.summary_state import SummaryState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,6 +91,30 @@ def test_index_rebuilds_from_snapshot_and_ring_and_ignores_gaps_and_stale_ones()
     idx.delete(snapshot_key("a", "i"))
     assert idx.match(c) == {("b", "j"): 4} and idx.entries("a") == 0 and len(idx) == 1
     assert idx.holders(c[3]) == {("b", "j")}
+
+
+def test_state_caps_a_delta_at_the_budget_and_writes_a_failed_one_again():
+    st = SummaryState(SummaryConfig(base=1, budget=3, max_granularity=1))
+    c = chain(list(range(40)))  # 10 blocks, all published at granularity 1
+    for i, h in enumerate(c):
+        st.cached(i, h, c[i - 1] if i else ROOT_HASH)
+    first = st.plan(epoch=1)
+    assert first is not None and first.summary.kind == SNAPSHOT and len(first.summary.added) == 10
+    st.applied(first, 100)
+    for h in reversed(c[5:]):  # leaves first, as the pool evicts
+        st.evicted(h)
+    p = st.plan(epoch=1)
+    assert p is not None and p.summary.kind == DELTA and len(p.summary.removed) == 3
+    st.failed(p)  # etcd did not take it: the same changes come again
+    again = st.plan(epoch=1)
+    assert again is not None and sorted(again.summary.removed) == sorted(p.summary.removed)
+    st.applied(again, 50)
+    rest = st.plan(epoch=1)
+    assert rest is not None and (rest.summary.seq, len(rest.summary.removed)) == (2, 2)
+    st.applied(rest, 40)
+    assert st.plan(epoch=1) is None
+    assert (st.stats.txns, st.stats.puts, st.stats.deletes) == (3, 10, 5)
+    assert st.plan(epoch=2).summary.kind == SNAPSHOT and st.stats.republished == 1  # new lease
 
 
 # -- publisher and index against etcd ---------------------------------------------------------
