@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.etcd_ceiling import ceilings
+from bench.etcd_ceiling import Ceiling, ceilings
 from bench.location_report import Row, render
 from bench.location_run import DESIGNS, Sim, SimConfig
 from libkv.etcd_follow import EtcdConnection
@@ -66,18 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="summary: s between writes")
     p.add_argument("--think", type=float, default=2.0, help="virtual s between turns")
     p.add_argument("--budget", type=int, default=256, help="summary entry changes/s/worker")
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="write OUT.md and OUT.json")
+    p.add_argument("--from-json", default="", help="only render the .md of an earlier run")
     args = p.parse_args(argv)
-    t0 = time.monotonic()
-    rows, ceiling = asyncio.run(run_all(args))
-    command = "python -m bench.location_sim " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = render(rows, ceiling, command, time.monotonic() - t0)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        rows = [Row(**r) for r in data["rows"]]
+        ceiling = [Ceiling(**c) for c in data["ceiling"]]
+        command, wall, date = data["command"], data["wall_s"], data["date"]
+    else:
+        t0 = time.monotonic()
+        rows, ceiling = asyncio.run(run_all(args))
+        command = "python -m bench.location_sim " + " ".join(sys.argv[1:] if argv is None else argv)
+        wall = time.monotonic() - t0
+        date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    text = render(rows, ceiling, command, wall, date)
     print(text)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(text)
-        data = {"command": command, "rows": [asdict(r) for r in rows],
+        data = {"command": command, "date": date, "wall_s": wall, "rows": [asdict(r) for r in rows],
                 "ceiling": [asdict(c) for c in ceiling]}  # fmt: skip
         out.with_suffix(".json").write_text(json.dumps(data, indent=1))
 

@@ -4,9 +4,9 @@ A worker publishes what it cached at most once per summary interval (``libkv.sum
 so for about that long the index does not yet show a prompt just routed: the next turn of a
 quick conversation, or a burst of requests with a new system prompt, would be routed as if
 nothing were cached. `RecentRoutes` remembers, for ``ttl`` seconds (a couple of intervals, by
-when the worker's summary has it), the chain positions of each routed prompt (its last full
-block and every ``every``-th one) and the worker that will cache them. `HintedIndex` merges
-both into one lookup.
+when the worker's summary has it), every ``every``-th chain position of each routed prompt
+(16 blocks = 256 tokens: the next turn of a conversation passes through the deepest of them)
+and the workers that will cache them. `HintedIndex` merges both into one lookup.
 
 This is the only routing state a router keeps besides etcd's (like the requests it has in
 flight, which the policy already weighs): replicas agree on everything older than ``ttl``,
@@ -15,7 +15,6 @@ and a router restarted just now routes by etcd alone.
 
 from __future__ import annotations
 
-import math
 import time
 from array import array
 from collections import deque
@@ -35,13 +34,10 @@ class RecentRoutes:
         self,
         ttl: float = 2.0,
         every: int = 16,
-        base: int = 4,
         max_entries: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if every % base:
-            raise ValueError("every must be a multiple of base")
-        self.ttl, self.every, self.base = ttl, every, base
+        self.ttl, self.every = ttl, every
         self.max_entries, self.clock = max_entries, clock
         self._by_entry: dict[int, _Holders] = {}
         # (expiry, entry, the value noted then): a later note of the entry puts a new value
@@ -63,20 +59,17 @@ class RecentRoutes:
             (holders[0][0], holders[0][1]) if len(holders) == 1 else frozenset(holders)
         )
         expiry = now + self.ttl
-        deepest = len(entries) // self.base * self.base  # in blocks, as the publisher's leaf
-        if not deepest:
-            return
-        for i in (*range(self.every - 1, deepest - 1, self.every), deepest - 1):
+        for i in range(self.every - 1, len(entries), self.every):
             self._by_entry[entries[i]] = value
             self._order.append((expiry, entries[i], value))
         while len(self._order) > self.max_entries:  # bounded whatever the request rate
             self._drop(*self._order.popleft())
 
-    def hits(self, entries: array[int], step: int, now: float) -> list[tuple[int, _Holders]]:
-        """(depth, holder) of the chain positions routed recently, deepest first, probing every
-        ``step``-th position (a divisor of `base`)."""
+    def hits(self, entries: array[int], now: float) -> list[tuple[int, _Holders]]:
+        """(depth, holders) of the chain positions routed recently, deepest first."""
         self._expire(now)
-        return found_deepest_first(list(map(self._by_entry.get, entries[step - 1 :: step])), step)
+        n = self.every
+        return found_deepest_first(list(map(self._by_entry.get, entries[n - 1 :: n])), n)
 
     def _expire(self, now: float) -> None:
         order = self._order
@@ -101,8 +94,8 @@ class HintedIndex:
     def match(self, hashes: Sequence[BlockHash], now: float | None = None) -> PrefixMatch:
         now = self.recent.clock() if now is None else now
         entries = chain_entries(hashes)
-        step = math.gcd(self.index.step, self.recent.base)
-        return PrefixMatch(self.index.hit_list(entries, step), self.recent.hits(entries, step, now))
+        index_hits = self.index.hit_list(entries, self.index.step)
+        return PrefixMatch(index_hits, self.recent.hits(entries, now))
 
     def note(
         self, holders: Sequence[Holder], hashes: Sequence[BlockHash], now: float | None = None

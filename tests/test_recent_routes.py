@@ -17,18 +17,18 @@ def chain(n: int) -> list[bytes]:
     return [rng.randbytes(16) for _ in range(n)]
 
 
-def test_recent_routes_remember_every_16th_block_and_the_leaf_until_they_expire():
+def test_recent_routes_remember_every_16th_position_until_they_expire():
     now = [0.0]
-    recent = RecentRoutes(ttl=2.0, every=16, base=4, clock=lambda: now[0])
+    recent = RecentRoutes(ttl=2.0, every=16, clock=lambda: now[0])
     hinted = HintedIndex(SummaryIndex(), recent)
-    c = chain(39)  # positions 16 and 32, leaf 36 (39 rounded down to base 4)
+    c = chain(39)  # positions 16 and 32
     hinted.note([("w1", "i")], c)
-    assert hinted.match(c + chain(5)) == {("w1", "i"): 36}
-    assert hinted.match(c[:35]) == {("w1", "i"): 32} and hinted.match(c[:15]) == {}
-    assert len(recent) == 3
+    assert hinted.match(c + chain(5)) == {("w1", "i"): 32}
+    assert hinted.match(c[:31]) == {("w1", "i"): 16} and hinted.match(c[:15]) == {}
+    assert len(recent) == 2
     now[0] = 1.9
-    hinted.note([("w2", "i")], c[:18])  # a newer route of position 16 to another worker
-    assert hinted.match(c) == {("w1", "i"): 36, ("w2", "i"): 16}
+    hinted.note([("w2", "i")], c[:20])  # a newer route of position 16 to another worker
+    assert hinted.match(c) == {("w1", "i"): 32, ("w2", "i"): 16}
     now[0] = 2.0  # w1's route expired; w2's stays until 3.9
     assert hinted.match(c) == {("w2", "i"): 16} and len(recent) == 1
     now[0] = 3.9
@@ -38,14 +38,14 @@ def test_recent_routes_remember_every_16th_block_and_the_leaf_until_they_expire(
 def test_index_and_recent_routes_merge_each_holders_deepest():
     idx = SummaryIndex()
     c = chain(64)
-    idx.put(snapshot_key("w1", "i"), Summary(SNAPSHOT, 1, 0, 4, 4, [entry_key(c[47])]).encode())
+    idx.put(snapshot_key("w1", "i"), Summary(SNAPSHOT, 1, 0, 4, 4, [entry_key(c[43])]).encode())
     hinted = HintedIndex(idx, RecentRoutes(clock=lambda: 0.0))
-    hinted.note([("w1", "i")], c[:18])  # position 16 ...
-    hinted.note([("w2", "i"), ("w3", "j")], c[:60])  # ... then routed to w2 and w3 together
+    hinted.note([("w1", "i")], c[:20])  # position 16 ...
+    hinted.note([("w2", "i"), ("w3", "j")], c[:50])  # ... then routed to w2 and w3 together
     m = hinted.match(c)
-    assert m.get(("w1", "i")) == 48 and m[("w2", "i")] == 60 and m.get(("w3", "i")) == 0
-    assert dict(m) == {("w1", "i"): 48, ("w2", "i"): 60, ("w3", "j"): 60}
-    assert [d for d, _ in m.positions()] == [60, 48, 48, 32, 16]
+    assert m.get(("w1", "i")) == 44 and m[("w2", "i")] == 48 and m.get(("w4", "i")) == 0
+    assert dict(m) == {("w1", "i"): 44, ("w2", "i"): 48, ("w3", "j"): 48}
+    assert [d for d, _ in m.positions()] == [48, 44, 32, 16]
 
 
 def test_kv_policy_sends_a_quick_second_turn_where_the_first_went():
@@ -63,4 +63,4 @@ def test_kv_policy_sends_a_quick_second_turn_where_the_first_went():
     chooser.inflight[first.prefill.worker_id] += 1  # still running: the others look idler
     second = chooser.plan(RouteRequest(turn1 + [5] * 100), set())
     assert second is not None and second.prefill == first.prefill and second.reason == "kv-hit"
-    assert second.cached_blocks == 300 // 16 // 4 * 4
+    assert second.cached_blocks == 300 // 16 // 16 * 16  # every 16th block is remembered
