@@ -115,7 +115,12 @@ designs) are added, not simulated."""
 
 
 def render(
-    rows: Sequence[Row], ceiling: Sequence[Ceiling], command: str, wall: float, now: str
+    rows: Sequence[Row],
+    ceiling: Sequence[Ceiling],
+    command: str,
+    wall: float,
+    now: str,
+    load: Sequence[float],
 ) -> str:
     ceil = "\n".join(f"| {c.what} | {c.keys_per_s:,.0f} | {c.txns_per_s:,.0f} "
                      f"| {c.mb_per_s:.1f} |" for c in ceiling)  # fmt: skip
@@ -126,7 +131,7 @@ def render(
         "second into an 8,192-block (131,072-token) LRU prefix cache; conversations' turns come "
         "about 2 virtual s apart",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores; load average at the end "
-        f"{[round(x, 2) for x in os.getloadavg()]}", "",
+        f"{[round(x, 2) for x in load]}", "",
         table(rows), "", targets(rows, "summary+hints"), targets(rows, "summary"),
         "etcd write ceiling on this machine (one Python client process, 4 connections, 64 "
         "writes in flight; same run)", "",

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -75,21 +76,25 @@ def main(argv: list[str] | None = None) -> None:
         rows = [Row(**r) for r in data["rows"]]
         ceiling = [Ceiling(**c) for c in data["ceiling"]]
         command, wall, date = data["command"], data["wall_s"], data["date"]
+        load = data["loadavg"]
     else:
         t0 = time.monotonic()
         rows, ceiling = asyncio.run(run_all(args))
         command = "python -m bench.location_sim " + " ".join(sys.argv[1:] if argv is None else argv)
         wall = time.monotonic() - t0
         date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    text = render(rows, ceiling, command, wall, date)
+        load = [round(x, 2) for x in os.getloadavg()]
+    text = render(rows, ceiling, command, wall, date, load)
     print(text)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(text)
-        data = {"command": command, "date": date, "wall_s": wall, "rows": [asdict(r) for r in rows],
-                "ceiling": [asdict(c) for c in ceiling]}  # fmt: skip
-        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        if not args.from_json:
+            data = {"command": command, "date": date, "wall_s": wall, "loadavg": load,
+                    "rows": [asdict(r) for r in rows],
+                    "ceiling": [asdict(c) for c in ceiling]}  # fmt: skip
+            out.with_suffix(".json").write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

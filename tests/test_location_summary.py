@@ -158,7 +158,7 @@ async def test_fixed_positions_and_leaves_follow_the_cache(etcd, index):
         turn1 = list(range(100, 140))  # 10 blocks: leaf 8 (the last multiple of base 4)
         fill(kv, "t1", turn1)
         assert await pub.flush() == 1 and pub.stats.snapshots == 1  # the epoch's first write
-        assert await index.wait_for(lambda i: i.entries(wid) == 1, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == 1, timeout=3.0)
         assert depth(index, reg, turn1 + [1, 2, 3, 4]) == 8
         # The next turn goes on past 12 and 16 in one interval: leaf 8 is retracted, 12 never
         # leaves the worker, 16 (a fixed position and the new leaf) is announced.
@@ -168,7 +168,7 @@ async def test_fixed_positions_and_leaves_follow_the_cache(etcd, index):
         assert await pub.flush() == 1
         # (written as a snapshot of one entry: smaller than the delta +16 -8)
         assert pub.stats.snapshots == 2 and (pub.stats.puts, pub.stats.deletes) == (1 + 1, 0)
-        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 16, timeout=1.0)
+        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 16, timeout=3.0)
         assert depth(index, reg, turn1) == 0  # cached, but neither a leaf nor a fixed position
         # Nothing changed: nothing is written.
         assert await pub.flush() == 0 and pub.stats.txns == 2
@@ -177,13 +177,13 @@ async def test_fixed_positions_and_leaves_follow_the_cache(etcd, index):
         other = list(range(900, 948))  # 12 blocks, leaf 12
         fill(kv, "x", other)
         await pub.flush()
-        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 0, timeout=1.0)
+        assert await index.wait_for(lambda i: depth(i, reg, turn2) == 0, timeout=3.0)
         assert depth(index, reg, other) == 12 and index.entries(wid) == 1
         kv.check_integrity()
     finally:
         await pub.stop()
         await reg.stop()
-    assert await index.wait_for(lambda i: i.entries(wid) == 0, timeout=1.0)  # lease revoked
+    assert await index.wait_for(lambda i: i.entries(wid) == 0, timeout=3.0)  # lease revoked
 
 
 async def test_granularity_adapts_to_the_budget_and_writes_stay_one_per_flush(etcd, index):
@@ -195,13 +195,13 @@ async def test_granularity_adapts_to_the_budget_and_writes_stay_one_per_flush(et
         await pub.flush()
         fill(kv, "b", list(range(1000, 1128)))  # 32 blocks: 8 fixed + 1 leaf > 4 changes
         assert await pub.flush() == 1 and pub.granularity == 8 and pub.stats.snapshots == 2
-        assert await index.wait_for(lambda i: i.granularity((wid, inc)) == 8, timeout=1.0)
+        assert await index.wait_for(lambda i: i.granularity((wid, inc)) == 8, timeout=3.0)
         assert index.entries(wid) == 2 + 4  # positions 8, 16 and 8, 16, 24, 32 (the leaves)
         for n in range(3):  # small changes: refined after `patience` quiet writes
             fill(kv, f"s{n}", [7] * 15 + [n])  # 4 blocks each: a leaf
             assert await pub.flush() == 1
         assert pub.granularity == 4 and pub.stats.txns == 5
-        assert await index.wait_for(lambda i: i.entries(wid) == pub.num_held, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == pub.num_held, timeout=3.0)
     finally:
         await pub.stop()
         await reg.stop()
@@ -216,7 +216,7 @@ async def test_restarted_router_rebuilds_from_snapshot_and_ring(etcd, index):
             fill(kv, f"s{n}", [n] * 4 + list(range(32)))
             assert await pub.flush() == 1
         assert pub.stats.snapshots == 2 and pub.stats.txns == RING + 3
-        assert await index.wait_for(lambda i: i.entries(wid) == pub.num_held, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == pub.num_held, timeout=3.0)
         fresh = await LocationIndex.start(etcd.endpoint)
         try:
             assert fresh.synced and fresh.entries(wid) == pub.num_held
@@ -237,11 +237,11 @@ async def test_lost_lease_starts_a_new_epoch_with_a_snapshot(etcd, index):
     pub.start()
     try:
         fill(kv, "s", list(range(32)))  # 8 blocks: 4, 8 (also the leaf)
-        assert await index.wait_for(lambda i: i.entries(wid) == 2, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == 2, timeout=3.0)
         host, port = etcd.endpoint.split(":")
         async with aetcd.Client(host=host, port=int(port), timeout=2) as client:
             await client.revoke_lease(reg.lease_id)  # as if etcd lost it
-        assert await index.wait_for(lambda i: i.entries(wid) == 0, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == 0, timeout=3.0)
         assert await index.wait_for(lambda i: i.entries(wid) == 2, timeout=3.0)
         assert pub.stats.republished == 1 and pub.stats.snapshots == 2
         assert reg.registrations == 2
@@ -265,7 +265,7 @@ async def test_new_incarnation_replaces_the_old_one_when_its_lease_ends(etcd, in
         fill(kv2, "s", list(range(100, 116)))
         await pub2.flush()
         incs = {old.member.incarnation, new.member.incarnation}
-        assert await index.wait_for(lambda i: i.entries(wid) == 2 + 1, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == 2 + 1, timeout=3.0)
         assert {inc for (w, inc) in index._workers if w == wid} == incs
         assert await index.wait_for(lambda i: i.entries(wid) == 1, timeout=TTL + 1.5)
         assert depth(index, old, list(range(32))) == 0
@@ -282,7 +282,7 @@ async def test_index_and_publisher_resync_after_an_etcd_restart(etcd, index):
     pub.start()
     try:
         fill(kv, "a", list(range(32)))
-        assert await index.wait_for(lambda i: i.entries(wid) == 2, timeout=1.0)
+        assert await index.wait_for(lambda i: i.entries(wid) == 2, timeout=3.0)
         resyncs = index.follower.resyncs
         etcd.stop()
         fill(kv, "b", list(range(200, 264)))  # cached while etcd is down
