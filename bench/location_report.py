@@ -102,7 +102,7 @@ sha256 chain) and time: requests arrive so that every worker prefills `rate` tok
 second; each publisher flushes once per virtual interval (all sharing 4 etcd connections), and
 the index catches up with etcd before routing goes on, so watch latency is not in the figures.
 Rates are per virtual second; whether etcd could take them in real time is what the ceiling
-below (same run, same machine) says. A second cluster routes the same requests by an exact index
+above (same run, same machine) says. A second cluster routes the same requests by an exact index
 of every cached block (no delay): the hit rate to compare with. Routing: lowest estimated time
 to first token (wait until idle + uncached tokens / rate) over the holders a lookup reports (the
 first 32 per chain position) and the least busy worker. Index memory: tracemalloc of an index
