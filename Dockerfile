@@ -1,12 +1,13 @@
 # syntax=docker/dockerfile:1
-# The image every Tandem pod runs (helm/tandem): CUDA 12.8 runtime, Python, the CUDA build of
-# PyTorch, NIXL with its bundled UCX (nixl-cu12, plus the verbs libraries UCX needs for RDMA),
-# and this package. The entrypoint is the `tandem` command; the chart passes the service:
+# The image every Tandem pod runs (helm/tandem): CUDA runtime, Python, the CUDA build of
+# PyTorch, NIXL with its bundled UCX (nixl-cu12 or nixl-cu13 to match the CUDA major version,
+# plus the verbs libraries UCX needs for RDMA), and this package. The entrypoint is the
+# `tandem` command; the chart passes the service:
 #   tandem gateway|router|prefill|decode FLAGS    (flags fall back to TANDEM_* variables)
 #
-#   docker build -t ghcr.io/tandem-serving/tandem:0.1.0 .
-#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \
-#     --build-arg CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04 ...   # CUDA 13 hosts
+#   docker build -t ghcr.io/tandem-serving/tandem:0.1.0 .                  # CUDA 12.8
+#   docker build --build-arg CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 --build-arg NIXL=cu13 .
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
@@ -30,9 +31,11 @@ ARG TORCH_VERSION=2.11.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
-# The package (engine, kernels, libkv, services and the generated tandem.v1 API), not editable.
+# The package (engine, kernels, libkv, services and the generated tandem.v1 API), not editable,
+# with the NIXL build of the image's CUDA major version (the `cu12` / `cu13` extra).
+ARG NIXL=cu12
 COPY . /src
-RUN pip install /src && rm -rf /src
+RUN pip install "/src[${NIXL}]" && rm -rf /src
 
 # Unprivileged at run time; the model volume is mounted read-only, /dev/shm is an emptyDir.
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin tandem

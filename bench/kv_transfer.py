@@ -1,8 +1,10 @@
 """KV block transfer between two processes, side by side in one run: NIXL READ (decode pulls),
 NIXL WRITE (prefill pushes into blocks decode pre-allocated), the gRPC block stream (the
-fallback), and an in-process copy of the same scattered blocks as the baseline (on GPUs: a
-PyTorch peer-to-peer copy from the other GPU). Every transport is the production class
-(`NixlTransport`, `NixlBlockServer`, `GrpcStreamTransport`, the prefill gRPC servicer).
+fallback; host memory only), CUDA IPC (GPU pools of one host), and an in-process copy of the
+same scattered blocks as the baseline (on GPUs: a PyTorch copy from the peer's GPU, which is
+this one with ``--peer-device cuda:0``). Every transport is the production class
+(`NixlTransport`, `NixlBlockServer`, `GrpcStreamTransport`, `CudaIpcTransport`, the prefill
+gRPC servicer).
 
 For each block size, ``--total-mib`` move in requests of ``--request-mib`` at random
 (scattered) block indices on both sides; bandwidth is the best of ``--repeats`` timed passes
@@ -10,7 +12,8 @@ after a warm-up request, the methods' passes interleaved. Latency is one single-
 request, median of ``--latency-reps``. The last request of every transport is checked byte for
 byte.
 
-    python -m bench.kv_transfer [--device cpu|cuda] [--total-mib 1024] [--grpc-total-mib 256]
+    python -m bench.kv_transfer [--device cpu|cuda] [--peer-device cuda:1] [--total-mib 1024]
+        [--grpc-total-mib 256] [--nixl-total-mib N] [--methods nixl-read cuda-ipc ...]
 
 Prints a markdown table; writes ``kv_transfer_<device>.json`` and ``.md`` to ``--out``.
 """
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from bench import kv_peer
+from libkv.cuda_ipc import CudaIpcTransport
 from libkv.nixl_agent import NixlEndpoint
 from libkv.nixl_transport import NixlTransport
 from libkv.transfer import AgentInfo, StaticPeers, agent_name
@@ -155,25 +159,34 @@ class Bench:
             for i, j in zip(s.tolist(), d.tolist(), strict=True):
                 dst_n[j] = src_n[i]
 
-        out = {f"nixl-{m}": via(t) for m, t in transports.items() if m != "grpc"}
-        out["grpc"] = via(transports["grpc"])
+        out = {m if m == "cuda-ipc" else f"nixl-{m}": via(t) for m, t in transports.items()}
+        out["grpc"] = out.pop("nixl-grpc")
         out["p2p-copy" if self.device.type == "cuda" else "copy"] = copy
-        return out
+        gpu = self.device.type == "cuda"  # the gRPC stream never carries GPU memory
+        wanted = {m for m in self.args.methods if not (gpu and m == "grpc")}
+        return {m: move for m, move in out.items() if m in wanted or "copy" in m}
 
-    async def block_size(self, bs: int, peer_info) -> list[Row]:
+    async def block_size(self, bs: int, peer_extra: dict[str, str]) -> list[Row]:
         a, rng = self.args, np.random.default_rng(bs)
         region = kv_peer.region(self.pool, bs)
+        peer_info = AgentInfo.from_extra(peer_extra)
+        assert peer_info is not None
         peers = StaticPeers({"peer": peer_info})
-        transports = {}
+        transports: dict = {}
         for mode in ("read", "write"):
-            ep = await NixlEndpoint.start(f"bench-{mode}-{bs}", region)
-            transports[mode] = NixlTransport(ep, peers, mode)
+            if f"nixl-{mode}" in a.methods:
+                ep = await NixlEndpoint.start(f"bench-{mode}-{bs}", region)
+                transports[mode] = NixlTransport(ep, peers, mode)
         transports["grpc"] = GrpcStreamTransport(TorchStore(self.pool, bs))
+        if "cuda-ipc" in a.methods and self.device.type == "cuda":
+            records = kv_peer.StaticRecords({"peer": peer_extra})
+            transports["cuda-ipc"] = CudaIpcTransport(self.pool.view(-1, bs), bs, records)
         assert peer_info.name == agent_name("peer", f"bs{bs}")
         moves = self.moves(bs, peer_info, transports)
         plans = {}
         for method, move in moves.items():
-            total = (a.grpc_total_mib if method == "grpc" else a.total_mib) * 1024**2
+            total = {"grpc": a.grpc_total_mib, "nixl-read": a.nixl_total_mib,
+                     "nixl-write": a.nixl_total_mib}.get(method, a.total_mib) * 1024**2  # fmt: skip
             plans[method] = plan(total // bs, max(1, a.request_mib * 1024**2 // bs), rng)
             await move(*plans[method][0])  # warm-up: connections, registrations, page faults
         best = dict.fromkeys(moves, float("inf"))
@@ -211,7 +224,7 @@ def contiguous_baseline(pool: torch.Tensor, base_src: torch.Tensor) -> float:
 async def run(args) -> tuple[list[Row], float]:
     on_gpu = args.device == "cuda"
     dev = torch.device("cuda:0" if on_gpu else "cpu")
-    peer_dev = "cuda:1" if on_gpu else "cpu"
+    peer_dev = args.peer_device if on_gpu else "cpu"
     total = args.total_mib * 1024**2
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -227,7 +240,7 @@ async def run(args) -> tuple[list[Row], float]:
     rows: list[Row] = []
     for kib in args.block_kib:
         conn.send(("setup", kib * KIB))
-        rows += await bench.block_size(kib * KIB, AgentInfo.from_json(conn.recv()))
+        rows += await bench.block_size(kib * KIB, conn.recv())
     conn.send(("stop",))
     conn.recv()
     proc.join(10)
@@ -279,12 +292,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--total-mib", type=int, default=1024)
     p.add_argument("--grpc-total-mib", type=int, default=256)
+    p.add_argument(
+        "--peer-device",
+        default="cuda:1",
+        help="the prefill process's GPU (cuda:0: both processes on one GPU)",
+    )
+    p.add_argument("--nixl-total-mib", type=int, default=None, help="default: --total-mib")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["nixl-read", "nixl-write", "grpc", "cuda-ipc"],
+        help="transports to measure (grpc: host memory only; cuda-ipc: GPUs only)",
+    )
     p.add_argument("--request-mib", type=int, default=64)
     p.add_argument("--block-kib", type=int, nargs="+", default=list(BLOCK_KIB))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--latency-reps", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
+    args.nixl_total_mib = args.nixl_total_mib or args.total_mib
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # both processes on this host
     rows, contiguous = asyncio.run(run(args))
     machine = machine_name(args.device)

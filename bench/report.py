@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.handoff import HandoffReport
+from bench.handoff import render as render_handoff
 from bench.kv_stats import CacheReport, render_cache_table
 from bench.metrics import Summary
 from bench.runner import RunResult
@@ -24,6 +26,7 @@ class RunReport:
     result: RunResult
     summary: Summary
     cache: CacheReport | None = None  # local stacks: prefix hits and block-location writes
+    handoff: HandoffReport | None = None  # local stacks: the KV hand-off (bench.handoff)
 
     @property
     def rate_label(self) -> str:
@@ -42,7 +45,7 @@ def _s(x: float) -> str:
 
 TABLE_HEAD = (
     "| endpoint | workload | rate | ok/sent | req/s | out tok/s | TTFT p50/p90/p99 ms "
-    "| TPOT p50/p90/p99 ms | ITL p99 ms | E2E p50/p99 s | goodput req/s | SLO met |\n"
+    "| TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p99 s | goodput req/s | SLO met |\n"
     "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
@@ -56,7 +59,8 @@ def render_table(reports: Sequence[RunReport]) -> str:
             f"| {r.endpoint} | {r.workload} | {rep.rate_label} | {s.completed}/{s.sent} "
             f"| {_s(s.request_throughput)} | {s.output_token_throughput:.1f} "
             f"| {_ms(s.ttft.p50)}/{_ms(s.ttft.p90)}/{_ms(s.ttft.p99)} "
-            f"| {_ms(s.tpot.p50)}/{_ms(s.tpot.p90)}/{_ms(s.tpot.p99)} | {_ms(s.itl.p99)} "
+            f"| {_ms(s.tpot.p50)}/{_ms(s.tpot.p90)}/{_ms(s.tpot.p99)} "
+            f"| {_ms(s.itl.p50)}/{_ms(s.itl.p90)}/{_ms(s.itl.p99)} "
             f"| {_s(s.e2e.p50)}/{_s(s.e2e.p99)} | {s.goodput:.3f} | {s.slo_attainment:.0%} |"
         )
     return "\n".join(lines)
@@ -149,6 +153,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 "seed": r.seed,
                 "summary": dataclasses.asdict(rep.summary),
                 "cache": dataclasses.asdict(rep.cache) if rep.cache else None,
+                "handoff": dataclasses.asdict(rep.handoff) if rep.handoff else None,
                 "records": records,
             }
         )
@@ -180,6 +185,14 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
     if caches:
         lines += ["", "Prefix cache (from worker stats) and block-location writes to etcd", ""]
         lines.append(render_cache_table(caches))
+    handoffs = [
+        (r.result.endpoint, r.result.workload, r.rate_label, r.handoff)
+        for r in reports
+        if r.handoff
+    ]
+    if handoffs:
+        lines += ["", "KV hand-off (from the decode workers' metrics; see bench/handoff.py)", ""]
+        lines.append(render_handoff(handoffs))
     if notes:
         lines += ["", notes]
     path.write_text("\n".join(lines) + "\n")

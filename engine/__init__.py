@@ -13,6 +13,7 @@ from engine.errors import (
     TandemError,
     UnsupportedModelError,
 )
+from engine.grammar import GrammarSpec
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ from engine.sampling_params import SamplingParams
 __all__ = [
     "LLM",
     "EngineConfig",
+    "GrammarSpec",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "LLMEngine",

@@ -52,7 +52,8 @@ class AsyncEngine:
 
     # -- request API (event loop side) -----------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params: Any, **kw: Any):
-        """Queue a request and yield its outputs until it finishes (or hands its KV off)."""
+        """Queue a request and yield its outputs (every choice's) until it finishes (or hands its
+        KV off)."""
         queue = self._open(request_id)
         await self._add(
             request_id, functools.partial(self.engine.add_request, request_id, prompt, params, **kw)
@@ -136,7 +137,7 @@ class AsyncEngine:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                done = item.finished or item.kv_held
+                done = (item.finished or item.kv_held) and not item.others_pending
                 yield item
                 if done:
                     return

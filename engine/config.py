@@ -11,6 +11,7 @@ from engine.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +131,15 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     load_format: str = "safetensors"  # or "dummy": random weights of the config's shapes
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes (CPU) / memory (GPU)
-    kv_cache_bytes: int = 512 * 1024**2
-    gpu_memory_fraction: float = 0.85
+    # KV pool size, first that applies: ``num_kv_blocks``; ``kv_cache_bytes``; on CUDA what
+    # ``gpu_memory_utilization`` leaves after weights, activations and CUDA graphs (see
+    # engine.memory); on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    # CUDA: the share of the device's *total* memory this engine may use for weights,
+    # activations, CUDA graphs and its KV pool (vLLM's --gpu-memory-utilization). Several
+    # engines on one device each take their own share.
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -146,6 +153,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, not {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, not {self.kv_cache_bytes}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"

@@ -29,3 +29,8 @@ class RequestNotFoundError(TandemError, KeyError):
 
 class KVCapacityError(TandemError):
     """No free KV blocks for this request right now (transient; retry elsewhere or later)."""
+
+
+class InsufficientMemoryError(TandemError):
+    """The engine's share of the device cannot hold the weights, the activations and the
+    smallest useful KV pool; raised at start, with the numbers, instead of an OOM later."""

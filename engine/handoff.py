@@ -1,17 +1,23 @@
 """Disaggregation support of the engine: a prefill hands its KV off, a decode takes it over.
 
-Prefill side: a request added with ``hold_kv=True`` leaves the batch after its first token but
-keeps its block table ("held") until ``release``. Decode side: ``reserve`` allocates a table for
-a prompt whose KV will arrive (reusing this worker's own cached prefix), ``write_blocks`` fills
-it, and ``add_prefilled`` joins the request to the running batch after its first token.
+Prefill side: a request added with ``hold_kv=True`` leaves the batch after its first token (one
+per choice) but keeps its prompt's block table ("held") until ``release``. Decode side:
+``reserve`` allocates a table for a prompt whose KV will arrive (reusing this worker's own cached
+prefix), ``write_blocks`` fills it, and ``add_prefilled`` joins the request's choices to the
+running batch after their first tokens; with ``n > 1`` they all share the one prompt table
+(copy-on-write), so the prompt's KV moves once. A grammar-constrained choice gets a fresh matcher
+that replays its first token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.choices import Choice, Request
 from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -24,7 +30,18 @@ if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
+    from engine.structured import GrammarRuntime
     from libkv.kv_manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A choice's first token, sampled by the prefill worker, and what goes with it."""
+
+    index: int
+    token: int
+    logprob: TokenLogprob | None = None
+    generator_state: bytes = b""
 
 
 class HandoffMixin:
@@ -39,13 +56,16 @@ class HandoffMixin:
     _requests: dict
     _reserved: set[str]
     _held: set[str]
-    _held_seqs: dict[str, Sequence]
+    _held_seqs: dict[str, dict[int, Sequence]]
+    grammar: GrammarRuntime
 
     if TYPE_CHECKING:
 
         def _validate(self, ids: list[int], params: SamplingParams) -> None: ...
-        def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, tenant): ...
-        def _register(self, req) -> None: ...
+        def _new_choice(
+            self, request_id: str, ids: list[int], params: SamplingParams, salt: bytes, index: int
+        ) -> Choice: ...
+        def _register(self, req: Request) -> None: ...
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks a prefill hand-off keeps for the decode worker, in token order."""
@@ -65,13 +85,19 @@ class HandoffMixin:
                 return True
             return False
 
-    def generator_state(self, request_id: str) -> bytes:
-        """Serialized state of a held request's seeded generator (b"" when unseeded)."""
+    def generator_state(self, request_id: str, index: int = 0) -> bytes:
+        """Serialized state of the seeded generator of a held request's choice ``index`` (b""
+        when unseeded, or when that choice already finished)."""
         with self._lock:
-            seq = self._held_seqs.get(request_id)
+            seq = self._held_seqs.get(request_id, {}).get(index)
             if seq is None or seq.generator is None:
                 return b""
             return bytes(seq.generator.get_state().numpy().tobytes())
+
+    def held_choices(self, request_id: str) -> list[int]:
+        """Indices of a held request's choices that go on at the decode worker."""
+        with self._lock:
+            return sorted(self._held_seqs.get(request_id, {}))
 
     @property
     def num_held(self) -> int:
@@ -102,7 +128,7 @@ class HandoffMixin:
         self,
         request_id: str,
         prompt: list[int],
-        first_token: int,
+        first_token: int | None,
         params: SamplingParams,
         *,
         tenant: str | None = None,
@@ -111,36 +137,68 @@ class HandoffMixin:
         num_cached_tokens: int = 0,
         recompute: bool = False,
         priority: int = 0,
+        firsts: Seq[FirstToken] = (),
     ) -> None:
         """Join a reserved request, whose prompt KV has been written, to the running batch.
 
-        The first token was sampled (and streamed) by the prefill worker; its text is not
-        emitted again here. ``recompute``: the KV never arrived (transfer failed, reservation
-        released); the request queues like a preempted one and this engine recomputes prompt
-        and first token (reusing its own cached prefix) before sampling the second token.
+        ``firsts`` are the choices that go on, each with the first token the prefill worker
+        sampled (and streamed; its text is not emitted again here); without them, choice 0
+        goes on from ``first_token``, ``first_logprob`` and ``generator_state``. Every choice
+        shares the reserved prompt blocks. ``recompute``: the KV never arrived (transfer failed,
+        reservation released); each choice queues like a preempted sequence and this engine
+        recomputes prompt and first token (reusing its own cached prefix) before sampling on.
         """
+        if not firsts:
+            assert first_token is not None, "add_prefilled needs first_token or firsts"
+            firsts = [FirstToken(0, first_token, first_logprob, generator_state)]
         self._validate(prompt, params)
-        req = self._new_request(request_id, prompt, params, tenant)
-        seq = req.seq
-        seq.priority = priority
-        if generator_state and seq.generator is not None:
-            seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        seq.output_token_ids.append(first_token)
-        seq.num_computed = 0 if recompute else len(prompt)
-        seq.num_cached_prompt_tokens = num_cached_tokens
-        if req.logprobs is not None and first_logprob is not None:
-            req.logprobs.append(first_logprob)
-        req.text = req.detok.push([first_token]).text
+        salt = encode_extra_keys(tenant)
+        choices = [self._prefilled_choice(request_id, prompt, params, salt, f) for f in firsts]
+        for c in choices:
+            c.seq.priority = priority
+            c.seq.num_computed = 0 if recompute else len(prompt)
+            c.seq.num_cached_prompt_tokens = num_cached_tokens
+        req = Request(choices[0].seq, {c.seq.index: c for c in choices})
         with self._lock:
             if recompute:
                 self._register(req)
-                self.scheduler.add(seq)
+                for c in choices:
+                    self.scheduler.add(c.seq)
                 return
             if request_id not in self._reserved:
                 raise RequestNotFoundError(f"no reserved KV for request {request_id!r}")
             self._register(req)
             self._reserved.discard(request_id)
-            self.kv.commit(request_id, seq.all_token_ids, seq.num_computed)
+            self._share_reserved(request_id, [c.seq for c in choices])
+
+    def _prefilled_choice(
+        self, request_id: str, prompt: list[int], params: SamplingParams, salt: bytes, f: FirstToken
+    ) -> Choice:
+        """A choice continuing from its first token: generator state and grammar replayed."""
+        if not 0 <= f.index < params.n:
+            raise InvalidRequestError(f"choice index {f.index} is not in [0, {params.n})")
+        c = self._new_choice(request_id, prompt, params, salt, f.index)
+        seq = c.seq
+        if f.generator_state and seq.generator is not None:
+            state = torch.frombuffer(bytearray(f.generator_state), dtype=torch.uint8)
+            seq.generator.set_state(state)
+        if params.grammar is not None:
+            seq.matcher = self.grammar.matcher(params.grammar, replay=[f.token])
+        seq.output_token_ids.append(f.token)
+        if c.logprobs is not None and f.logprob is not None:
+            c.logprobs.append(f.logprob)
+        c.text = c.detok.push([f.token]).text
+        return c
+
+    def _share_reserved(self, request_id: str, seqs: list[Sequence]) -> None:
+        """Give every choice the reserved prompt table (shared, copy-on-write) and attach it."""
+        for seq in seqs:
+            if seq.key != request_id:
+                self.kv.fork(request_id, seq.key)
+        if all(seq.key != request_id for seq in seqs):
+            self.kv.free(request_id)
+        for seq in seqs:
+            self.kv.commit(seq.key, seq.all_token_ids, seq.num_computed)
             self.scheduler.attach(seq)
 
     def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:

@@ -31,7 +31,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion together; outputs come back in prompt order.
+        """Run every prompt to completion together; outputs come back in prompt order, and for
+        a prompt with ``n > 1`` choices, its ``n`` outputs in choice order.
 
         A prompt is a string or a list of token ids; a single prompt may be passed bare.
         """
@@ -44,17 +45,18 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in batch]
         for rid, prompt, p in zip(ids, batch, params, strict=True):
             self.engine.add_request(rid, prompt, p)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        final: dict[tuple[str, int], RequestOutput] = {}
+        while len(final) < sum(p.n for p in params):
             for out in self.engine.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+                    final[(out.request_id, out.index)] = out
+        return [final[(rid, i)] for rid, p in zip(ids, params, strict=True) for i in range(p.n)]
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield one ``RequestOutput`` per generated token (``new_text`` holds the delta)."""
+        """Yield one ``RequestOutput`` per generated token (``new_text`` holds the delta; with
+        ``n > 1``, ``index`` tells the choices apart)."""
         rid = f"stream-{next(self._ids)}"
         self.engine.add_request(rid, prompt, params)
         try:
@@ -62,7 +64,7 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id == rid:
                         yield out
-                        if out.finished:
+                        if out.finished and not out.others_pending:
                             return
         finally:
             if self.engine.has_unfinished():

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.choices import Choice, Request, fork_sequence
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.emit import EmitMixin
 from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
@@ -26,9 +28,10 @@ from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import SeqStatus, Sequence
 from engine.step_stats import StepObserver, batch_stats
+from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
 from libkv.block_pool import BlockPool
 from libkv.hashing import encode_extra_keys
@@ -37,7 +40,9 @@ from libkv.kv_manager import KVCacheManager
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What a request has produced: cumulative fields plus the delta of the latest step."""
+    """What one choice of a request has produced: cumulative fields plus the delta of the latest
+    step. ``index`` is the choice (``0 <= index < params.n``); ``others_pending`` says that other
+    choices of the request still run here, so the request is not over although this one is."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -51,6 +56,8 @@ class RequestOutput:
     num_cached_tokens: int
     stop_reason: str | int | None = None
     kv_held: bool = False  # prefill hand-off: blocks kept for a decode worker (see release)
+    index: int = 0
+    others_pending: bool = False
 
     @property
     def finished(self) -> bool:
@@ -69,17 +76,7 @@ class EngineStats:
     prompt_tokens: int
 
 
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None = None
-    text: str = ""
-    stop_reason: str | int | None = None
-    hold_kv: bool = False
-
-
-class LLMEngine(HandoffMixin):
+class LLMEngine(EmitMixin, HandoffMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -94,10 +91,10 @@ class LLMEngine(HandoffMixin):
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
         self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
-        self._held_seqs: dict[str, Sequence] = {}
+        self._held_seqs: dict[str, dict[int, Sequence]] = {}
         self._lock = threading.RLock()
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
@@ -107,6 +104,7 @@ class LLMEngine(HandoffMixin):
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammar = GrammarRuntime(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(eos))
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -122,34 +120,45 @@ class LLMEngine(HandoffMixin):
         """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits).
         ``priority``: 0 (interactive) is scheduled before 1 (batch), which is preempted first.
 
-        ``hold_kv`` makes it a prefill: after the first token the request leaves the batch but
-        keeps its blocks (output ``kv_held``) until ``release``; unless it already finished.
+        ``hold_kv`` makes it a prefill: after the first tokens (one per choice) the request
+        leaves the batch but keeps its prompt's blocks (outputs ``kv_held``) until ``release``;
+        unless every choice already finished.
         """
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
-        req = self._new_request(request_id, ids, params, tenant)
-        req.hold_kv = hold_kv
-        req.seq.priority = priority
+        first = self._new_choice(request_id, ids, params, encode_extra_keys(tenant), 0)
+        if params.grammar is not None:
+            first.seq.matcher = self.grammar.matcher(params.grammar)
+        first.seq.priority = priority
+        req = Request(first.seq, {0: first}, list(range(1, params.n)), hold_kv)
         with self._lock:
             self._register(req)
-            self.scheduler.add(req.seq)
+            self.scheduler.add(first.seq)
 
-    def _new_request(
-        self, request_id: str, ids: list[int], params: SamplingParams, tenant: str | None
-    ) -> _Request:
-        seq = Sequence(request_id, ids, params, next(self._counter), encode_extra_keys(tenant))
+    def _new_choice(
+        self, request_id: str, ids: list[int], params: SamplingParams, salt: bytes, index: int
+    ) -> Choice:
+        seq = Sequence(request_id, ids, params, next(self._counter), salt, index=index)
+        return self._choice_of(seq)
+
+    def _choice_of(self, seq: Sequence) -> Choice:
+        """A Choice around ``seq``, with its seeded generator (seed + index) and detokenizer."""
+        params = seq.params
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(
-                params.seed % 2**64
+                (params.seed + seq.index) % 2**64
             )
         detok = IncrementalDetokenizer(
-            self.tokenizer.hf, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            self.tokenizer.hf,
+            seq.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
         )
-        return _Request(seq, detok, [] if params.logprobs is not None else None)
+        return Choice(seq, detok, [] if params.logprobs is not None else None)
 
-    def _register(self, req: _Request) -> None:
-        rid = req.seq.request_id
+    def _register(self, req: Request) -> None:
+        rid = req.request_id
         if rid in self._requests or (rid in self.kv and rid not in self._reserved):
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         self._requests[rid] = req
@@ -160,6 +169,8 @@ class LLMEngine(HandoffMixin):
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias: token ids must be in [0, {vocab})")
         limit = self.max_model_len
         if len(ids) >= limit:
             raise PromptTooLongError(
@@ -179,7 +190,8 @@ class LLMEngine(HandoffMixin):
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request and free its blocks now (held or reserved blocks too; then None).
+        """Cancel a request (every choice) and free its blocks now (held or reserved blocks too;
+        then None). Returns the output of its lowest live choice.
 
         Raises RequestNotFoundError if the id is unknown."""
         with self._lock:
@@ -188,8 +200,12 @@ class LLMEngine(HandoffMixin):
                 if self.release(request_id):
                     return None
                 raise RequestNotFoundError(f"no live request {request_id!r}")
-            self.scheduler.abort(req.seq)
-            return self._output(req, [], "", [])
+            outs = []
+            for index in sorted(req.live):
+                choice = req.live[index]
+                self.scheduler.abort(choice.seq)
+                outs.append(self._output(choice, [], "", []))
+            return outs[0] if outs else None
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -204,72 +220,44 @@ class LLMEngine(HandoffMixin):
             if not sched.scheduled:
                 return []
             info = batch_stats(sched) if self.on_step is not None else None
-            due = [s.seq for s in sched.scheduled if s.samples]
-            sampled = self.runner.execute(sched)
+            due = self._due(sched.scheduled)
+            sampled = self.runner.execute(sched, self.grammar)
             self.scheduler.advance(sched.scheduled)
-            outputs: list[RequestOutput] = []
-            for seq, token, lp in zip(due, sampled.token_ids, sampled.logprobs, strict=True):
-                outputs.append(self._on_token(self._requests[seq.request_id], token, lp))
+            self._join_forks(sched.scheduled)
+            outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
             if info is not None and self.on_step is not None:
                 info.seconds = time.perf_counter() - t0
                 self.on_step(info)
             return outputs
 
-    def _on_token(self, req: _Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
-        seq = req.seq
-        if not seq.output_token_ids:
-            self._prefix_hit_tokens += seq.num_cached_prompt_tokens
-            self._prompt_tokens += len(seq.prompt_token_ids)
-        seq.output_token_ids.append(token)
-        if req.logprobs is not None and lp is not None:
-            req.logprobs.append(lp)
-        delta = req.detok.push([token])
-        new_text = delta.text
-        reason = self._finish_reason(req, token, delta.stop_matched)
-        if reason is not None:
-            if reason is not FinishReason.STOP or delta.stop_matched is None:
-                new_text += req.detok.flush()
-                if req.detok.stop_matched is not None:  # a stop hidden behind a partial char
-                    reason, req.stop_reason = FinishReason.STOP, req.detok.stop_matched
-            self.scheduler.finish(seq, reason)
-            self._requests.pop(seq.request_id, None)
-        elif req.hold_kv:
-            self.scheduler.detach(seq)
-            self._requests.pop(seq.request_id, None)
-            self._held.add(seq.request_id)
-            self._held_seqs[seq.request_id] = seq
-        req.text += new_text
-        out = self._output(req, [token], new_text, [lp] if lp is not None else [])
-        out.kv_held = seq.request_id in self._held
-        return out
+    def _due(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
+        """The sequences sampling this step, in the runner's row order; forks the other choices
+        of a request whose prompt is done (they sample from the same logits row)."""
+        due: list[Sequence] = []
+        for s in scheduled:
+            if not s.samples:
+                continue
+            req = self._requests[s.seq.request_id]
+            if req.forking(s.seq):
+                for index in req.unborn:
+                    req.live[index] = self._choice_of(fork_sequence(s.seq, index))
+                    s.forks.append(req.live[index].seq)
+                req.unborn = []
+            due.append(s.seq)
+            due.extend(s.forks)
+        return due
 
-    def _finish_reason(self, req: _Request, token: int, stop: str | None) -> FinishReason | None:
-        seq, p = req.seq, req.seq.params
-        if stop is not None:
-            req.stop_reason = stop
-            return FinishReason.STOP
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.stop_reason = token
-            return FinishReason.STOP
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _output(self, req, new_ids, new_text, new_lps) -> RequestOutput:
-        seq = req.seq
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=req.text,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            new_logprobs=new_lps,
-            logprobs=req.logprobs,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            num_cached_tokens=seq.num_cached_prompt_tokens,
-            stop_reason=req.stop_reason,
-        )
+    def _join_forks(self, scheduled: list[ScheduledSeq]) -> None:
+        """After the prompt's forward pass: forked choices share its blocks and join the batch
+        (unless the request is a prefill hand-off, which decodes elsewhere)."""
+        for s in scheduled:
+            for child in s.forks:
+                child.num_computed = s.seq.num_computed
+                if self._requests[s.seq.request_id].hold_kv:
+                    child.status = SeqStatus.RUNNING
+                    continue
+                self.kv.fork(s.seq.key, child.key)
+                self.scheduler.attach(child)
 
     def score(self, prompt: list[int]) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill).

@@ -78,12 +78,16 @@ def load_weights(
 def dummy_weights(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> ModelWeights:
-    """Random weights of the config's shapes (std 0.02; norms 1): for speed, not for text."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the config's shapes (std 0.02; norms 1): for speed, not for text.
+
+    Drawn on ``device`` from a generator seeded with ``seed``, so every engine of one device
+    type gets the same weights (an 8B model is drawn in seconds on a GPU, minutes on a CPU);
+    the values differ between device types."""
+    g = torch.Generator(device=device).manual_seed(seed)
     c = config
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype=dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)

@@ -1,4 +1,5 @@
-"""Batched token sampler: penalties, greedy, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Batched token sampler: grammar masks, logit bias, penalties, greedy, temperature, top-k /
+top-p / min-p, seeds, logprobs.
 
 One call per decode step turns ``[B, V]`` logits into one token per row. The common case (every
 row greedy, no penalties, no logprobs) is a single ``argmax``; everything else is vectorised over
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured import apply_bitmask_
 
 # Temperatures below this are raised to it: dividing logits by a far smaller one can overflow to
 # inf (then softmax gives nan), and the distribution is already a point mass on the argmax.
@@ -34,13 +36,15 @@ class SamplingRow:
 
     ``generator`` is the request's own generator when ``params.seed`` is set (made by the engine
     on the logits' device with ``torch.Generator(device=...).manual_seed(seed)``), else ``None``.
-    Token ids must be smaller than the vocabulary size ``V``.
+    Token ids must be smaller than the vocabulary size ``V``. ``guided`` rows follow a grammar:
+    the sampler's bitmask row of theirs says which tokens they may take.
     """
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    guided: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +71,18 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every row of a batch. Stateless; safe to share."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype, CPU or CUDA).
 
-        Order: logprobs of the raw logits; penalties; then greedy argmax, or temperature, top-k,
-        top-p, min-p and sampling. Work is done in float32; ``logits`` is never modified.
+        Order: logprobs of the raw logits; the grammar mask of guided rows (``bitmask``, int32
+        ``[B, ceil(V / 32)]`` on the logits' device, see ``engine.structured``); logit bias;
+        penalties; then greedy argmax, or temperature, top-k, top-p, min-p and sampling. Work is
+        done in float32; ``logits`` is never modified.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
@@ -79,15 +90,25 @@ class Sampler:
             )
         if not rows:
             return SamplerOutput([], [])
-        if all(_is_plain(r.params) for r in rows):
+        if all(_is_plain(r) for r in rows):
             # Fast path. Converting to float32 is exact, so argmax on the input dtype is the same.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         params = [r.params for r in rows]
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        guided = [i for i, r in enumerate(rows) if r.guided] if bitmask is not None else []
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        x = logits.to(torch.float32, copy=bool(penalised))
+        x = logits.to(torch.float32, copy=bool(penalised or guided or biased))
         raw_logprobs = torch.log_softmax(_take(x, want_lp), dim=-1) if want_lp else None
+        if guided:
+            assert bitmask is not None
+            masked = _take(x, guided)
+            apply_bitmask_(masked, _take(bitmask, guided))
+            if masked is not x:
+                _put(x, guided, masked)
+        if biased:
+            _apply_logit_bias_(x, params, biased)
         if penalised:
             apply_penalties_(x, rows, penalised)
 
@@ -101,8 +122,27 @@ class Sampler:
         return _finish(tokens, raw_logprobs, want_lp, params)
 
 
-def _is_plain(p: SamplingParams) -> bool:
-    return p.greedy and p.logprobs is None and not p.has_penalties
+def _is_plain(r: SamplingRow) -> bool:
+    p = r.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.has_penalties
+        and not p.logit_bias
+        and not (r.guided)
+    )
+
+
+def _apply_logit_bias_(
+    x: torch.Tensor, params: Sequence[SamplingParams], idx: Sequence[int]
+) -> None:
+    """``x[i, t] += bias`` for each ``(t, bias)`` of ``params[i].logit_bias``, ``i`` in ``idx``."""
+    r = [i for i in idx for _ in params[i].logit_bias]
+    t = [tok for i in idx for tok, _ in params[i].logit_bias]
+    b = [bias for i in idx for _, bias in params[i].logit_bias]
+    dev = x.device
+    rows, toks = torch.tensor(r, device=dev), torch.tensor(t, device=dev)
+    x.index_put_((rows, toks), torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
 
 
 def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
+from engine.grammar import GrammarSpec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -13,6 +14,9 @@ MAX_TOP_LOGPROBS = 20
 # top_k travels as int32 between services; any value >= the vocabulary means "no top-k".
 MAX_TOP_K = 2**31 - 1
 _MAX_REPR = 120  # error messages quote at most this much of a bad value
+MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,12 @@ class SamplingParams:
     logprobs; ``logprobs=k`` returns the chosen token's logprob plus the ``k`` most likely
     alternatives (``0 <= k <= 20``). Log-probabilities are those of the raw model distribution
     (before penalties, temperature and truncation), as OpenAI reports them.
+
+    ``n`` choices are sampled from one prompt: the prompt is computed once and its KV blocks are
+    shared (copy-on-write); with a ``seed``, choice ``i`` draws from seed ``seed + i``.
+    ``logit_bias`` holds ``(token_id, bias)`` pairs added to the logits before sampling.
+    ``grammar`` constrains every output token to keep the text a prefix of the grammar's language
+    (JSON schema, Lark or regex; see ``engine.grammar``).
     """
 
     max_tokens: int = 16
@@ -39,6 +49,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists/str for convenience but store tuples so the object stays hashable.
@@ -47,6 +60,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         self._validate()
 
     @property
@@ -95,6 +110,21 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad("stop_token_ids", "must be non-negative integers")
+        _check_int(self, "n", 1, MAX_N, bad)
+        self._validate_logit_bias(bad)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad("grammar", "must be a GrammarSpec")
+
+    def _validate_logit_bias(self, bad) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        for t, b in self.logit_bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("logit_bias", "token ids must be non-negative integers")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+                raise bad("logit_bias", "biases must be finite numbers")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"biases must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None, hi: int | None, bad) -> None:

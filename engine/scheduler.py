@@ -21,11 +21,15 @@ from libkv.kv_manager import CopyOp, KVCacheManager
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """``num_new`` tokens of ``seq`` computed this step, starting at ``seq.num_computed``."""
+    """``num_new`` tokens of ``seq`` computed this step, starting at ``seq.num_computed``.
+
+    ``forks`` are further choices of the same request that sample their first token from this
+    chunk's logits (``n > 1``: the prompt is computed once, then forked)."""
 
     seq: Sequence
     num_new: int
     block_ids: list[int]
+    forks: list[Sequence] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -72,13 +76,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq.request_id)
+        self.kv.free(seq.key)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or FinishReason.ABORT
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.request_id)
+        self.kv.free(seq.key)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
     def detach(self, seq: Sequence) -> None:
@@ -107,17 +111,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            copies = self.kv.grow(seq.request_id, seq.num_computed, seq.num_computed + n)
+            copies = self.kv.grow(seq.key, seq.num_computed, seq.num_computed + n)
             while copies is None:
                 victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self.kv.grow(seq.request_id, seq.num_computed, seq.num_computed + n)
+                copies = self.kv.grow(seq.key, seq.num_computed, seq.num_computed + n)
             if copies is None:  # seq itself was the victim (newest of the least urgent)
                 break
             out.copies.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.request_id)))
+            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
             budget -= n
             i += 1
         return budget
@@ -131,7 +135,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.request_id)
+        self.kv.free(seq.key)
         seq.status, seq.num_computed = SeqStatus.WAITING, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -146,9 +150,7 @@ class Scheduler:
             # At least the last token is computed: its logits give the next token.
             num_computed = min(hit.num_tokens(self.kv.block_size), len(tokens) - 1)
             n = min(len(tokens) - num_computed, budget)
-            copies = self.kv.admit(
-                seq.request_id, hit, num_computed, num_computed + n, seq.cache_salt
-            )
+            copies = self.kv.admit(seq.key, hit, num_computed, num_computed + n, seq.cache_salt)
             if copies is None:
                 break
             self.waiting.popleft()
@@ -158,11 +160,11 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.copies.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.request_id)))
+            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
             budget -= n
 
     def advance(self, scheduled: Iterable[ScheduledSeq]) -> None:
         """After the forward pass: mark the chunk computed and publish newly full blocks."""
         for s in scheduled:
             s.seq.num_computed += s.num_new
-            self.kv.commit(s.seq.request_id, s.seq.all_token_ids, s.seq.num_computed)
+            self.kv.commit(s.seq.key, s.seq.all_token_ids, s.seq.num_computed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +25,13 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request: its tokens, how many have KV computed, and why it finished.
+    """One choice of a request: its tokens, how many have KV computed, and why it finished.
 
     ``num_computed`` counts tokens (prompt, then outputs) whose K/V sit in the cache. The
     newest output token never has KV yet: it is the input of the next decode step.
+
+    A request with ``n`` choices has ``n`` sequences sharing its ``request_id``, told apart by
+    ``index``; ``key`` names the block table of each (the request id itself for choice 0).
     """
 
     request_id: str
@@ -45,6 +49,13 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # monotonic time of its first step (queue time)
     priority: int = 0  # lower is scheduled first: 0 interactive, 1 batch
+    index: int = 0  # which choice of its request (0 <= index < params.n)
+    matcher: Any = None  # llguidance matcher of a grammar-constrained sequence (engine-owned)
+
+    @property
+    def key(self) -> Hashable:
+        """The block-table key: ``request_id`` for choice 0, ``(request_id, index)`` otherwise."""
+        return self.request_id if self.index == 0 else (self.request_id, self.index)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2 import StrictUndefined, TemplateError
+from jinja2 import StrictUndefined, Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -51,7 +51,23 @@ class Tokenizer:
             trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined
         )
         self._env.globals["raise_exception"] = _raise_template_error
+        self._env.filters["tojson"] = _tojson  # as transformers renders templates
         self._compiled = self._env.from_string(template) if template else None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model's own chat template renders ``tools`` (a template that never
+        mentions them would silently drop the tool definitions)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def compile_template(self, source: str) -> Template:
+        """Compile another chat template in the same sandbox (e.g. a tool-calling template for
+        a model whose own template has no tool support)."""
+        return self._env.from_string(source)
+
+    def holds_special(self, text: str) -> bool:
+        """Whether ``text`` contains the text of a special token (``<|im_end|>``, ...)."""
+        return any(t in text for t in self._specials)
 
     @property
     def vocab_size(self) -> int:
@@ -71,13 +87,16 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        template: Template | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render messages into the prompt text (special tokens included as text)."""
-        if self._compiled is None:
+        """Render messages into the prompt text (special tokens included as text), with the
+        model's template or ``template``; ``kwargs`` (e.g. ``tools``) are template variables."""
+        compiled = template or self._compiled
+        if compiled is None:
             raise InvalidRequestError("this model has no chat template; use completions")
         try:
-            return self._compiled.render(
+            return compiled.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -140,6 +159,13 @@ def _token_text(tok: Any) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    """jinja2's ``tojson`` escapes ``<`` and ``>`` for HTML; chat templates want plain JSON."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

@@ -21,6 +21,7 @@ GEMV_MAX_ROWS = 8
 __all__ = [
     "AttentionMetadata",
     "copy_blocks",
+    "copy_blocks_between",
     "linear",
     "paged_attention",
     "rms_norm",
@@ -43,6 +44,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
         return triton_gemv.linear(x, w, bias)
     return reference.linear(x, w, bias)
+
+
+def copy_blocks_between(
+    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for whole blocks of two ``[N, block_bytes]`` uint8
+    pools (one launch on CUDA; ``src`` may be a peer's pool mapped over CUDA IPC)."""
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        triton_copy.copy_blocks_between(dst, src, src_idx, dst_idx)
+        return
+    reference.copy_blocks_between(dst, src, src_idx, dst_idx)
 
 
 def rms_norm(

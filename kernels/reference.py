@@ -150,6 +150,13 @@ def _padding(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tenso
     return cached
 
 
+def copy_blocks_between(
+    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for whole blocks of two pools."""
+    dst[dst_idx] = src[src_idx]
+
+
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]``."""
     kv_cache[dst] = kv_cache[src]

@@ -173,6 +173,18 @@ class KVCacheManager:
             table.blocks.extend(self.pool.allocate(need))
         return copies
 
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Give ``dst`` a table sharing every block of ``src`` (one more reference each).
+
+        Used for the choices of one prompt (``n > 1``): the next write of each lands in a
+        shared block, so ``grow`` copies it first (copy-on-write) unless it is the last holder.
+        """
+        if dst in self._tables:
+            raise KeyError(f"sequence {dst!r} already has a block table")
+        table = self._tables[src]
+        self.pool.touch(table.blocks)
+        self._tables[dst] = BlockTable(table.extra, list(table.blocks), list(table.hashes))
+
     def _is_shared(self, block: KVBlock) -> bool:
         return block.ref_cnt > 1 or block.block_hash is not None
 

@@ -13,17 +13,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import importlib
+import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from libkv.transfer import AgentInfo, KVTransferError, PoolRegion
+from libkv.transfer import AgentInfo, KVTransferError, PoolRegion, block_runs
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,44 @@ def nixl_available() -> bool:
     return nixl_api() is not None
 
 
+def ucx_cuda_problem() -> str | None:
+    """Why NIXL's bundled UCX cannot move GPU memory device-direct here (cuda_copy/cuda_ipc
+    modules missing or not loadable), or None when it can.
+
+    UCX loads its CUDA modules at run time; when one fails to load (``libucm_cuda`` needs the
+    CUDA runtime of the wheel's CUDA major version, which the wheel does not ship) UCX still
+    runs, but moves GPU memory by "software emulation" over TCP. The runtime that PyTorch
+    installed (``nvidia/*/lib/libcudart.so.N``) is loaded first, globally, so the modules find
+    it."""
+    for variant in ("nixl_cu13", "nixl_cu12"):
+        spec = importlib.util.find_spec(variant)
+        if spec is not None and spec.origin is not None:
+            break
+    else:
+        return "NIXL is not installed"
+    ucx = Path(spec.origin).parent.parent / f"{variant}.libs" / "ucx"
+    modules = sorted(ucx.glob("libuct_cuda.so*")) + sorted(ucx.glob("libucm_cuda.so*"))
+    if not modules:
+        return f"{variant}'s UCX has no CUDA modules in {ucx}"
+    _load_cuda_runtime("13" if variant.endswith("13") else "12")
+    for module in modules:
+        try:
+            ctypes.CDLL(str(module), mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            return f"{variant}'s UCX module {module.name} does not load: {e}"
+    return None
+
+
+def _load_cuda_runtime(major: str) -> None:
+    for root in map(Path, sys.path):
+        for lib in sorted(root.glob(f"nvidia/*/lib/libcudart.so.{major}*")):
+            try:
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                continue
+
+
 def block_descs(region: PoolRegion) -> np.ndarray:
     """One (address, length, device) row per block: descriptor i is block i."""
     d = np.empty((region.num_blocks, 3), dtype=np.uint64)
@@ -66,6 +108,8 @@ class NixlEndpoint:
         self._agent: Any = None
         self._local: Any = None  # prepared descriptor list of the local pool
         self._remote: dict[str, Any] = {}  # peer agent name -> its prepared descriptor list
+        self._regions: dict[str, PoolRegion] = {}  # peer agent name -> its pool
+        self.merged = 0  # transfers posted with contiguous runs merged into one descriptor
         self._leaked: list[Any] = []  # transfer handles that could not be cancelled
         self._pump: asyncio.Task | None = None
         self._active_until = 0.0  # poll fast until then: sends and wire-up need progress
@@ -124,6 +168,7 @@ class NixlEndpoint:
             raise KVTransferError(f"agent metadata names {name!r}, expected {peer.name!r}")
         r = peer.region
         self._remote[name] = self._agent.prep_xfer_dlist(name, block_descs(r), r.mem_type)
+        self._regions[name] = r
 
     async def forget(self, peer: str) -> None:
         """Drop a peer (dead or replaced by a new incarnation): disconnects it."""
@@ -132,6 +177,7 @@ class NixlEndpoint:
 
     def _forget(self, peer: str) -> None:
         dlist = self._remote.pop(peer, None)
+        self._regions.pop(peer, None)
         if dlist is None:
             return
         with contextlib.suppress(Exception):
@@ -182,10 +228,16 @@ class NixlEndpoint:
         remote = self._remote.get(peer)
         if remote is None:
             raise KVTransferError(f"unknown peer agent {peer!r}")
-        local_idx = np.asarray(local_blocks, dtype=np.int32)
-        remote_idx = np.asarray(remote_blocks, dtype=np.int32)
+        runs = block_runs(local_blocks, remote_blocks)
         try:
-            handle = self._agent.make_prepped_xfer(op, self._local, local_idx, remote, remote_idx)
+            if len(runs) < len(local_blocks):  # contiguous runs: one descriptor each
+                handle = self._merged_xfer(op, peer, runs)
+            else:
+                local_idx = np.asarray(local_blocks, dtype=np.int32)
+                remote_idx = np.asarray(remote_blocks, dtype=np.int32)
+                handle = self._agent.make_prepped_xfer(
+                    op, self._local, local_idx, remote, remote_idx
+                )
         except Exception as e:
             raise KVTransferError(f"preparing {op} with {peer} failed: {e!r}") from e
         try:
@@ -195,6 +247,22 @@ class NixlEndpoint:
         if state == "DONE":  # host memory over cma: copied inside the post itself
             return handle, self._finish(handle, peer, notif)
         return handle, self._state(handle, peer, notif)
+
+    def _merged_xfer(self, op: str, peer: str, runs: list[tuple[int, int, int]]) -> Any:
+        """A transfer whose descriptors are whole runs of consecutive blocks on both sides."""
+        mine, theirs = self.region, self._regions[peer]
+        local = np.array(
+            [(mine.addr + a * mine.block_bytes, n * mine.block_bytes, mine.device_id)
+             for a, _, n in runs], dtype=np.uint64,
+        )  # fmt: skip
+        remote = np.array(
+            [(theirs.addr + b * theirs.block_bytes, n * theirs.block_bytes, theirs.device_id)
+             for _, b, n in runs], dtype=np.uint64,
+        )  # fmt: skip
+        local_descs = self._agent.get_xfer_descs(local, mine.mem_type)
+        remote_descs = self._agent.get_xfer_descs(remote, theirs.mem_type)
+        self.merged += 1
+        return self._agent.initialize_xfer(op, local_descs, remote_descs, peer)
 
     def _state(self, handle: Any, peer: str, notif: bytes) -> str:
         """The transfer's state, polled on this thread for a while before handing back to the

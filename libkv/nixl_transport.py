@@ -39,6 +39,11 @@ from libkv.transfer import (
 
 log = logging.getLogger(__name__)
 MODES = ("read", "write")
+# A transfer of GPU memory this large that moves slower than this is on an emulated or TCP
+# path (UCX "software emulation", tcp/lo: ~12 MB/s seen between two workers of one H100),
+# never on NVLink or RDMA (tens to hundreds of GB/s): the transport stops moving GPU memory.
+SLOW_CHECK_BYTES = 4 * 1024**2
+SLOW_BYTES_PER_S = 1e9
 
 
 def _msg(kind: str, request_id: str, **fields: Any) -> bytes:
@@ -70,6 +75,7 @@ class NixlTransport:
         mode: str = "read",
         fallback: KVTransport | None = None,
         probe_interval: float = 0.2,
+        on_slow: Callable[[str, float], None] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -79,6 +85,10 @@ class NixlTransport:
         self.name = f"nixl-{mode}"
         self.fallback = fallback
         self.probe_interval = probe_interval
+        # Called with (peer, bytes/s) when GPU memory moved slowly; None: no check (benchmarks
+        # that measure the slow path).
+        self.on_slow = on_slow
+        self.gpu_direct = True  # False once GPU memory was seen on a slow path
         self.stats = TransferStats()
         self._agents: dict[str, str] = {}  # worker id -> agent name of its incarnation in use
         self._waiting: dict[tuple[str, str], asyncio.Future[dict]] = {}
@@ -110,19 +120,23 @@ class NixlTransport:
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         timeout: float,
-    ) -> None:
+    ) -> str:
         if len(src_blocks) != len(dst_blocks):
             raise ValueError("src_blocks and dst_blocks differ in length")
         if not src_blocks:
-            return
+            return self.name
+        gpu = self.endpoint.region.mem_type == "VRAM"
         t0 = time.monotonic()
         try:
+            if gpu and not self.gpu_direct:
+                raise KVTransferError("NIXL moved GPU memory over a slow path; not used for it")
             info = await self._peer(source, timeout)
             if info is None:
                 if self.fallback is None:
                     raise KVTransferError(f"{source.worker_id} has no NIXL agent")
-                await self.fallback.fetch(request_id, source, src_blocks, dst_blocks, timeout)
-                return
+                return await self.fallback.fetch(
+                    request_id, source, src_blocks, dst_blocks, timeout
+                )
             left = timeout - (time.monotonic() - t0)
             if self.mode == "read":
                 notif = _msg("rel", request_id)
@@ -133,8 +147,24 @@ class NixlTransport:
             self.stats.failures += 1
             raise
         self._released.add(request_id)
-        n = len(src_blocks)
-        self.stats.add(n, n * source.block_bytes, time.monotonic() - t0)
+        n, seconds = len(src_blocks), time.monotonic() - t0
+        self.stats.add(n, n * source.block_bytes, seconds)
+        if gpu and self.on_slow is not None:
+            self._check_speed(source.worker_id, n * source.block_bytes, seconds)
+        return self.name
+
+    def _check_speed(self, peer: str, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-9)
+        if nbytes < SLOW_CHECK_BYTES or rate >= SLOW_BYTES_PER_S:
+            return
+        self.gpu_direct = False
+        log.error(
+            "NIXL moved %d bytes of GPU memory from %s at %.3f GB/s: UCX is on an emulated or "
+            "TCP path, not NVLink/RDMA; GPU memory no longer moves over NIXL from this worker",
+            nbytes, peer, rate / 1e9,
+        )  # fmt: skip
+        assert self.on_slow is not None
+        self.on_slow(peer, rate)
 
     async def _push(self, rid, source, peer, src_blocks, dst_blocks, timeout: float) -> None:
         assert self.endpoint.info is not None

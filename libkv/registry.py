@@ -124,6 +124,7 @@ class Registration:
         self._task: asyncio.Task[None] | None = None
         self._keeper: LeaseKeeper | None = None
         self._draining = False  # every later put carries the draining mark (see drain)
+        self._extra_overrides: dict[str, str] = {}  # set_extra fields, kept at every put
 
     @classmethod
     async def start(
@@ -215,12 +216,23 @@ class Registration:
                 log.warning("refreshing %s failed (%d): %r", self.member.worker_id, failures, e)
                 await self._etcd.reset()
 
+    def set_extra(self, key: str, value: str) -> None:
+        """Change one field of the member record; published at the next refresh (within
+        ``refresh`` seconds)."""
+        extra = {**self.member.extra, key: value}
+        self.member = dataclasses.replace(self.member, extra=extra)
+        self._extra_overrides[key] = value
+
     def _published(self, member: Member) -> Member:
-        """``member`` as put in etcd: marked draining once `drain` was called. Applied at each
-        put, since the load thread (``_current``) may write back a member read before."""
-        if not self._draining or member.draining:
+        """``member`` as put in etcd: with the `set_extra` fields, and marked draining once
+        `drain` was called. Applied at each put, since the load thread (``_current``) may write
+        back a member read before."""
+        extra = {**member.extra, **self._extra_overrides}
+        if self._draining:
+            extra[DRAINING] = "1"
+        if extra == member.extra:
             return member
-        return dataclasses.replace(member, extra={**member.extra, DRAINING: "1"})
+        return dataclasses.replace(member, extra=extra)
 
     async def drain(self) -> None:
         """Mark the member draining and put it now (later refreshes keep the mark). The key

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -104,11 +104,56 @@ class AgentInfo:
 
 
 EXTRA_KEY = "nixl_agent"
+# Member-record fields that say which hand-off paths a worker offers (`handoff_path`).
+HOST_KEY = "kv_host"  # the host (kernel boot id) the worker runs on
+DEVICE_KEY = "kv_device"  # UUID of the GPU holding its pool; absent for a host-memory pool
+VISIBLE_KEY = "kv_devices"  # comma-separated UUIDs of every GPU it can map (CUDA IPC)
+CUDA_IPC_KEY = "cuda_ipc"  # its pool exported for CUDA IPC (`libkv.cuda_ipc.IpcPool`)
+NIXL_GPU_KEY = "nixl_gpu"  # "1": its NIXL/UCX moves GPU memory device-direct; "0": it cannot
+
+
+def handoff_path(src: Mapping[str, str], dst: Mapping[str, str]) -> str | None:
+    """How KV can move from the worker whose member record has ``src`` (extra fields) to the
+    one with ``dst``: ``"cuda-ipc"`` (same host, the source's GPU mappable by the destination),
+    ``"network"`` (NIXL for GPU pools that both move GPU memory device-direct; NIXL or the
+    gRPC stream between host-memory pools), or None when only a path through host memory and
+    TCP is left for GPU memory: that pair must not disaggregate."""
+    src_gpu, dst_gpu = DEVICE_KEY in src, DEVICE_KEY in dst
+    if not src_gpu and not dst_gpu:
+        return "network"
+    if src_gpu != dst_gpu:
+        return None
+    if (
+        CUDA_IPC_KEY in src
+        and src.get(HOST_KEY) == dst.get(HOST_KEY)
+        and src[DEVICE_KEY] in dst.get(VISIBLE_KEY, "").split(",")
+    ):
+        return "cuda-ipc"
+    if src.get(NIXL_GPU_KEY) == "1" and dst.get(NIXL_GPU_KEY) == "1":
+        return "network"
+    return None
 
 
 def agent_name(worker_id: str, incarnation: str) -> str:
     """NIXL agent name of one incarnation of a worker."""
     return f"{worker_id}@{incarnation}"
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The copy as ``(src_start, dst_start, count)`` runs: maximal stretches where both the
+    source and the destination blocks are consecutive, so each run is one contiguous range on
+    both sides (one descriptor, one memcpy)."""
+    if len(src) != len(dst):
+        raise ValueError("src and dst differ in length")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
 
 
 class PeerDirectory(Protocol):
@@ -173,8 +218,9 @@ class KVTransport(Protocol):
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         timeout: float,
-    ) -> None:
-        """Copy ``src_blocks`` (a subset of ``source.block_ids``) into local ``dst_blocks``.
+    ) -> str:
+        """Copy ``src_blocks`` (a subset of ``source.block_ids``) into local ``dst_blocks``;
+        returns the name of the path that moved them (a transport may delegate to another).
 
         Returns only when the data is in place; raises KVTransferError within about
         ``timeout`` seconds otherwise, and then no transfer into ``dst_blocks`` is left running,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.bundled import DEFAULT_DIR
 from services.router.policy import POLICIES
+from services.stack_options import add_worker_options, worker_overrides
 
 SERVICES = ("gateway", "router", "prefill", "decode")
 
@@ -41,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model if args.model != DEFAULT_DIR else convert(DEFAULT_DIR)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="tandem-run-")
     common = dict(model_dir=str(model), run_dir=str(run_dir), port=args.port)
+    common.update(worker_overrides(args))
     common["api_keys"] = tuple(args.api_key or ())
     common["num_routers"] = args.routers
     common["router_policy"] = args.router_policy or ""
@@ -63,6 +65,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{child.name:<9} {child.address:<22} {metrics}log: {child.log_path}")
         print(f"\nOpenAI endpoint: {stack.url}/v1  (model: {Path(model).name})")
         print(f"topology: {config.topology}")
+        for name, placement in config.placements().items():
+            if placement.device is not None:
+                print(f"{name:<9} GPU {placement.device} (share {placement.utilization})")
         if stack.scrape_targets():
             prom = stack.write_prometheus_config()
             print(f"metrics: prometheus --config.file={prom} "
@@ -139,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="routing policy (router default: kv)",
     )
+    add_worker_options(serve)
     serve.set_defaults(func=_serve)
     from bench.cli import add_arguments as add_bench_arguments
 

@@ -97,7 +97,9 @@ class TandemClient:
             call.cancel()  # no-op when done; aborts the request if the caller stopped early
 
     async def complete(self, prompt: str | Sequence[int], **kw) -> Completion:
-        """Run to completion and gather the stream."""
+        """Run to completion and gather the stream (one choice: use ``generate`` for n > 1)."""
+        if kw.get("n", 1) != 1:
+            raise ValueError("complete() gathers one choice; iterate generate() for n > 1")
         out: Completion | None = None
         async for ev in self.generate(prompt, **kw):
             out = out or Completion(ev.request_id)

@@ -10,14 +10,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from libkv.etcd_server import EtcdServer, EtcdTLS, free_port
+from services.placement import Placement, place
 
 # The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
 # decode-only (the router also falls back to decode-only when no prefill worker is live).
 COLOCATED_THRESHOLD = 1 << 30
+CPU_KV_CACHE_BYTES = 128 * 1024**2  # a CPU stack worker's pool unless kv_cache_bytes is set
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +30,18 @@ class StackConfig:
     port: int = 8000
     num_prefill: int = 1
     num_decode: int = 1
-    kv_cache_bytes: int = 128 * 1024**2
-    max_num_batched_tokens: int = 256
+    # Worker options (None / "": the worker's own default). kv_cache_bytes None: 128 MiB on a
+    # CPU stack; on GPUs each worker sizes its pool from its memory share.
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = 256
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    dtype: str = ""
+    load_format: str = ""
+    # GPUs to place workers on (CUDA_VISIBLE_DEVICES entries; services.placement); () = none.
+    gpus: tuple[str, ...] = ()
+    gpu_memory_utilization: float | None = None  # per worker; None: 0.9 split per device
     decode_only_threshold: int = 256
     api_keys: tuple[str, ...] = ()
     member_ttl: int = 10
@@ -57,6 +69,31 @@ class StackConfig:
         )
 
     @property
+    def worker_names(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.num_prefill)] + [
+            f"decode-{i}" for i in range(self.num_decode)
+        ]
+
+    def placements(self) -> dict[str, Placement]:
+        return place(self.worker_names, self.gpus, self.gpu_memory_utilization)
+
+    def worker_option_args(self) -> list[str]:
+        """The engine flags every worker of this stack gets."""
+        kv = self.kv_cache_bytes
+        if kv is None and not self.gpus:
+            kv = CPU_KV_CACHE_BYTES
+        options = [
+            ("--kv-cache-bytes", kv),
+            ("--num-kv-blocks", self.num_kv_blocks),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-model-len", self.max_model_len),
+            ("--dtype", self.dtype or None),
+            ("--load-format", self.load_format or None),
+        ]
+        return [a for flag, v in options if v is not None for a in (flag, str(v))]
+
+    @property
     def topology(self) -> str:
         """``colocated:N`` or ``disagg:XpYd``."""
         if self.num_prefill == 0 and self.decode_only_threshold >= COLOCATED_THRESHOLD:
@@ -69,6 +106,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     proc: subprocess.Popen | None = None
     address: str = ""
     metrics_port: int = 0  # 0: no metrics server
@@ -96,15 +134,15 @@ class Stack:
     def _python(self, module: str, *args: str) -> list[str]:
         return [sys.executable, "-m", module, *args]
 
-    def _worker_args(self, role: str, index: int) -> list[str]:
+    def _worker_args(self, role: str, index: int, placement: Placement) -> list[str]:
         c = self.config
         return self._python(
             f"services.{role}",
             "--model-dir", c.model_dir,
             "--etcd", self.etcd.endpoint,
             "--worker-id", f"{role}-{index}",
-            "--kv-cache-bytes", str(c.kv_cache_bytes),
-            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            *c.worker_option_args(),
+            *placement.args,
             "--member-ttl", str(c.member_ttl),
             "--member-refresh", str(c.member_refresh),
             "--lease-seconds", str(c.lease_seconds),
@@ -134,16 +172,14 @@ class Stack:
             port = free_port()
             routers.append(f"{c.host}:{port}")
             self._spawn("router" if i == 0 else f"router-{i}", self._router_args(port), routers[-1])
-        for i in range(c.num_prefill):
-            self._spawn(f"prefill-{i}", self._worker_args("prefill", i))
-        for i in range(c.num_decode):
-            self._spawn(f"decode-{i}", self._worker_args("decode", i))
+        self._spawn_workers(time.monotonic() + c.start_timeout)
         gateway = self._python(
             "services.gateway",
             "--model-dir", c.model_dir,
             "--host", c.host,
             "--port", str(c.port),
             *[f"--router={address}" for address in routers],
+            *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
             *keys,
             # The routers check the same keys: the gateway presents the first as its own.
             *([f"--router-api-key={c.api_keys[0].partition(':')[0]}"] if c.api_keys else []),
@@ -152,6 +188,18 @@ class Stack:
         self._spawn("gateway", gateway, f"{c.host}:{c.port}")
         self.wait_ready()
         return self
+
+    def _spawn_workers(self, deadline: float) -> None:
+        """Every worker on its device; workers sharing a device start one after another, each
+        once the one before printed READY (each sizes its KV pool from the free memory)."""
+        last_on: dict[str, Child] = {}
+        for name, placement in self.config.placements().items():
+            role, _, index = name.partition("-")
+            before = last_on.get(placement.device or "")
+            if before is not None and placement.device is not None:
+                self.wait_logged(before, "READY", deadline)
+            argv = self._worker_args(role, int(index), placement)
+            last_on[placement.device or ""] = self._spawn(name, argv, env=placement.env)
 
     def _observability_args(self, name: str) -> tuple[list[str], int]:
         """Flags giving process ``name`` a free metrics port and (optionally) a trace file."""
@@ -191,9 +239,12 @@ class Stack:
         path.write_text(json.dumps(config, indent=2) + "\n")
         return path
 
-    def _spawn(self, name: str, argv: list[str], address: str = "") -> Child:
+    def _spawn(
+        self, name: str, argv: list[str], address: str = "", env: dict[str, str] | None = None
+    ) -> Child:
         extra, port = self._observability_args(name)
-        child = Child(name, [*argv, *extra], self.run_dir / "logs" / f"{name}.log", address=address)
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        child = Child(name, [*argv, *extra], log_path, dict(env or {}), address=address)
         child.metrics_port = port
         child.log_path.write_bytes(b"")  # a reused run dir must not show an old READY line
         self._launch(child)
@@ -202,7 +253,7 @@ class Stack:
 
     def _launch(self, child: Child) -> None:
         log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
         child.proc = subprocess.Popen(
             child.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

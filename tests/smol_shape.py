@@ -14,25 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-SMOL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
+from engine.shapes import SHAPES
+
+SMOL_CONFIG = {**SHAPES["smollm2-135m"], "head_dim": 64}
 
 
 def _weights(cfg: dict, seed: int, std: float, embed_std: float) -> dict[str, torch.Tensor]:

@@ -201,7 +201,7 @@ class _Engine:
 
     async def generate(self, request_id, prompt, params, **kw):
         self.added.append((request_id, kw["priority"]))
-        yield type("Out", (), {"kv_held": False})()
+        yield type("Out", (), {"kv_held": False, "index": 0})()
 
 
 async def test_prefill_core_admits_in_prompt_tokens_and_passes_priority() -> None:

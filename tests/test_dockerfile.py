@@ -64,3 +64,13 @@ def test_exposed_ports_are_the_charts() -> None:
     ports.add(values["metrics"]["port"])
     exposed = {int(p) for line in instructions("EXPOSE") for p in line.split()}
     assert exposed == ports
+
+
+def test_image_installs_the_nixl_build_of_its_cuda() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["cu12"] == ["nixl-cu12==1.5.1"] and extras["cu13"] == ["nixl-cu13==1.5.1"]
+    args = dict(a.split("=", 1) for a in instructions("ARG") if "=" in a)
+    assert args["NIXL"] in extras and "cuda:12" in args["CUDA_IMAGE"]
+    assert any('"/src[${NIXL}]"' in run for run in instructions("RUN"))

@@ -93,12 +93,15 @@ def test_cuda_graphs_match_eager(smol_shape_dir, prompts):
     assert _match_rate("cuda_graphs_vs_eager_fp32", graphs, eager) >= MIN_MATCH_RATE
 
 
-def test_kv_pool_sized_from_free_memory(smol_shape_dir):
-    llm = LLM(smol_shape_dir, gpu_memory_fraction=0.05, max_num_seqs=4)
+def test_kv_pool_sized_from_the_memory_share(smol_shape_dir):
+    llm = LLM(smol_shape_dir, gpu_memory_utilization=0.05, max_num_seqs=4)
     runner = llm.engine.runner
     assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
     _free, total = torch.cuda.mem_get_info()
-    assert 0 < runner.num_blocks * runner.block_bytes <= 0.05 * total
+    plan = runner.kv_plan
+    assert plan.memory is not None and plan.budget == int(0.05 * total)
+    pool = runner.num_blocks * runner.block_bytes
+    assert 0 < pool <= plan.budget - plan.memory.weights - plan.memory.activation_peak
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4

@@ -46,8 +46,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 class FakeBackend:
-    """Scripted Backend: replies REPLY one token per event; can fail, hang, or report unhealthy.
-    Lives on the server's event loop; tests read what it recorded from their own thread."""
+    """Scripted Backend: replies ``reply`` (REPLY by default) one token per event, to each of the
+    request's ``n`` choices in turn; can fail, hang, or report unhealthy. Lives on the server's
+    event loop; tests read what it recorded from their own thread."""
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
@@ -60,9 +61,10 @@ class FakeBackend:
         self.fail: APIError | None = None
         self.hang_after: int | None = None  # hang forever after this many events
         self.is_healthy = True
+        self.reply = REPLY
 
     def reply_ids(self) -> list[int]:
-        return self.tok.encode(REPLY)
+        return self.tok.encode(self.reply)
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[BackendEvent]:
         self.requests.append(req)
@@ -74,17 +76,20 @@ class FakeBackend:
             if self.hang_after is not None and i >= self.hang_after:
                 await asyncio.sleep(3600)
             last = i == len(ids) - 1
-            lps = ()
-            if k is not None:  # the chosen token first, then made-up alternatives
-                top = ((t, -0.25), *((100 + j, -2.0 - j) for j in range(k)))[:k]
-                lps = (TokenLogprob(t, -0.25, top),)
-            yield BackendEvent(
-                token_ids=(t,),
-                text=self.tok.decode([t]),
-                logprobs=lps,
-                finish_reason="stop" if last else None,
-                usage=Usage(len(req.token_ids), len(ids), CACHED) if last else None,
-            )
+            for index in range(req.sampling.n):
+                lps = ()
+                if k is not None:  # the chosen token first, then made-up alternatives
+                    lp = -0.25 * (index + 1)  # later choices are less likely (best_of)
+                    top = ((t, lp), *((100 + j, -2.0 - j) for j in range(k)))[:k]
+                    lps = (TokenLogprob(t, lp, top),)
+                yield BackendEvent(
+                    token_ids=(t,),
+                    text=self.tok.decode([t]),
+                    logprobs=lps,
+                    finish_reason="stop" if last else None,
+                    usage=Usage(len(req.token_ids), len(ids), CACHED) if last else None,
+                    index=index,
+                )
             await asyncio.sleep(0)
 
     async def abort(self, request_id: str) -> None:
@@ -367,9 +372,10 @@ def test_bad_completion_request_is_400(gw: Gateway, body, param) -> None:
     assert_error(gw.post("/v1/completions", body), 400, param)
 
 
-def test_n_above_one(gw: Gateway) -> None:
-    err = assert_error(gw.post("/v1/chat/completions", chat_body(n=2)), 400, "n")
-    assert err["message"] == "n > 1 is not supported"
+def test_n_out_of_range(gw: Gateway) -> None:
+    for n in (0, 129):
+        err = assert_error(gw.post("/v1/chat/completions", chat_body(n=n)), 400, "n")
+        assert "n must be in [1, 128]" in err["message"]
 
 
 def test_unknown_model_is_404(gw: Gateway) -> None:

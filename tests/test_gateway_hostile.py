@@ -225,7 +225,10 @@ BAD_VALUES = {
     "repetition_penalty zero": completion(repetition_penalty=0),
     "n zero": completion(n=0),
     "n many": completion(n=10**6),
-    "best_of": completion(best_of=3),
+    "best_of below n": completion(best_of=1, n=2),
+    "tool without function": chat("x", tools=[{"type": "function"}]),
+    "unknown response_format": chat("x", response_format={"type": "json"}),
+    "unimplemented field": chat("x", functions=[{"name": "f"}]),
     "model number": completion(model=5),
     "prompt object": completion(prompt={"a": 1}),
     "prompt token id out of vocab": completion(prompt=[2**40]),
@@ -266,7 +269,6 @@ def test_legitimate_odd_input_is_served(http, tok: Tokenizer) -> None:
     odd = [
         chat("a\u0000b\u0007c\u001b[31m\u202e", max_tokens=2),
         completion(unknown_field={"nested": [1, 2]}, tenant="other", request_id="x", owner=9),
-        chat("x", max_tokens=2, tools=[{"type": "function"}], response_format={"type": "json"}),
     ]
     for body in odd:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -224,3 +224,19 @@ def test_linear_dispatch():
     for m in (1, kernels.GEMV_MAX_ROWS, 40):  # Triton up to GEMV_MAX_ROWS rows, then cuBLAS
         x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
         assert rel_err(kernels.linear(x, w), x.float() @ w.float().T) < 1e-2
+
+
+@pytest.mark.parametrize("block_bytes,n", [(2 * 1024**2, 37), (368_640, 64), (4096, 5)])
+def test_copy_blocks_between_pools(block_bytes, n):
+    from kernels.triton_copy import copy_blocks_between
+
+    g = torch.Generator(device="cuda").manual_seed(block_bytes + n)
+    src = torch.randint(0, 256, (2 * n, block_bytes), dtype=torch.uint8, device="cuda", generator=g)
+    dst = torch.full((3 * n, block_bytes), 7, dtype=torch.uint8, device="cuda")  # poisoned
+    src_idx = torch.randperm(2 * n, device="cuda", generator=g)[:n]
+    dst_idx = torch.randperm(3 * n, device="cuda", generator=g)[:n]
+    want = dst.clone()
+    reference.copy_blocks_between(want, src, src_idx, dst_idx)
+    copy_blocks_between(dst, src, src_idx, dst_idx)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, want)  # copied blocks exact, the others untouched

@@ -297,3 +297,26 @@ def test_check_integrity_catches_a_reference_leak() -> None:
     kv.pool.touch([kv.pool.blocks[0]])  # a reference no table accounts for
     with pytest.raises(AssertionError, match="ref leak on 0"):
         kv.check_integrity()
+
+
+def test_fork_shares_every_block_and_copies_the_partial_one_on_write() -> None:
+    kv, _ = make_kv()
+    prompt = tokens(6)  # block 0 full (cached), block 1 holds 2 of 4 tokens
+    assert prefill(kv, "p", prompt) == [0, 1]
+    kv.fork("p", ("p", 1))
+    kv.fork("p", ("p", 2))
+    assert kv.block_ids(("p", 1)) == [0, 1] and ref_counts(kv)[:2] == [3, 3]
+    kv.check_integrity()
+    # Each choice writes its first output token at position 6, inside the shared block 1: the
+    # first two to write get private copies, the last holder writes in place.
+    assert kv.grow(("p", 1), 6, 7) == [CopyOp(1, 2)]
+    assert kv.grow(("p", 2), 6, 7) == [CopyOp(1, 3)]
+    assert kv.grow("p", 6, 7) == []
+    assert kv.block_ids("p") == [0, 1] and kv.block_ids(("p", 1)) == [0, 2]
+    assert ref_counts(kv)[:4] == [3, 1, 1, 1]
+    with pytest.raises(KeyError):
+        kv.fork("p", ("p", 1))
+    for key in ("p", ("p", 1), ("p", 2)):
+        kv.free(key)
+    kv.check_integrity()
+    assert kv.pool.num_used == 0

@@ -341,3 +341,51 @@ def test_cuda_mixed_batch() -> None:
     assert lp is not None and len(lp.top) == 4
     expected = torch.log_softmax(logits[2].float(), dim=-1)
     assert lp.logprob == pytest.approx(expected[lp.token_id].item(), rel=1e-5)
+
+
+# --- grammar bitmask and logit bias ------------------------------------------------------------
+
+
+def bitmask(allowed_per_row: Sequence[set[int]], vocab: int) -> torch.Tensor:
+    """An int32 bitmask (bit t % 32 of word t // 32) allowing exactly the given tokens."""
+    words = (vocab + 31) // 32
+    mask = torch.zeros(len(allowed_per_row), words, dtype=torch.int64)
+    for i, allowed in enumerate(allowed_per_row):
+        for t in allowed:
+            mask[i, t // 32] |= 1 << (t % 32)
+    return mask.to(torch.int32)  # wraps bit 31 to the sign bit, as llguidance stores it
+
+
+def test_bitmask_restricts_guided_rows_only() -> None:
+    vocab = 70  # three words, the last one partial
+    logits = torch.randn(3, vocab)
+    guided = SamplingRow(SamplingParams(temperature=0), None, [], [], guided=True)
+    hot = SamplingRow(SamplingParams(temperature=5.0), None, [], [], guided=True)
+    free = SamplingRow(SamplingParams(temperature=0), None, [], [])
+    mask = bitmask([{31, 64}, {5, 33, 69}, set()], vocab)
+    out = Sampler()(logits, [guided, hot, free], mask)
+    assert out.token_ids[0] == max((31, 64), key=lambda t: logits[0, t].item())
+    assert out.token_ids[2] == logits[2].argmax().item()  # not guided: its (empty) row is unused
+    torch.manual_seed(0)
+    drawn = {Sampler()(logits, [guided, hot, free], mask).token_ids[1] for _ in range(200)}
+    assert drawn <= {5, 33, 69} and len(drawn) > 1
+
+
+def test_bitmask_keeps_raw_logprobs() -> None:
+    logits = log_probs(PROBS_4)
+    row = SamplingRow(SamplingParams(temperature=0, logprobs=2), None, [], [], guided=True)
+    out = Sampler()(logits, [row], bitmask([{2}], 4))
+    lp = out.logprobs[0]
+    assert out.token_ids == [2] and lp is not None
+    assert lp.logprob == pytest.approx(math.log(0.15), abs=1e-5)
+    assert [t for t, _ in lp.top] == [0, 1]
+
+
+def test_logit_bias_moves_greedy_choice_and_sampling() -> None:
+    logits = log_probs(PROBS_4, 2)
+    up = make_row(temperature=0, logit_bias=((3, 100.0),))
+    down = make_row(temperature=0, logit_bias={0: -100.0, 1: -100.0})
+    assert sample(logits, [up, down]).token_ids == [3, 2]
+    counts = draw_counts(PROBS_4, 2000, logit_bias=((0, -100.0),))
+    assert counts[0] == 0 and chi_square(counts, [0, 0.6, 0.3, 0.1], 2000) < 13.8  # df 2, p = 0.001
+    assert logits.equal(log_probs(PROBS_4, 2))  # the input is never modified

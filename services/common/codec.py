@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tandem.v1 import common_pb2
 
+from engine.grammar import GrammarSpec
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -24,6 +25,12 @@ PRIORITY_TO_PB = {
     "batch": common_pb2.PRIORITY_BATCH,
 }
 PRIORITY_FROM_PB = {v: k for k, v in PRIORITY_TO_PB.items()}
+GRAMMAR_TO_PB = {
+    "json_schema": common_pb2.GRAMMAR_KIND_JSON_SCHEMA,
+    "lark": common_pb2.GRAMMAR_KIND_LARK,
+    "regex": common_pb2.GRAMMAR_KIND_REGEX,
+}
+GRAMMAR_FROM_PB = {v: k for k, v in GRAMMAR_TO_PB.items()}
 
 
 def priority_from_pb(value: int) -> str:
@@ -59,6 +66,16 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    index: int = 0  # the choice (n > 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceStart:
+    """A choice's first event from the prefill worker and its generator state (mirror of
+    ``tandem.v1.ChoiceStart``)."""
+
+    first: Event
+    generator_state: bytes = b""
 
 
 def sampling_from_pb(opts: common_pb2.SamplingOptions) -> SamplingParams:
@@ -79,7 +96,15 @@ def sampling_from_pb(opts: common_pb2.SamplingOptions) -> SamplingParams:
         stop_token_ids=tuple(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos,
         logprobs=opts.logprobs if opts.HasField("logprobs") else None,
+        n=opts.n or 1,
+        logit_bias=tuple(sorted(opts.logit_bias.items())),
+        grammar=_grammar_from_pb(opts.grammar) if opts.HasField("grammar") else None,
     )
+
+
+def _grammar_from_pb(g: common_pb2.Grammar) -> GrammarSpec:
+    """The grammar (InvalidGrammarError, an InvalidRequestError, for an unknown kind)."""
+    return GrammarSpec(GRAMMAR_FROM_PB.get(g.kind, "unspecified"), g.text)
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingOptions:
@@ -95,7 +120,13 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingOptions:
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        n=p.n,
+        logit_bias=dict(p.logit_bias),
     )
+    if p.grammar is not None:
+        opts.grammar.CopyFrom(
+            common_pb2.Grammar(kind=GRAMMAR_TO_PB[p.grammar.kind], text=p.grammar.text)
+        )
     if p.seed is not None:
         opts.seed = p.seed
     if p.logprobs is not None:
@@ -124,6 +155,7 @@ def event_from_output(out: RequestOutput) -> Event:
         logprobs=list(out.new_logprobs),
         finish_reason=out.finish_reason,
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+        index=out.index,
     )
     if out.finished:
         ev.prompt_tokens = len(out.prompt_token_ids)
@@ -140,6 +172,7 @@ def event_to_pb(ev: Event) -> common_pb2.TokenEvent:
         logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
         finish_reason=FINISH_TO_PB[ev.finish_reason],
         stop_reason=ev.stop_reason,
+        index=ev.index,
     )
     if ev.finish_reason is not None:
         msg.usage.CopyFrom(
@@ -163,6 +196,7 @@ def event_from_pb(msg: common_pb2.TokenEvent) -> Event:
         prompt_tokens=msg.usage.prompt_tokens,
         completion_tokens=msg.usage.completion_tokens,
         cached_tokens=msg.usage.cached_tokens,
+        index=msg.index,
     )
 
 

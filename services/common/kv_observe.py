@@ -13,16 +13,17 @@ from services.common.metrics import KVTransferMetrics
 
 
 class ObservedTransport:
-    """A `KVTransport` that forwards to ``inner`` and records each fetch under
-    ``transport=inner.name``. A NIXL transport that falls back to the gRPC stream for a peer
-    without an agent is still counted under its own name."""
+    """A `KVTransport` that forwards to ``inner`` and records each fetch under the path that
+    moved it (``transport=`` what ``inner.fetch`` returns: ``cuda-ipc``, ``nixl-read``,
+    ``nixl-write`` or ``grpc``; a failure under ``inner.name``)."""
 
     def __init__(self, inner: KVTransport, metrics: KVTransferMetrics | None) -> None:
         self.inner = inner
         self.name = inner.name
         self.metrics = metrics
         if metrics is not None:
-            metrics.init(self.name)
+            for name in getattr(inner, "names", [inner.name]):
+                metrics.init(name)
 
     async def fetch(
         self,
@@ -31,7 +32,7 @@ class ObservedTransport:
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         timeout: float,
-    ) -> None:
+    ) -> str:
         attributes = {
             tracing.REQUEST_ID_ATTR: request_id,
             "tandem.kv.transport": self.name,
@@ -41,14 +42,16 @@ class ObservedTransport:
         t0 = time.perf_counter()
         with tracing.span("kv.transfer", attributes=attributes):
             try:
-                await self.inner.fetch(request_id, source, src_blocks, dst_blocks, timeout)
+                path = await self.inner.fetch(request_id, source, src_blocks, dst_blocks, timeout)
             except KVTransferError:
                 if self.metrics is not None:
                     self.metrics.failed(self.name)
                 raise
+        path = path or self.name
         if self.metrics is not None and src_blocks:
             n = len(src_blocks)
-            self.metrics.done(self.name, n, n * source.block_bytes, time.perf_counter() - t0)
+            self.metrics.done(path, n, n * source.block_bytes, time.perf_counter() - t0)
+        return path
 
     async def release(self, request_id: str, source: KVSource) -> None:
         await self.inner.release(request_id, source)

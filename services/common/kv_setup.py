@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from libkv.nixl_agent import NixlEndpoint, nixl_available
+from libkv.cuda_ipc import CudaIpcTransport, pool_record
+from libkv.nixl_agent import NixlEndpoint, nixl_available, ucx_cuda_problem
 from libkv.nixl_transport import NixlBlockServer, NixlTransport
 from libkv.registry import MEMBERS_PREFIX, MemberWatcher
 from libkv.transfer import (
+    NIXL_GPU_KEY,
+    VISIBLE_KEY,
     AgentInfo,
     BlockHolder,
+    KVSource,
     KVTransferError,
     KVTransport,
     StalePeerError,
+    TransferStats,
     agent_name,
+    handoff_path,
 )
 from services.common.kv_transport import EngineBlockStore, GrpcStreamTransport
 from services.common.tls import TLSFiles
@@ -73,6 +79,10 @@ class EtcdPeers:
     async def agent_info(
         self, worker_id: str, incarnation: str, timeout: float
     ) -> AgentInfo | None:
+        return AgentInfo.from_extra(await self.extra(worker_id, incarnation, timeout))
+
+    async def extra(self, worker_id: str, incarnation: str, timeout: float) -> dict[str, str]:
+        """The member-record fields of that live incarnation."""
         member = self.watcher.members.get(worker_id)
         if member is None or member.incarnation != incarnation:
             # The handle may be newer than this view (a worker registered or restarted a
@@ -89,18 +99,23 @@ class EtcdPeers:
                 f"prefill worker {worker_id} restarted: the handle names incarnation "
                 f"{incarnation}, the live one is {member.incarnation}"
             )
-        return AgentInfo.from_extra(member.extra)
+        return member.extra
 
 
 @dataclass
 class KVSide:
     """What a worker's wiring gets: the transport (decode), the member-record fields to publish
-    and what to close at shutdown."""
+    and what to close at shutdown. For a GPU pool: whether each hand-off path can move its GPU
+    memory device-direct, and how many transfers were caught on a slow path."""
 
     transport: KVTransport | None = None
     server: NixlBlockServer | None = None
     extra: dict[str, str] = field(default_factory=dict)
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    gpu_direct: dict[str, bool] = field(default_factory=dict)  # path -> usable (GPU pools)
+    slow_transfers: int = 0
+    # Set by the wiring once registered: republishes a member-record field.
+    publish: Callable[[str, str], None] | None = None
 
     async def close(self) -> None:
         for close in reversed(self.closers):
@@ -108,6 +123,19 @@ class KVSide:
                 await close()
             except Exception:
                 log.exception("closing the KV transport failed")
+
+    def network_slow(self, peer: str, rate: float) -> None:
+        """NIXL moved GPU memory on a slow path: stop offering it (routers stop pairing
+        this worker over the network; CUDA IPC peers still disaggregate)."""
+        self.slow_transfers += 1
+        self.gpu_direct["network"] = False
+        self.extra[NIXL_GPU_KEY] = "0"
+        if self.publish is not None:
+            self.publish(NIXL_GPU_KEY, "0")
+
+
+def _gpu(engine: LLMEngine) -> bool:
+    return engine.runner.device.type == "cuda"
 
 
 async def _endpoint(kind: str, engine: LLMEngine, worker_id: str, incarnation: str, etcd):
@@ -120,12 +148,36 @@ async def _endpoint(kind: str, engine: LLMEngine, worker_id: str, incarnation: s
     if not etcd:
         log.warning("NIXL agents are found through etcd, none configured; using the gRPC stream")
         return None
+    if _gpu(engine) and ucx_cuda_problem() is not None:
+        return None  # said by _gpu_side: GPU memory would move over TCP
     try:
         store = EngineBlockStore(engine)
         return await NixlEndpoint.start(agent_name(worker_id, incarnation), store.region)
     except Exception as e:
         log.warning("starting the NIXL agent failed (%r); using the gRPC stream", e)
         return None
+
+
+def _gpu_side(side: KVSide, engine: LLMEngine, kind: str, nixl: bool, export: bool) -> None:
+    """A GPU pool's hand-off record: host, GPU, mappable GPUs, the pool exported for CUDA IPC
+    (prefill), and whether NIXL moves its GPU memory device-direct. Says at start, as an error,
+    when no network path can (then only peers on this host disaggregate with it)."""
+    runner = engine.runner
+    side.extra.update(pool_record(runner.kv_cache, runner.block_bytes, export))
+    side.extra[NIXL_GPU_KEY] = "1" if nixl else "0"
+    side.gpu_direct = {"cuda-ipc": True, "network": nixl}
+    if nixl:
+        return
+    if kind != "nixl":
+        why = f"--kv-transport {kind} carries KV through host memory and TCP"
+    else:
+        why = ucx_cuda_problem() or "NIXL is not available"
+    log.error(
+        "no GPU-direct network path for this worker's KV (%s): GPU memory never moves over TCP, "
+        "so routers pair it only with workers on this host that CUDA IPC reaches, and serve "
+        "the rest without disaggregation",
+        why,
+    )
 
 
 async def decode_side(
@@ -136,17 +188,37 @@ async def decode_side(
     incarnation: str,
     etcd: tuple,
     tls: TLSFiles | None = None,
+    cuda_ipc: bool = True,
 ) -> KVSide:
+    """The decode worker's transport: CUDA IPC for peers whose GPU pool it can map, else NIXL
+    (or the gRPC stream between host-memory pools), per `libkv.transfer.handoff_path`."""
     grpc = GrpcStreamTransport(EngineBlockStore(engine), tls)
     endpoint = await _endpoint(kind, engine, worker_id, incarnation, etcd)
-    if endpoint is None:
-        return KVSide(transport=grpc, closers=[grpc.close])
-    assert endpoint.info is not None
+    side = KVSide()
+    if _gpu(engine):
+        _gpu_side(side, engine, kind, endpoint is not None, export=False)
+        if not cuda_ipc:
+            side.extra[VISIBLE_KEY] = ""  # maps no peer's pool
+            side.gpu_direct["cuda-ipc"] = False
+    if not etcd or (endpoint is None and not (_gpu(engine) and cuda_ipc)):
+        side.transport, side.closers = grpc, [grpc.close]
+        return side
     watcher = await MemberWatcher.start(list(etcd), MEMBERS_PREFIX + "prefill/")
-    mode = nixl_mode_for(mode, engine.runner.device.type)
-    transport = NixlTransport(endpoint, EtcdPeers(watcher), mode, fallback=grpc)
-    log.info("KV transport: NIXL %s (agent %s), gRPC fallback", mode.upper(), endpoint.name)
-    return KVSide(transport, None, endpoint.info.to_extra(), [watcher.stop, transport.close])
+    peers = EtcdPeers(watcher)
+    network: KVTransport = grpc
+    if endpoint is not None:
+        assert endpoint.info is not None
+        side.extra.update(endpoint.info.to_extra())
+        mode = nixl_mode_for(mode, engine.runner.device.type)
+        network = NixlTransport(endpoint, peers, mode, fallback=grpc, on_slow=side.network_slow)
+        log.info("KV transport: NIXL %s (agent %s), gRPC fallback", mode.upper(), endpoint.name)
+    local = None
+    if _gpu(engine) and cuda_ipc:
+        local = CudaIpcTransport(engine.runner.kv_cache, engine.runner.block_bytes, peers)
+        log.info("KV transport: CUDA IPC for peers whose GPU this worker can map")
+    side.transport = PathTransport(peers, side.extra, network, local)
+    side.closers = [watcher.stop, side.transport.close]
+    return side
 
 
 async def prefill_side(
@@ -156,13 +228,81 @@ async def prefill_side(
     incarnation: str,
     etcd: tuple,
     holder: BlockHolder,
+    cuda_ipc: bool = True,
 ) -> KVSide:
     """The prefill worker always serves the gRPC stream too (its servicer is registered by the
-    caller), so decode workers configured for gRPC still reach it."""
+    caller), so decode workers configured for gRPC still reach it (host-memory pools only) and
+    can release blocks through it; a GPU pool is also exported for CUDA IPC."""
     endpoint = await _endpoint(kind, engine, worker_id, incarnation, etcd)
+    side = KVSide()
+    if _gpu(engine):
+        _gpu_side(side, engine, kind, endpoint is not None, export=cuda_ipc)
     if endpoint is None:
-        return KVSide()
+        return side
     assert endpoint.info is not None
-    server = NixlBlockServer(endpoint, holder, busy=lambda: engine.num_held > 0)
+    side.server = NixlBlockServer(endpoint, holder, busy=lambda: engine.num_held > 0)
+    side.extra.update(endpoint.info.to_extra())
+    side.closers.append(side.server.close)
     log.info("KV transport: NIXL agent %s serves READ and WRITE", endpoint.name)
-    return KVSide(None, server, endpoint.info.to_extra(), [server.close])
+    return side
+
+
+class PathTransport:
+    """The decode side's `KVTransport`: for each source, the path `handoff_path` names
+    between the source's member record and this worker's (``mine``): CUDA IPC (``local``),
+    the network transport, or none (KVTransferError: the prompt is recomputed or retried).
+    Releases always go through the network transport (NIXL notification or gRPC)."""
+
+    def __init__(
+        self,
+        peers: EtcdPeers,
+        mine: dict[str, str],
+        network: KVTransport,
+        local: CudaIpcTransport | None = None,
+    ) -> None:
+        self.peers, self.mine, self.network, self.local = peers, mine, network, local
+        self.name = network.name
+        self.names = [network.name, *(["grpc"] if network.name != "grpc" else [])]
+        if local is not None:
+            self.names.insert(0, local.name)
+
+    async def fetch(
+        self,
+        request_id: str,
+        source: KVSource,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        timeout: float,
+    ) -> str:
+        extra = await self.peers.extra(source.worker_id, source.incarnation, timeout)
+        path = handoff_path(extra, self.mine)
+        if path == "cuda-ipc" and self.local is not None:
+            return await self.local.fetch(request_id, source, src_blocks, dst_blocks, timeout)
+        if path != "network":
+            raise KVTransferError(
+                f"no GPU-direct path from {source.worker_id} to this worker (GPU memory never "
+                "moves over TCP)"
+            )
+        return await self.network.fetch(request_id, source, src_blocks, dst_blocks, timeout)
+
+    @property
+    def stats(self) -> TransferStats:
+        """Both paths' counters together."""
+        total = TransferStats()
+        for part in (self.network, self.local):
+            st = getattr(part, "stats", None)
+            if st is not None:
+                total.transfers += st.transfers
+                total.blocks += st.blocks
+                total.bytes += st.bytes
+                total.seconds += st.seconds
+                total.failures += st.failures
+        return total
+
+    async def release(self, request_id: str, source: KVSource) -> None:
+        await self.network.release(request_id, source)
+
+    async def close(self) -> None:
+        if self.local is not None:
+            await self.local.close()
+        await self.network.close()

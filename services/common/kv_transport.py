@@ -76,9 +76,14 @@ class GrpcStreamTransport:
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         timeout: float,
-    ) -> None:
+    ) -> str:
         if not src_blocks:
-            return
+            return self.name
+        if self.store.region.mem_type == "VRAM":
+            raise KVTransferError(
+                "the gRPC stream would carry GPU memory through the host and TCP; this worker "
+                "obtains KV only over a GPU-direct path (CUDA IPC, NIXL)"
+            )
         t0 = time.monotonic()
         try:
             data = await self._pull(request_id, source, src_blocks, timeout)
@@ -87,6 +92,7 @@ class GrpcStreamTransport:
             raise
         self.store.write_blocks(list(dst_blocks), data)
         self.stats.add(len(data), len(data) * source.block_bytes, time.monotonic() - t0)
+        return self.name
 
     async def _pull(self, request_id, source, src_blocks, timeout: float) -> list[bytes]:
         stub = worker_pb2_grpc.KVTransportStub(self._channel(source.address))

@@ -215,3 +215,47 @@ class AdmissionCollector(Collector):
         for priority, n in sorted(dict.copy(led.refused).items()):
             refused.add_metric([priority], n)
         yield refused
+
+
+class KVPathCollector(Collector):
+    """A GPU worker's KV hand-off paths at scrape time (`services.common.kv_setup.KVSide`):
+    which can move its GPU memory device-direct, and transfers caught on a slow path. Nothing
+    for a host-memory pool."""
+
+    def __init__(self, side: Any) -> None:
+        self.side = side
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.side.gpu_direct:
+            return
+        paths = GaugeMetricFamily(
+            "tandem_kv_gpu_direct",
+            "1 when the path moves this worker's GPU KV device-direct (cuda-ipc: peers on this "
+            "host; network: NIXL over NVLink/RDMA), 0 when it cannot (no pairing over it).",
+            labels=["path"],
+        )
+        for path, ok in sorted(self.side.gpu_direct.items()):
+            paths.add_metric([path], 1.0 if ok else 0.0)
+        yield paths
+        yield CounterMetricFamily(
+            "tandem_kv_slow_transfers",
+            "GPU KV transfers caught on an emulated or TCP path (NIXL is not used for GPU "
+            "memory after one).",
+            value=self.side.slow_transfers,
+        )
+
+
+class HandoffCollector(Collector):
+    """A decode worker's hand-offs that fell back to computing the prompt itself
+    (`services.decode.core.DecodeCore.recomputed`): its KV did not arrive."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "tandem_kv_handoff_recomputed",
+            "Prefilled requests whose KV did not arrive, so the decode worker recomputed the "
+            "prompt.",
+            value=self.core.recomputed,
+        )

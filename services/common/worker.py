@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
+from engine.errors import InsufficientMemoryError
 from libkv.registry import Member, MemberLoad, Registration
 from libkv.summary_publisher import SummaryConfig
 from services.common.admission import add_admission_flags
@@ -51,8 +52,10 @@ class WorkerConfig:
     etcd: tuple[str, ...] = ()
     served_model_name: str = ""
     block_size: int = 16
-    kv_cache_bytes: int = 256 * 1024**2
+    kv_cache_bytes: int | None = None  # None: the engine's default (CPU) or memory share (GPU)
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     lease_seconds: float = 30.0
@@ -65,6 +68,7 @@ class WorkerConfig:
     nixl_mode: str = "auto"  # decode: "read" (pull), "write" (prefill pushes) or per host kind
     on_transfer_failure: str = "recompute"  # decode: "recompute" locally or "retry" (router)
     kv_transfer_timeout: float = 10.0
+    cuda_ipc: bool = True  # GPU pools: hand KV to/from peers on this host over CUDA IPC
     drain_timeout: float = 30.0  # on SIGTERM: most seconds to finish the work in flight
     locations: SummaryConfig = SummaryConfig()  # block locations published to etcd
     observability: ObservabilityConfig = ObservabilityConfig()
@@ -86,6 +90,8 @@ class WorkerConfig:
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes,
             num_kv_blocks=self.num_kv_blocks,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             device=self.device,
@@ -96,6 +102,11 @@ class WorkerConfig:
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"TANDEM_{name}", default)
+
+
+def _env_int(name: str) -> int | None:
+    value = _env(name)
+    return int(value) if value else None
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -109,9 +120,31 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", ""))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16") or 16))
     p.add_argument(
-        "--kv-cache-bytes", type=int, default=int(_env("KV_CACHE_BYTES", str(256 * 1024**2)))
+        "--kv-cache-bytes",
+        type=int,
+        default=_env_int("KV_CACHE_BYTES"),
+        help="KV pool size in bytes (default: 512 MiB on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves after weights, activations and CUDA graphs)",
     )
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=_env_int("NUM_KV_BLOCKS"),
+        help="KV pool size in blocks (overrides --kv-cache-bytes)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=float(_env("GPU_MEMORY_UTILIZATION", "0.9") or 0.9),
+        help="CUDA: share of the device's total memory this worker may use for weights, "
+        "activations, CUDA graphs and KV (workers sharing a device each take their own share)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_env_int("MAX_MODEL_LEN"),
+        help="longest sequence (prompt + output) in tokens (default: the model's context)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64") or 64))
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=int(_env("MAX_BATCHED_TOKENS", "512"))
@@ -119,9 +152,25 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-seconds", type=float, default=float(_env("KV_LEASE_SECONDS", "30")))
     p.add_argument("--member-ttl", type=int, default=int(_env("MEMBER_TTL", "10") or 10))
     p.add_argument("--member-refresh", type=float, default=float(_env("MEMBER_REFRESH", "3")))
-    p.add_argument("--device", default=_env("DEVICE", "auto"))
-    p.add_argument("--dtype", default=_env("DTYPE", "auto"))
-    p.add_argument("--load-format", default=_env("LOAD_FORMAT", "safetensors"))
+    p.add_argument(
+        "--device",
+        default=_env("DEVICE", "auto"),
+        help="cpu, cuda or cuda:N (auto: cuda when available); `tandem serve --gpus` places "
+        "each worker through CUDA_VISIBLE_DEVICES instead",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default=_env("DTYPE", "auto"),
+        help="weights and KV (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("safetensors", "dummy"),
+        default=_env("LOAD_FORMAT", "safetensors"),
+        help="safetensors: the folder's weights; dummy: seeded random weights of the folder's "
+        "config.json shapes (benchmarks without downloads: python -m engine.shapes)",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -164,6 +213,13 @@ def add_kv_transfer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-transfer-timeout", type=float, default=float(_env("KV_TRANSFER_TIMEOUT", "10"))
     )
+    p.add_argument(
+        "--cuda-ipc",
+        action=argparse.BooleanOptionalAction,
+        default=_env("CUDA_IPC", "1") not in ("0", "false", "no"),
+        help="GPU pools: move KV between workers of this host by CUDA IPC and device copies "
+        "(prefill exports its pool, decode maps it); --no-cuda-ipc leaves only NIXL",
+    )
 
 
 def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
@@ -179,6 +235,8 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         lease_seconds=args.lease_seconds,
@@ -191,6 +249,7 @@ def worker_config(role: str, args: argparse.Namespace) -> WorkerConfig:
         nixl_mode=args.nixl_mode,
         on_transfer_failure=args.on_transfer_failure,
         kv_transfer_timeout=args.kv_transfer_timeout,
+        cuda_ipc=args.cuda_ipc,
         drain_timeout=args.drain_timeout,
         locations=location_config(args),
         observability=observability_config(args),
@@ -209,7 +268,12 @@ def _security(args: argparse.Namespace) -> Security:
 
 def start_engine(config: WorkerConfig) -> AsyncEngine:
     confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
-    engine = AsyncEngine(LLMEngine(config.engine_config()))
+    try:
+        llm_engine = LLMEngine(config.engine_config())
+    except InsufficientMemoryError as e:  # the numbers, not a traceback
+        log.error("cannot start: %s", e)
+        raise SystemExit(f"error: {e}") from e
+    engine = AsyncEngine(llm_engine)
     engine.start()
     return engine
 

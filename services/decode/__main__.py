@@ -14,7 +14,12 @@ from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
 from services.common.kv_observe import ObservedTransport
 from services.common.kv_setup import decode_side
-from services.common.metrics import AdmissionCollector, KVTransferMetrics
+from services.common.metrics import (
+    AdmissionCollector,
+    HandoffCollector,
+    KVPathCollector,
+    KVTransferMetrics,
+)
 from services.common.observability import Observability
 from services.common.security import apply as apply_security
 from services.common.worker import (
@@ -57,6 +62,7 @@ async def serve(argv: list[str] | None = None) -> None:
         incarnation,
         config.etcd,
         config.security.tls,
+        config.cuda_ipc,
     )
     assert kv.transport is not None
     core = DecodeCore(
@@ -73,6 +79,7 @@ async def serve(argv: list[str] | None = None) -> None:
         ),
     )
     obs.metrics.register(AdmissionCollector(core.ledger))
+    obs.metrics.register(HandoffCollector(core))
     server = await start_server(
         [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],
         ["tandem.v1.Decode"],
@@ -82,6 +89,9 @@ async def serve(argv: list[str] | None = None) -> None:
     )
     address = advertised(config, server.port)
     reg = await register(config, address, engine.engine, incarnation, kv.extra)
+    if reg is not None:
+        kv.publish = reg.registration.set_extra
+    obs.metrics.register(KVPathCollector(kv))
     log.info("decode worker %s listening on %s", config.worker_id, address)
     print(f"READY decode {address}", flush=True)
 

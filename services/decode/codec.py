@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from tandem.v1 import worker_pb2
+from tandem.v1 import common_pb2, worker_pb2
 
+from engine.errors import InvalidRequestError
+from engine.handoff import FirstToken
 from services.common.codec import (
     handle_from_pb,
     logprob_from_pb,
@@ -24,12 +26,19 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
     )
     if req.HasField("kv"):
         job.kv = handle_from_pb(req.kv)
-        job.first_token = req.first.token_ids[0] if req.first.token_ids else None
-        if req.first.logprobs:
-            job.first_logprob = logprob_from_pb(req.first.logprobs[0])
+        starts = [(req.first, req.generator_state)]
+        starts += [(c.first, c.generator_state) for c in req.other_choices]
+        if any(not ev.token_ids for ev, _ in starts):
+            raise InvalidRequestError(
+                "a DecodeRequest with kv must carry each choice's first token"
+            )
+        job.starts = [_first_token(ev, state) for ev, state in starts if not ev.finish_reason]
+        job.first_token = req.first.token_ids[0]
+        job.first_logprob = _first_token(req.first, b"").logprob
         job.generator_state = req.generator_state
-        if job.first_token is None:
-            from engine.errors import InvalidRequestError
-
-            raise InvalidRequestError("a DecodeRequest with kv must carry the first token")
     return job
+
+
+def _first_token(ev: common_pb2.TokenEvent, generator_state: bytes) -> FirstToken:
+    lp = logprob_from_pb(ev.logprobs[0]) if ev.logprobs else None
+    return FirstToken(ev.index, ev.token_ids[0], lp, generator_state)

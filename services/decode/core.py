@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
+from engine.handoff import FirstToken
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -32,11 +33,14 @@ class DecodeJob:
     generator_state: bytes = b""
     cached_tokens: int = 0
     priority: str = "interactive"
+    # With kv: the choices that go on here, each from its first token (empty: choice 0 from
+    # first_token, first_logprob and generator_state).
+    starts: list[FirstToken] = field(default_factory=list)
 
     @property
     def cost(self) -> int:
-        """What admission books for it: prompt plus every token it may generate."""
-        return len(self.prompt) + self.params.max_tokens
+        """What admission books for it: prompt plus every token its choices may generate."""
+        return len(self.prompt) + self.params.n * self.params.max_tokens
 
 
 class DecodeCore:
@@ -103,6 +107,7 @@ class DecodeCore:
                 num_cached_tokens=job.cached_tokens,
                 recompute=recompute,
                 priority=priority,
+                firsts=job.starts,
             )
 
         async for out in self.engine.follow(job.request_id, add):

@@ -33,6 +33,7 @@ from services.gateway.grpc_backend import GrpcBackend
 from services.gateway.observe import GatewayMetrics
 from services.gateway.options import add_protection_flags, protection_config
 from services.gateway.server import create_app
+from services.gateway.tools import TOOL_CALL_PARSER_CHOICES
 
 log = logging.getLogger("services.gateway")
 
@@ -83,6 +84,19 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         help="goodput counts requests with TTFT and TPOT within both SLOs",
     )
     p.add_argument("--slo-tpot-ms", type=float, default=e("TANDEM_SLO_TPOT_MS", "50"))
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSER_CHOICES,
+        default=e("TANDEM_TOOL_CALL_PARSER", "auto"),
+        help="format of tool calls in the model's output (auto: chosen by model; none: tools "
+        "refused)",
+    )
+    p.add_argument(
+        "--tool-chat-template",
+        default=e("TANDEM_TOOL_CHAT_TEMPLATE", ""),
+        help="jinja chat template for requests with tools (default: the model's own when it "
+        "renders tools, else a built-in Hermes ChatML template for ChatML models)",
+    )
     add_observability_flags(p, os.environ if env is None else env)
     add_protection_flags(p, os.environ if env is None else env)
     return p
@@ -116,6 +130,8 @@ def parse_config(
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         observability=observability_config(args),
+        tool_call_parser=args.tool_call_parser,
+        tool_chat_template=args.tool_chat_template,
         **protection_config(args, parser, env),
     )
     return config

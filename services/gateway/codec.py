@@ -83,6 +83,7 @@ def decode_event(ev: common_pb2.TokenEvent) -> BackendEvent:
         finish_reason=_FINISH.get(ev.finish_reason),
         stop_reason=ev.stop_reason or None,
         usage=usage,
+        index=ev.index,
     )
 
 

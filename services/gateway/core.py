@@ -38,7 +38,8 @@ class GatewayConfig:
     ``batch_admission_fraction`` of it. A request's deadline is its ``timeout`` field, else
     ``request_timeout``, at most ``max_request_timeout`` seconds. ``tls`` (cert, key, CA) is the
     gateway's identity towards the routers (mutual TLS); ``ssl_certfile``/``ssl_keyfile`` serve
-    HTTPS to clients.
+    HTTPS to clients. ``tool_call_parser`` and ``tool_chat_template`` choose how tools reach
+    the model and how its calls are read (``services.gateway.tools``).
     """
 
     model_dir: str
@@ -62,6 +63,8 @@ class GatewayConfig:
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
     router_api_key: str = field(default="", repr=False)  # presented to routers checking keys
+    tool_call_parser: str = "auto"  # tool-call format: auto (by model), hermes, llama3_json, none
+    tool_chat_template: str = ""  # file of the template for requests with tools ("": by model)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.max_body_bytes < 1 or self.default_max_tokens < 1:
@@ -139,7 +142,8 @@ class BackendRequest:
 
 @dataclass(frozen=True, slots=True)
 class BackendEvent:
-    """A slice of output. The last one has ``finish_reason`` ("stop", "length" or "abort")."""
+    """A slice of the output of choice ``index``. The last one of a choice has
+    ``finish_reason`` ("stop", "length" or "abort"); the request ends when every choice did."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
@@ -147,6 +151,7 @@ class BackendEvent:
     finish_reason: str | None = None
     stop_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0
 
 
 class Backend(Protocol):
@@ -167,14 +172,18 @@ class Backend(Protocol):
 async def run_generation(
     backend: Backend, req: BackendRequest
 ) -> AsyncGenerator[BackendEvent, None]:
-    """Yield ``backend.generate(req)`` up to its last event. If iteration stops earlier (client
-    gone, task cancelled, error, ``aclose``), close the backend stream and call ``abort``,
-    shielded from the cancellation that got us here so neither is skipped."""
+    """Yield ``backend.generate(req)`` up to its last event (the last choice's finish). If
+    iteration stops earlier (client gone, task cancelled, error, ``aclose``), close the backend
+    stream and call ``abort``, shielded from the cancellation that got us here so neither is
+    skipped. An abort event ends it at once."""
     stream = backend.generate(req)
     finished = False
+    pending = set(range(req.sampling.n))
     try:
         async for event in stream:
-            finished = event.finish_reason is not None
+            if event.finish_reason is not None:
+                pending.discard(event.index)
+            finished = not pending or event.finish_reason == "abort"
             yield event
             if finished:
                 return
@@ -245,11 +254,14 @@ def unfinished() -> APIError:
     )
 
 
-async def collect(events: AsyncIterator[BackendEvent]) -> Generation:
-    """Accumulate a whole generation; raises if it fails or ends without a finish reason."""
-    gen = Generation()
+async def collect(events: AsyncIterator[BackendEvent], n: int = 1) -> list[Generation]:
+    """Accumulate the ``n`` choices of a whole generation; raises if it fails or a choice ends
+    without a finish reason."""
+    gens = [Generation() for _ in range(n)]
     async for event in events:
-        gen.add(event)
-    if gen.finish_reason is None:
+        if not 0 <= event.index < n:
+            raise internal_error()
+        gens[event.index].add(event)
+    if any(g.finish_reason is None for g in gens):
         raise unfinished()
-    return gen
+    return gens

@@ -74,11 +74,14 @@ class GrpcBackend:
             )
             self._live[req.request_id] = address
             started = finished = False
+            pending = set(range(req.sampling.n))  # choices not finished yet
             try:
                 async for pb in call:
                     started = True
                     event = codec.decode_event(pb)
-                    finished = event.finish_reason is not None
+                    if event.finish_reason is not None:
+                        pending.discard(event.index)
+                    finished = not pending or event.finish_reason == "abort"
                     yield event
                     if finished:
                         return

@@ -126,7 +126,7 @@ class Limits:
 
     def admit(self, req: BackendRequest) -> Ticket:
         """Reserve for ``req`` or raise APIError 429 (rate limit, or the gateway is full)."""
-        estimate = len(req.token_ids) + req.sampling.max_tokens
+        estimate = len(req.token_ids) + req.sampling.n * req.sampling.max_tokens
         lim = self.tenant_limits.get(req.tenant, TenantLimits())
         ticket = Ticket(req.request_id, len(req.token_ids), 0)
         headers: dict[str, str] = {}

@@ -7,16 +7,22 @@ prompt shape, context length, then sampling ranges (``engine.sampling_params`` o
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from engine.grammar import GrammarSpec
+from engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.gateway.core import APIError, BackendRequest, GatewayConfig
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from services.gateway.structured import response_format_grammar
+from services.gateway.tools import ToolRequest, ToolSupport, template_messages, tool_request
+
+NO_TOOLS = ToolSupport(None, why="this gateway has no tool support configured")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -31,6 +37,13 @@ class Prepared:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the response
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolRequest | None = None  # tool calls are read out of chat output
+    n: int = 1  # choices in the response; best_of samples more and keeps the n best
+
+    @property
+    def best_of(self) -> bool:
+        """Whether more choices are sampled than answered (completions' ``best_of``)."""
+        return self.backend_request.sampling.n > self.n
 
     @property
     def request_id(self) -> str:
@@ -42,37 +55,76 @@ class Prepared:
 
 
 def prepare_chat(
-    cfg: GatewayConfig, tok: Tokenizer, body: ChatCompletionRequest, request_id: str, tenant: str
+    cfg: GatewayConfig,
+    tok: Tokenizer,
+    body: ChatCompletionRequest,
+    request_id: str,
+    tenant: str,
+    tools: ToolSupport = NO_TOOLS,
 ) -> Prepared:
     """Validate a chat request, apply the chat template (content is data, never template code)
-    and tokenize it."""
+    and tokenize it. ``tools``: how this model calls tools (``tools.tool_support``)."""
     _check_common(cfg, body)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         _check_range("top_logprobs", body.top_logprobs, 0, MAX_TOP_LOGPROBS)
+    req_tools = tool_request(tools, body.tools, body.tool_choice, body.parallel_tool_calls)
+    grammar = response_format_grammar(body.response_format)
+    if grammar is not None and req_tools is not None and req_tools.grammar is not None:
+        raise APIError(
+            400,
+            "response_format cannot be combined with tool_choice 'required' or a named function",
+            param="response_format",
+        )
+    if req_tools is not None and req_tools.grammar is not None:
+        grammar = req_tools.grammar
     messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+    ids = _encode_chat(tok, messages, tools, req_tools)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return _prepare(cfg, body, ids, top, request_id, tenant, grammar, req_tools)
+
+
+def _encode_chat(
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    support: ToolSupport,
+    req_tools: ToolRequest | None,
+) -> list[int]:
+    """Template and tokenize; requests with tools, tool calls or tool results go through the
+    tool template (their tool definitions and calls may not hold special-token text)."""
+    kwargs: dict[str, Any] = {}
+    history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if req_tools is not None or history:
+        if support.parser is None:
+            raise APIError(400, support.why, param="messages" if history else "tools")
+        defined = req_tools.tools if req_tools is not None else []
+        calls = [m.get("tool_calls") for m in messages]
+        if tok.holds_special(json.dumps([defined, calls], ensure_ascii=False)):
+            raise APIError(
+                400, "tools and tool calls may not contain special-token text", param="tools"
+            )
+        messages = template_messages(messages)
+        kwargs = {"tools": defined, "template": support.template}
     try:
-        ids = tok.encode_chat(messages)
+        return tok.encode_chat(messages, **kwargs)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages") from e
     except Exception as e:  # a template that fails on these messages (e.g. wrong role order)
         raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from e
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    return _prepare(cfg, body, ids, top, request_id, tenant)
 
 
 def prepare_completion(
     cfg: GatewayConfig, tok: Tokenizer, body: CompletionRequest, request_id: str, tenant: str
 ) -> Prepared:
-    """Validate a text-completion request and tokenize its prompt (no special tokens added)."""
+    """Validate a text-completion request and tokenize its prompt (no special tokens added).
+    ``best_of`` samples that many choices and answers with the ``n`` most likely per token."""
     _check_common(cfg, body)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo")
-    if body.best_of not in (None, 1):
-        raise APIError(400, "best_of > 1 is not supported", param="best_of")
     if body.logprobs is not None:
         _check_range("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
+    best_of = _best_of(body)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -86,7 +138,21 @@ def prepare_completion(
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is not in [0, {vocab})", param="prompt")
-    return _prepare(cfg, body, ids, body.logprobs, request_id, tenant)
+    return _prepare(cfg, body, ids, body.logprobs, request_id, tenant, best_of=best_of)
+
+
+def _best_of(body: CompletionRequest) -> int | None:
+    """The number of choices to sample when it exceeds ``n`` (None otherwise)."""
+    n = body.n or 1
+    if body.best_of is None or body.best_of == n:
+        return None
+    if not n <= body.best_of <= MAX_N:
+        raise APIError(
+            400, f"best_of must be in [n, {MAX_N}] (got {body.best_of})", param="best_of"
+        )
+    if body.stream:
+        raise APIError(400, "best_of cannot be used with stream", param="best_of")
+    return body.best_of
 
 
 def _prepare(
@@ -96,6 +162,9 @@ def _prepare(
     top_logprobs: int | None,
     request_id: str,
     tenant: str,
+    grammar: GrammarSpec | None = None,
+    tools: ToolRequest | None = None,
+    best_of: int | None = None,
 ) -> Prepared:
     """Check the prompt against the context, default max_tokens, build the sampling params."""
     chat = isinstance(body, ChatCompletionRequest)
@@ -121,7 +190,10 @@ def _prepare(
         )
     if max_tokens is None:
         max_tokens = min(ctx - n, cfg.default_max_tokens)
-    sampling = _sampling(body, max_tokens, top_logprobs)
+    choices = best_of or body.n or 1
+    # best_of ranks choices by their tokens' logprobs: ask for them even when the client did not.
+    logprobs = top_logprobs if best_of is None or top_logprobs is not None else 0
+    sampling = _sampling(body, max_tokens, logprobs, choices, grammar)
     req = BackendRequest(
         request_id,
         tuple(ids),
@@ -134,7 +206,9 @@ def _prepare(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     kind = "chat" if chat else "completion"
-    return Prepared(req, kind, bool(body.stream), include_usage, top_logprobs)
+    return Prepared(
+        req, kind, bool(body.stream), include_usage, top_logprobs, tools=tools, n=body.n or 1
+    )
 
 
 def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -146,8 +220,11 @@ def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRe
             param="model",
             code="model_not_found",
         )
-    if body.n is not None and body.n != 1:
-        raise APIError(400, "n > 1 is not supported" if body.n > 1 else "n must be 1", param="n")
+    if body.n is not None:
+        _check_range("n", body.n, 1, MAX_N)
+    for name, allowed in NOT_IMPLEMENTED.items():
+        if getattr(body, name) not in allowed:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
@@ -157,7 +234,11 @@ def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRe
 
 
 def _sampling(
-    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, top_logprobs: int | None
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    top_logprobs: int | None,
+    n: int,
+    grammar: GrammarSpec | None,
 ) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     given = {
@@ -177,11 +258,26 @@ def _sampling(
             stop=stop,
             ignore_eos=bool(body.ignore_eos),
             logprobs=top_logprobs,
+            n=n,
+            logit_bias=_logit_bias(body.logit_bias),
+            grammar=grammar,
             **kwargs,
         )
     except InvalidRequestError as e:  # messages read "<field>: <why> (got ...)"
         param = str(e).split(":", 1)[0]
         raise APIError(400, str(e), param=param if param.isidentifier() else None) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as pairs (range checks are SamplingParams')."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) > 2**31 - 1:
+            raise APIError(
+                400, f"logit_bias keys must be token ids (got {key[:40]!r})", param="logit_bias"
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _timeout(cfg: GatewayConfig, asked: float | None) -> float:
@@ -217,4 +313,8 @@ def _message_dict(i: int, m: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content or ""}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
     return out

@@ -7,13 +7,13 @@ from the backend. Logprob token strings are single-id decodes (special tokens ke
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from contextlib import aclosing
+from collections.abc import Iterable
 from typing import Any
 
 from engine.tokenizer import Tokenizer
-from services.gateway.core import BackendEvent, Generation, TokenLogprob, check_event, unfinished
+from services.gateway.core import Generation, TokenLogprob
 from services.gateway.prepare import Prepared
+from services.gateway.tool_parser import ToolCallParser, merge
 
 
 class TokenText:
@@ -81,7 +81,7 @@ class CompletionLogprobs:
         return out
 
 
-def _head(p: Prepared, obj: str) -> dict[str, Any]:
+def head(p: Prepared, obj: str) -> dict[str, Any]:
     return {
         "id": p.request_id,
         "object": obj,
@@ -91,91 +91,67 @@ def _head(p: Prepared, obj: str) -> dict[str, Any]:
     }
 
 
-def full_response(p: Prepared, gen: Generation, text_of: TokenText) -> dict[str, Any]:
-    """A ``chat.completion`` or ``text_completion`` object for a finished generation."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "finish_reason": gen.finish_reason,
+def full_response(p: Prepared, gens: list[Generation], text_of: TokenText) -> dict[str, Any]:
+    """A ``chat.completion`` or ``text_completion`` object for finished generations (one per
+    sampled choice; with ``best_of``, the ``p.n`` most likely per token are answered)."""
+    chosen = best_choices(gens, p.n) if p.best_of else gens
+    chat = p.kind == "chat"
+    choices = [
+        _chat_choice(p, i, gen, text_of) if chat else _text_choice(p, i, gen, text_of)
+        for i, gen in enumerate(chosen)
+    ]
+    return {
+        **head(p, "chat.completion" if chat else "text_completion"),
+        "choices": choices,
+        "usage": usage(
+            p.prompt_len, sum(g.num_tokens for g in gens), max(g.cached_tokens for g in gens)
+        ),
+    }
+
+
+def best_choices(gens: list[Generation], n: int) -> list[Generation]:
+    """The ``n`` generations with the highest mean token logprob, best first."""
+
+    def mean_logprob(g: Generation) -> float:
+        return sum(lp.logprob for lp in g.logprobs) / max(len(g.logprobs), 1)
+
+    return sorted(gens, key=mean_logprob, reverse=True)[:n]
+
+
+def _base_choice(i: int, gen: Generation, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "index": i,
+        "finish_reason": finish_reason,
         "stop_reason": gen.stop_reason,
         "logprobs": None,
     }
-    if p.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": gen.text, "refusal": None}
-        if p.top_logprobs is not None:
-            choice["logprobs"] = chat_logprobs(gen.logprobs, text_of, p.top_logprobs)
-        obj = "chat.completion"
-    else:
-        choice["text"] = gen.text
-        if p.top_logprobs is not None:
-            choice["logprobs"] = CompletionLogprobs(text_of, p.top_logprobs)(gen.logprobs)
-        obj = "text_completion"
-    return {
-        **_head(p, obj),
-        "choices": [choice],
-        "usage": usage(p.prompt_len, gen.num_tokens, gen.cached_tokens),
-    }
 
 
-async def stream_chunks(
-    p: Prepared,
-    events: AsyncIterator[BackendEvent],
-    text_of: TokenText,
-    first: BackendEvent | None = None,
-) -> AsyncGenerator[dict[str, Any], None]:
-    """The chunks of a streamed response, in order (``first``, if given, was taken from
-    ``events`` already). Chat starts with a ``delta.role`` chunk; events carrying no text,
-    logprobs or finish are skipped; with ``include_usage`` every chunk has ``usage: null`` and a
-    last chunk has empty ``choices`` and the usage."""
-    chat = p.kind == "chat"
-    head = _head(p, "chat.completion.chunk" if chat else "text_completion")
-    extra = {"usage": None} if p.include_usage else {}
-    comp_lp = CompletionLogprobs(text_of, p.top_logprobs or 0)
-
-    def chunk(text: str | None, ev: BackendEvent | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
-        if chat:
-            choice["delta"] = {"role": "assistant", "content": ""} if ev is None else {}
-            if text:
-                choice["delta"]["content"] = text
-        else:
-            choice["text"] = text or ""
-        if ev is not None:
-            if p.top_logprobs is not None and ev.logprobs:
-                lp = ev.logprobs
-                choice["logprobs"] = (
-                    chat_logprobs(lp, text_of, p.top_logprobs) if chat else comp_lp(lp)
-                )
-            choice["finish_reason"] = ev.finish_reason
-            if ev.finish_reason is not None:
-                choice["stop_reason"] = ev.stop_reason
-        return {**head, "choices": [choice], **extra}
-
-    if chat:
-        yield chunk(None, None)
-    completion_tokens = cached = 0
-    finished = False
-    async with aclosing(_prepend(first, events)) as all_events:
-        async for ev in all_events:
-            check_event(ev)
-            finished = ev.finish_reason is not None
-            completion_tokens += len(ev.token_ids)
-            if ev.usage is not None:
-                cached = ev.usage.cached_tokens
-            wants_lp = p.top_logprobs is not None and ev.logprobs
-            if ev.text or finished or wants_lp:
-                yield chunk(ev.text, ev)
-    if not finished:
-        raise unfinished()
-    if p.include_usage:
-        yield {**head, "choices": [], "usage": usage(p.prompt_len, completion_tokens, cached)}
+def _chat_choice(p: Prepared, i: int, gen: Generation, text_of: TokenText) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": gen.text, "refusal": None}
+    finish = gen.finish_reason
+    if p.tools is not None and p.tools.parse:
+        parser = ToolCallParser(p.tools.parser)
+        content, calls = merge([parser.feed(gen.text), parser.finish()])
+        message["content"] = content or None
+        if calls:
+            message["tool_calls"] = calls
+            finish = tool_finish(finish)
+    choice = _base_choice(i, gen, finish)
+    choice["message"] = message
+    if p.top_logprobs is not None:
+        choice["logprobs"] = chat_logprobs(gen.logprobs, text_of, p.top_logprobs)
+    return choice
 
 
-async def _prepend(
-    first: BackendEvent | None, events: AsyncIterator[BackendEvent]
-) -> AsyncGenerator[BackendEvent, None]:
-    if first is not None:
-        yield first
-        if first.finish_reason is not None:
-            return
-    async for ev in events:
-        yield ev
+def _text_choice(p: Prepared, i: int, gen: Generation, text_of: TokenText) -> dict[str, Any]:
+    choice = _base_choice(i, gen, gen.finish_reason)
+    choice["text"] = gen.text
+    if p.top_logprobs is not None:
+        choice["logprobs"] = CompletionLogprobs(text_of, p.top_logprobs)(gen.logprobs)
+    return choice
+
+
+def tool_finish(finish_reason: str | None) -> str | None:
+    """A choice that called tools and stopped by itself finished with ``tool_calls``."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -1,17 +1,37 @@
 """OpenAI request bodies of the gateway, as strict pydantic models.
 
 Strict means JSON types must match (``"5"`` is not an integer, ``1`` is not a boolean); a
-JSON integer is still accepted where a number is expected. Fields OpenAI clients send that
-Tandem does not use (``tools``, ``response_format``, ``logit_bias``, ...) are ignored, as the
-OpenAI API ignores fields it does not know. Semantic checks (ranges, limits, the model name)
-happen in ``core``, where the tokenizer and the config are at hand.
+JSON integer is still accepted where a number is expected. Fields no OpenAI API defines are
+ignored. OpenAI fields Tandem does not implement are parsed loosely (``NOT_IMPLEMENTED``) so
+that ``prepare`` can refuse them with a 400 naming the field instead of ignoring them.
+Semantic checks (ranges, limits, the model name, schemas) happen in ``prepare``, where the
+tokenizer and the config are at hand.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI request fields Tandem does not implement, with the values that ask for nothing (a
+# client may send those); any other value gets a 400 naming the field.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    "functions": (None,),
+    "function_call": (None,),
+    "store": (None, False),
+    "metadata": (None,),
+    "service_tier": (None, "auto", "default"),
+    "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
+    "suffix": (None, ""),
+}
 
 
 class _Body(BaseModel):
@@ -25,12 +45,76 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    """The function an assistant message called: ``arguments`` is a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """One call in an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    """A chat message. ``content`` is a string, a list of text parts, or null (assistant)."""
+    """A chat message. ``content`` is a string, a list of text parts, or null (assistant).
+    Assistant messages may carry ``tool_calls``; ``tool`` messages answer one by
+    ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    """A callable function: ``parameters`` is a JSON Schema of its arguments object."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    """An entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: ``schema`` is the JSON Schema the output must match."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
@@ -59,10 +143,26 @@ class _Sampling(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
+    logit_bias: dict[str, float] | None = None
     # Tandem extensions: scheduling class (batch is shed first under load) and a deadline in
     # seconds for the whole request (capped by the server's --max-request-timeout).
     priority: Literal["interactive", "batch"] | None = None
     timeout: float | None = None
+    # OpenAI fields Tandem does not implement (see NOT_IMPLEMENTED); loosely typed on purpose.
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    suffix: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -72,6 +172,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -43,8 +43,10 @@ from services.gateway.limits import Limits, metered
 from services.gateway.observe import GatewayMetrics, ObserveMiddleware, observe_generation
 from services.gateway.openapi import install_openapi
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
-from services.gateway.responses import TokenText, full_response, stream_chunks
+from services.gateway.responses import TokenText, full_response
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.stream import stream_chunks
+from services.gateway.tools import tool_support
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +84,13 @@ def create_app(
     install_openapi(app, config.served_model_name)
     text_of = TokenText(tokenizer)
     started = int(time.time())
+    tools = tool_support(tokenizer, config.tool_call_parser, config.tool_chat_template)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
-        p = await run_in_threadpool(prepare_chat, config, tokenizer, body, rid, tenant)
+        p = await run_in_threadpool(prepare_chat, config, tokenizer, body, rid, tenant, tools)
         return await _respond(request, backend, p, text_of)
 
     @app.post("/v1/completions")
@@ -154,12 +157,14 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
     if not p.stream:
         try:
             async with aclosing(events):
-                gen = await _unless_disconnected(request, collect(events))
+                gens = await _unless_disconnected(
+                    request, collect(events, p.backend_request.sampling.n)
+                )
         finally:
             ticket.settle(0)  # no-op once metered settled (only if it never started)
-        if gen is _GONE:
+        if gens is _GONE:
             return Response(status_code=499)
-        return JSONResponse(full_response(p, gen, text_of), headers=ticket.headers)
+        return JSONResponse(full_response(p, gens, text_of), headers=ticket.headers)
     # Wait for the first event before answering, so a failure to start (no workers, bad
     # request seen by the router) gets a real HTTP status instead of an error inside a 200.
     try:

@@ -13,7 +13,7 @@ from services.common.admission import TokenLedger
 from services.common.engine_metrics import observe_engine
 from services.common.grpc_server import start_server
 from services.common.kv_setup import prefill_side
-from services.common.metrics import AdmissionCollector
+from services.common.metrics import AdmissionCollector, KVPathCollector
 from services.common.observability import Observability
 from services.common.security import apply as apply_security
 from services.common.worker import (
@@ -68,9 +68,18 @@ async def serve(argv: list[str] | None = None) -> None:
     core.address = advertised(config, server.port)
     core.start()
     kv = await prefill_side(
-        config.kv_transport, engine.engine, config.worker_id, incarnation, config.etcd, core
+        config.kv_transport,
+        engine.engine,
+        config.worker_id,
+        incarnation,
+        config.etcd,
+        core,
+        config.cuda_ipc,
     )
     reg = await register(config, core.address, engine.engine, incarnation, kv.extra)
+    if reg is not None:
+        kv.publish = reg.registration.set_extra
+    obs.metrics.register(KVPathCollector(kv))
     log.info("prefill worker %s listening on %s", config.worker_id, core.address)
     print(f"READY prefill {core.address}", flush=True)
 

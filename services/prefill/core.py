@@ -21,9 +21,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class PrefillResult:
-    first: RequestOutput
-    handle: KVHandle | None  # None when the request already finished at its first token
-    generator_state: bytes
+    """The first output of every choice (by index) and where the prompt's KV is held."""
+
+    firsts: list[RequestOutput]
+    handle: KVHandle | None  # None when every choice already finished at its first token
+    generator_states: list[bytes]  # per choice (b"" when unseeded or finished)
+
+    @property
+    def first(self) -> RequestOutput:
+        return self.firsts[0]
 
 
 class PrefillCore:
@@ -65,7 +71,7 @@ class PrefillCore:
         """Prefill ``prompt``; refused at once (ResourceExhausted) past the admission bound.
         Cancelling the call (client gone, deadline passed) aborts it and frees its blocks."""
         eng = self.engine.engine
-        first: RequestOutput | None = None
+        firsts: dict[int, RequestOutput] = {}
         with self.ledger.hold(request_id, len(prompt), priority):
             async for out in self.engine.generate(
                 request_id,
@@ -75,11 +81,12 @@ class PrefillCore:
                 hold_kv=True,
                 priority=ENGINE_PRIORITY[priority],
             ):
-                first = out
-        if first is None:
+                firsts[out.index] = out
+        if len(firsts) < params.n:
             raise FailedPrecondition(f"request {request_id} was aborted during prefill")
-        if not first.kv_held:
-            return PrefillResult(first, None, b"")
+        outs = [firsts[i] for i in range(params.n)]
+        if not any(o.kv_held for o in outs):
+            return PrefillResult(outs, None, [b""] * params.n)
         expires = time.monotonic() + self.lease_seconds
         self._leases[request_id] = expires
         handle = KVHandle(
@@ -93,7 +100,8 @@ class PrefillCore:
             dtype=str(eng.runner.dtype).removeprefix("torch."),
             lease_expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
         )
-        return PrefillResult(first, handle, eng.generator_state(request_id))
+        states = [eng.generator_state(request_id, i) for i in range(params.n)]
+        return PrefillResult(outs, handle, states)
 
     def release(self, request_id: str) -> bool:
         self._leases.pop(request_id, None)
@@ -118,7 +126,13 @@ class PrefillCore:
             raise FailedPrecondition(f"request {request_id} does not hold blocks {block_ids}")
 
     def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
-        """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``."""
+        """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``. Refused for a
+        pool in GPU memory: GPU memory never moves through the host and TCP."""
+        if self.engine.engine.runner.device.type == "cuda":
+            raise FailedPrecondition(
+                f"the KV of prefill worker {self.worker_id} is in GPU memory: it moves only over "
+                "a GPU-direct path (CUDA IPC, NIXL), never the gRPC stream"
+            )
         self.held_blocks(request_id, incarnation, block_ids)
         return self.engine.engine.read_blocks(block_ids)
 

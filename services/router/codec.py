@@ -103,8 +103,16 @@ class GrpcWorkerClients:
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, f"prefill {worker.worker_id}") from e
         handle = common.handle_from_pb(resp.kv) if resp.HasField("kv") else None
+        others = [
+            common.ChoiceStart(common.event_from_pb(c.first), c.generator_state)
+            for c in resp.other_choices
+        ]
         return PrefillReply(
-            common.event_from_pb(resp.first), handle, resp.generator_state, resp.cached_tokens
+            common.event_from_pb(resp.first),
+            handle,
+            resp.generator_state,
+            resp.cached_tokens,
+            others,
         )
 
     async def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[common.Event]:
@@ -122,6 +130,9 @@ class GrpcWorkerClients:
         if call.handle is not None and call.first is not None:
             req.kv.CopyFrom(common.handle_to_pb(call.handle))
             req.first.CopyFrom(common.event_to_pb(call.first))
+            for c in call.others:
+                start = req.other_choices.add(generator_state=c.generator_state)
+                start.first.CopyFrom(common.event_to_pb(c.first))
         stream = stub.Generate(req, timeout=job.time_left())
         try:
             async for msg in stream:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 from libkv.registry import Member, MemberDirectory
-from services.common.codec import Event, KVHandle
+from services.common.codec import ChoiceStart, Event, KVHandle
 from services.common.errors import (
     DeadlineExceeded,
     KVTransferFailed,
@@ -54,7 +54,9 @@ class RouteJob:
     @property
     def route(self) -> RouteRequest:
         """What the routing policy looks at."""
-        return RouteRequest(self.prompt, self.tenant, self.session, self.params.max_tokens)
+        return RouteRequest(
+            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens
+        )
 
     def time_left(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
@@ -68,10 +70,17 @@ class RouteJob:
 
 @dataclass(slots=True)
 class PrefillReply:
+    """Choice 0's first event and generator state; ``others``: those of choices 1..n-1."""
+
     first: Event
     handle: KVHandle | None
     generator_state: bytes = b""
     cached_tokens: int = 0
+    others: list[ChoiceStart] = field(default_factory=list)
+
+    @property
+    def firsts(self) -> list[Event]:
+        return [self.first, *(c.first for c in self.others)]
 
 
 @dataclass(slots=True)
@@ -81,6 +90,7 @@ class DecodeCall:
     first: Event | None = None
     generator_state: bytes = b""
     cached_tokens: int = 0
+    others: list[ChoiceStart] = field(default_factory=list)
 
 
 class WorkerClients(Protocol):
@@ -182,11 +192,12 @@ class RouterCore:
             return
         reply = await self._prefill(prefill, job, failed)
         started[0] = True
-        yield reply.first
-        if reply.handle is None:  # finished at its first token
+        for first in reply.firsts:  # one per choice
+            yield first
+        if reply.handle is None:  # every choice finished at its first token
             return
         call = DecodeCall(
-            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens
+            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens, reply.others
         )
         async for ev in self._decode_prefilled(decode, prefill, call, failed, started):
             yield ev
@@ -220,7 +231,7 @@ class RouterCore:
                             decode.worker_id)  # fmt: skip
             except KVTransferFailed as e:
                 failed.add(prefill.worker_id)
-                prefill = self.chooser.pick_prefill(job.route, failed)
+                prefill = self.chooser.pick_prefill(job.route, failed, decode)
                 if prefill is None:
                     raise Unavailable(f"{e}; no other prefill worker to retry on") from e
                 self.stats.retries += 1
@@ -230,7 +241,12 @@ class RouterCore:
                 if reply.handle is None:
                     raise Unavailable(f"{e}; the retried prefill kept no KV") from e
                 call = DecodeCall(
-                    job, reply.handle, call.first, call.generator_state, call.cached_tokens
+                    job,
+                    reply.handle,
+                    call.first,
+                    call.generator_state,
+                    call.cached_tokens,
+                    call.others,
                 )
             finally:
                 # Free the prefill side's blocks now if decode never took them (cancel,

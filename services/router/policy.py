@@ -35,6 +35,7 @@ from typing import Protocol
 
 from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
 from libkv.registry import Member, MemberDirectory
+from libkv.transfer import handoff_path
 
 POLICIES = ("kv", "least-loaded", "round-robin", "session")
 TRANSFER_WEIGHT = 0.25  # a block moved to a decode worker, relative to a block computed
@@ -142,6 +143,11 @@ class Chooser:
     def live(self, role: str, exclude: set[str]) -> list[Member]:
         return [m for m in self.directory.members_by_role(role) if m.worker_id not in exclude]
 
+    def prefill_for(self, decoders: list[Member], exclude: set[str]) -> list[Member]:
+        """Live prefill workers that can hand KV to at least one of ``decoders`` over a
+        GPU-direct path (or between host-memory pools): `libkv.transfer.handoff_path`."""
+        return [p for p in self.live("prefill", exclude) if any(paired(p, d) for d in decoders)]
+
     def load(self, m: Member) -> int:
         return max(self.inflight[m.worker_id], m.load.queue_length + m.load.running)
 
@@ -156,15 +162,20 @@ class Chooser:
         decode = self._pick(req, decoders, "decode")
         prefill = None
         if len(req.prompt) >= self.config.decode_only_threshold:
-            prefill = self.pick_prefill(req, exclude)
+            prefill = self.pick_prefill(req, exclude, decode)
         if prefill is None:
             return Plan(decode, None, "decode-only")
         reason = {"least-loaded": "load", "round-robin": "round-robin"}.get(self.config.name)
         return Plan(decode, prefill, reason or ("session" if req.session else "load"))
 
-    def pick_prefill(self, req: RouteRequest, exclude: set[str]) -> Member | None:
-        """The prefill worker for ``req`` under this policy (also for a retry)."""
+    def pick_prefill(
+        self, req: RouteRequest, exclude: set[str], decode: Member | None = None
+    ) -> Member | None:
+        """The prefill worker for ``req`` under this policy (also for a retry); with
+        ``decode``, only one that can hand KV to it."""
         candidates = self.live("prefill", exclude)
+        if decode is not None:
+            candidates = [p for p in candidates if paired(p, decode)]
         if not candidates:
             return None
         if self.config.name == "kv":
@@ -182,13 +193,14 @@ class Chooser:
         uncached = len(req.prompt) - hit * bs
         prefill = None
         if uncached >= self.config.decode_only_threshold:
-            candidates = self.live("prefill", exclude)
+            candidates = self.prefill_for(decoders, exclude)
             if candidates:
                 prefill = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
         if prefill is None:
             chain.remember(decode)
             return Plan(decode, None, "decode-only", hit)
-        decode = min(decoders, key=lambda m: self._cost(req, chain, m, TRANSFER_WEIGHT))
+        paired_decoders = [d for d in decoders if paired(prefill, d)]
+        decode = min(paired_decoders, key=lambda m: self._cost(req, chain, m, TRANSFER_WEIGHT))
         hit = chain.cached_blocks(prefill)
         chain.remember(prefill, decode)  # the decode worker caches the blocks it receives
         return Plan(decode, prefill, "kv-hit" if hit else "load", hit)
@@ -219,6 +231,12 @@ class Chooser:
         total = max(m.kv_blocks_total, 1)
         queued = self.inflight[m.worker_id] + m.load.queue_length
         return (queued, m.load.kv_blocks_used / total, m.worker_id)
+
+
+def paired(prefill: Member, decode: Member) -> bool:
+    """Whether KV can move from ``prefill`` to ``decode`` without GPU memory crossing a host
+    or TCP path (`libkv.transfer.handoff_path`)."""
+    return handoff_path(prefill.extra, decode.extra) is not None
 
 
 def _rendezvous(session: str) -> Callable[[Member], bytes]:

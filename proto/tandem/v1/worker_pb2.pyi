@@ -22,16 +22,26 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first", "kv", "generator_state", "cached_tokens")
+    __slots__ = ("first", "kv", "generator_state", "cached_tokens", "other_choices")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     first: _common_pb2.TokenEvent
     kv: _common_pb2.KVHandle
     generator_state: bytes
     cached_tokens: int
-    def __init__(self, first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    other_choices: _containers.RepeatedCompositeFieldContainer[ChoiceStart]
+    def __init__(self, first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ...) -> None: ...
+
+class ChoiceStart(_message.Message):
+    __slots__ = ("first", "generator_state")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    first: _common_pb2.TokenEvent
+    generator_state: bytes
+    def __init__(self, first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -46,7 +56,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority", "other_choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +66,7 @@ class DecodeRequest(_message.Message):
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    OTHER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingOptions
@@ -65,7 +76,8 @@ class DecodeRequest(_message.Message):
     generator_state: bytes
     cached_tokens: int
     priority: _common_pb2.Priority
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
+    other_choices: _containers.RepeatedCompositeFieldContainer[ChoiceStart]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "incarnation", "block_ids")

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One GPU job per device call, on a bare GPU host that has PyTorch, Triton and transformers:
+# installs what `python -m bench.device.prepare` packed into .device/ (carry it), then runs
+#
+#   bash bench/device/run.sh probe                 # stack imports, UCX's CUDA support, KV transfer
+#                                                  # between two processes of one GPU
+#   bash bench/device/run.sh tests [PYTEST ARGS]   # the GPU-marked tests (default: serving ones)
+#   bash bench/device/run.sh serving SHAPE [BENCH ARGS]   # tandem bench, colocated:1 vs disagg:1p1d
+#   bash bench/device/run.sh serving2 SHAPE [BENCH ARGS]  # two GPUs: colocated:2 vs disagg:1p1d,
+#                                                  # and the hand-off against a P2P copy
+#   [SHAPE=NAME] bash bench/device/run.sh bench MODULE [ARGS]   # any python -m MODULE
+#                                                  # (bench.gpu, ...); SHAPE writes /tmp/models/NAME
+#
+# Results go to $OUT (the device tool's folder; /tmp/out elsewhere).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+D=.device
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/bin /tmp/models
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "$D"/wheels/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
+export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
+python3 -c "import lzma; open('/tmp/bin/etcd', 'wb').write(lzma.open('$D/etcd.xz').read())"
+chmod +x /tmp/bin/etcd
+export PATH=/tmp/bin:$PATH TANDEM_TOKENIZER_DIR=$PWD/$D/tokenizer
+# Several-GPU hosts of this workplace: NVLink multicast stays off (see the device tool's notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+set -o pipefail
+
+shape() {
+  python3 -m engine.shapes "$1" --out "/tmp/models/$1" --tokenizer "$TANDEM_TOKENIZER_DIR" >/dev/null
+  echo "/tmp/models/$1"
+}
+
+job=${1:?job: probe, tests, serving or bench}
+shift
+case $job in
+  probe)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    python3 -c "import services.gateway.server, services.router.core, services.decode.core; print('stack imports ok')"
+    python3 -c "from libkv.nixl_agent import ucx_cuda_problem; print('UCX CUDA support:', ucx_cuda_problem() or 'ok')"
+    python3 -m bench.kv_transfer --device cuda --peer-device cuda:0 --methods cuda-ipc nixl-read \
+      --total-mib 1024 --nixl-total-mib 64 --block-kib 256 2048 --repeats 2 --latency-reps 10 \
+      --out "$OUT" "$@" 2>&1 | tee "$OUT/probe.log"
+    ;;
+  tests)
+    case " $* " in *" tests/"*) ;; *) set -- tests/test_serving_gpu.py tests/test_gpu_sharing.py "$@" ;; esac
+    rc=0
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rA --durations=15 "$@" 2>&1 \
+      | tee "$OUT/tests.log" || rc=$?
+    # The services' logs of every test stack, for whoever reads a failure.
+    find /tmp/pytest-of-*/ -name '*.log' 2>/dev/null | tar czf "$OUT/stack-logs.tgz" -T - || true
+    exit $rc
+    ;;
+  serving)
+    model=$(shape "${1:?serving SHAPE}")
+    shift
+    python3 -m services.cli bench --stack colocated:1 --stack disagg:1p1d --gpus 0 \
+      --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
+      --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  serving2)
+    # The run of the two-GPU issue (bench/results/serving_gpu_h200x2/): GPUS=0 for a dry run
+    # on one GPU. The transfer bench first: CUDA IPC and NIXL between the two GPUs against a
+    # contiguous peer-to-peer copy, in the same call.
+    model=$(shape "${1:?serving2 SHAPE}")
+    shift
+    gpus=${GPUS:-0,1}
+    peer=cuda:$([ "$gpus" = 0 ] && echo 0 || echo 1)
+    python3 -m bench.kv_transfer --device cuda --peer-device "$peer" \
+      --methods cuda-ipc nixl-read --block-kib 2048 --request-mib 256 --total-mib 2048 \
+      --repeats 2 --latency-reps 10 --out "$OUT" 2>&1 | tee "$OUT/transfer.log"
+    python3 -m services.cli bench --stack colocated:2 --stack disagg:1p1d --gpus "$gpus" \
+      --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
+      --max-model-len 8192 --max-num-batched-tokens 4096 --slo-tpot-ms 40 \
+      --workload prefill-heavy:input=4096,output=256 \
+      --workload decode-heavy:input=256,output=1024 \
+      --workload chat --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  bench)  # SHAPE=NAME first writes /tmp/models/NAME (engine.shapes) for the module's flags
+    [ -z "${SHAPE:-}" ] || shape "$SHAPE" >/dev/null
+    python3 -m "$@" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  *) echo "unknown job $job" >&2; exit 2 ;;
+esac

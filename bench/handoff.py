@@ -1,0 +1,152 @@
+"""The KV hand-off of a ``tandem bench --stack`` run, from the decode workers' metrics.
+
+Each decode worker's ``/metrics`` is read before and after a run; the difference gives, per
+transport (``cuda-ipc``, ``nixl-read``, ``nixl-write``, ``grpc``), the transfers, bytes and
+seconds spent obtaining KV blocks, plus failed transfers and prompts recomputed because their
+KV did not arrive. From those and the run's records:
+
+- hand-off time: mean seconds per transfer (sum over count of
+  ``tandem_kv_transfer_duration_seconds``);
+- its share of TTFT: hand-off mean over the run's TTFT p50. The first token is streamed by the
+  prefill worker before the hand-off starts, so the hand-off delays the *second* token: the
+  first inter-token gap (``first_gap_p50``) is where a client sees it;
+- bandwidth: bytes over seconds of the transfers.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bench.metrics import RequestRecord, percentile
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffCounters:
+    """Sums over a stack's decode workers at one moment."""
+
+    transfers: dict[str, float] = field(default_factory=dict)  # transport -> count
+    bytes: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    failures: float = 0.0
+    recomputed: float = 0.0
+    slow: float = 0.0  # GPU transfers caught on an emulated/TCP path
+
+
+def parse_metrics(text: str) -> HandoffCounters:
+    """The hand-off counters in one worker's Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    transfers: dict[str, float] = {}
+    nbytes: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    failures = recomputed = slow = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            transport = s.labels.get("transport", "")
+            if s.name == "tandem_kv_transfers_total":
+                transfers[transport] = transfers.get(transport, 0.0) + s.value
+            elif s.name == "tandem_kv_transfer_bytes_total":
+                nbytes[transport] = nbytes.get(transport, 0.0) + s.value
+            elif s.name == "tandem_kv_transfer_duration_seconds_sum":
+                seconds[transport] = seconds.get(transport, 0.0) + s.value
+            elif s.name == "tandem_kv_transfer_failures_total":
+                failures += s.value
+            elif s.name == "tandem_kv_handoff_recomputed_total":
+                recomputed += s.value
+            elif s.name == "tandem_kv_slow_transfers_total":
+                slow += s.value
+    return HandoffCounters(transfers, nbytes, seconds, failures, recomputed, slow)
+
+
+def _add(a: Mapping[str, float], b: Mapping[str, float], sign: float = 1.0) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + sign * b.get(k, 0.0) for k in set(a) | set(b)}
+
+
+def combine(parts: Sequence[HandoffCounters], sign: float = 1.0) -> HandoffCounters:
+    """Sum of ``parts`` (``sign=-1`` on the second of two: a difference)."""
+    out = HandoffCounters()
+    for i, p in enumerate(parts):
+        k = 1.0 if i == 0 else sign
+        out = HandoffCounters(
+            _add(out.transfers, p.transfers, k),
+            _add(out.bytes, p.bytes, k),
+            _add(out.seconds, p.seconds, k),
+            out.failures + k * p.failures,
+            out.recomputed + k * p.recomputed,
+            out.slow + k * p.slow,
+        )
+    return out
+
+
+def snapshot(metrics_addresses: Mapping[str, str]) -> HandoffCounters:
+    """Summed counters of the decode workers (name -> host:port of its /metrics)."""
+    parts = []
+    for name, address in metrics_addresses.items():
+        if not name.startswith("decode"):
+            continue
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+            parts.append(parse_metrics(r.read().decode()))
+    return combine(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffReport:
+    """The hand-off of one run (see the module docstring)."""
+
+    transports: dict[str, int]  # transport -> transfers in the run
+    transfers: int
+    gbytes_per_s: float
+    mean_ms: float
+    share_of_ttft_p50: float
+    first_gap_p50_ms: float
+    failures: int
+    recomputed: int
+    slow: int
+
+
+def report(
+    before: HandoffCounters, after: HandoffCounters, records: Sequence[RequestRecord]
+) -> HandoffReport:
+    d = combine([after, before], sign=-1.0)
+    count = sum(d.transfers.values())
+    seconds = sum(d.seconds.values())
+    nbytes = sum(d.bytes.values())
+    ok = [r for r in records if r.ok]
+    ttft_p50 = percentile([r.ttft for r in ok if r.ttft is not None], 50)
+    gaps = [r.itl[0] for r in ok if r.itl]
+    mean = seconds / count if count else math.nan
+    return HandoffReport(
+        transports={k: round(v) for k, v in sorted(d.transfers.items()) if v > 0},
+        transfers=round(count),
+        gbytes_per_s=nbytes / seconds / 1e9 if seconds > 0 else math.nan,
+        mean_ms=mean * 1000,
+        share_of_ttft_p50=mean / ttft_p50 if count and ttft_p50 > 0 else math.nan,
+        first_gap_p50_ms=percentile(gaps, 50) * 1000 if gaps else math.nan,
+        failures=round(d.failures),
+        recomputed=round(d.recomputed),
+        slow=round(d.slow),
+    )
+
+
+def render(rows: Sequence[tuple[str, str, str, HandoffReport]]) -> str:
+    """Markdown table: one row per (endpoint, workload, rate)."""
+
+    def f(x: float, spec: str) -> str:
+        return "-" if math.isnan(x) else format(x, spec)
+
+    lines = [
+        "| endpoint | workload | rate | transports | hand-off mean ms | share of TTFT p50 "
+        "| first gap p50 ms | GB/s | failed | recomputed | slow path |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for endpoint, workload, rate, h in rows:
+        used = ", ".join(f"{k} {v}" for k, v in h.transports.items()) or "none"
+        lines.append(
+            f"| {endpoint} | {workload} | {rate} | {used} | {f(h.mean_ms, '.2f')} "
+            f"| {f(h.share_of_ttft_p50 * 100, '.1f')}% | {f(h.first_gap_p50_ms, '.1f')} "
+            f"| {f(h.gbytes_per_s, '.1f')} | {h.failures} | {h.recomputed} | {h.slow} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""A request's choices as the engine tracks them (no torch): ``n`` sequences of one prompt.
+
+The prompt is computed once, by choice 0. When choice 0 samples its first token, the other
+choices are forked from it: they sample their first tokens from the same logits, and their
+block tables share every block of choice 0 (copy-on-write, see ``libkv.kv_manager.fork``)::
+
+    prompt KV:  [ b0 | b1 | b2 (partial) ]  <- shared by choices 0..n-1 after the fork
+    choice 1 writes its first output token into b2: grow() copies b2 into b7 first
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import TokenLogprob
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice: its sequence, detokenizer and what it has produced so far."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None = None
+    text: str = ""
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """The live choices of a request, by index, and the indices still to be forked.
+
+    ``parent`` is the sequence that computes the prompt (choice 0, or on a decode worker the
+    first choice it continues); it stays referenced after it finishes, for the hold-off.
+    ``hold_kv``: a prefill; after the first tokens the prompt's blocks are held, not decoded.
+    """
+
+    parent: Sequence
+    live: dict[int, Choice]
+    unborn: list[int] = field(default_factory=list)
+    hold_kv: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.parent.request_id
+
+    @property
+    def done(self) -> bool:
+        """Nothing left to run here: every choice finished (or was handed off)."""
+        return not self.live and not self.unborn
+
+    def forking(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is about to sample the first token from which choices fork."""
+        return bool(self.unborn) and seq is self.parent and not seq.output_token_ids
+
+
+def fork_sequence(parent: Sequence, index: int) -> Sequence:
+    """A new choice of ``parent``'s request, sharing its prompt and scheduling state; its
+    generator and matcher are set by the engine."""
+    return Sequence(
+        parent.request_id,
+        parent.prompt_token_ids,
+        parent.params,
+        parent.arrival,
+        parent.cache_salt,
+        num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+        arrival_time=parent.arrival_time,
+        first_scheduled=parent.first_scheduled,
+        priority=parent.priority,
+        index=index,
+        matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
+    )

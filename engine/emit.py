@@ -1,0 +1,145 @@
+"""Turning a step's sampled tokens into outputs: detokenize, follow the grammar, check stops,
+finish choices, and hold a prefill's blocks for its decode worker."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from engine.choices import Choice, Request
+from engine.sampler import TokenLogprob
+from engine.sequence import FinishReason, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from engine.llm_engine import RequestOutput
+    from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EmitMixin:
+    """Methods of ``LLMEngine`` run after each forward pass, under the engine lock."""
+
+    # Provided by LLMEngine.
+    scheduler: Scheduler
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    _requests: dict[str, Request]
+    _held: set[str]
+    _held_seqs: dict[str, dict[int, Sequence]]
+    _prefix_hit_tokens: int
+    _prompt_tokens: int
+
+    def _emit(
+        self,
+        due: list[Sequence],
+        tokens: Seq[int],
+        logprobs: Seq[TokenLogprob | None],
+    ) -> list[RequestOutput]:
+        """One output per sampled sequence, in order; then settle each request touched."""
+        outputs: list[RequestOutput] = []
+        by_request: dict[str, list[RequestOutput]] = {}
+        for seq, token, lp in zip(due, tokens, logprobs, strict=True):
+            req = self._requests[seq.request_id]
+            out = self._on_token(req, req.live[seq.index], token, lp)
+            outputs.append(out)
+            by_request.setdefault(seq.request_id, []).append(out)
+        for rid, outs in by_request.items():
+            req = self._requests[rid]
+            if req.hold_kv:
+                self._hold(req, outs)
+            if req.done:
+                del self._requests[rid]
+                for out in outs[:-1]:
+                    out.others_pending = True
+            else:
+                for out in outs:
+                    out.others_pending = True
+        return outputs
+
+    def _on_token(
+        self, req: Request, choice: Choice, token: int, lp: TokenLogprob | None
+    ) -> RequestOutput:
+        seq = choice.seq
+        if not seq.output_token_ids and seq is req.parent:
+            self._prefix_hit_tokens += seq.num_cached_prompt_tokens
+            self._prompt_tokens += len(seq.prompt_token_ids)
+        seq.output_token_ids.append(token)
+        if choice.logprobs is not None and lp is not None:
+            choice.logprobs.append(lp)
+        delta = choice.detok.push([token])
+        new_text = delta.text
+        reason = self._finish_reason(choice, token, delta.stop_matched)
+        if reason is not None:
+            if reason is not FinishReason.STOP or delta.stop_matched is None:
+                new_text += choice.detok.flush()
+                if choice.detok.stop_matched is not None:  # a stop hidden behind a partial char
+                    reason, choice.stop_reason = FinishReason.STOP, choice.detok.stop_matched
+            if req.hold_kv:  # the prompt's blocks are settled once every choice has its token
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            else:
+                self.scheduler.finish(seq, reason)
+            del req.live[seq.index]
+        choice.text += new_text
+        return self._output(choice, [token], new_text, [lp] if lp is not None else [])
+
+    def _finish_reason(self, choice: Choice, token: int, stop: str | None) -> FinishReason | None:
+        seq, p = choice.seq, choice.seq.params
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The mask allows only tokens the matcher accepts, so this is a bug, not bad input.
+            log.error("request %s left its grammar: %s", seq.request_id, seq.matcher.get_error())
+            choice.stop_reason = "grammar error"
+            return FinishReason.ABORT
+        if stop is not None:
+            choice.stop_reason = stop
+            return FinishReason.STOP
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            choice.stop_reason = token
+            return FinishReason.STOP
+        if p.ignore_eos and seq.matcher is not None and seq.matcher.is_stopped():
+            return FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _hold(self, req: Request, outs: list[RequestOutput]) -> None:
+        """After a prefill's first tokens: keep the prompt's blocks for the decode worker while
+        any choice goes on (``kv_held``), else free them. The request leaves this engine."""
+        parent = req.parent
+        if req.live:
+            self.scheduler.detach(parent)
+            self._held.add(parent.request_id)
+            self._held_seqs[parent.request_id] = {i: c.seq for i, c in req.live.items()}
+            for out in outs:
+                out.kv_held = out.index in req.live
+        else:
+            reason = parent.finish_reason
+            assert reason is not None
+            self.scheduler.finish(parent, reason)
+        req.live.clear()
+
+    def _output(
+        self,
+        choice: Choice,
+        new_ids: list[int],
+        new_text: str,
+        new_lps: list[TokenLogprob],
+    ) -> RequestOutput:
+        from engine.llm_engine import RequestOutput
+
+        seq = choice.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=choice.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=new_lps,
+            logprobs=choice.logprobs,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            stop_reason=choice.stop_reason,
+            index=seq.index,
+        )

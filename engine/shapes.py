@@ -1,0 +1,145 @@
+"""Model folders of real model shapes, for serving and benchmarking without downloads.
+
+    python -m engine.shapes llama-3.1-8b --out /tmp/llama-8b
+    tandem serve --model /tmp/llama-8b --load-format dummy --gpus 0
+
+A folder holds the model's published ``config.json`` and the bundled SmolLM2 tokenizer and
+chat template (so prompts tokenize and chats render), but no weights: serve it with
+``--load-format dummy``, which fills every weight with seeded random values of the right shape
+(identical in every worker with the same seed). Outputs are meaningless text; speed, memory
+and KV-transfer sizes are those of the real model. The tokenizer's ids are a subset of every
+shape's vocabulary; sampled ids beyond the tokenizer's decode to nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.bundled import DEFAULT_DIR
+
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+# The published config.json of each model, as far as the engine reads it.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, **_LLAMA3_ROPE},
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.2-3b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, **_LLAMA3_ROPE},
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_shape(name: str, out: Path, tokenizer_dir: Path = DEFAULT_DIR) -> Path:
+    """Write the folder of shape ``name`` (config.json plus the tokenizer of
+    ``tokenizer_dir``) to ``out``; returns ``out``."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; one of {', '.join(SHAPES)}")
+    missing = [f for f in TOKENIZER_FILES if not (tokenizer_dir / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{tokenizer_dir} lacks {', '.join(missing)}: pass --tokenizer DIR (a folder with "
+            "tokenizer.json and tokenizer_config.json), or run `make model` for the bundled one"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(SHAPES[name], indent=2) + "\n")
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_dir / f, out / f)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.shapes", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--out", type=Path, required=True, help="folder to write")
+    p.add_argument("--tokenizer", type=Path, default=DEFAULT_DIR, help="tokenizer folder")
+    args = p.parse_args(argv)
+    print(write_shape(args.shape, args.out, args.tokenizer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
