@@ -22,7 +22,7 @@ class SummaryConfig:
     base: int = 4  # finest granularity: every base-th block of the chain (plus leaves)
     interval: float = 1.0  # seconds between writes, at least
     budget: int = 256  # entry changes per second before the granularity is coarsened
-    max_granularity: int = 1024
+    max_granularity: int = 1024  # granularity doubles from base up to at most this
     max_entries: int = 65536  # entries of one snapshot (~512 KiB), coarsened beyond
     patience: int = 10  # quiet writes before the granularity is refined
     granularity: int = 0  # to start with (a multiple of base); 0: base
@@ -156,9 +156,9 @@ class SummaryState:
     def _adapt(self, changes: int) -> int:
         """Granularity for this write, given how many entry changes it would carry."""
         c, g = self.config, self._granularity
-        if changes > c.per_write and g < c.max_granularity:
+        if changes > c.per_write and g * 2 <= c.max_granularity:
             self._quiet = 0
-            return min(g * 2, c.max_granularity)
+            return g * 2  # stays a multiple of base
         self._quiet = self._quiet + 1 if changes <= c.per_write // 4 else 0
         if self._quiet >= c.patience and g > c.base:
             self._quiet = 0
@@ -192,7 +192,8 @@ class SummaryState:
 
     def _snapshot_plan(self, seq: int, granularity: int) -> Plan:
         target = self._target(granularity)
-        while len(target) > self.config.max_entries and granularity < self.config.max_granularity:
+        while (len(target) > self.config.max_entries
+               and granularity * 2 <= self.config.max_granularity):  # fmt: skip
             granularity *= 2
             target = self._target(granularity)
         if len(target) > self.config.max_entries:  # leaves alone exceed it: keep the deepest
