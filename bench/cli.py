@@ -292,9 +292,9 @@ def _print_one(rep: RunReport) -> None:
         c = rep.cache
         print(
             f"  prefix hit rate {c.hit_rate:.1%} (one shared cache: {c.ideal_hit_rate:.1%} "
-            f"unbounded, {c.ideal_pooled_hit_rate:.1%} pooled); {c.location_writes} location "
-            f"writes in {c.location_txns} txns, {c.writes_per_1k_prefilled:.1f} per 1k "
-            "prefilled tokens",
+            f"unbounded, {c.ideal_pooled_hit_rate:.1%} pooled); {c.location_txns} location "
+            f"writes to etcd, {c.location_entries} entries changed "
+            f"({c.entries_per_1k_prefilled:.1f} per 1k prefilled tokens)",
             flush=True,
         )
 

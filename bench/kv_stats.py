@@ -5,9 +5,9 @@ Read from the workers' Stats RPC before and after a run:
 - prefix hit rate: prompt tokens served from a prefix cache over all prompt tokens, summed over
   workers (each request counts once: on its prefill worker, or on its decode worker when it
   went decode-only);
-- etcd writes of the block locations (keys put and deleted, transactions), normalised as the
-  issue asks: writes per second per worker per 1,000 prefilled tokens per second per worker,
-  which is simply writes per 1,000 prefilled (computed, not cached) tokens.
+- etcd writes of the block locations (one key each: a summary delta or snapshot) per second
+  per worker, and the prefix entries they announced or retracted per 1,000 prefilled (computed,
+  not cached) tokens.
 
 Compared with what one prefix cache shared by every worker would hit on the same requests in
 the same order (``ideal_hit_rate``): unbounded, and an LRU of the workers' combined KV blocks.
@@ -67,11 +67,11 @@ class CacheReport:
     hit_rate: float
     ideal_hit_rate: float  # one unbounded cache shared by all workers
     ideal_pooled_hit_rate: float  # one LRU cache of the workers' combined KV blocks
-    location_txns: int
-    location_writes: int  # keys put + deleted
-    writes_per_s_per_worker: float
+    location_txns: int  # etcd writes (one key each)
+    location_entries: int  # prefix entries announced + retracted
+    writes_per_s_per_worker: float  # etcd writes
     prefilled_tokens_per_s_per_worker: float
-    writes_per_1k_prefilled: float  # = writes/s/worker per 1,000 prefilled tokens/s/worker
+    entries_per_1k_prefilled: float
 
 
 def cache_report(
@@ -87,7 +87,8 @@ def cache_report(
         return sum(getattr(after[n], field) - getattr(before[n], field) for n in names)
 
     prompt, hit = total("prompt_tokens"), total("prefix_hit_tokens")
-    writes = total("location_puts") + total("location_deletes")
+    entries = total("location_puts") + total("location_deletes")
+    txns = total("location_txns")
     prefilled = prompt - hit
     n = max(len(names), 1)
     return CacheReport(
@@ -97,11 +98,11 @@ def cache_report(
         hit_rate=hit / prompt if prompt else float("nan"),
         ideal_hit_rate=ideal[0],
         ideal_pooled_hit_rate=ideal[1],
-        location_txns=total("location_txns"),
-        location_writes=writes,
-        writes_per_s_per_worker=writes / duration / n if duration > 0 else float("nan"),
+        location_txns=txns,
+        location_entries=entries,
+        writes_per_s_per_worker=txns / duration / n if duration > 0 else float("nan"),
         prefilled_tokens_per_s_per_worker=prefilled / duration / n if duration > 0 else 0.0,
-        writes_per_1k_prefilled=1000 * writes / prefilled if prefilled else float("nan"),
+        entries_per_1k_prefilled=1000 * entries / prefilled if prefilled else float("nan"),
     )
 
 
@@ -132,8 +133,8 @@ def render_cache_table(rows: Sequence[tuple[str, str, CacheReport]]) -> str:
     """Markdown table: one row per (endpoint, workload)."""
     lines = [
         "| endpoint | workload | prefix hit rate | vs one shared cache (unbounded / pooled) "
-        "| location writes/s/worker | prefilled tok/s/worker | writes per 1k prefilled tok "
-        "| txns |",
+        "| location etcd writes/s/worker | prefilled tok/s/worker "
+        "| entries changed per 1k prefilled tok | etcd writes |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for endpoint, workload, c in rows:
@@ -143,7 +144,7 @@ def render_cache_table(rows: Sequence[tuple[str, str, CacheReport]]) -> str:
             f"| {endpoint} | {workload} | {c.hit_rate:.1%} | {unbounded:.0%} / {pooled:.0%} "
             f"(ideal {c.ideal_hit_rate:.1%} / {c.ideal_pooled_hit_rate:.1%}) "
             f"| {c.writes_per_s_per_worker:.2f} | {c.prefilled_tokens_per_s_per_worker:.0f} "
-            f"| {c.writes_per_1k_prefilled:.1f} | {c.location_txns} |"
+            f"| {c.entries_per_1k_prefilled:.1f} | {c.location_txns} |"
         )
     return "\n".join(lines)
 

@@ -27,7 +27,10 @@ _CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
+    # A watch event or a page of a range read may carry summaries of many workers.
+    "grpc.max_receive_message_length": 256 * 1024 * 1024,
 }
+RANGE_PAGE = 1000  # keys per range request when reading a whole prefix
 
 
 # Failed etcd operations of this process by what the connection serves ("register", "watch",
@@ -98,6 +101,37 @@ async def cancel_task(task: asyncio.Task[Any] | None) -> None:
             await task
 
 
+async def read_prefix(
+    etcd: EtcdConnection, prefix: bytes, page: int = RANGE_PAGE
+) -> tuple[list[tuple[bytes, bytes]], int]:
+    """Every (key, value) under ``prefix`` at one revision, and that revision: read in pages of
+    ``page`` keys, each page pinned to the revision of the first (aetcd has no paged read)."""
+    client = etcd.client
+    await client.connect()
+    start, end = prefix, aetcd.utils.prefix_range_end(prefix)
+    items: list[tuple[bytes, bytes]] = []
+    revision = 0
+    while True:
+        request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision)
+        reply = await client.kvstub.Range(request, timeout=etcd.timeout, metadata=client.metadata)
+        revision = revision or reply.header.revision
+        items.extend((kv.key, kv.value) for kv in reply.kvs)
+        if not reply.more or not reply.kvs:
+            return items, revision
+        start = reply.kvs[-1].key + b"\0"
+
+
+async def poll_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``predicate()`` every 10 ms until it holds; False if it still does not after
+    ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 class FollowerSink(Protocol):
     """Receives the view of a `PrefixFollower` (called in the event loop)."""
 
@@ -143,9 +177,8 @@ class PrefixFollower:
         return self
 
     async def _resync(self) -> None:
-        got = await self._etcd.client.get_prefix(self.prefix)
-        self.sink.reset([(kv.key, kv.value) for kv in got])
-        self.revision = got.header.revision
+        items, self.revision = await read_prefix(self._etcd, self.prefix)
+        self.sink.reset(items)
         self.synced = True
         self.resyncs += 1
         await self._changed()

@@ -63,8 +63,9 @@ class CacheListener(Protocol):
     Both are called on the engine's thread, under its lock: keep them short and thread-safe.
     """
 
-    def cached(self, index: int, block_hash: BlockHash) -> None:
-        """The full block at chain position ``index`` (0-based) is cached under ``block_hash``."""
+    def cached(self, index: int, block_hash: BlockHash, parent: BlockHash) -> None:
+        """The full block at chain position ``index`` (0-based) is cached under ``block_hash``;
+        ``parent`` is the hash of the block before it (``ROOT_HASH`` at position 0)."""
 
     def evicted(self, block_hash: BlockHash) -> None:
         """The cached block ``block_hash`` was evicted."""
@@ -196,11 +197,12 @@ class KVCacheManager:
         parent = table.hashes[-1] if table.hashes else ROOT_HASH
         for i in range(len(table.hashes), num_computed // bs):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk, table.extra)
-            table.hashes.append(parent)
-            added += int(self.pool.cache(table.blocks[i], parent, chunk))
+            h = hash_block(parent, chunk, table.extra)
+            table.hashes.append(h)
+            added += int(self.pool.cache(table.blocks[i], h, chunk))
             if self._listener is not None:  # also when another block already holds the hash
-                self._listener.cached(i, parent)
+                self._listener.cached(i, h, parent)
+            parent = h
         return added
 
     def free(self, seq_id: Hashable) -> None:

@@ -1,4 +1,5 @@
-"""The routers' index of block locations, built from etcd alone (see ``libkv.locations``).
+"""The routers' index of per-block location keys (``libkv.locations``): the first design, kept
+as the baseline of ``bench/location_sim.py``; routers use ``libkv.summary_index``.
 
 Every router replica follows ``/tandem/v1/blocks/`` with a range read plus a watch, so replicas
 that have seen the same etcd revision hold the same index, and a restarted router is warm as
@@ -8,12 +9,10 @@ worker incarnation that published any of its prefixes, the depth (in blocks) of 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from libkv.etcd_follow import Endpoints, PrefixFollower
+from libkv.etcd_follow import Endpoints, PrefixFollower, poll_until
 from libkv.hashing import BlockHash
 from libkv.locations import LOCATIONS_PREFIX, parse_location_key
 
@@ -101,12 +100,7 @@ class LocationIndex(PrefixIndex):
 
     async def wait_for(self, predicate: Callable[[LocationIndex], bool], timeout: float) -> bool:
         """Poll ``predicate(self)`` until it holds; False if it still does not after timeout."""
-        deadline = time.monotonic() + timeout
-        while not predicate(self):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
+        return await poll_until(lambda: predicate(self), timeout)
 
     async def stop(self) -> None:
         await self.follower.stop()

@@ -1,4 +1,7 @@
-"""Block locations in etcd: which worker holds which cached prefix (the publishing side).
+"""Block locations in etcd, one key per published block: the first design (publishing side).
+
+Services now publish bounded summaries instead (``libkv.summary_publisher``); this design is
+kept as the baseline that ``bench/location_sim.py`` measures against, and for its key helpers.
 
 Key layout (one key per published prefix and worker, under that worker's member lease)::
 
@@ -118,6 +121,7 @@ class LocationPublisher:
         lease: LeaseHolder,
         config: PublisherConfig = PublisherConfig(),  # noqa: B008 - frozen
         timeout: float = 2.0,
+        etcd: EtcdConnection | None = None,
     ) -> None:
         if not worker_id or not incarnation or "/" in worker_id + incarnation:
             raise ValueError("worker_id and incarnation must be non-empty, without '/'")
@@ -131,12 +135,13 @@ class LocationPublisher:
         self._pending: dict[BlockHash, bool] = {}  # hash -> True: put, False: delete
         self._published: set[BlockHash] = set()  # what etcd holds under the current lease
         self._registrations = -1  # lease grant the published set belongs to
-        self._etcd = EtcdConnection(endpoints, timeout, "locations")
+        self._own_etcd = etcd is None  # else shared (many simulated workers in one process)
+        self._etcd = etcd or EtcdConnection(endpoints, timeout, "locations")
         self._task: asyncio.Task[None] | None = None
 
     # -- engine thread ----------------------------------------------------------------------
-    def cached(self, index: int, block_hash: BlockHash) -> None:
-        """A block entered the prefix cache (see ``CacheListener``)."""
+    def cached(self, index: int, block_hash: BlockHash, parent: BlockHash | None = None) -> None:
+        """A block entered the prefix cache (see ``CacheListener``; ``parent`` is not used)."""
         if (index + 1) % self.config.every:
             return
         with self._lock:
@@ -243,4 +248,5 @@ class LocationPublisher:
         """Stop flushing. The entries stay until the worker's lease is revoked or expires."""
         await cancel_task(self._task)
         self._task = None
-        await self._etcd.close()
+        if self._own_etcd:
+            await self._etcd.close()

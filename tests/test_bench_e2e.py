@@ -49,7 +49,7 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     assert (tmp_path / "logs/0-disagg-1p1d/logs/prefill-0.log").is_file()
     cache = run["cache"]  # read from both workers' Stats: every prompt token counted once
     assert cache["workers"] == 2 and cache["prompt_tokens"] >= sum(r["input_tokens"] for r in recs)
-    assert 0 <= cache["hit_rate"] <= 1 and cache["location_writes"] > 0
+    assert 0 <= cache["hit_rate"] <= 1 and cache["location_txns"] > 0
 
 
 @pytest.mark.slow

@@ -30,14 +30,13 @@ def test_cache_report_differences_and_normalisation():
     }
     c = cache_report(before, after, duration=10.0, ideal=(0.5, 0.4))
     assert (c.prompt_tokens, c.hit_tokens, c.hit_rate) == (2000, 1000, 0.5)
-    assert (c.location_writes, c.location_txns) == (12, 3)
-    assert c.writes_per_s_per_worker == pytest.approx(0.6)
+    assert (c.location_entries, c.location_txns) == (12, 3)
+    assert c.writes_per_s_per_worker == pytest.approx(0.15)  # etcd writes
     assert c.prefilled_tokens_per_s_per_worker == pytest.approx(50.0)
-    # writes/s/worker per 1,000 prefilled tokens/s/worker = writes per 1,000 prefilled tokens
-    assert c.writes_per_1k_prefilled == pytest.approx(12.0)
+    assert c.entries_per_1k_prefilled == pytest.approx(12.0)
     assert "50.0% | 100% / 125%" in render_cache_table([("kv", "shared-prefix", c)])
     empty = cache_report(after, after, 1.0, (0.0, 0.0))
-    assert math.isnan(empty.hit_rate) and math.isnan(empty.writes_per_1k_prefilled)
+    assert math.isnan(empty.hit_rate) and math.isnan(empty.entries_per_1k_prefilled)
 
 
 def test_stack_spec_policy_and_routers():

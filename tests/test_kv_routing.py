@@ -15,7 +15,7 @@ from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from libkv.etcd_server import free_port
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
-from libkv.location_index import LocationIndex
+from libkv.summary_index import LocationIndex
 from services.client import TandemClient
 from services.launcher import Stack, StackConfig
 
@@ -110,8 +110,9 @@ async def test_published_prefix_routes_both_replicas_and_a_restarted_router(stac
     tokens = prompt(1)
     t0 = time.monotonic()
     await warm(stack, "prefill-1", tokens)  # the cold tie-break would pick prefill-0
-    # Chunked prefill commits (and publishes) the prompt's blocks chunk by chunk: wait for all.
-    full = 400 // BS // 4 * 4  # every 4th block
+    # Chunked prefill commits (and publishes) the prompt's blocks chunk by chunk: wait for all
+    # (down to the last 4th block: the prompt's leaf).
+    full = 400 // BS // 4 * 4
     assert await index.wait_for(lambda i: holder(i, tokens).get("prefill-1") == full, timeout=1.0)
     assert time.monotonic() - t0 < 5.0
 

@@ -11,7 +11,7 @@ from engine.grammar import GrammarSpec
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from libkv.locations import PublisherStats
+from libkv.summary_publisher import SummaryStats
 
 FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -236,9 +236,9 @@ def stats_to_pb(
     role: str,
     held: int,
     ok: bool,
-    locations: PublisherStats | None = None,
+    locations: SummaryStats | None = None,
 ):
-    loc = locations or PublisherStats()
+    loc = locations or SummaryStats()
     return common_pb2.WorkerStats(
         location_txns=loc.txns,
         location_puts=loc.puts,

@@ -1,5 +1,5 @@
-"""A worker's presence in etcd: its member key and the block locations published under the same
-lease (``libkv.locations``), started and stopped together."""
+"""A worker's presence in etcd: its member key and the block-location summaries published under
+the same lease (``libkv.summary_publisher``), started and stopped together."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 
 from engine import LLMEngine
 from libkv.etcd_follow import Endpoints
-from libkv.locations import LocationPublisher, PublisherConfig
 from libkv.registry import Registration
+from libkv.summary_publisher import SummaryConfig, SummaryPublisher
 
 
 def add_location_flags(p: argparse.ArgumentParser) -> None:
@@ -19,24 +19,35 @@ def add_location_flags(p: argparse.ArgumentParser) -> None:
         "--kv-location-blocks",
         type=int,
         default=int(env("TANDEM_KV_LOCATION_BLOCKS", "4")),
-        help="publish every N-th block of the prefix hash chain (routing granularity)",
+        help="finest routing granularity: every N-th block of the prefix hash chain is "
+        "published (plus the last block of every cached prompt); coarsened under load",
     )
     p.add_argument(
         "--kv-location-interval",
         type=float,
-        default=float(env("TANDEM_KV_LOCATION_INTERVAL", "0.25")),
-        help="seconds between block-location transactions (at most 128 keys each)",
+        default=float(env("TANDEM_KV_LOCATION_INTERVAL", "1.0")),
+        help="seconds between block-location writes to etcd (one key each: a delta or a snapshot)",
+    )
+    p.add_argument(
+        "--kv-location-budget",
+        type=int,
+        default=int(env("TANDEM_KV_LOCATION_BUDGET", "256")),
+        help="block-location entry changes per second before the granularity is coarsened",
     )
 
 
-def location_config(args: argparse.Namespace) -> PublisherConfig:
-    return PublisherConfig(every=args.kv_location_blocks, interval=args.kv_location_interval)
+def location_config(args: argparse.Namespace) -> SummaryConfig:
+    return SummaryConfig(
+        base=args.kv_location_blocks,
+        interval=args.kv_location_interval,
+        budget=args.kv_location_budget,
+    )
 
 
 class Presence:
     """The registration plus the location publisher attached to the engine's prefix cache."""
 
-    def __init__(self, registration: Registration, publisher: LocationPublisher) -> None:
+    def __init__(self, registration: Registration, publisher: SummaryPublisher) -> None:
         self.registration = registration
         self.publisher = publisher
 
@@ -46,11 +57,11 @@ class Presence:
         endpoints: Endpoints,
         registration: Registration,
         engine: LLMEngine,
-        config: PublisherConfig,
+        config: SummaryConfig,
     ) -> Presence:
         """Publish what ``engine`` caches from now on, under ``registration``'s lease."""
         member = registration.member
-        publisher = LocationPublisher(
+        publisher = SummaryPublisher(
             endpoints, member.worker_id, member.incarnation, registration, config
         )
         engine.kv.set_listener(publisher)

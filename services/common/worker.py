@@ -17,8 +17,8 @@ from pathlib import Path
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from engine.errors import InsufficientMemoryError
-from libkv.locations import PublisherConfig
 from libkv.registry import Member, MemberLoad, Registration
+from libkv.summary_publisher import SummaryConfig
 from services.common.admission import add_admission_flags
 from services.common.grpc_server import GrpcServerHandle
 from services.common.kv_setup import (
@@ -70,7 +70,7 @@ class WorkerConfig:
     kv_transfer_timeout: float = 10.0
     cuda_ipc: bool = True  # GPU pools: hand KV to/from peers on this host over CUDA IPC
     drain_timeout: float = 30.0  # on SIGTERM: most seconds to finish the work in flight
-    locations: PublisherConfig = PublisherConfig()  # block locations published to etcd
+    locations: SummaryConfig = SummaryConfig()  # block locations published to etcd
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     max_pending_tokens: int = 0  # admission bound in tokens; 0: twice the KV pool's tokens

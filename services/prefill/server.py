@@ -65,5 +65,5 @@ def worker_stats(engine, core, role: str) -> common_pb2.WorkerStats:
         role=role,
         held=engine.num_held,
         ok=ok,
-        locations=getattr(engine.kv.listener, "stats", None),  # a LocationPublisher's
+        locations=getattr(engine.kv.listener, "stats", None),  # a SummaryPublisher's
     )

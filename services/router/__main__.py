@@ -15,8 +15,9 @@ from pathlib import Path
 from tandem.v1 import router_pb2_grpc
 
 from engine.tokenizer import Tokenizer
-from libkv.location_index import LocationIndex
+from libkv.recent_routes import HintedIndex, RecentRoutes
 from libkv.registry import Member, MemberWatcher, Registration
+from libkv.summary_index import LocationIndex
 from services.common.grpc_server import start_server
 from services.common.obs_config import (
     ObservabilityConfig,
@@ -49,6 +50,7 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     policy: str = "kv"  # see services.router.policy.POLICIES
     kv_load_weight: float = 0.5  # kv policy: prompt blocks one queued/running request weighs
+    kv_recent_ttl: float = 2.0  # kv policy: seconds a route is remembered before etcd shows it
     drain_timeout: float = 30.0  # on SIGTERM: most seconds streams in flight get to finish
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
@@ -87,6 +89,13 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         help="kv policy: cost of one queued or running request, in prompt blocks per block",
     )
     p.add_argument(
+        "--kv-recent-ttl",
+        type=float,
+        default=float(env("TANDEM_KV_RECENT_TTL", "2.0")),
+        help="kv policy: seconds this router remembers where it sent a prompt, until the "
+        "worker's block-location summary (written at most once a second) shows it; 0: off",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
@@ -117,6 +126,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         api_keys=frozenset(hashlib.sha256(k.split(":", 1)[0].encode()).hexdigest() for k in keys),
         policy=a.policy,
         kv_load_weight=a.kv_load_weight,
+        kv_recent_ttl=a.kv_recent_ttl,
         drain_timeout=a.drain_timeout,
         observability=observability_config(a),
         security=security,
@@ -133,7 +143,10 @@ async def serve(argv: list[str] | None = None) -> None:
     policy = PolicyConfig(config.policy, config.decode_only_threshold, config.kv_load_weight)
     # The kv policy routes by the block locations workers publish in etcd (nothing else).
     index = await LocationIndex.start(list(config.etcd)) if config.policy == "kv" else None
-    core = RouterCore(watcher, clients, policy=policy, index=index)
+    lookup = index
+    if index is not None and config.kv_recent_ttl > 0:
+        lookup = HintedIndex(index, RecentRoutes(ttl=config.kv_recent_ttl))
+    core = RouterCore(watcher, clients, policy=policy, index=lookup)
     server = await start_server(
         [
             (

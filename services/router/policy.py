@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,9 +44,16 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class LocationLookup(Protocol):
-    """The read side of the block-location index (``libkv.location_index.PrefixIndex``)."""
+    """The read side of the block-location index (``libkv.summary_index.SummaryIndex``)."""
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[tuple[str, str], int]: ...
+    def match(self, hashes: Sequence[BlockHash]) -> Mapping[tuple[str, str], int]: ...
+
+
+class RouteMemory(LocationLookup, Protocol):
+    """An index that also remembers where this router just sent prompts
+    (``libkv.recent_routes.HintedIndex``), until the workers' summaries show them."""
+
+    def note(self, holders: Sequence[tuple[str, str]], hashes: Sequence[BlockHash]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +92,36 @@ class _Chain:
 
     def __init__(self, req: RouteRequest, index: LocationLookup | None) -> None:
         self.req, self.index = req, index
-        self._depths: dict[int, dict[tuple[str, str], int]] = {}
+        self._depths: dict[int, Mapping[tuple[str, str], int]] = {}
+
+        self._hashes: dict[int, list[BlockHash]] = {}
+
+    def hashes(self, block_size: int) -> list[BlockHash]:
+        if block_size not in self._hashes:
+            extra = encode_extra_keys(self.req.tenant or None)
+            self._hashes[block_size] = hash_prefix_blocks(self.req.prompt, block_size, extra)
+        return self._hashes[block_size]
 
     def cached_blocks(self, m: Member) -> int:
         if self.index is None:
             return 0
         bs = m.block_size or DEFAULT_BLOCK_SIZE
         if bs not in self._depths:
-            extra = encode_extra_keys(self.req.tenant or None)
-            self._depths[bs] = self.index.match(hash_prefix_blocks(self.req.prompt, bs, extra))
+            self._depths[bs] = self.index.match(self.hashes(bs))
         return self._depths[bs].get((m.worker_id, m.incarnation), 0)
+
+    def remember(self, *members: Member | None) -> None:
+        """Tell a `RouteMemory` index that ``members`` will cache this prompt."""
+        note = getattr(self.index, "note", None)
+        if note is None:
+            return
+        by_size: dict[int, list[tuple[str, str]]] = {}
+        for m in members:
+            if m is not None:
+                holders = by_size.setdefault(m.block_size or DEFAULT_BLOCK_SIZE, [])
+                holders.append((m.worker_id, m.incarnation))
+        for bs, holders in by_size.items():
+            note(holders, self.hashes(bs))
 
 
 class Chooser:
@@ -153,7 +180,9 @@ class Chooser:
             return None
         if self.config.name == "kv":
             chain = _Chain(req, self.index)
-            return min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
+            best = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
+            chain.remember(best)
+            return best
         return self._pick(req, candidates, "prefill")
 
     def _plan_kv(self, req: RouteRequest, decoders: list[Member], exclude: set[str]) -> Plan:
@@ -168,10 +197,12 @@ class Chooser:
             if candidates:
                 prefill = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
         if prefill is None:
+            chain.remember(decode)
             return Plan(decode, None, "decode-only", hit)
         paired_decoders = [d for d in decoders if paired(prefill, d)]
         decode = min(paired_decoders, key=lambda m: self._cost(req, chain, m, TRANSFER_WEIGHT))
         hit = chain.cached_blocks(prefill)
+        chain.remember(prefill, decode)  # the decode worker caches the blocks it receives
         return Plan(decode, prefill, "kv-hit" if hit else "load", hit)
 
     # -- scoring ----------------------------------------------------------------------------------
