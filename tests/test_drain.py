@@ -175,7 +175,13 @@ def test_sigterm_drains_decode_streams_and_prefill_hands_off(smol_dir, tmp_path)
         (busy,) = [n for n, s in worker_stats(stack).items() if s.running]
         terminate(stack, busy)
         # While it drains, new requests go to the other decode worker.
-        other = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+        other = client.completions.create(
+            model=MODEL,
+            prompt="Hello",
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert other.usage.completion_tokens == 4
         rest = list(chunks)
         assert rest[-1].usage.completion_tokens == STREAM_TOKENS  # the running stream was not cut

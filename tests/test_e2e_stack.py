@@ -24,6 +24,8 @@ MODEL = "SmolLM2-135M-Instruct"
 LONG = " ".join(
     f"Line {i}: the warehouse shipped {i * 7} crates to dock {i % 5}." for i in range(40)
 )
+# For tests that count tokens: greedy and past EOS, so the count never depends on the sample.
+EXACT = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 # The whole suite runs once per KV transport: NIXL (where importable) and the gRPC stream.
@@ -132,7 +134,7 @@ def test_chat_streaming_usage_and_options(stack, client, offline):
     assert streamed == text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
-    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, **EXACT)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
     stop_at = text.split()[1]
@@ -258,7 +260,7 @@ def test_killing_a_decode_worker_moves_traffic(stack, client):
     deadline = time.monotonic() + stack.config.member_ttl + 2
     done = 0
     while time.monotonic() < deadline or done < 4:
-        out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+        out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, **EXACT)
         assert out.usage.completion_tokens == 4
         done += 1
     stack.restart("decode-1")
@@ -272,6 +274,6 @@ def test_serving_survives_an_etcd_restart(stack, client):
     stack.etcd.restart()
     time.sleep(stack.config.member_ttl + 1)  # leases of the old etcd term have lapsed by now
     for prompt in ("Hello there", LONG):
-        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **EXACT)
         assert out.usage.completion_tokens == 4
     assert_all_free(stack)
