@@ -20,13 +20,13 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
-from libkv.etcd_server import EtcdServer
-from libkv.nixl_agent import nixl_available
-from libkv.registry import Member
+from libkv.cluster.registry import Member
 from libkv.transfer import agent_name
+from libkv.transfer.nixl_agent import nixl_available
+from libkv.transfer.setup import decode_side
 from services.common.errors import KVTransferFailed
-from services.common.kv_setup import decode_side
 from services.decode.core import DecodeCore, DecodeJob
+from services.launcher.etcd import EtcdServer
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouteJob
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine.sampling_params import SamplingParams
-from libkv.registry import Member, MemberLoad
+from libkv.cluster.registry import Member, MemberLoad
 from services.common.codec import Event, KVHandle
 from services.common.errors import Unavailable
 from services.router.core import PrefillReply, RouteJob, RouterCore
