@@ -70,10 +70,15 @@ def test_kill_9_of_serve_leaves_no_child_and_frees_the_port(smol_dir, tmp_path) 
     os.kill(serve.pid, signal.SIGKILL)
     serve.wait(10)
     t0 = time.monotonic()
-    while any(alive(pid) for pid in kids):
-        left = {pid: cmd for pid, cmd in kids.items() if alive(pid)}
-        assert time.monotonic() - t0 < 15, f"still running 15 s after kill -9: {left}"
-        time.sleep(0.2)
+    try:
+        while any(alive(pid) for pid in kids):
+            left = {pid: cmd for pid, cmd in kids.items() if alive(pid)}
+            assert time.monotonic() - t0 < 15, f"still running 15 s after kill -9: {left}"
+            time.sleep(0.2)
+    finally:  # a failure leaves nothing behind either
+        for pid in kids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
     with socket.socket() as s:  # the next `tandem serve` can listen here
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))

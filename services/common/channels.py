@@ -24,6 +24,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging under a long silent stream
+    # What closes the connection when a ping goes unanswered in grpcio 1.85: with
+    # keepalive_timeout_ms alone a call to a SIGSTOPped peer waited for its deadline.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
 
 

@@ -61,7 +61,10 @@ class Health:
         reason = "draining" if self.draining else None
         reason = reason or ("not live" if not live else self.ready())
         if reason != self.reason:
-            log.info("ready" if reason is None else "not ready: %s", reason)
+            if reason is None:
+                log.info("ready")
+            else:
+                log.info("not ready: %s", reason)
             self.reason = reason
         states = {LIVENESS_SERVICE: live, "": reason is None}
         states.update({name: reason is None and ok for name, ok in self.extra().items()})
