@@ -27,7 +27,8 @@ from libkv.transfer import (
 )
 from services.launcher.options import add_worker_options, worker_overrides
 from services.launcher.placement import parse_gpus, place
-from services.launcher.stack import Child, Stack, StackConfig
+from services.launcher.process import Child
+from services.launcher.stack import Stack, StackConfig
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
 from services.worker.config import parse_config
 

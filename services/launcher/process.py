@@ -7,8 +7,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 
@@ -31,3 +34,37 @@ def die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+@dataclass(slots=True)
+class Child:
+    """One process of the local stack and where it logs."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    proc: subprocess.Popen | None = None
+    address: str = ""
+    metrics_port: int = 0  # 0: no metrics server
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+def launch(child: Child) -> None:
+    """Start ``child`` (again), appending to its log, in a session of its own (a Ctrl-C aimed at
+    the launcher does not hit it first) and dying with the launcher."""
+    log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+    child.proc = subprocess.Popen(
+        child.argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=die_with_parent(),
+    )
+    log.close()

@@ -6,18 +6,18 @@ tests."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.launcher import process
 from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
 from services.launcher.placement import Placement, place
+from services.launcher.process import Child
 
 # The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
 # decode-only (the router also falls back to decode-only when no prefill worker is live).
@@ -102,22 +102,6 @@ class StackConfig:
         if self.num_prefill == 0 and self.decode_only_threshold >= COLOCATED_THRESHOLD:
             return f"colocated:{self.num_decode}"
         return f"disagg:{self.num_prefill}p{self.num_decode}d"
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
-    proc: subprocess.Popen | None = None
-    address: str = ""
-    metrics_port: int = 0  # 0: no metrics server
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
 
 
 class Stack:
@@ -256,17 +240,7 @@ class Stack:
         return child
 
     def _launch(self, child: Child) -> None:
-        log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
-        child.proc = subprocess.Popen(
-            child.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a Ctrl-C aimed at the launcher does not hit them first
-            preexec_fn=process.die_with_parent(),  # no orphan: they die with the launcher
-        )
-        log.close()
+        process.launch(child)  # dies with this process (tests replace this to record starts)
 
     def wait_ready(self) -> None:
         """Every worker printed READY and the gateway is ready (/health 200: it can route to a
