@@ -90,6 +90,35 @@ async def test_liveness_stays_serving_while_readiness_drains() -> None:
         await handle.stop(grace=None)
 
 
+async def test_health_starts_not_ready_and_tells_live_from_ready() -> None:
+    """The way router and workers report health: not ready until the first good check, not
+    live (nor ready) once a vital part died, extra names (a router's ``model:NAME``) ready
+    only while the service is."""
+    handle = await start_server([], ["tandem.v1.Router"], "127.0.0.1:0", ready=False)
+    live, routable = [True], [False]
+    async with grpc.aio.insecure_channel(handle.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str) -> int:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            return reply.status
+
+        assert await status("") == NOT_SERVING  # bound, not yet ready
+        health = await Health(
+            handle, live=lambda: live[0], extra=lambda: {"model:m": routable[0]}
+        ).start()
+        assert await status("") == SERVING and await status("model:m") == NOT_SERVING
+        routable[0] = True
+        await health.update()
+        assert await status("model:m") == SERVING
+        live[0] = False  # e.g. a worker's engine step thread died
+        await health.update()
+        assert await status(LIVENESS_SERVICE) == NOT_SERVING
+        assert await status("") == NOT_SERVING and await status("model:m") == NOT_SERVING
+        await health.stop()
+    await handle.stop(grace=None)
+
+
 @pytest.mark.timeout(60)
 async def test_draining_member_stays_registered_but_is_not_routed_to(tmp_path) -> None:
     with EtcdServer(tmp_path) as etcd:
