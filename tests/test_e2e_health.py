@@ -28,16 +28,9 @@ TTL = 30  # member lease: far longer than keepalive needs, so only keepalive can
 @pytest.fixture(scope="module")
 def stack(smol_dir, tmp_path_factory):
     """etcd, a router and the gateway, and no worker yet."""
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(tmp_path_factory.mktemp("health")),
-        port=free_port(),
-        num_prefill=0,
-        num_decode=0,
-        member_ttl=TTL,
-        member_refresh=1.0,
-        router_policy="round-robin",
-    )
+    run_dir = tmp_path_factory.mktemp("health")
+    config = StackConfig(str(smol_dir), str(run_dir), port=free_port(), num_prefill=0,
+                         num_decode=0, member_ttl=TTL, router_policy="round-robin")  # fmt: skip
     with Stack(config) as s:
         yield s
 
