@@ -46,11 +46,17 @@ RENAMED = {
 }
 
 
+# Options whose values are checked beyond their kind: two good values each.
+GOOD = {"--log-level": ("DEBUG", "warning")}
+
+
 def sample(spec: Spec, other: bool = False) -> tuple[str, Any]:
     """A value for ``spec`` as text, and what the config must then hold (``other``: a second,
     different one)."""
     kind, choices = spec.kind, spec.option.choices
-    if choices:
+    if spec.flag in GOOD:
+        text = GOOD[spec.flag][other]
+    elif choices:
         text = choices[-2] if other else choices[-1]
     else:
         text = {

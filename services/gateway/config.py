@@ -11,6 +11,7 @@ from pathlib import Path
 from engine.config import ModelConfig
 from services.common.admission import batch_fraction_option
 from services.common.options import Options, option
+from services.common.process import log_level_option
 from services.common.tls import TLSFiles, TLSOptions
 from services.gateway.keys import ApiKey, load_keys_file, plain_keys
 from services.gateway.tools import TOOL_CALL_PARSER_CHOICES
@@ -60,7 +61,7 @@ class GatewayConfig:
     )
     max_body_bytes: int = option(4 * 1024 * 1024, "largest request body (413 beyond)")
     default_max_tokens: int = option(4096, "cap on max_tokens when a request omits it")
-    log_level: str = option("info", "log level (debug, info, warning, error)")
+    log_level: str = log_level_option()
     slo_ttft_ms: float = option(
         1000.0, "goodput counts requests with TTFT and TPOT within both SLOs"
     )

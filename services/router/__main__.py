@@ -21,7 +21,7 @@ from libkv.cluster.summary_index import LocationIndex
 from services.common.grpc_server import start_server
 from services.common.health import Health, model_service
 from services.common.options import Options, option
-from services.common.process import run_until_signal, setup_logging
+from services.common.process import log_level_option, run_until_signal, setup_logging
 from services.common.security import ETCD_OLD_ENV, Security
 from services.common.security import apply as apply_security
 from services.observability.config import ObservabilityConfig
@@ -57,7 +57,7 @@ class RouterConfig:
     advertise_host: str = option("", "host others dial (default: --host)")
     router_id: str = option("", "id in etcd (default: router-HOSTNAME-RANDOM)")
     served_model_name: str = option("", "model name (default: the folder's name)")
-    log_level: str = option("info", "log level (debug, info, warning, error)")
+    log_level: str = log_level_option()
     decode_only_threshold: int = option(
         256, "prompts whose uncached part is shorter go straight to a decode worker"
     )

@@ -15,6 +15,7 @@ from libkv.cluster.summary_publisher import SummaryConfig
 from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
 from services.common.admission import batch_fraction_option
 from services.common.options import Options, option
+from services.common.process import log_level_option
 from services.common.security import ETCD_OLD_ENV, Security
 from services.observability.config import ObservabilityConfig
 
@@ -32,7 +33,7 @@ class WorkerConfig:
     worker_id: str = option("", "id in etcd (default: ROLE-HOSTNAME-RANDOM)")
     etcd: tuple[str, ...] = option((), "etcd endpoints host:port[,...]", old_env=ETCD_OLD_ENV)
     served_model_name: str = option("", "model name (default: the folder's name)")
-    log_level: str = option("info", "log level (debug, info, warning, error)")
+    log_level: str = log_level_option()
     block_size: int = option(16, "tokens per KV block")
     kv_cache_bytes: int | None = option(
         None,
