@@ -29,6 +29,7 @@ from services.decode.core import DecodeCore, DecodeJob
 from services.launcher.etcd import EtcdServer
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouteJob
+from services.worker.runtime import engine_pool
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -116,7 +117,8 @@ class Decode:
         )
         self.engine.start()
         inc = uuid.uuid4().hex
-        self.kv = await decode_side("nixl", mode, self.engine.engine, "dec", inc, (etcd.endpoint,))
+        pool = engine_pool(self.engine.engine)
+        self.kv = await decode_side("nixl", mode, pool, "dec", inc, (etcd.endpoint,))
         assert self.kv.transport.name == f"nixl-{mode}"
         self.core = DecodeCore(self.engine, self.kv.transport, "dec", inc, 5.0, policy)
         self.clients = GrpcWorkerClients()

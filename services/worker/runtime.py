@@ -92,6 +92,11 @@ def start_engine(config: WorkerConfig) -> AsyncEngine:
     return engine
 
 
+def engine_pool(engine: LLMEngine) -> PoolStore:
+    """The engine's KV pool as the transports see it (byte copies go through the engine)."""
+    return PoolStore(engine.runner.kv_cache, engine.runner.block_bytes, engine)
+
+
 def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:
     """The admission bound in tokens (``--max-pending-tokens``, default twice the pool)."""
     return config.max_pending_tokens or 2 * engine.pool.num_blocks * config.block_size
@@ -106,7 +111,6 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     engine = start_engine(config)
     observe_engine(engine.engine, obs.metrics.registry)
-    runner = engine.engine.runner
     worker = Worker(
         config,
         obs,
@@ -117,7 +121,7 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
             config.batch_admission_fraction,
             name=f"{config.role} worker {config.worker_id}",
         ),
-        PoolStore(runner.kv_cache, runner.block_bytes, engine.engine),
+        engine_pool(engine.engine),
     )
     role = await wire(worker)
     server = await start_server(
