@@ -165,16 +165,15 @@ class Options:
             "default": argparse.SUPPRESS,
             "help": f"{opt.help} [{spec.env}{shown}]",
         }
-        if spec.kind != "bool":
-            kw["metavar"] = opt.metavar or spec.path[-1].upper()
         if spec.kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
-        elif spec.kind == "tuple":
-            kw["action"] = "append"
         else:
-            kw["type"] = spec.read
-            if opt.choices:
-                kw["metavar"] = opt.metavar or "{" + ",".join(opt.choices) + "}"
+            choices = "{" + ",".join(opt.choices) + "}" if opt.choices else ""
+            kw["metavar"] = opt.metavar or choices or spec.path[-1].upper()
+            if spec.kind == "tuple":
+                kw["action"] = "append"
+            else:
+                kw["type"] = spec.read
         self.parser.add_argument(spec.flag, **kw)
 
     def error(self, message: str) -> NoReturn:
@@ -236,14 +235,3 @@ def build(cls: type[C], values: Mapping[tuple[str, ...], Any], path: tuple[str, 
         elif dataclasses.is_dataclass(hints[f.name]) and any(k[: len(key)] == key for k in values):
             kwargs[f.name] = build(hints[f.name], values, key)
     return cls(**kwargs)
-
-
-def parse(
-    cls: type[C],
-    argv: Sequence[str] | None = None,
-    env: Mapping[str, str] | None = None,
-    prog: str = "",
-    description: str | None = None,
-) -> C:
-    """``Options(cls, ...).parse(argv)``: the frozen config of a service."""
-    return Options(cls, prog, description, env).parse(argv)
