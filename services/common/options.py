@@ -18,7 +18,7 @@ repeated, or values separated by commas, as in the variable). Variables named be
 idiom (``old_env=``) are still read, with a deprecation warning, when the new one is unset.
 
 Nothing else in a process reads the environment for its settings: ``__main__`` parses once
-(`parse`) and hands the frozen config down.
+(`Options.parse`) and hands the frozen config down.
 """
 
 from __future__ import annotations
