@@ -44,7 +44,7 @@ from bench.workloads import (
     make_counter,
     parse_workload,
 )
-from services.stack_options import add_worker_options, worker_overrides
+from services.launcher.options import add_worker_options, worker_overrides
 
 BUNDLED_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1"

@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from libkv.etcd_follow import EtcdConnection
+from libkv.cluster.etcd_follow import EtcdConnection
 
 PREFIX = b"/tandem/v1/ceiling/"
 

@@ -34,9 +34,9 @@ import torch
 import kernels
 from bench import kv_peer
 from bench.kv_transfer import Source, command, machine_name
-from libkv.nixl_agent import NixlEndpoint
-from libkv.nixl_transport import NixlTransport
 from libkv.transfer import AgentInfo, StaticPeers
+from libkv.transfer.nixl import NixlTransport
+from libkv.transfer.nixl_agent import NixlEndpoint
 
 SHAPES = {  # layers, q heads, kv heads, head dim
     "smollm2": (30, 9, 3, 64),

@@ -35,7 +35,7 @@ def region(pool: torch.Tensor, block_bytes: int) -> PoolRegion:
 
 
 class StaticRecords:
-    """`libkv.cuda_ipc.PeerRecords` over fixed member-record fields (worker id -> extra)."""
+    """`libkv.transfer.cuda_ipc.PeerRecords` over fixed member-record fields (worker -> extra)."""
 
     def __init__(self, records: dict[str, dict[str, str]]) -> None:
         self.records = records
@@ -59,17 +59,15 @@ class AlwaysHeld:
 
 
 class PoolReader:
-    """What ``KVTransportServicer`` needs of a prefill core: bytes of blocks."""
+    """What ``BlockStreamServicer`` needs of a prefill core: bytes of blocks."""
 
     def __init__(self, pool: torch.Tensor) -> None:
         self.pool = pool
         self.block_bytes = 0
-        self.engine = self  # the servicer runs reads through ``core.engine.run``
 
-    async def run(self, fn, *args):
-        return fn(*args)
-
-    def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
+    async def read_blocks(
+        self, request_id: str, incarnation: str, block_ids: list[int]
+    ) -> list[bytes]:
         blocks = self.pool.view(-1, self.block_bytes)[torch.tensor(block_ids)].cpu()
         return [b.numpy().tobytes() for b in blocks]
 
@@ -81,10 +79,10 @@ def serve(conn, device: str, total_bytes: int) -> None:
 async def _serve(conn, device: str, total_bytes: int) -> None:
     from tandem.v1 import worker_pb2_grpc
 
-    from libkv.nixl_agent import NixlEndpoint
-    from libkv.nixl_transport import NixlBlockServer
+    from libkv.transfer.grpc_stream import BlockStreamServicer
+    from libkv.transfer.nixl import NixlBlockServer
+    from libkv.transfer.nixl_agent import NixlEndpoint
     from services.common.grpc_server import start_server
-    from services.prefill.server import KVTransportServicer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -92,7 +90,7 @@ async def _serve(conn, device: str, total_bytes: int) -> None:
     fill_pattern(pool)
     reader = PoolReader(pool)
     grpc_server = await start_server(
-        [(worker_pb2_grpc.add_KVTransportServicer_to_server, KVTransportServicer(reader))],
+        [(worker_pb2_grpc.add_KVTransportServicer_to_server, BlockStreamServicer(reader))],
         ["tandem.v1.KVTransport"],
         "127.0.0.1:0",
     )
@@ -115,7 +113,7 @@ async def _serve(conn, device: str, total_bytes: int) -> None:
             assert endpoint.info is not None
             extra = endpoint.info.to_extra()
             if pool.device.type == "cuda":  # also offered over CUDA IPC
-                from libkv.cuda_ipc import pool_record
+                from libkv.transfer.cuda_ipc import pool_record
 
                 extra.update(pool_record(pool.view(-1, block_bytes), block_bytes, export=True))
             conn.send(extra)

@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from bench import kv_peer
-from libkv.cuda_ipc import CudaIpcTransport
-from libkv.nixl_agent import NixlEndpoint
-from libkv.nixl_transport import NixlTransport
 from libkv.transfer import AgentInfo, StaticPeers, agent_name
-from services.common.kv_transport import GrpcStreamTransport
+from libkv.transfer.cuda_ipc import CudaIpcTransport
+from libkv.transfer.grpc_stream import GrpcStreamTransport
+from libkv.transfer.nixl import NixlTransport
+from libkv.transfer.nixl_agent import NixlEndpoint
 
 KIB = 1024
 BLOCK_KIB = (16, 64, 128, 256, 512, 1024, 2048)

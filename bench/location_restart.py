@@ -20,9 +20,8 @@ import random
 import time
 import tracemalloc
 
-from libkv.etcd_follow import EtcdConnection, read_prefix
-from libkv.etcd_server import EtcdServer
-from libkv.location_summary import (
+from libkv.cluster.etcd_follow import EtcdConnection, read_prefix
+from libkv.cluster.location_summary import (
     DELTA,
     LOCATIONS_PREFIX,
     RING,
@@ -31,7 +30,8 @@ from libkv.location_summary import (
     delta_key,
     snapshot_key,
 )
-from libkv.summary_index import LocationIndex, SummaryIndex
+from libkv.cluster.summary_index import LocationIndex, SummaryIndex
+from services.launcher.etcd import EtcdServer
 
 
 async def fill(etcd: EtcdConnection, workers: int, entries: int, rng: random.Random) -> int:

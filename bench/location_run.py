@@ -19,11 +19,11 @@ import aetcd
 from bench.location_cluster import BLOCK, Cluster
 from bench.location_report import Row
 from bench.location_trace import Trace, TraceConfig
-from libkv import location_index, locations, summary_index
-from libkv.etcd_follow import EtcdConnection, read_prefix
-from libkv.location_summary import LOCATIONS_PREFIX, delta_key
-from libkv.recent_routes import HintedIndex, RecentRoutes
-from libkv.summary_publisher import SummaryConfig, SummaryPublisher
+from libkv.cluster import location_index, locations, summary_index
+from libkv.cluster.etcd_follow import EtcdConnection, read_prefix
+from libkv.cluster.location_summary import LOCATIONS_PREFIX, delta_key
+from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
+from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
 
 DESIGNS = ("summary", "summary+hints", "per-block")
 PER_REQUEST_GUESS = 800.0  # prefilled tokens per request, until measured

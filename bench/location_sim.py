@@ -30,8 +30,8 @@ from pathlib import Path
 from bench.etcd_ceiling import Ceiling, ceilings
 from bench.location_report import Row, render
 from bench.location_run import DESIGNS, Sim, SimConfig
-from libkv.etcd_follow import EtcdConnection
-from libkv.etcd_server import EtcdServer
+from libkv.cluster.etcd_follow import EtcdConnection
+from services.launcher.etcd import EtcdServer
 
 
 async def run_all(args: argparse.Namespace) -> tuple[list[Row], list]:

@@ -19,7 +19,7 @@ from bench.runner import Endpoint
 from services.router.policy import POLICIES
 
 if TYPE_CHECKING:
-    from services.launcher import Stack
+    from services.launcher.stack import Stack
 
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d((?::[a-z]+=[a-z0-9-]+)*)")
 _OPTIONS = {"threshold": int, "policy": str, "routers": int}
@@ -64,8 +64,8 @@ def parse_stack(text: str) -> StackSpec:
 
 def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     """The launcher's ``StackConfig`` for ``spec`` (on a free loopback port)."""
-    from libkv.etcd_server import free_port
-    from services.launcher import StackConfig
+    from services.launcher.etcd import free_port
+    from services.launcher.stack import StackConfig
 
     common = dict(model_dir=model_dir, run_dir=run_dir, port=free_port(), **overrides)
     if spec.colocated:
@@ -82,7 +82,7 @@ def running_stack(
 ) -> Iterator[tuple[Endpoint, Stack]]:
     """Start the stack of ``spec`` (logs under ``run_dir``), yield its endpoint and the
     stack, stop it."""
-    from services.launcher import Stack
+    from services.launcher.stack import Stack
 
     config = stack_config(spec, model_dir, str(run_dir), **overrides)
     stack = Stack(config)

@@ -45,6 +45,11 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The step thread runs (a worker whose step thread died is not live)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()

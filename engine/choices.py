@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sequence import Sequence
 
 

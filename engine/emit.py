@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from engine.choices import Choice, Request
-from engine.sampler import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sequence import FinishReason, SeqStatus, Sequence
 
 if TYPE_CHECKING:

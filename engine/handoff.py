@@ -19,8 +19,7 @@ import torch
 
 from engine.choices import Choice, Request
 from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.hashing import encode_extra_keys
 
 if TYPE_CHECKING:

@@ -26,8 +26,7 @@ from engine.errors import (
 )
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.step_stats import StepObserver, batch_stats

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.structured import apply_bitmask_
 
 # Temperatures below this are raised to it: dividing logits by a far smaller one can overflow to
@@ -45,19 +45,6 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     guided: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """Raw-model log-probability of the chosen token and of the ``params.logprobs`` best ones.
-
-    ``top`` holds ``(token_id, logprob)`` pairs, most likely first; it is empty when
-    ``params.logprobs == 0``.
-    """
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction, and the log-probabilities of
+the tokens a request gets back (`TokenLogprob`). No torch: the gateway and router use them."""
 
 from __future__ import annotations
 
@@ -141,3 +142,16 @@ def _check_float(p: SamplingParams, name: str, lo: float, hi: float, bad) -> Non
         raise bad(name, "must be a finite number")
     if not lo <= v <= hi:
         raise bad(name, f"must be in [{lo}, {hi}]")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Raw-model log-probability of the chosen token and of the ``params.logprobs`` best ones.
+
+    ``top`` holds ``(token_id, logprob)`` pairs, most likely first; it is empty when
+    ``params.logprobs == 0``.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]

@@ -26,6 +26,17 @@ class NoFreeBlocksError(RuntimeError):
     """More blocks were requested than are free (callers check ``num_free`` first)."""
 
 
+class IntegrityError(AssertionError):
+    """The bookkeeping broke an invariant (`BlockPool.check_integrity`). Raised explicitly, not by
+    ``assert``, so the check also holds under ``python -O``."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise IntegrityError(``message``) unless ``condition``."""
+    if not condition:
+        raise IntegrityError(message)
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     """One block of the pool. ``token_ids`` is kept with the hash to verify every hit."""
@@ -203,16 +214,20 @@ class BlockPool:
 
     # -- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Assert free + used + cached bookkeeping is consistent (tests call it after each case)."""
+        """Raise IntegrityError unless free + used + cached bookkeeping is consistent (tests call
+        it after each case; workers report it in their stats)."""
         fresh = list(self._fresh)
         cached = list(self._cached)
-        assert len(fresh) == self._fresh.size and len(cached) == self._cached.size
+        require(len(fresh) == self._fresh.size, "fresh queue size out of step")
+        require(len(cached) == self._cached.size, "cached queue size out of step")
         used = [b for b in self.blocks if b.ref_cnt > 0]
-        assert len(fresh) + len(cached) + len(used) == self.num_blocks, "blocks lost or doubled"
-        assert all(b.ref_cnt == 0 and b.block_hash is None for b in fresh)
-        assert all(b.ref_cnt == 0 and b.block_hash is not None for b in cached)
-        assert all(b.ref_cnt >= 0 for b in self.blocks)
+        require(len(fresh) + len(cached) + len(used) == self.num_blocks, "blocks lost or doubled")
+        require(all(b.ref_cnt == 0 and b.block_hash is None for b in fresh), "bad fresh block")
+        require(
+            all(b.ref_cnt == 0 and b.block_hash is not None for b in cached), "bad cached block"
+        )
+        require(all(b.ref_cnt >= 0 for b in self.blocks), "negative reference count")
         for h, b in self._by_hash.items():
-            assert b.block_hash == h and b.token_ids is not None
+            require(b.block_hash == h and b.token_ids is not None, f"hash map entry {h!r} wrong")
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
-        assert hashed == len(self._by_hash), "hash map out of step with blocks"
+        require(hashed == len(self._by_hash), "hash map out of step with blocks")

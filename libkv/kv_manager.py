@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from libkv.block_pool import BlockPool, KVBlock
+from libkv.block_pool import BlockPool, KVBlock, require
 from libkv.hashing import ROOT_HASH, BlockHash, hash_block
 
 
@@ -219,4 +219,4 @@ class KVCacheManager:
             for block in table.blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), f"ref leak on {block.block_id}"
+            require(block.ref_cnt == refs.get(block.block_id, 0), f"ref leak on {block.block_id}")

@@ -55,8 +55,8 @@ def serve(conn, worker_id: str, incarnation: str, num_blocks: int, block_bytes: 
 
 
 async def _serve(conn, worker_id, incarnation, num_blocks, block_bytes, seed) -> None:
-    from libkv.nixl_agent import NixlEndpoint
-    from libkv.nixl_transport import NixlBlockServer
+    from libkv.transfer.nixl import NixlBlockServer
+    from libkv.transfer.nixl_agent import NixlEndpoint
 
     pool = pool_bytes(seed, num_blocks, block_bytes)
     holder = FakeHolder(incarnation)

@@ -18,8 +18,8 @@ import grpc
 import httpx
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
-from libkv.registry import MemberWatcher
-from services.launcher import Stack
+from libkv.cluster.registry import MemberWatcher
+from services.launcher.stack import Stack
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 WORKER_ROLES = ("prefill", "decode")

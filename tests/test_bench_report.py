@@ -12,8 +12,8 @@ from bench.report import RunReport, render_ratios, render_table, write_json, wri
 from bench.rescore import load_reports
 from bench.runner import RunResult
 from bench.stacks import StackSpec, parse_stack, stack_config
-from services.cli import build_parser
-from services.launcher import COLOCATED_THRESHOLD, StackConfig
+from cli.main import build_parser
+from services.launcher.stack import COLOCATED_THRESHOLD, StackConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

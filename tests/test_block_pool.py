@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import pytest
@@ -330,3 +332,23 @@ def test_randomized_operations_keep_integrity(seed: int) -> None:
     pool.free(held)
     assert pool.num_used == 0 and pool.num_cached == len(alive)
     pool.check_integrity()
+
+
+BROKEN_POOL = """
+from libkv.block_pool import BlockPool, IntegrityError
+pool = BlockPool(4)
+pool.allocate(1)[0].ref_cnt = 0  # a block in no queue and with no reference: lost
+try:
+    pool.check_integrity()
+except IntegrityError as e:
+    print("caught:", e)
+"""
+
+
+@pytest.mark.parametrize("flags", [[], ["-O"]])
+def test_integrity_is_checked_also_under_python_o(flags: list[str]) -> None:
+    """Workers report the check in their stats: it must not vanish with ``assert`` under -O."""
+    out = subprocess.run(
+        [sys.executable, *flags, "-c", BROKEN_POOL], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "caught: blocks lost or doubled", out.stderr

@@ -11,7 +11,7 @@ import tomllib
 import pytest
 import yaml
 
-from services.cli import SERVICES, main
+from cli.main import SERVICES, main
 from tests.helm_render import CHART, ROOT, find_helm, render, workloads
 
 
@@ -24,7 +24,7 @@ def test_entrypoint_is_the_tandem_command() -> None:
     (entrypoint,) = instructions("ENTRYPOINT")
     assert json.loads(entrypoint) == ["tandem"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tandem"] == "services.cli:main"
+    assert scripts["tandem"] == "cli.main:main"
 
 
 @pytest.mark.parametrize("service", SERVICES)

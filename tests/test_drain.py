@@ -16,13 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from libkv.etcd_server import EtcdServer, free_port
-from libkv.registry import Member, MemberLoad, MemberWatcher, Registration
+from libkv.cluster.registry import Member, MemberLoad, MemberWatcher, Registration
 from services.common.admission import TokenLedger
 from services.common.errors import Unavailable
 from services.common.grpc_server import LIVENESS_SERVICE, start_server
-from services.common.worker import drain
-from services.launcher import Stack, StackConfig
+from services.common.health import Health
+from services.launcher.etcd import EtcdServer, free_port
+from services.launcher.stack import Stack, StackConfig
+from services.worker.runtime import drain
 from tests.stack_probe import worker_stats
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -40,14 +41,6 @@ def test_closed_ledger_refuses_new_work_and_keeps_what_it_has() -> None:
     assert ledger.inflight == {}
 
 
-class FakeServer:
-    def __init__(self) -> None:
-        self.serving: list[bool] = []
-
-    async def set_serving(self, serving: bool) -> None:
-        self.serving.append(serving)
-
-
 class FakeRegistration:
     def __init__(self) -> None:
         self.drained = 0
@@ -57,7 +50,7 @@ class FakeRegistration:
 
 
 async def test_drain_waits_until_the_work_in_flight_is_done() -> None:
-    server, registration = FakeServer(), FakeRegistration()
+    registration = FakeRegistration()
     inflight = [3]
 
     async def finish_one_by_one() -> None:
@@ -67,21 +60,21 @@ async def test_drain_waits_until_the_work_in_flight_is_done() -> None:
 
     task = asyncio.create_task(finish_one_by_one())
     start = time.monotonic()
-    left = await drain(server, registration, lambda: inflight[0], timeout=10)  # type: ignore[arg-type]
+    left = await drain(registration, lambda: inflight[0], timeout=10)  # type: ignore[arg-type]
     assert left == 0 and task.done()
     assert 0.1 <= time.monotonic() - start < 5
-    assert server.serving == [False] and registration.drained == 1
+    assert registration.drained == 1
 
 
 async def test_drain_gives_up_at_its_timeout() -> None:
-    server = FakeServer()
     start = time.monotonic()
-    assert await drain(server, None, lambda: 2, timeout=0.3) == 2  # type: ignore[arg-type]
+    assert await drain(None, lambda: 2, timeout=0.3) == 2
     assert 0.3 <= time.monotonic() - start < 2
 
 
 async def test_liveness_stays_serving_while_readiness_drains() -> None:
-    handle = await start_server([], ["tandem.v1.Decode"], "127.0.0.1:0")
+    handle = await start_server([], ["tandem.v1.Decode"], "127.0.0.1:0", ready=False)
+    health = await Health(handle).start()
     async with grpc.aio.insecure_channel(handle.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
@@ -90,9 +83,40 @@ async def test_liveness_stays_serving_while_readiness_drains() -> None:
             return reply.status
 
         assert await status("") == SERVING and await status(LIVENESS_SERVICE) == SERVING
-        await handle.set_serving(False)  # draining: not ready, still alive
+        await health.drain()  # draining: not ready, still alive
         assert await status("") == NOT_SERVING and await status(LIVENESS_SERVICE) == SERVING
+        assert await status("tandem.v1.Decode") == NOT_SERVING
+        await health.stop()
         await handle.stop(grace=None)
+
+
+async def test_health_starts_not_ready_and_tells_live_from_ready() -> None:
+    """The way router and workers report health: not ready until the first good check, not
+    live (nor ready) once a vital part died, extra names (a router's ``model:NAME``) ready
+    only while the service is."""
+    handle = await start_server([], ["tandem.v1.Router"], "127.0.0.1:0", ready=False)
+    live, routable = [True], [False]
+    async with grpc.aio.insecure_channel(handle.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str) -> int:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            return reply.status
+
+        assert await status("") == NOT_SERVING  # bound, not yet ready
+        health = await Health(
+            handle, live=lambda: live[0], extra=lambda: {"model:m": routable[0]}
+        ).start()
+        assert await status("") == SERVING and await status("model:m") == NOT_SERVING
+        routable[0] = True
+        await health.update()
+        assert await status("model:m") == SERVING
+        live[0] = False  # e.g. a worker's engine step thread died
+        await health.update()
+        assert await status(LIVENESS_SERVICE) == NOT_SERVING
+        assert await status("") == NOT_SERVING and await status("model:m") == NOT_SERVING
+        await health.stop()
+    await handle.stop(grace=None)
 
 
 @pytest.mark.timeout(60)

@@ -19,11 +19,11 @@ import httpx
 import pytest
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
-from libkv.etcd_server import EtcdTLS, free_port
 from services.common.tls import TLSFiles
 from services.common.tls import channel as tls_channel
 from services.gateway.keys import entry
-from services.launcher import Stack, StackConfig
+from services.launcher.etcd import EtcdTLS, free_port
+from services.launcher.stack import Stack, StackConfig
 from tests.test_e2e_stack import LONG, MODEL, assert_all_free
 from tests.tls_certs import TestCA
 

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from libkv.etcd_server import free_port
-from libkv.nixl_agent import nixl_available
-from services.launcher import Stack, StackConfig
+from libkv.transfer.nixl_agent import nixl_available
+from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import worker_stats
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,8 +15,8 @@ import jsonschema
 import openai
 import pytest
 
-from libkv.etcd_server import free_port
-from services.launcher import Stack, StackConfig
+from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import worker_stats
 from tests.test_e2e_stack import MODEL, assert_all_free
 

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from libkv.etcd_server import free_port
-from services.launcher import Stack, StackConfig
+from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import (
     LoadSpec,
     Outcome,

@@ -16,11 +16,11 @@ import pytest
 
 from engine.bundled import DEFAULT_DIR
 from engine.tokenizer import Tokenizer
+from services.gateway.config import GatewayConfig
 from services.gateway.core import (
     APIError,
     BackendEvent,
     BackendRequest,
-    GatewayConfig,
     TokenLogprob,
     Usage,
 )
@@ -96,8 +96,8 @@ class FakeBackend:
         self.aborted.append(request_id)
         self.abort_called.set()
 
-    async def healthy(self) -> bool:
-        return self.is_healthy
+    async def readiness(self) -> str | None:
+        return None if self.is_healthy else "no live decode worker"
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -318,7 +318,10 @@ def test_models_and_health(gw: Gateway) -> None:
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     assert r.headers["x-request-id"]
     gw.fake.is_healthy = False
-    assert httpx.get(f"{gw.url}/health").status_code == 503
+    r = httpx.get(f"{gw.url}/health")
+    assert r.status_code == 503
+    assert r.json() == {"status": "unavailable", "reason": "no live decode worker"}
+    assert httpx.get(f"{gw.url}/livez").status_code == 200  # alive all the same
 
 
 # --- Errors -------------------------------------------------------------------------------------
@@ -501,7 +504,7 @@ def test_parse_config_flags() -> None:
             "--max-body-bytes",
             "1000",
         ],
-        env={"TANDEM_ROUTERS": "ignored:1", "TANDEM_API_KEYS": "ignored"},
+        env={"TANDEM_ROUTER": "ignored:1", "TANDEM_API_KEY": "ignored"},
     )
     assert cfg.routers == ("a:1", "b:2") and cfg.port == 9000 and cfg.host == "127.0.0.1"
     assert cfg.api_keys == (
@@ -519,7 +522,7 @@ def test_parse_config_flags() -> None:
 def test_parse_config_env_fallbacks() -> None:
     from services.gateway.__main__ import parse_config
 
-    env = {"TANDEM_ROUTERS": "x:1, y:2", "TANDEM_API_KEYS": "a:t1,b:t2"}
+    env = {"TANDEM_ROUTER": "x:1, y:2", "TANDEM_API_KEY": "a:t1,b:t2"}
     cfg = parse_config(["--model-dir", str(DEFAULT_DIR), "--served-model-name", "m"], env=env)
     assert cfg.routers == ("x:1", "y:2")
     assert [(k.sha256, k.tenant) for k in cfg.api_keys] == [

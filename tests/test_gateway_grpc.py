@@ -116,6 +116,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.requests: list[router_pb2.GenerateRequest] = []
         self.aborts: list[str] = []
         self.cancelled = asyncio.Event()
+        self.health: health.aio.HealthServicer | None = None
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.TokenEvent]:
         self.requests.append(request)
@@ -152,6 +153,8 @@ async def router() -> AsyncIterator[tuple[FakeRouter, str]]:
     router_pb2_grpc.add_RouterServicer_to_server(fake, server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("model:m", health_pb2.HealthCheckResponse.SERVING)
+    fake.health = health_servicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -167,14 +170,33 @@ def dead_address() -> str:
 
 async def test_generate_falls_back_to_the_next_router(router) -> None:
     fake, address = router
-    backend = GrpcBackend([dead_address(), address])
+    backend = GrpcBackend([dead_address(), address], model="m")
     events = [ev async for ev in backend.generate(make_request(seed=1))]
     assert [ev.token_ids for ev in events] == [(10,), (11,), (12,), ()]
     assert events[-1].finish_reason == "stop" and events[-1].usage == Usage(3, 3, 0)
     assert fake.requests[0].sampling.seed == 1
     assert fake.aborts == []
-    assert await backend.healthy()
+    assert await backend.readiness() is None
     await backend.close()
+
+
+async def test_readiness_says_why_no_router_can_route(router) -> None:
+    """Ready while some router has a live decode worker of the model (its ``model:NAME``
+    health service); otherwise the reason names each router."""
+    fake, address = router
+    dead = dead_address()
+    backend = GrpcBackend([dead, address], model="m")
+    assert await backend.readiness() is None
+    assert fake.health is not None
+    await fake.health.set("model:m", health_pb2.HealthCheckResponse.NOT_SERVING)
+    reason = await backend.readiness()
+    assert reason is not None
+    assert f"router {address}: no live decode worker for model m" in reason
+    assert f"router {dead}: unreachable" in reason
+    other = GrpcBackend([address], model="other")
+    assert await other.readiness() == f"router {address}: serves another model than other"
+    await backend.close()
+    await other.close()
 
 
 async def test_closing_the_stream_cancels_the_call_and_aborts(router) -> None:
@@ -232,7 +254,7 @@ async def test_all_routers_down() -> None:
         async for _ in backend.generate(make_request()):
             pass
     assert e.value.status == 503
-    assert not await backend.healthy()
+    assert await backend.readiness() is not None
     await backend.close()
 
 

@@ -19,8 +19,8 @@ from schemathesis.generation.modes import GenerationMode
 
 from engine.errors import InvalidRequestError
 from engine.tokenizer import Tokenizer
-from libkv.etcd_server import free_port
-from services.launcher import Stack, StackConfig
+from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import ERROR_KEYS, assert_no_leaks
 
 MODEL = "SmolLM2-135M-Instruct"

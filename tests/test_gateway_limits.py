@@ -17,7 +17,8 @@ from engine.bundled import DEFAULT_DIR
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.gateway import keys as keys_mod
-from services.gateway.core import APIError, BackendRequest, GatewayConfig
+from services.gateway.config import GatewayConfig
+from services.gateway.core import APIError, BackendRequest
 from services.gateway.grpc_backend import GrpcBackend
 from services.gateway.keys import ApiKey, KeyRing, TenantLimits, hash_key, load_keys_file
 from services.gateway.limits import Limits, _duration

@@ -15,7 +15,7 @@ from engine.config import ModelConfig
 from engine.errors import InsufficientMemoryError
 from engine.memory import DeviceMemory, plan_cuda, weight_bytes
 from engine.shapes import SHAPES, write_shape
-from libkv.registry import Member
+from libkv.cluster.registry import Member
 from libkv.transfer import (
     CUDA_IPC_KEY,
     DEVICE_KEY,
@@ -25,11 +25,12 @@ from libkv.transfer import (
     block_runs,
     handoff_path,
 )
-from services.common.worker import add_worker_flags, worker_config
-from services.launcher import Child, Stack, StackConfig
-from services.placement import parse_gpus, place
+from services.launcher.options import add_worker_options, worker_overrides
+from services.launcher.placement import parse_gpus, place
+from services.launcher.process import Child
+from services.launcher.stack import Stack, StackConfig
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
-from services.stack_options import add_worker_options, worker_overrides
+from services.worker.config import parse_config
 
 GIB = 1024**3
 
@@ -116,20 +117,20 @@ def test_serve_and_bench_flags_reach_the_stack_config():
     assert cfg.placements()["decode-0"].utilization == 0.4
 
 
-def test_worker_memory_flags_and_their_variables(monkeypatch):
-    monkeypatch.setenv("TANDEM_GPU_MEMORY_UTILIZATION", "0.45")
-    monkeypatch.setenv("TANDEM_NUM_KV_BLOCKS", "77")
-    monkeypatch.setenv("TANDEM_MAX_MODEL_LEN", "4096")
-    monkeypatch.setenv("TANDEM_CUDA_IPC", "0")
-    p = argparse.ArgumentParser()
-    add_worker_flags(p)
-    config = worker_config("decode", p.parse_args(["--model-dir", "/m"]))
+def test_worker_memory_flags_and_their_variables():
+    env = {
+        "TANDEM_GPU_MEMORY_UTILIZATION": "0.45",
+        "TANDEM_NUM_KV_BLOCKS": "77",
+        "TANDEM_MAX_MODEL_LEN": "4096",
+        "TANDEM_CUDA_IPC": "0",
+    }
+    config = parse_config("decode", ["--model-dir", "/m"], env)
     engine = config.engine_config()
     assert (engine.gpu_memory_utilization, engine.num_kv_blocks) == (0.45, 77)
     assert engine.max_model_len == 4096 and engine.kv_cache_bytes is None
     assert config.cuda_ipc is False
-    flags = p.parse_args(["--model-dir", "/m", "--kv-cache-bytes", "1024", "--cuda-ipc"])
-    config = worker_config("decode", flags)
+    flags = ["--model-dir", "/m", "--kv-cache-bytes", "1024", "--cuda-ipc"]
+    config = parse_config("decode", flags, env)
     assert config.engine_config().kv_cache_bytes == 1024 and config.cuda_ipc
 
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from services.launcher import Stack  # noqa: E402
+from services.launcher.stack import Stack  # noqa: E402
 from tests.test_serving_gpu import MODEL, config, metrics, prompt, sample, shape_dir  # noqa: E402
 
 

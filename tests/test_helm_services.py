@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,17 +88,12 @@ def rendered() -> dict[str, list[Manifest]]:
 
 def parse(service: str, argv: list[str], env: RecordingEnv, monkeypatch) -> Any:
     """Run the service's own config parser on ``argv`` with ``env`` as the whole environment."""
-    from services.common.worker import setup_logging
-
     module = importlib.import_module(f"services.{service}.__main__")
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the chart sets no deprecated variable
         m.setattr(os, "environ", env)
         try:
-            if service == "gateway":
-                return module.parse_config(argv, env)
-            config = module.parse_config(argv)
-            setup_logging(service)  # reads TANDEM_LOG_LEVEL
-            return config
+            return module.parse_config(argv, env)
         except SystemExit as e:
             pytest.fail(f"{service} rejected the chart's args {argv} / env {dict(env)}: exit {e}")
 
@@ -170,7 +166,7 @@ def test_every_flag_and_env_var_is_accepted(variant, rendered, tmp_path, monkeyp
         else:
             assert config.model_dir == chart_model_dir
             assert config.advertise_host == FIELD_VALUES["status.podIP"]
-            assert ",".join(config.etcd) == env["TANDEM_ETCD_ENDPOINTS"]
+            assert ",".join(config.etcd) == env["TANDEM_ETCD"]
         seen.add(role)
     expected = {"gateway", "router", "decode"} | ({"prefill"} if variant != "colocated" else set())
     assert seen == expected
@@ -199,11 +195,11 @@ def test_api_keys_come_from_the_secret(rendered, monkeypatch, tmp_path) -> None:
     keys = secret["stringData"]["api-keys"]
     assert keys == "sk-1,sk-2:team"
     (gateway,) = [c for w, c in workloads(docs) if component(w) == "gateway"]
-    (ref,) = [e for e in gateway["env"] if e["name"] == "TANDEM_API_KEYS"]
+    (ref,) = [e for e in gateway["env"] if e["name"] == "TANDEM_API_KEY"]
     expected_ref = {"name": secret["metadata"]["name"], "key": "api-keys"}
     assert ref["valueFrom"]["secretKeyRef"] == expected_ref
     env = container_env(docs, gateway)
-    env["TANDEM_API_KEYS"] = keys
+    env["TANDEM_API_KEY"] = keys
     env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
     config = parse("gateway", gateway["args"][1:], RecordingEnv(env), monkeypatch)
     assert len(config.api_keys) == 2 and "team" in {k.tenant for k in config.api_keys}

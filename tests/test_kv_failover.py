@@ -20,15 +20,16 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
-from libkv.etcd_server import EtcdServer
-from libkv.nixl_agent import nixl_available
-from libkv.registry import Member
+from libkv.cluster.registry import Member
 from libkv.transfer import agent_name
+from libkv.transfer.nixl_agent import nixl_available
+from libkv.transfer.setup import decode_side
 from services.common.errors import KVTransferFailed
-from services.common.kv_setup import decode_side
 from services.decode.core import DecodeCore, DecodeJob
+from services.launcher.etcd import EtcdServer
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouteJob
+from services.worker.runtime import engine_pool
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -116,7 +117,8 @@ class Decode:
         )
         self.engine.start()
         inc = uuid.uuid4().hex
-        self.kv = await decode_side("nixl", mode, self.engine.engine, "dec", inc, (etcd.endpoint,))
+        pool = engine_pool(self.engine.engine)
+        self.kv = await decode_side("nixl", mode, pool, "dec", inc, (etcd.endpoint,))
         assert self.kv.transport.name == f"nixl-{mode}"
         self.core = DecodeCore(self.engine, self.kv.transport, "dec", inc, 5.0, policy)
         self.clients = GrpcWorkerClients()

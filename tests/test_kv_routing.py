@@ -13,11 +13,11 @@ import grpc
 import pytest
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from libkv.etcd_server import free_port
+from libkv.cluster.summary_index import LocationIndex
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
-from libkv.summary_index import LocationIndex
 from services.client import TandemClient
-from services.launcher import Stack, StackConfig
+from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.timeout(300)
 

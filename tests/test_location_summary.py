@@ -10,10 +10,7 @@ import aetcd
 import pytest
 
 from libkv.block_pool import BlockPool
-from libkv.etcd_server import EtcdServer
-from libkv.hashing import ROOT_HASH, encode_extra_keys, hash_prefix_blocks
-from libkv.kv_manager import KVCacheManager
-from libkv.location_summary import (
+from libkv.cluster.location_summary import (
     DELTA,
     RING,
     SNAPSHOT,
@@ -24,10 +21,13 @@ from libkv.location_summary import (
     parse_summary_key,
     snapshot_key,
 )
-from libkv.registry import Member, Registration
-from libkv.summary_index import LocationIndex, SummaryIndex
-from libkv.summary_publisher import SummaryConfig, SummaryPublisher
-from libkv.summary_state import SummaryState
+from libkv.cluster.registry import Member, Registration
+from libkv.cluster.summary_index import LocationIndex, SummaryIndex
+from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
+from libkv.cluster.summary_state import SummaryState
+from libkv.hashing import ROOT_HASH, encode_extra_keys, hash_prefix_blocks
+from libkv.kv_manager import KVCacheManager
+from services.launcher.etcd import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)
 

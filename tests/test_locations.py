@@ -14,17 +14,17 @@ import aetcd
 import pytest
 
 from libkv.block_pool import BlockPool
-from libkv.etcd_server import EtcdServer
-from libkv.hashing import encode_extra_keys, hash_prefix_blocks
-from libkv.kv_manager import KVCacheManager
-from libkv.location_index import LocationIndex, PrefixIndex
-from libkv.locations import (
+from libkv.cluster.location_index import LocationIndex, PrefixIndex
+from libkv.cluster.locations import (
     LocationPublisher,
     PublisherConfig,
     location_key,
     parse_location_key,
 )
-from libkv.registry import Member, Registration
+from libkv.cluster.registry import Member, Registration
+from libkv.hashing import encode_extra_keys, hash_prefix_blocks
+from libkv.kv_manager import KVCacheManager
+from services.launcher.etcd import EtcdServer
 from tests.child import python_child
 
 pytestmark = pytest.mark.timeout(60)
@@ -168,8 +168,8 @@ CHILD = textwrap.dedent(
     import asyncio, sys
     from libkv.block_pool import BlockPool
     from libkv.kv_manager import KVCacheManager, PrefixHit
-    from libkv.locations import LocationPublisher, PublisherConfig
-    from libkv.registry import Member, Registration
+    from libkv.cluster.locations import LocationPublisher, PublisherConfig
+    from libkv.cluster.registry import Member, Registration
 
     async def main():
         m = Member(worker_id=sys.argv[2], role="prefill", model="m", address="127.0.0.1:1")

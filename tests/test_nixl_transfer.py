@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from libkv.nixl_agent import NixlEndpoint, nixl_available
-from libkv.nixl_transport import NixlTransport
 from libkv.transfer import KVTransferError, StalePeerError, StaticPeers, agent_name
+from libkv.transfer.nixl import NixlTransport
+from libkv.transfer.nixl_agent import NixlEndpoint, nixl_available
 from tests.nixl_peer import Peer, region_of
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

@@ -30,13 +30,13 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_stats import batch_stats
 from engine.tokenizer import Tokenizer
-from libkv import etcd_follow
-from services.common import tracing
-from services.common.engine_metrics import EngineCollector, StepMetrics
+from libkv.cluster import etcd_follow
 from services.common.grpc_server import start_server
-from services.common.metrics import EtcdErrorsCollector, GrpcServerMetrics, Metrics
 from services.gateway.observe import GatewayMetrics, route_of
 from services.gateway.server import create_app
+from services.observability import tracing
+from services.observability.engine import EngineCollector, StepMetrics
+from services.observability.metrics import EtcdErrorsCollector, GrpcServerMetrics, Metrics
 from services.router.metrics import RouterCollector, decision_labels
 from tests.test_gateway import CONFIG, KEY, TENANT, FakeBackend
 
@@ -93,7 +93,7 @@ def test_metrics_server_adds_constant_labels_and_parses():
 
 def test_etcd_errors_collector_counts_every_op_from_zero(monkeypatch):
     monkeypatch.setattr(etcd_follow, "ERRORS", Counter({"watch": 2, "register": 1}))
-    monkeypatch.setattr("services.common.metrics.ERRORS", etcd_follow.ERRORS)
+    monkeypatch.setattr("services.observability.metrics.ERRORS", etcd_follow.ERRORS)
     reg = CollectorRegistry()
     reg.register(EtcdErrorsCollector())
     assert value(reg, "tandem_etcd_errors_total", op="watch") == 2

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from libkv.etcd_server import free_port
-from services.launcher import Stack, StackConfig
+from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 from tests.test_observability import dashboard_exprs, substitute
 
 MODEL = "SmolLM2-135M-Instruct"

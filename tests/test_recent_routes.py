@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from libkv.location_summary import SNAPSHOT, Summary, entry_key, snapshot_key
-from libkv.recent_routes import HintedIndex, RecentRoutes
-from libkv.registry import Member
-from libkv.summary_index import SummaryIndex
+from libkv.cluster.location_summary import SNAPSHOT, Summary, entry_key, snapshot_key
+from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
+from libkv.cluster.registry import Member
+from libkv.cluster.summary_index import SummaryIndex
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
 
 rng = random.Random(0)

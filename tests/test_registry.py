@@ -13,9 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import aetcd
 import pytest
 
-from libkv import etcd_server
-from libkv.etcd_server import EtcdNotFoundError, EtcdServer, free_port
-from libkv.registry import (
+from libkv.cluster.registry import (
     Member,
     MemberChange,
     MemberLoad,
@@ -23,6 +21,8 @@ from libkv.registry import (
     Registration,
     member_key,
 )
+from services.launcher import etcd as etcd_server
+from services.launcher.etcd import EtcdNotFoundError, EtcdServer, free_port
 from tests.child import python_child
 
 pytestmark = pytest.mark.timeout(60)
@@ -277,7 +277,7 @@ async def test_etcd_restart_keeps_the_view_and_re_registers(own_etcd):
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from libkv.registry import Member, Registration
+    from libkv.cluster.registry import Member, Registration
 
     async def main():
         m = Member(worker_id=sys.argv[2], role="prefill", model="m", address="127.0.0.1:1")

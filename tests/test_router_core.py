@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine.sampling_params import SamplingParams
-from libkv.registry import Member, MemberLoad
+from libkv.cluster.registry import Member, MemberLoad
 from services.common.codec import Event, KVHandle
 from services.common.errors import Unavailable
 from services.router.core import PrefillReply, RouteJob, RouterCore
@@ -215,3 +215,28 @@ async def test_kv_transfer_failure_prefills_again_on_another_worker():
     with pytest.raises(Unavailable, match="no other prefill worker"):
         await collect(RouterCore(Directory([member("p0", "prefill"), member("d0", "decode")]),
                                  clients), job(300))  # fmt: skip
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its calls: the router's only tokenizing is of text prompts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return [ord(c) for c in text]
+
+
+def test_token_id_prompts_are_not_tokenized_again_and_text_once() -> None:
+    from tandem.v1 import router_pb2
+
+    from services.router.codec import job_from_pb
+
+    tok = CountingTokenizer()
+    ids = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]))
+    assert job_from_pb(ids, tok, "r1", None).prompt == [5, 6, 7]  # type: ignore[arg-type]
+    assert tok.calls == 0  # what the gateway sends: ids, used as they are
+    text = router_pb2.GenerateRequest(text="hi")
+    assert job_from_pb(text, tok, "r2", None).prompt == [104, 105]  # type: ignore[arg-type]
+    assert tok.calls == 1  # an internal caller's text: tokenized once, here

@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 
+from libkv.cluster.location_index import PrefixIndex
+from libkv.cluster.locations import location_key
+from libkv.cluster.registry import Member, MemberLoad
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
-from libkv.location_index import PrefixIndex
-from libkv.locations import location_key
-from libkv.registry import Member, MemberLoad
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
 
 BS = 16

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.bundled import DEFAULT_DIR  # noqa: E402
 from engine.shapes import write_shape  # noqa: E402
-from libkv.etcd_server import free_port  # noqa: E402
-from services.launcher import Stack, StackConfig  # noqa: E402
+from services.launcher.etcd import free_port  # noqa: E402
+from services.launcher.stack import Stack, StackConfig  # noqa: E402
 
 TOKENIZER = Path(os.environ.get("TANDEM_TOKENIZER_DIR", DEFAULT_DIR))
 MODEL = "model"  # the served name: the folder's name

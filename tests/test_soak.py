@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import Stack
+from services.launcher.stack import Stack
 from tests.stack_probe import (
     LoadSpec,
     assert_no_leaks,

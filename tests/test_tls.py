@@ -18,13 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.bundled import DEFAULT_DIR
 from engine.tokenizer import Tokenizer
-from libkv.etcd_server import EtcdServer, EtcdTLS
-from libkv.registry import Member, MemberWatcher, Registration
+from libkv.cluster.registry import Member, MemberWatcher, Registration
 from services.common import security
 from services.common.grpc_server import start_server
 from services.common.security import EtcdSecurity, Security
 from services.common.tls import TLSFiles, channel
 from services.gateway.server import create_app
+from services.launcher.etcd import EtcdServer, EtcdTLS
 from tests.app_server import serving
 from tests.test_gateway import CONFIG, KEY, FakeBackend
 from tests.tls_certs import TestCA
@@ -126,7 +126,7 @@ async def test_registry_over_etcd_tls_with_client_certificates(pki, tls_etcd):
         async with aetcd.Client(host=host, port=int(port), timeout=2) as plain:
             await asyncio.wait_for(plain.get(b"/x"), 3)
     c = pki["client"]
-    security.apply(Security(etcd=EtcdSecurity(c.ca, c.cert, c.key)))
+    security.apply(Security(etcd_ca=c.ca, etcd_cert=c.cert, etcd_key=c.key))
     member = Member("decode-tls", "decode", "m", "127.0.0.1:1")
     reg = await Registration.start([tls_etcd.endpoint], member, ttl=5, refresh=1)
     watcher = await MemberWatcher.start([tls_etcd.endpoint])
@@ -172,7 +172,7 @@ async def test_registry_with_etcd_user_and_password(tmp_path):
         with pytest.raises(Exception):  # noqa: B017, PT011 - no credentials: refused
             async with aetcd.Client(host=host, port=int(port), timeout=2) as anonymous:
                 await anonymous.put(b"/x", b"1")
-        security.apply(Security(etcd=EtcdSecurity(user="root", password="s3cret")))
+        security.apply(Security(etcd_user="root", etcd_password="s3cret"))
         try:
             member = Member("decode-auth", "decode", "m", "127.0.0.1:1")
             reg = await Registration.start([etcd.endpoint], member, ttl=5, refresh=1)
@@ -187,7 +187,7 @@ async def test_registry_with_etcd_user_and_password(tmp_path):
 
 
 def test_a_loopback_worker_keeps_ucx_on_loopback() -> None:
-    from services.common.kv_setup import confine_kv_network
+    from libkv.transfer.setup import confine_kv_network
 
     env: dict[str, str] = {}
     confine_kv_network("127.0.0.1", env)

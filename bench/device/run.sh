@@ -39,7 +39,7 @@ case $job in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
     python3 -c "import services.gateway.server, services.router.core, services.decode.core; print('stack imports ok')"
-    python3 -c "from libkv.nixl_agent import ucx_cuda_problem; print('UCX CUDA support:', ucx_cuda_problem() or 'ok')"
+    python3 -c "from libkv.transfer.nixl_agent import ucx_cuda_problem; print('UCX CUDA support:', ucx_cuda_problem() or 'ok')"
     python3 -m bench.kv_transfer --device cuda --peer-device cuda:0 --methods cuda-ipc nixl-read \
       --total-mib 1024 --nixl-total-mib 64 --block-kib 256 2048 --repeats 2 --latency-reps 10 \
       --out "$OUT" "$@" 2>&1 | tee "$OUT/probe.log"
@@ -56,7 +56,7 @@ case $job in
   serving)
     model=$(shape "${1:?serving SHAPE}")
     shift
-    python3 -m services.cli bench --stack colocated:1 --stack disagg:1p1d --gpus 0 \
+    python3 -m cli bench --stack colocated:1 --stack disagg:1p1d --gpus 0 \
       --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
       --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
@@ -72,7 +72,7 @@ case $job in
       --methods cuda-ipc nixl-read --block-kib 2048 --request-mib 256 --total-mib 2048 \
       --nixl-total-mib 256 --repeats 2 --latency-reps 10 --out "$OUT" 2>&1 \
       | tee "$OUT/transfer.log" || true
-    python3 -m services.cli bench --stack colocated:2 --stack disagg:1p1d --gpus "$gpus" \
+    python3 -m cli bench --stack colocated:2 --stack disagg:1p1d --gpus "$gpus" \
       --model-dir "$model" --load-format dummy --no-progress --logs /tmp/logs \
       --max-model-len 8192 --max-num-batched-tokens 4096 --slo-tpot-ms 40 \
       --workload prefill-heavy:input=4096,output=256 \

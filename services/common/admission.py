@@ -12,15 +12,15 @@ rate at which recently finished requests returned tokens to the ledger.
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from services.common.errors import ResourceExhausted, Unavailable
+from services.common.options import option
 
 PRIORITIES = ("interactive", "batch")
 # The engine's priority number of each class (lower is scheduled first).
@@ -31,22 +31,9 @@ MAX_RETRY_AFTER_MS = 30_000
 RATE_WINDOW_S = 10.0
 
 
-def add_admission_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-    """A worker's ``--max-pending-tokens`` and ``--batch-admission-fraction`` (``TANDEM_*``)."""
-    e = (os.environ if env is None else env).get
-    p.add_argument(
-        "--max-pending-tokens",
-        type=int,
-        default=int(e("TANDEM_MAX_PENDING_TOKENS", "0") or 0),
-        help="refuse new requests (RESOURCE_EXHAUSTED) once the accepted ones hold this many "
-        "tokens (prompt + max_tokens; prefill: prompt); 0 = twice the KV pool",
-    )
-    p.add_argument(
-        "--batch-admission-fraction",
-        type=float,
-        default=float(e("TANDEM_BATCH_ADMISSION_FRACTION", "0.5") or 0.5),
-        help="batch-priority requests are admitted only up to this fraction of the bound",
-    )
+def batch_fraction_option() -> Any:
+    """The ``--batch-admission-fraction`` field of a config (gateway and workers alike)."""
+    return option(0.5, "batch-priority requests are admitted only up to this fraction of the bound")
 
 
 def check_priority(priority: str) -> str:

@@ -4,14 +4,15 @@ router, prefill and decode services (their ``codec.py`` modules build on these).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.v1 import common_pb2
 
 from engine.grammar import GrammarSpec
-from engine.llm_engine import RequestOutput
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
-from libkv.summary_publisher import SummaryStats
+from engine.sampling_params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # the router uses this module and must not load the engine (torch)
+    from engine.llm_engine import RequestOutput
 
 FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -225,35 +226,4 @@ def handle_from_pb(msg: common_pb2.KVHandle) -> KVHandle:
         block_bytes=msg.block_bytes,
         dtype=msg.dtype,
         lease_expires_unix_ms=msg.lease_expires_unix_ms,
-    )
-
-
-def stats_to_pb(
-    stats,
-    *,
-    worker_id: str,
-    incarnation: str,
-    role: str,
-    held: int,
-    ok: bool,
-    locations: SummaryStats | None = None,
-):
-    loc = locations or SummaryStats()
-    return common_pb2.WorkerStats(
-        location_txns=loc.txns,
-        location_puts=loc.puts,
-        location_deletes=loc.deletes,
-        worker_id=worker_id,
-        incarnation=incarnation,
-        queue_length=stats.num_waiting,
-        running=stats.num_running,
-        kv_blocks_total=stats.kv_blocks_total,
-        kv_blocks_used=stats.kv_blocks_used,
-        kv_blocks_cached=stats.kv_blocks_cached,
-        prefix_hit_tokens=stats.prefix_hit_tokens,
-        prompt_tokens=stats.prompt_tokens,
-        preemptions=stats.num_preemptions,
-        held_requests=held,
-        integrity_ok=ok,
-        role=role,
     )

@@ -23,9 +23,9 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 from services.common import errors
-from services.common.grpc_observe import ObserveInterceptor
-from services.common.metrics import GrpcServerMetrics
 from services.common.tls import TLSFiles, server_credentials
+from services.observability.grpc import ObserveInterceptor
+from services.observability.metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +183,18 @@ class GrpcServerHandle:
         return f"{self.host}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
-        """Report SERVING or NOT_SERVING (drain) for the server and each of its services."""
+        """Report SERVING or NOT_SERVING (readiness) for the server and each of its services."""
+        for name in ("", *self.service_names):
+            await self.set_status(name, serving)
+
+    async def set_status(self, name: str, serving: bool) -> None:
+        """Report health service ``name`` SERVING or NOT_SERVING."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ("", *self.service_names):
-            await self.health.set(name, status)
+        await self.health.set(name, status)
 
     async def stop(self, grace: float | None) -> None:
         """Report NOT_SERVING for good, then stop; RPCs in flight get `grace` seconds."""
@@ -218,6 +222,7 @@ async def start_server(
     metrics: GrpcServerMetrics | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     tls: TLSFiles | None = None,
+    ready: bool = True,
 ) -> GrpcServerHandle:
     """Build, bind and start a grpc.aio server with health, reflection and error mapping.
 
@@ -226,6 +231,8 @@ async def start_server(
     health and listed by reflection. `address` is host:port; port 0 picks a free port,
     which the handle reports. Beyond `maximum_concurrent_rpcs`, calls fail fast with
     RESOURCE_EXHAUSTED instead of queueing. With `tls` the port speaks mutual TLS only.
+    With ``ready`` False the server starts NOT_SERVING (live, not yet ready:
+    `services.common.health.Health` turns it ready).
     """
     host = _split_host(address)
     server = grpc.aio.server(
@@ -235,11 +242,12 @@ async def start_server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-            # Accept the clients' keepalive pings (every 20 s, also between calls); the
-            # default (one per 5 min without data) answers them with GOAWAY "too_many_pings",
-            # which drops the connection under streams in flight.
+            # Accept the clients' keepalive pings (every 2 s, also between calls and under
+            # silent streams: services.common.channels); the default (one per 5 min without
+            # data) answers them with GOAWAY "too_many_pings", which drops the connection under
+            # streams in flight.
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
@@ -259,7 +267,7 @@ async def start_server(
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     handle = GrpcServerHandle(server, health, service_names=names, host=host, port=port)
-    await handle.set_serving(True)  # before start, so no check ever sees a service missing
+    await handle.set_serving(ready)  # before start, so no check ever sees a service missing
     await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     return handle

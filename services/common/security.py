@@ -1,22 +1,19 @@
 """Transport security of the internal services: mutual TLS between them (``services.common.tls``)
 and TLS, client certificates and user/password authentication towards etcd.
 
-Flags (each with a ``TANDEM_*`` fallback): ``--tls-cert/--tls-key/--tls-ca/--tls-server-name``
-and ``--etcd-ca`` (``TANDEM_ETCD_CA``: talk TLS to etcd, trusting this CA), ``--etcd-cert`` and
+Options: ``--tls-cert/--tls-key/--tls-ca/--tls-server-name`` and ``--etcd-ca`` (talk TLS to
+etcd, trusting this CA), ``--etcd-cert`` and
 ``--etcd-key`` (client certificate, for etcd's ``--client-cert-auth``), ``--etcd-user`` and
 ``--etcd-password`` (etcd's own authentication; the password preferably from the environment).
 
-Every etcd connection in a process is made by ``libkv.etcd_follow.EtcdConnection``; ``apply``
-installs, once at start-up, the factory that builds its clients with these settings (libkv itself
-stays free of TLS and of grpc).
+Every etcd connection in a process is made by ``libkv.cluster.etcd_follow.EtcdConnection``;
+``apply`` installs, once at start-up, the factory that builds its clients with these settings
+(libkv itself stays free of TLS and of grpc).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +23,12 @@ import grpc
 from aetcd import rpc
 from aetcd import watcher as aetcd_watcher
 
-from libkv import etcd_follow
-from services.common.tls import TLSFiles, add_tls_flags, tls_from_args
+from libkv.cluster import etcd_follow
+from services.common.options import option
+from services.common.tls import TLSFiles, TLSOptions
+
+# What the services' --etcd (TANDEM_ETCD) endpoints were read from before one idiom.
+ETCD_OLD_ENV = ("TANDEM_ETCD_ENDPOINTS", "ETCD_ENDPOINTS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,37 +48,42 @@ class EtcdSecurity:
 
 @dataclass(frozen=True, slots=True)
 class Security:
-    """A service's transport security (both parts optional)."""
+    """A service's transport security, both parts optional: mutual TLS towards the other
+    services (``tls``) and how it reaches etcd (``etcd``)."""
 
-    tls: TLSFiles | None = None
-    etcd: EtcdSecurity | None = None
+    mtls: TLSOptions = TLSOptions()
+    etcd_ca: str = option("", "talk TLS to etcd, trusting this CA bundle")
+    etcd_cert: str = option("", "client certificate towards etcd (its --client-cert-auth)")
+    etcd_key: str = option("", "private key of --etcd-cert")
+    etcd_user: str = option("", "etcd user (etcd's own authentication)")
+    etcd_password: str = option("", "password of --etcd-user", secret=True)
 
+    @property
+    def tls(self) -> TLSFiles | None:
+        return self.mtls.files
 
-def add_security_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-    e = (os.environ if env is None else env).get
-    add_tls_flags(p, env)
-    p.add_argument("--etcd-ca", default=e("TANDEM_ETCD_CA", ""), help="TLS to etcd: CA bundle")
-    p.add_argument("--etcd-cert", default=e("TANDEM_ETCD_CERT", ""), help="etcd client cert")
-    p.add_argument("--etcd-key", default=e("TANDEM_ETCD_KEY", ""), help="etcd client key")
-    p.add_argument("--etcd-user", default=e("TANDEM_ETCD_USER", ""))
-    p.add_argument("--etcd-password", default=e("TANDEM_ETCD_PASSWORD", ""))
+    @property
+    def etcd(self) -> EtcdSecurity | None:
+        if not (self.etcd_ca or self.etcd_user):
+            return None
+        return EtcdSecurity(self.etcd_ca, self.etcd_cert, self.etcd_key, self.etcd_user,
+                            self.etcd_password)  # fmt: skip
 
+    def check(self) -> None:
+        """ValueError when the flags are incomplete or name missing files."""
+        self.mtls.check()
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ValueError("an etcd client certificate needs both --etcd-cert and --etcd-key")
+        if self.etcd_cert and not self.etcd_ca:
+            raise ValueError("--etcd-cert needs --etcd-ca (TLS to etcd)")
+        if bool(self.etcd_user) != bool(self.etcd_password):
+            raise ValueError("etcd authentication needs both --etcd-user and --etcd-password")
+        for path in (self.etcd_ca, self.etcd_cert, self.etcd_key):
+            if path and not Path(path).is_file():
+                raise ValueError(f"etcd TLS file not found: {path}")
 
-def security_from_args(args: argparse.Namespace) -> Security:
-    """The parsed flags; ValueError when they are incomplete or name missing files."""
-    etcd = EtcdSecurity(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user,
-                        args.etcd_password)  # fmt: skip
-    if bool(etcd.cert) != bool(etcd.key):
-        raise ValueError("an etcd client certificate needs both --etcd-cert and --etcd-key")
-    if etcd.cert and not etcd.ca:
-        raise ValueError("--etcd-cert needs --etcd-ca (TLS to etcd)")
-    if bool(etcd.user) != bool(etcd.password):
-        raise ValueError("etcd authentication needs both --etcd-user and --etcd-password")
-    for path in (etcd.ca, etcd.cert, etcd.key):
-        if path and not Path(path).is_file():
-            raise ValueError(f"etcd TLS file not found: {path}")
-    used = etcd.ca or etcd.user
-    return Security(tls_from_args(args), etcd if used else None)
+    def __repr__(self) -> str:  # never print the password
+        return f"Security(tls={self.tls!r}, etcd={self.etcd!r})"
 
 
 def apply(security: Security) -> None:

@@ -11,14 +11,14 @@ the peers' certificates when they are dialled by an address their certificate do
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from services.common.options import option
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,26 +34,29 @@ class TLSFiles:
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
 
 
-def add_tls_flags(p: argparse.ArgumentParser, env: Any = None) -> None:
-    """``--tls-cert/--tls-key/--tls-ca/--tls-server-name`` with ``TANDEM_TLS_*`` fallbacks."""
-    e = (os.environ if env is None else env).get
-    p.add_argument("--tls-cert", default=e("TANDEM_TLS_CERT", ""), help="PEM certificate chain")
-    p.add_argument("--tls-key", default=e("TANDEM_TLS_KEY", ""), help="PEM private key")
-    p.add_argument("--tls-ca", default=e("TANDEM_TLS_CA", ""), help="PEM CA bundle of peers")
-    p.add_argument("--tls-server-name", default=e("TANDEM_TLS_SERVER_NAME", ""))
+@dataclass(frozen=True, slots=True)
+class TLSOptions:
+    """The mutual-TLS flags of a process (all three files, or none)."""
 
+    tls_cert: str = option("", "PEM certificate chain of this process (mutual TLS)")
+    tls_key: str = option("", "PEM private key of that certificate")
+    tls_ca: str = option("", "PEM CA bundle that signs the peers' certificates")
+    tls_server_name: str = option("", "name checked in the peers' certificates (default: host)")
 
-def tls_from_args(args: argparse.Namespace) -> TLSFiles | None:
-    """TLSFiles when all three files are given, None when none is; ValueError otherwise."""
-    given = (args.tls_cert, args.tls_key, args.tls_ca)
-    if not any(given):
-        return None
-    if not all(given):
-        raise ValueError("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca")
-    for path in given:
-        if not Path(path).is_file():
-            raise ValueError(f"TLS file not found: {path}")
-    return TLSFiles(*given, server_name=args.tls_server_name)
+    @property
+    def files(self) -> TLSFiles | None:
+        """TLSFiles when the three files are given, None when none is (see `check`)."""
+        given = (self.tls_cert, self.tls_key, self.tls_ca)
+        return TLSFiles(*given, server_name=self.tls_server_name) if all(given) else None
+
+    def check(self) -> None:
+        """ValueError when only some files are given or one is missing."""
+        given = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(given) and not all(given):
+            raise ValueError("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca")
+        for path in given:
+            if path and not Path(path).is_file():
+                raise ValueError(f"TLS file not found: {path}")
 
 
 def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:

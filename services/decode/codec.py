@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tandem.v1 import common_pb2, worker_pb2
 
 from engine.errors import InvalidRequestError
 from engine.handoff import FirstToken
 from services.common.codec import (
+    event_from_output,
+    event_to_pb,
     handle_from_pb,
     logprob_from_pb,
     priority_from_pb,
     sampling_from_pb,
 )
 from services.decode.core import DecodeJob
+
+if TYPE_CHECKING:
+    from engine.llm_engine import RequestOutput
 
 
 def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
@@ -42,3 +49,13 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
 def _first_token(ev: common_pb2.TokenEvent, generator_state: bytes) -> FirstToken:
     lp = logprob_from_pb(ev.logprobs[0]) if ev.logprobs else None
     return FirstToken(ev.index, ev.token_ids[0], lp, generator_state)
+
+
+def output_to_pb(out: RequestOutput, job: DecodeJob) -> common_pb2.TokenEvent:
+    """One engine output of ``job`` as a TokenEvent. A prefilled job's last event counts its
+    first token (sampled by the prefill worker) and the cache hits on both sides."""
+    ev = event_from_output(out)
+    if out.finished and job.kv is not None:
+        ev.completion_tokens = len(out.token_ids)
+        ev.cached_tokens = max(job.cached_tokens, out.num_cached_tokens)
+    return event_to_pb(ev)

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from engine.async_engine import AsyncEngine
 from engine.handoff import FirstToken
 from engine.llm_engine import RequestOutput
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.transfer import KVTransferError, KVTransport
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle
 from services.common.errors import FailedPrecondition, KVTransferFailed
+from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
 
@@ -163,5 +163,11 @@ class DecodeCore:
             raise KVTransferError(f"the KV lease on {kv.worker_id} has run out")
         return min(self.transfer_timeout, lease_left)
 
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+    async def abort_request(self, request_id: str) -> bool:
+        """The Abort RPC (off the event loop: it takes the engine lock)."""
+        return await self.engine.run(self.engine.abort, request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await self.engine.run(
+            collect, self.engine.engine, self.worker_id, self.incarnation, "decode"
+        )

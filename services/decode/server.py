@@ -1,13 +1,12 @@
-"""gRPC servicer of a decode worker."""
+"""gRPC servicer of a decode worker: decode message -> call core -> encode reply."""
 
 from __future__ import annotations
 
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
-from services.common.codec import event_from_output, event_to_pb
-from services.decode.codec import job_from_pb
+from services.decode.codec import job_from_pb, output_to_pb
 from services.decode.core import DecodeCore
-from services.prefill.server import worker_stats
+from services.worker.codec import stats_to_pb
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
@@ -17,17 +16,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):  # noqa: N802 - generated name
         job = job_from_pb(request)
         async for out in self.core.generate(job):
-            ev = event_from_output(out)
-            if out.finished and job.kv is not None:
-                ev.completion_tokens = len(out.token_ids)
-                ev.cached_tokens = max(job.cached_tokens, out.num_cached_tokens)
-            yield event_to_pb(ev)
+            yield output_to_pb(out, job)
 
     async def Abort(self, request, context):  # noqa: N802
-        found = await self.core.engine.run(self.core.abort, request.request_id)
+        found = await self.core.abort_request(request.request_id)
         return common_pb2.AbortResponse(found=found)
 
     async def Stats(self, request, context):  # noqa: N802
-        return await self.core.engine.run(
-            worker_stats, self.core.engine.engine, self.core, "decode"
-        )
+        return stats_to_pb(await self.core.stats())

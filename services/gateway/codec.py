@@ -95,15 +95,19 @@ def router_stub(channel: grpc.aio.Channel) -> router_pb2_grpc.RouterStub:
     return router_pb2_grpc.RouterStub(channel)
 
 
-async def health_check(channel: grpc.aio.Channel, timeout: float) -> bool:
-    """True when the server answers SERVING, or answers at all without grpc.health.v1."""
+async def health_check(channel: grpc.aio.Channel, service: str, timeout: float) -> str | None:
+    """None when the server reports grpc.health.v1 ``service`` SERVING (or has no health
+    service at all), else why not: ``not serving``, ``unknown`` (it does not publish that
+    service) or ``unreachable``."""
     try:
         resp = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
     except grpc.aio.AioRpcError as e:
-        return e.code() == grpc.StatusCode.UNIMPLEMENTED
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        return "unknown" if e.code() == grpc.StatusCode.NOT_FOUND else "unreachable"
+    return None if resp.status == health_pb2.HealthCheckResponse.SERVING else "not serving"
 
 
 def http_error(

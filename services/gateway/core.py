@@ -1,5 +1,5 @@
-"""The gateway's logic, free of HTTP and gRPC: config, errors, the Backend contract, and
-running a generation.
+"""The gateway's logic, free of HTTP and gRPC: errors, the Backend contract, and running a
+generation.
 
 ``prepare`` turns a request body into a ``BackendRequest``; ``server`` then iterates
 ``run_generation``, which guarantees ``Backend.abort`` is called whenever a generation stops
@@ -17,58 +17,10 @@ from typing import Any, NamedTuple, Protocol
 import anyio
 
 from engine.sampling_params import SamplingParams
-from services.common.obs_config import ObservabilityConfig
-from services.common.tls import TLSFiles
-from services.gateway.keys import ApiKey
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    """The gateway's settings, parsed once by ``__main__``.
-
-    ``max_tokens`` omitted in a request means ``min(max_model_len - prompt_len,
-    default_max_tokens)``: as much as fits, but bounded so a forgotten limit cannot hold a decode
-    slot for the whole context. ``api_keys`` holds hashed keys with their tenants and limits
-    (``services.gateway.keys``); empty disables auth. ``max_inflight_tokens`` bounds the tokens
-    (prompt + max_tokens) of the requests in flight here (0: unbounded), batch ones to
-    ``batch_admission_fraction`` of it. A request's deadline is its ``timeout`` field, else
-    ``request_timeout``, at most ``max_request_timeout`` seconds. ``tls`` (cert, key, CA) is the
-    gateway's identity towards the routers (mutual TLS); ``ssl_certfile``/``ssl_keyfile`` serve
-    HTTPS to clients. ``tool_call_parser`` and ``tool_chat_template`` choose how tools reach
-    the model and how its calls are read (``services.gateway.tools``).
-    """
-
-    model_dir: str
-    served_model_name: str
-    max_model_len: int
-    host: str = "127.0.0.1"
-    port: int = 8000
-    routers: tuple[str, ...] = ()
-    api_keys: tuple[ApiKey, ...] = ()
-    max_body_bytes: int = 4 * 1024 * 1024
-    default_max_tokens: int = 4096
-    log_level: str = "info"
-    slo_ttft_ms: float = 1000.0  # goodput: TTFT and TPOT both within these SLOs
-    slo_tpot_ms: float = 50.0
-    observability: ObservabilityConfig = ObservabilityConfig()
-    max_inflight_tokens: int = 0
-    batch_admission_fraction: float = 0.5
-    request_timeout: float = 600.0
-    max_request_timeout: float = 3600.0
-    tls: TLSFiles | None = None
-    ssl_certfile: str = ""
-    ssl_keyfile: str = ""
-    router_api_key: str = field(default="", repr=False)  # presented to routers checking keys
-    tool_call_parser: str = "auto"  # tool-call format: auto (by model), hermes, llama3_json, none
-    tool_chat_template: str = ""  # file of the template for requests with tools ("": by model)
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 2 or self.max_body_bytes < 1 or self.default_max_tokens < 1:
-            raise ValueError("max_model_len >= 2, max_body_bytes >= 1, default_max_tokens >= 1")
 
 
 class APIError(Exception):
@@ -166,7 +118,9 @@ class Backend(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def healthy(self) -> bool: ...
+    async def readiness(self) -> str | None:
+        """None when a request could be served now, else the reason it could not."""
+        ...
 
 
 async def run_generation(

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.core import APIError, GatewayConfig, internal_error
+from services.gateway.config import GatewayConfig
+from services.gateway.core import APIError, internal_error
 from services.gateway.keys import KeyRing
 
 log = logging.getLogger(__name__)

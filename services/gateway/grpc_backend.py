@@ -9,6 +9,7 @@ that into an abort) and also calls the router's Abort RPC. Router addresses are 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -16,9 +17,9 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import grpc
 
+from services.common.channels import internal_channel
+from services.common.health import model_service
 from services.common.tls import TLSFiles
-from services.common.tls import channel as tls_channel
-from services.common.tracing import client_interceptors
 from services.gateway import codec
 from services.gateway.core import APIError, BackendEvent, BackendRequest
 
@@ -27,30 +28,25 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
 DOWN_RETRY_S = 5.0  # a router that was unavailable goes last in the order for this long
-_CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-]
 
 
 class GrpcBackend:
     """Backend over one channel per router address. Create it inside the running event loop."""
 
     def __init__(
-        self, addresses: Sequence[str], tls: TLSFiles | None = None, router_api_key: str = ""
+        self,
+        addresses: Sequence[str],
+        tls: TLSFiles | None = None,
+        router_api_key: str = "",
+        model: str = "",
     ) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
         self._addresses = tuple(addresses)
+        self._model = model  # the served model: readiness asks routers for its workers
         # The gateway's own credential for routers that check API keys (internal callers').
         self._metadata = (("authorization", f"Bearer {router_api_key}"),) if router_api_key else ()
-        self._channels = {
-            a: tls_channel(a, tls, _CHANNEL_OPTIONS, interceptors=client_interceptors())
-            for a in self._addresses
-        }
+        self._channels = {a: internal_channel(a, tls) for a in self._addresses}
         self._stubs = {a: codec.router_stub(ch) for a, ch in self._channels.items()}
         self._live: dict[str, str] = {}  # request id -> address of the router running it
         self._turn = 0
@@ -117,12 +113,22 @@ class GrpcBackend:
             except grpc.aio.AioRpcError as e:
                 log.warning("Abort(%s) on %s failed: %s", request_id, address, e.code())
 
-    async def healthy(self) -> bool:
-        """True when some router answers its health check."""
-        for channel in self._channels.values():
-            if await codec.health_check(channel, HEALTH_TIMEOUT_S):
-                return True
-        return False
+    async def readiness(self) -> str | None:
+        """None when some router can route to a live decode worker of ``model`` (its
+        grpc.health.v1 ``model:NAME`` is SERVING), else why none can."""
+        service = model_service(self._model)
+        checks = [
+            codec.health_check(ch, service, HEALTH_TIMEOUT_S) for ch in self._channels.values()
+        ]
+        found = dict(zip(self._addresses, await asyncio.gather(*checks), strict=True))
+        if any(why is None for why in found.values()):
+            return None
+        why = {
+            "not serving": f"no live decode worker for model {self._model}",
+            "unknown": f"serves another model than {self._model}",
+            "unreachable": "unreachable",
+        }
+        return "; ".join(f"router {a}: {why[w]}" for a, w in found.items())
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.admission import TokenLedger
 from services.common.errors import ResourceExhausted
-from services.gateway.core import APIError, BackendEvent, BackendRequest, GatewayConfig
+from services.gateway.config import GatewayConfig
+from services.gateway.core import APIError, BackendRequest
 from services.gateway.keys import TenantLimits
 
 
@@ -82,7 +83,8 @@ class Ticket:
     settled: bool = False
 
     def settle(self, completion_tokens: int) -> None:
-        """Charge what was really used (prompt + generated; 0 when nothing was generated)."""
+        """Charge what was really used (prompt + generated; 0 when nothing was generated) and
+        release the admission; only the first call counts (`services.gateway.exchange`)."""
         if self.settled:
             return
         self.settled = True
@@ -180,20 +182,3 @@ def _limited(kind: str, size: int, b: Bucket, amount: float, wait: float) -> API
         code="rate_limit_exceeded",
         headers=headers,
     )
-
-
-async def metered(
-    events: AsyncIterator[BackendEvent], ticket: Ticket
-) -> AsyncGenerator[BackendEvent, None]:
-    """Pass ``events`` through, then settle ``ticket`` with the tokens that went by, however
-    the iteration ends (finished, failed, client gone)."""
-    generated = 0
-    try:
-        async for ev in events:
-            generated += len(ev.token_ids)
-            yield ev
-    finally:
-        ticket.settle(generated)
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()

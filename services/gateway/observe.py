@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common import tracing
-from services.common.metrics import LATENCY_BUCKETS
 from services.gateway.core import BackendEvent, BackendRequest
+from services.observability import tracing
+from services.observability.metrics import LATENCY_BUCKETS
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 FINISHED = ("stop", "length")

@@ -17,7 +17,8 @@ from engine.errors import InvalidRequestError
 from engine.grammar import GrammarSpec
 from engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
-from services.gateway.core import APIError, BackendRequest, GatewayConfig
+from services.gateway.config import GatewayConfig
+from services.gateway.core import APIError, BackendRequest
 from services.gateway.schemas import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
 from services.gateway.structured import response_format_grammar
 from services.gateway.tools import ToolRequest, ToolSupport, template_messages, tool_request

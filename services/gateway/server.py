@@ -27,20 +27,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from engine.tokenizer import Tokenizer
+from services.gateway.config import GatewayConfig
 from services.gateway.core import (
     APIError,
     Backend,
     BackendEvent,
-    GatewayConfig,
+    BackendRequest,
     check_event,
     collect,
     internal_error,
-    run_generation,
     unfinished,
 )
 from services.gateway.edge import EdgeMiddleware, error_response, validation_error
-from services.gateway.limits import Limits, metered
-from services.gateway.observe import GatewayMetrics, ObserveMiddleware, observe_generation
+from services.gateway.exchange import Exchange
+from services.gateway.limits import Limits
+from services.gateway.observe import GatewayMetrics, ObserveMiddleware
 from services.gateway.openapi import install_openapi
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import TokenText, full_response
@@ -123,14 +124,23 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ok = False
+        """Readiness: 200 once a router can route to a live decode worker of this model, else
+        503 with the reason (load balancers and Kubernetes send traffic only on 200)."""
+        reason: str | None = "no answer from the routers in time"
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                ok = await backend.healthy()
-            except Exception:
+                reason = await backend.readiness()
+            except Exception as e:
                 log.warning("backend health check failed", exc_info=True)
-        status = "ok" if ok else "unavailable"
-        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+                reason = f"health check failed: {type(e).__name__}"
+        if reason is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        """Liveness: the process serves HTTP (restart it when this fails)."""
+        return JSONResponse({"status": "ok"})
 
     return app
 
@@ -139,52 +149,45 @@ def create_app(
 
 
 async def _respond(request: Request, backend: Backend, p: Prepared, text_of: TokenText) -> Response:
-    """Run ``p`` on the backend; the backend is aborted if the client leaves at any point.
-    Admission and the tenant's rate limits are checked first (429); what the request really
-    generated is charged when its events end (``metered``). An ``X-Session-Id`` header is the
-    sticky-routing key of a request whose body names no ``user``."""
-    session = request.headers.get(SESSION_HEADER, "")[:256]
-    if session and not p.backend_request.session:
-        p = dataclasses.replace(
-            p, backend_request=dataclasses.replace(p.backend_request, session=session)
-        )
-    ticket = request.app.state.limits.admit(p.backend_request)
-    events = observe_generation(
-        metered(run_generation(backend, p.backend_request), ticket),
-        p.backend_request,
-        request.app.state.metrics,
-    )
+    """Run ``p`` on the backend and answer, top to bottom: admit (429 past a limit), then a
+    JSON body once every event is in, or an SSE stream once the first event is (so a failure to
+    start gets a real HTTP status instead of an error inside a 200). The exchange is closed, and
+    so settled, however this ends; the backend is aborted if the client leaves at any point.
+    An ``X-Session-Id`` header is the sticky-routing key of a request whose body names no
+    ``user``."""
+    req = _with_session(p.backend_request, request.headers.get(SESSION_HEADER, ""))
+    app = request.app.state
+    exchange = Exchange.open(app.limits, backend, req, app.metrics)
     if not p.stream:
         try:
-            async with aclosing(events):
-                gens = await _unless_disconnected(
-                    request, collect(events, p.backend_request.sampling.n)
-                )
+            gens = await _unless_disconnected(request, collect(exchange.events, req.sampling.n))
         finally:
-            ticket.settle(0)  # no-op once metered settled (only if it never started)
+            await exchange.close()
         if gens is _GONE:
             return Response(status_code=499)
-        return JSONResponse(full_response(p, gens, text_of), headers=ticket.headers)
-    # Wait for the first event before answering, so a failure to start (no workers, bad
-    # request seen by the router) gets a real HTTP status instead of an error inside a 200.
+        return JSONResponse(full_response(p, gens, text_of), headers=exchange.headers)
     try:
-        first = await _unless_disconnected(request, anext(events, None))
+        first = await _unless_disconnected(request, anext(exchange.events, None))
         if first is None:
             raise unfinished()
         if first is not _GONE:
             check_event(first)
     except BaseException:
-        await _close(events)
-        ticket.settle(0)
+        await exchange.close()
         raise
     if first is _GONE:
-        await _close(events)
-        ticket.settle(0)
+        await exchange.close()
         return Response(status_code=499)
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ticket.headers}
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **exchange.headers}
     return _SSEResponse(
-        _sse(p, first, events, text_of), media_type="text/event-stream", headers=headers
-    )
+        exchange, _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
+        headers=headers,
+    )  # fmt: skip
+
+
+def _with_session(req: BackendRequest, session: str) -> BackendRequest:
+    session = session[:256]
+    return dataclasses.replace(req, session=session) if session and not req.session else req
 
 
 async def _sse(
@@ -205,14 +208,20 @@ async def _sse(
 
 
 class _SSEResponse(StreamingResponse):
-    """Closes its body generator however the response ends (done, disconnect, cancellation),
-    so the generation behind it is aborted at once instead of whenever it is collected."""
+    """Closes its body generator and the exchange behind it however the response ends (done,
+    disconnect, cancellation), so the generation is aborted and settled at once instead of
+    whenever it is collected."""
+
+    def __init__(self, exchange: Exchange, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exchange = exchange
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await _close(self.body_iterator)  # type: ignore[arg-type]
+            await self.exchange.close()
 
 
 async def _close(gen: Any) -> None:

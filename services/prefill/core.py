@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle
 from services.common.errors import FailedPrecondition
+from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +105,32 @@ class PrefillCore:
         return PrefillResult(outs, handle, states)
 
     def release(self, request_id: str) -> bool:
+        """Free the request's held blocks (a decode worker has them, or gave up on them)."""
         self._leases.pop(request_id, None)
         return self.engine.engine.release(request_id)
 
     def abort(self, request_id: str) -> bool:
         self._leases.pop(request_id, None)
         return self.engine.abort(request_id)
+
+    # The calls of the servicers: off the event loop (they take the engine lock, which a model
+    # step holds for its whole length).
+    async def release_request(self, request_id: str) -> bool:
+        return await self.engine.run(self.release, request_id)
+
+    async def abort_request(self, request_id: str) -> bool:
+        return await self.engine.run(self.abort, request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await self.engine.run(
+            collect, self.engine.engine, self.worker_id, self.incarnation, "prefill"
+        )
+
+    async def read_blocks(
+        self, request_id: str, incarnation: str, block_ids: list[int]
+    ) -> list[bytes]:
+        """The gRPC block stream's read (`libkv.transfer.grpc_stream.BlockReader`)."""
+        return await self.engine.run(self._read_blocks, request_id, incarnation, block_ids)
 
     def held_blocks(self, request_id: str, incarnation: str, block_ids: Sequence[int]) -> None:
         """Check that this incarnation holds ``block_ids`` for the request (else
@@ -125,7 +146,7 @@ class PrefillCore:
         if not set(block_ids) <= held:
             raise FailedPrecondition(f"request {request_id} does not hold blocks {block_ids}")
 
-    def read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
+    def _read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
         """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``. Refused for a
         pool in GPU memory: GPU memory never moves through the host and TCP."""
         if self.engine.engine.runner.device.type == "cuda":

@@ -12,8 +12,9 @@ from tandem.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.errors import InvalidRequestError, RequestNotFoundError
 from engine.tokenizer import Tokenizer
-from libkv.registry import Member
+from libkv.cluster.registry import Member
 from services.common import codec as common
+from services.common.channels import internal_channel
 from services.common.errors import (
     RETRY_AFTER_MS_KEY,
     DeadlineExceeded,
@@ -22,14 +23,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tls import TLSFiles
-from services.common.tls import channel as tls_channel
-from services.common.tracing import client_interceptors
 from services.router.core import DecodeCall, PrefillReply, RouteJob
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024**2),
-    ("grpc.max_send_message_length", 64 * 1024**2),
-]
 
 
 def job_from_pb(
@@ -75,7 +69,9 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
 
 
 class GrpcWorkerClients:
-    """WorkerClients over grpc.aio, one channel per worker address."""
+    """WorkerClients over grpc.aio, one channel per worker address. Channels keep alive with
+    HTTP/2 pings (`services.common.channels`): a worker that goes silent fails its calls with
+    UNAVAILABLE within seconds, and the router moves them as on any worker failure."""
 
     def __init__(self, prefill_timeout: float = 300.0, tls: TLSFiles | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -84,9 +80,7 @@ class GrpcWorkerClients:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = tls_channel(
-                address, self.tls, CHANNEL_OPTIONS, interceptors=client_interceptors()
-            )
+            self._channels[address] = internal_channel(address, self.tls)
         return self._channels[address]
 
     async def prefill(self, worker: Member, job: RouteJob) -> PrefillReply:

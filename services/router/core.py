@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
-from libkv.registry import Member, MemberDirectory
+from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import ChoiceStart, Event, KVHandle
 from services.common.errors import (
     DeadlineExceeded,

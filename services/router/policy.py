@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from libkv.cluster.registry import Member, MemberDirectory
 from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
-from libkv.registry import Member, MemberDirectory
 from libkv.transfer import handoff_path
 
 POLICIES = ("kv", "least-loaded", "round-robin", "session")
@@ -44,14 +44,14 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class LocationLookup(Protocol):
-    """The read side of the block-location index (``libkv.summary_index.SummaryIndex``)."""
+    """The read side of the block-location index (``libkv.cluster.summary_index.SummaryIndex``)."""
 
     def match(self, hashes: Sequence[BlockHash]) -> Mapping[tuple[str, str], int]: ...
 
 
 class RouteMemory(LocationLookup, Protocol):
     """An index that also remembers where this router just sent prompts
-    (``libkv.recent_routes.HintedIndex``), until the workers' summaries show them."""
+    (``libkv.cluster.recent_routes.HintedIndex``), until the workers' summaries show them."""
 
     def note(self, holders: Sequence[tuple[str, str]], hashes: Sequence[BlockHash]) -> None: ...
 

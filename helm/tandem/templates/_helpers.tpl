@@ -256,9 +256,10 @@ spec:
 
 {{/*
 Readiness, liveness and startup probes of a gRPC service: (dict "ctx" $ "port" 50051
-"startupFailures" 90 "startupPeriod" 2). grpc.health.v1 "" is NOT_SERVING while draining,
-"liveness" stays SERVING until exit. Kubelet gRPC probes speak no TLS: with tls.enabled they
-are TCP probes.
+"startupFailures" 90 "startupPeriod" 2). grpc.health.v1 "" (ready) is SERVING once the service
+can take work (a worker registered in etcd, a router with its member view) and NOT_SERVING
+while draining; "liveness" stays SERVING until exit unless a vital part died (a worker's engine
+step thread). Kubelet gRPC probes speak no TLS: with tls.enabled they are TCP probes.
 */}}
 {{- define "tandem.grpcProbes" -}}
 {{- $tls := .ctx.Values.tls.enabled }}

@@ -1,0 +1,146 @@
+"""The gateway's frozen config: every option declared once (`services.common.options`), parsed
+once by `parse_config`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.config import ModelConfig
+from services.common.admission import batch_fraction_option
+from services.common.options import Options, option
+from services.common.process import log_level_option
+from services.common.tls import TLSFiles, TLSOptions
+from services.gateway.keys import ApiKey, load_keys_file, plain_keys
+from services.gateway.tools import TOOL_CALL_PARSER_CHOICES
+from services.observability.config import ObservabilityConfig
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The gateway's settings.
+
+    ``max_tokens`` omitted in a request means ``min(max_model_len - prompt_len,
+    default_max_tokens)``: as much as fits, but bounded so a forgotten limit cannot hold a decode
+    slot for the whole context. ``api_keys`` holds hashed keys with their tenants and limits
+    (``services.gateway.keys``; ``--api-key`` and the ``--api-keys-file`` entries); empty
+    disables auth. ``max_inflight_tokens`` bounds the tokens (prompt + max_tokens) of the
+    requests in flight here (0: unbounded), batch ones to ``batch_admission_fraction`` of it. A
+    request's deadline is its ``timeout`` field, else ``request_timeout``, at most
+    ``max_request_timeout`` seconds. ``tls`` (cert, key, CA) is the gateway's identity towards
+    the routers (mutual TLS); ``ssl_certfile``/``ssl_keyfile`` serve HTTPS to clients.
+    ``tool_call_parser`` and ``tool_chat_template`` choose how tools reach the model and how
+    its calls are read (``services.gateway.tools``).
+    """
+
+    model_dir: str = option(
+        "", "model folder: tokenizer and config.json", required=True, convert=os.path.expanduser
+    )
+    served_model_name: str = option("", "model id clients send (default: the folder's name)")
+    max_model_len: int = option(0, "context length (default: the model's)")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8000, "HTTP port")
+    routers: tuple[str, ...] = option(
+        (), "router host:port; repeatable", flag="--router", old_env=("TANDEM_ROUTERS",)
+    )
+    api_keys: tuple[ApiKey, ...] = option(
+        (),
+        "API key clients present, key or key:tenant (a bare key's tenant is a short hash of "
+        "it); repeatable. Only SHA-256 hashes are kept",
+        flag="--api-key",
+        old_env=("TANDEM_API_KEYS",),
+        raw="tuple",
+        convert=plain_keys,
+    )
+    api_keys_file: str = option(
+        "",
+        "JSON file of SHA-256 hashed API keys with tenants and rate limits "
+        "(python -m services.gateway.keys KEY prints an entry)",
+    )
+    max_body_bytes: int = option(4 * 1024 * 1024, "largest request body (413 beyond)")
+    default_max_tokens: int = option(4096, "cap on max_tokens when a request omits it")
+    log_level: str = log_level_option()
+    slo_ttft_ms: float = option(
+        1000.0, "goodput counts requests with TTFT and TPOT within both SLOs"
+    )
+    slo_tpot_ms: float = option(50.0, "the TPOT SLO of goodput")
+    observability: ObservabilityConfig = ObservabilityConfig()
+    max_inflight_tokens: int = option(
+        1_000_000,
+        "answer 429 once the requests in flight hold this many tokens (prompt + max_tokens); "
+        "0 = no bound",
+    )
+    batch_admission_fraction: float = batch_fraction_option()
+    request_timeout: float = option(
+        600.0, "deadline in seconds of a request that gives no 'timeout' field"
+    )
+    max_request_timeout: float = option(
+        3600.0, "the largest 'timeout' a client may ask for (larger ones are cut to it)"
+    )
+    mtls: TLSOptions = TLSOptions()
+    ssl_certfile: str = option("", "serve HTTPS with this certificate chain")
+    ssl_keyfile: str = option("", "private key of --ssl-certfile")
+    router_api_key: str = option(
+        "", "key the gateway presents to routers started with --api-key", secret=True
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "format of tool calls in the model's output (auto: chosen by model; none: tools refused)",
+        choices=TOOL_CALL_PARSER_CHOICES,
+    )
+    tool_chat_template: str = option(
+        "",
+        "jinja chat template for requests with tools (default: the model's own when it "
+        "renders tools, else a built-in Hermes ChatML template for ChatML models)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.default_max_tokens < 1:
+            raise ValueError("max_body_bytes >= 1 and default_max_tokens >= 1")
+        if self.max_inflight_tokens < 0 or not 0 < self.batch_admission_fraction <= 1:
+            raise ValueError("--max-inflight-tokens >= 0 and 0 < --batch-admission-fraction <= 1")
+        if not (self.request_timeout > 0 and self.max_request_timeout > 0):
+            raise ValueError("--request-timeout and --max-request-timeout must be > 0")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        """The gateway's mutual-TLS identity towards the routers (None: plaintext)."""
+        return self.mtls.files
+
+
+def options(env: Mapping[str, str] | None = None) -> Options:
+    """The gateway's command line."""
+    return Options(GatewayConfig, "tandem gateway", "The OpenAI-compatible gateway.", env)
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """The frozen config from flags, falling back to TANDEM_* variables of ``env``: the served
+    name and context length resolved from the model folder, the keys file's entries added."""
+    opts = options(env)
+    try:
+        config = opts.parse(argv)
+        config.mtls.check()
+        keys = config.api_keys + (
+            load_keys_file(config.api_keys_file) if config.api_keys_file else ()
+        )
+    except (OSError, ValueError) as e:
+        opts.error(str(e))
+    if not config.routers:
+        opts.error("no router: pass --router HOST:PORT or set TANDEM_ROUTER")
+    model_dir = Path(config.model_dir)
+    context = ModelConfig.from_dir(model_dir).max_position_embeddings
+    max_model_len = config.max_model_len or context
+    if not 1 < max_model_len <= context:
+        opts.error(f"--max-model-len must be in [2, {context}] for this model")
+    return replace(
+        config,
+        served_model_name=config.served_model_name or model_dir.resolve().name,
+        max_model_len=max_model_len,
+        api_keys=keys,
+    )

@@ -1,0 +1,80 @@
+"""The worker options that ``tandem serve`` and ``tandem bench --stack`` pass through to the
+workers they start (placement, memory, batching, dtype, weights), declared once for both."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from services.launcher.placement import parse_gpus
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
+    """Flags for the workers of a local stack (`services.launcher.StackConfig` fields)."""
+    g = p.add_argument_group("workers of the local stack")
+    g.add_argument(
+        "--gpus",
+        default="auto",
+        metavar="auto|none|I,J,...",
+        help="GPUs to place workers on, one per worker (shared when there are fewer GPUs than "
+        "workers), set through each worker's CUDA_VISIBLE_DEVICES; auto: every GPU of this "
+        "host (none on a CPU host)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="each worker's share of its GPU's total memory (default: 0.9 split evenly among "
+        "the workers sharing a GPU)",
+    )
+    g.add_argument("--kv-cache-mib", type=int, default=None, help="each worker's KV pool (MiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="each worker's KV pool")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, the prefill chunk (default: 256 on CPU, the workers' "
+        "default of 512 on GPUs)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    g.add_argument(
+        "--load-format",
+        choices=("safetensors", "dummy"),
+        default=None,
+        help="dummy: random weights of the model folder's shapes (python -m engine.shapes)",
+    )
+    g.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="FLAG[=VALUE]",
+        help="any other worker flag, passed as is (repeatable), e.g. --worker-arg=--nixl-mode=read",
+    )
+
+
+def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """`StackConfig` fields from the flags of `add_worker_options` (only those given)."""
+    try:
+        gpus = parse_gpus(args.gpus)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+    out: dict[str, Any] = {"gpus": gpus}
+    if args.gpu_memory_utilization is not None:
+        out["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.kv_cache_mib is not None:
+        out["kv_cache_bytes"] = args.kv_cache_mib * 1024**2
+    if args.max_num_batched_tokens is not None:
+        out["max_num_batched_tokens"] = args.max_num_batched_tokens
+    elif gpus:
+        out["max_num_batched_tokens"] = None  # the workers' default
+    for name in ("num_kv_blocks", "max_num_seqs", "max_model_len"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    for name in ("dtype", "load_format"):
+        if getattr(args, name):
+            out[name] = getattr(args, name)
+    if args.worker_arg:
+        out["worker_args"] = tuple(args.worker_arg)
+    return out

@@ -1,0 +1,336 @@
+"""The local stack: real etcd on loopback, then router, prefill and decode workers and the
+gateway as child processes on 127.0.0.1 that die with the process that started them (see
+``services.launcher.process``). Used by ``tandem serve``, ``tandem bench`` and the end-to-end
+tests."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.launcher import process
+from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
+from services.launcher.placement import Placement, place
+from services.launcher.process import Child
+
+# The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
+# decode-only (the router also falls back to decode-only when no prefill worker is live).
+COLOCATED_THRESHOLD = 1 << 30
+CPU_KV_CACHE_BYTES = 128 * 1024**2  # a CPU stack worker's pool unless kv_cache_bytes is set
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    model_dir: str
+    run_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    # Worker options (None / "": the worker's own default). kv_cache_bytes None: 128 MiB on a
+    # CPU stack; on GPUs each worker sizes its pool from its memory share.
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = 256
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    dtype: str = ""
+    load_format: str = ""
+    # GPUs to place workers on (CUDA_VISIBLE_DEVICES entries; launcher.placement); () = none.
+    gpus: tuple[str, ...] = ()
+    gpu_memory_utilization: float | None = None  # per worker; None: 0.9 split per device
+    decode_only_threshold: int = 256
+    api_keys: tuple[str, ...] = ()
+    member_ttl: int = 10
+    member_refresh: float = 3.0
+    lease_seconds: float = 30.0
+    start_timeout: float = 120.0
+    kv_transport: str = ""  # "nixl" or "grpc"; empty: the workers' default (nixl if importable)
+    metrics: bool = True  # each process serves /metrics on a free port (`Stack.scrape_targets`)
+    trace_files: bool = False  # each process appends its spans to run_dir/traces/NAME.jsonl
+    num_routers: int = 1  # replicas: "router", "router-1", ...; the gateway spreads over them
+    router_policy: str = ""  # --policy of the routers; empty: their default (kv)
+    # Extra flags per kind of process (limits, TLS, ...), appended to its command line.
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    etcd_tls: EtcdTLS | None = None  # serve etcd over TLS (client certificates required)
+
+    @classmethod
+    def colocated(cls, workers: int, **kwargs) -> StackConfig:
+        """``workers`` workers that each do both phases: decode workers prefill their own
+        prompts inside their continuous batch, and there is no prefill worker. The baseline
+        that disaggregation must beat."""
+        return cls(
+            num_prefill=0, num_decode=workers, decode_only_threshold=COLOCATED_THRESHOLD, **kwargs
+        )
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.num_prefill)] + [
+            f"decode-{i}" for i in range(self.num_decode)
+        ]
+
+    def placements(self) -> dict[str, Placement]:
+        return place(self.worker_names, self.gpus, self.gpu_memory_utilization)
+
+    def worker_option_args(self) -> list[str]:
+        """The engine flags every worker of this stack gets."""
+        kv = self.kv_cache_bytes
+        if kv is None and not self.gpus:
+            kv = CPU_KV_CACHE_BYTES
+        options = [
+            ("--kv-cache-bytes", kv),
+            ("--num-kv-blocks", self.num_kv_blocks),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-model-len", self.max_model_len),
+            ("--dtype", self.dtype or None),
+            ("--load-format", self.load_format or None),
+        ]
+        return [a for flag, v in options if v is not None for a in (flag, str(v))]
+
+    @property
+    def topology(self) -> str:
+        """``colocated:N`` or ``disagg:XpYd``."""
+        if self.num_prefill == 0 and self.decode_only_threshold >= COLOCATED_THRESHOLD:
+            return f"colocated:{self.num_decode}"
+        return f"disagg:{self.num_prefill}p{self.num_decode}d"
+
+
+class Stack:
+    """Starts and stops the whole local stack; each child logs to ``run_dir/logs/NAME.log``."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.etcd = EtcdServer(self.run_dir / "etcd", tls=config.etcd_tls)
+        self.children: dict[str, Child] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _python(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+    def _worker_args(self, role: str, index: int, placement: Placement) -> list[str]:
+        c = self.config
+        return self._python(
+            f"services.{role}",
+            "--model-dir", c.model_dir,
+            "--etcd", self.etcd.endpoint,
+            "--worker-id", f"{role}-{index}",
+            "--port", "0",
+            *c.worker_option_args(),
+            *placement.args,
+            "--member-ttl", str(c.member_ttl),
+            "--member-refresh", str(c.member_refresh),
+            "--lease-seconds", str(c.lease_seconds),
+            *(["--kv-transport", c.kv_transport] if c.kv_transport else []),
+            *c.worker_args,
+        )  # fmt: skip
+
+    def _router_args(self, port: int) -> list[str]:
+        c = self.config
+        return self._python(
+            "services.router",
+            "--model-dir", c.model_dir,
+            "--etcd", self.etcd.endpoint,
+            "--port", str(port),
+            "--decode-only-threshold", str(c.decode_only_threshold),
+            *(["--policy", c.router_policy] if c.router_policy else []),
+            *[f"--api-key={k}" for k in c.api_keys],
+            *c.router_args,
+        )  # fmt: skip
+
+    def start(self) -> Stack:
+        c = self.config
+        self.etcd.start()
+        keys = [f"--api-key={k}" for k in c.api_keys]
+        routers = []
+        for i in range(max(c.num_routers, 1)):
+            port = free_port()
+            routers.append(f"{c.host}:{port}")
+            self._spawn("router" if i == 0 else f"router-{i}", self._router_args(port), routers[-1])
+        self._spawn_workers(time.monotonic() + c.start_timeout)
+        gateway = self._python(
+            "services.gateway",
+            "--model-dir", c.model_dir,
+            "--host", c.host,
+            "--port", str(c.port),
+            *[f"--router={address}" for address in routers],
+            *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
+            *keys,
+            # The routers check the same keys: the gateway presents the first as its own.
+            *([f"--router-api-key={c.api_keys[0].partition(':')[0]}"] if c.api_keys else []),
+            *c.gateway_args,
+        )  # fmt: skip
+        self._spawn("gateway", gateway, f"{c.host}:{c.port}")
+        self.wait_ready()
+        return self
+
+    def _spawn_workers(self, deadline: float) -> None:
+        """Every worker on its device; workers sharing a device start one after another, each
+        once the one before printed READY (each sizes its KV pool from the free memory)."""
+        last_on: dict[str, Child] = {}
+        for name, placement in self.config.placements().items():
+            role, _, index = name.partition("-")
+            before = last_on.get(placement.device or "")
+            if before is not None and placement.device is not None:
+                self.wait_logged(before, "READY", deadline)
+            argv = self._worker_args(role, int(index), placement)
+            last_on[placement.device or ""] = self._spawn(name, argv, env=placement.env)
+
+    def _observability_args(self, name: str) -> tuple[list[str], int]:
+        """Flags giving process ``name`` a free metrics port and (optionally) a trace file."""
+        args: list[str] = []
+        port = free_port(self.config.host) if self.config.metrics else 0
+        if port:
+            args += ["--metrics-host", self.config.host, "--metrics-port", str(port)]
+        if self.config.trace_files:
+            (self.run_dir / "traces").mkdir(exist_ok=True)
+            args += ["--trace-file", str(self.run_dir / "traces" / f"{name}.jsonl")]
+        return args, port
+
+    def scrape_targets(self) -> dict[str, str]:
+        """name -> host:port of every process's /metrics (what a local Prometheus scrapes)."""
+        return {
+            name: f"{self.config.host}:{child.metrics_port}"
+            for name, child in self.children.items()
+            if child.metrics_port
+        }
+
+    def write_prometheus_config(
+        self, path: Path | None = None, namespace: str = "local", interval: str = "5s"
+    ) -> Path:
+        """A Prometheus config that scrapes every process of the stack, with the ``namespace``
+        label the dashboards select on (JSON, which Prometheus reads as YAML)."""
+        path = path or self.run_dir / "prometheus.yml"
+        targets = sorted(self.scrape_targets().values())
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "scrape_configs": [
+                {
+                    "job_name": "tandem",
+                    "static_configs": [{"targets": targets, "labels": {"namespace": namespace}}],
+                }
+            ],
+        }
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        return path
+
+    def _spawn(
+        self, name: str, argv: list[str], address: str = "", env: dict[str, str] | None = None
+    ) -> Child:
+        extra, port = self._observability_args(name)
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        child = Child(name, [*argv, *extra], log_path, dict(env or {}), address=address)
+        child.metrics_port = port
+        child.log_path.write_bytes(b"")  # a reused run dir must not show an old READY line
+        self._launch(child)
+        self.children[name] = child
+        return child
+
+    def _launch(self, child: Child) -> None:
+        process.launch(child)  # dies with this process (tests replace this to record starts)
+
+    def wait_ready(self) -> None:
+        """Every worker printed READY and the gateway is ready (/health 200: it can route to a
+        live decode worker); a stack without decode workers only waits for the gateway to be
+        live (/livez), since it cannot be ready until one is added (`add_worker`)."""
+        deadline = time.monotonic() + self.config.start_timeout
+        for child in self.children.values():
+            if child.name != "gateway":
+                self.wait_logged(child, "READY", deadline)
+        self.wait_http_ok("/health" if self.config.num_decode else "/livez", deadline)
+
+    def add_worker(self, role: str) -> Child:
+        """Start one more ``role`` worker (CPU placement) and wait until it printed READY."""
+        index = sum(1 for name in self.children if name.startswith(f"{role}-"))
+        name = f"{role}-{index}"
+        child = self._spawn(name, self._worker_args(role, index, Placement()))
+        self.wait_logged(child, "READY", time.monotonic() + self.config.start_timeout)
+        return child
+
+    def wait_logged(self, child: Child, marker: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            text = child.log_path.read_text(errors="replace")
+            if marker in text:
+                if not child.address:
+                    line = text[text.rindex(marker) :].splitlines()[0]
+                    child.address = line.split()[-1]
+                return
+            if child.proc is not None and child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited:\n{text[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{child.name} did not start; see {child.log_path}")
+
+    def wait_http_ok(self, path: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway {self.url}{path} not ready; see {self.run_dir}/logs")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+        """Send ``sig`` and wait up to ``timeout`` s for the exit (SIGTERM drains first)."""
+        child = self.children[name]
+        assert child.proc is not None
+        child.proc.send_signal(sig)
+        child.proc.wait(timeout)
+
+    def restart(self, name: str) -> Child:
+        """Start a (killed) child again with the same command line."""
+        child = self.children[name]
+        child.address = "" if name.startswith(("prefill", "decode")) else child.address
+        with open(child.log_path, "ab") as f:
+            f.write(b"\n--- restarted ---\n")
+        size = child.log_path.stat().st_size
+        self._launch(child)
+        deadline = time.monotonic() + self.config.start_timeout
+        while time.monotonic() < deadline:
+            with open(child.log_path, "rb") as f:
+                f.seek(size)
+                tail = f.read().decode(errors="replace")
+            if "READY" in tail or name == "gateway":
+                break
+            time.sleep(0.1)
+        if "READY" in tail:
+            child.address = tail[tail.index("READY") :].splitlines()[0].split()[-1]
+        return child
+
+    def stop(self) -> None:
+        for child in reversed(list(self.children.values())):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.terminate()
+        for child in self.children.values():
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        self.etcd.close()
+
+    def __enter__(self) -> Stack:
+        try:
+            return self.start()
+        except BaseException:  # __exit__ is not called then: leave no process behind
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,132 @@
+"""A worker's engine as Prometheus metrics: gauges and counters read from ``LLMEngine.stats()``
+at scrape time, and histograms fed by the engine's ``on_step`` observer (batch sizes, step
+times, queue time). The engine itself imports no metrics library."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.step_stats import StepStats
+from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
+
+
+class EngineCollector(Collector):
+    """Queue lengths, KV blocks, prefix-cache hits and preemptions of one engine."""
+
+    def __init__(self, engine: LLMEngine, wait: float = 0.25) -> None:
+        self.engine = engine
+        self.wait = wait
+        self._last: EngineStats | None = None
+
+    def _stats(self) -> EngineStats:
+        """Fresh stats, or those of the previous scrape while a long step holds the engine (a
+        scrape times out after its interval; a CPU step may take longer)."""
+        s = self.engine.try_stats(self.wait)
+        if s is None:
+            s = self._last or self.engine.stats()
+        self._last = s
+        return s
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield _gauge(
+            "tandem_engine_sequences_running", "Sequences in the running batch.", s.num_running
+        )
+        yield _gauge(
+            "tandem_engine_sequences_waiting", "Sequences waiting to be scheduled.", s.num_waiting
+        )
+        yield _gauge(
+            "tandem_engine_kv_held_requests",
+            "Prefilled requests whose KV blocks are held for a decode worker.",
+            self.engine.num_held,
+        )
+        yield _gauge(
+            "tandem_engine_kv_blocks_capacity", "KV cache blocks in the pool.", s.kv_blocks_total
+        )
+        blocks = GaugeMetricFamily(
+            "tandem_engine_kv_blocks",
+            "KV cache blocks by state: used (referenced by a request), cached (free but holding "
+            "a reusable prefix), free (empty).",
+            labels=["state"],
+        )
+        blocks.add_metric(["used"], s.kv_blocks_used)
+        blocks.add_metric(["cached"], s.kv_blocks_cached)
+        blocks.add_metric(["free"], s.kv_blocks_total - s.kv_blocks_used - s.kv_blocks_cached)
+        yield blocks
+        yield _counter(
+            "tandem_engine_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache instead of computed.",
+            s.prefix_hit_tokens,
+        )
+        yield _counter(
+            "tandem_engine_prompt_tokens",
+            "Prompt tokens of requests that started "
+            "generating (the denominator of the prefix-cache hit rate).",
+            s.prompt_tokens,
+        )
+        yield _counter("tandem_engine_preemptions", "Sequences preempted (recomputed later) for "
+                       "lack of KV blocks.", s.num_preemptions)  # fmt: skip
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class StepMetrics:
+    """The engine's ``on_step`` observer: per step, its time and batch, by phase (``prefill``
+    when any prompt tokens were computed, else ``decode``), and each request's queue time."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "tandem_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, forward pass, sampling), by phase.",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.batch_seqs = Histogram(
+            "tandem_engine_batch_size_sequences",
+            "Sequences in one engine step, by phase.",
+            ["phase"],
+            buckets=SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "tandem_engine_batch_size_tokens",
+            "Tokens computed in one engine step (prompt chunks plus one per decoding sequence).",
+            ["phase"],
+            buckets=SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.queue = Histogram(
+            "tandem_engine_queue_time_seconds",
+            "Time from a request's arrival at the engine to its first step.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        for phase in ("prefill", "decode"):
+            for h in (self.duration, self.batch_seqs, self.batch_tokens):
+                h.labels(phase)
+
+    def __call__(self, step: StepStats) -> None:
+        phase = step.phase
+        self.duration.labels(phase).observe(step.seconds)
+        self.batch_seqs.labels(phase).observe(step.num_seqs)
+        self.batch_tokens.labels(phase).observe(step.prefill_tokens + step.decode_seqs)
+        for q in step.queue_seconds:
+            self.queue.observe(q)
+
+
+def observe_engine(engine: LLMEngine, registry: CollectorRegistry) -> None:
+    """Export ``engine`` on ``registry``: scrape-time collector plus the step observer."""
+    registry.register(EngineCollector(engine))
+    engine.on_step = StepMetrics(registry)

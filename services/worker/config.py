@@ -1,0 +1,182 @@
+"""A worker's frozen config: every option of both worker roles, declared once
+(`services.common.options`), parsed once by `parse_config`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.config import EngineConfig
+from libkv.cluster.summary_publisher import SummaryConfig
+from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
+from services.common.admission import batch_fraction_option
+from services.common.options import Options, option
+from services.common.process import log_level_option
+from services.common.security import ETCD_OLD_ENV, Security
+from services.observability.config import ObservabilityConfig
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker process's configuration; ``role`` is set by the entry point, not a flag."""
+
+    model_dir: str = option("", "model folder", required=True, convert=os.path.expanduser)
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "gRPC port (0: a free one)")
+    advertise_host: str = option("", "host routers and peers dial (default: --host)")
+    worker_id: str = option("", "id in etcd (default: ROLE-HOSTNAME-RANDOM)")
+    etcd: tuple[str, ...] = option((), "etcd endpoints host:port[,...]", old_env=ETCD_OLD_ENV)
+    served_model_name: str = option("", "model name (default: the folder's name)")
+    log_level: str = log_level_option()
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_bytes: int | None = option(
+        None,
+        "KV pool size in bytes (default: 512 MiB on CPU; on CUDA what --gpu-memory-utilization "
+        "leaves after weights, activations and CUDA graphs)",
+    )
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides --kv-cache-bytes)")
+    gpu_memory_utilization: float = option(
+        0.9,
+        "CUDA: share of the device's total memory this worker may use for weights, activations, "
+        "CUDA graphs and KV (workers sharing a device each take their own share)",
+    )
+    max_model_len: int | None = option(
+        None, "longest sequence (prompt + output) in tokens (default: the model's context)"
+    )
+    max_num_seqs: int = option(64, "sequences per batch")
+    max_num_batched_tokens: int = option(
+        512, "tokens per engine step (the prefill chunk)", old_env=("TANDEM_MAX_BATCHED_TOKENS",)
+    )
+    lease_seconds: float = option(
+        30.0,
+        "prefill: seconds prefilled KV is held for a decode worker",
+        old_env=("TANDEM_KV_LEASE_SECONDS", "KV_LEASE_SECONDS"),
+    )
+    member_ttl: int = option(10, "seconds of the etcd member lease")
+    member_refresh: float = option(3.0, "seconds between lease refreshes")
+    device: str = option(
+        "auto",
+        "cpu, cuda or cuda:N (auto: cuda when available); `tandem serve --gpus` places each "
+        "worker through CUDA_VISIBLE_DEVICES instead",
+    )
+    dtype: str = option(
+        "auto",
+        "weights and KV (auto: float32 on CPU, bfloat16 on CUDA)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    load_format: str = option(
+        "safetensors",
+        "safetensors: the folder's weights; dummy: seeded random weights of the folder's "
+        "config.json shapes (benchmarks without downloads: python -m engine.shapes)",
+        choices=("safetensors", "dummy"),
+    )
+    kv_transport: str = option(
+        "auto",
+        "how KV blocks move between workers (auto: nixl when importable, else grpc)",
+        choices=TRANSPORTS,
+    )
+    nixl_mode: str = option(
+        "auto",
+        "decode: READ (pull) or WRITE (prefill pushes); auto: per host kind",
+        choices=NIXL_MODES,
+    )
+    on_transfer_failure: str = option(
+        "recompute",
+        "decode, when obtaining the KV fails: prefill the prompt locally, or fail so the router "
+        "retries on another prefill worker",
+        choices=("recompute", "retry"),
+    )
+    kv_transfer_timeout: float = option(10.0, "decode: seconds to obtain a request's KV")
+    cuda_ipc: bool = option(
+        True,
+        "GPU pools: move KV between workers of this host by CUDA IPC and device copies "
+        "(prefill exports its pool, decode maps it); --no-cuda-ipc leaves only NIXL",
+    )
+    drain_timeout: float = option(
+        30.0,
+        "on SIGTERM: most seconds to finish the work in flight (decode: running streams; "
+        "prefill: prefills and the hand-off of their KV blocks) before exiting",
+    )
+    kv_location_blocks: int = option(
+        4,
+        "finest routing granularity: every N-th block of the prefix hash chain is published "
+        "(plus the last block of every cached prompt); coarsened under load",
+    )
+    kv_location_interval: float = option(
+        1.0,
+        "seconds between block-location writes to etcd (one key each: a delta or a snapshot)",
+    )
+    kv_location_budget: int = option(
+        256, "block-location entry changes per second before the granularity is coarsened"
+    )
+    max_pending_tokens: int = option(
+        0,
+        "refuse new requests (RESOURCE_EXHAUSTED) once the accepted ones hold this many tokens "
+        "(prompt + max_tokens; prefill: prompt); 0 = twice the KV pool",
+    )
+    batch_admission_fraction: float = batch_fraction_option()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
+    role: str = ""  # "prefill" or "decode"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+    @property
+    def bind(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def locations(self) -> SummaryConfig:
+        """What the block-location publisher writes and how often."""
+        return SummaryConfig(
+            base=self.kv_location_blocks,
+            interval=self.kv_location_interval,
+            budget=self.kv_location_budget,
+        )
+
+    def advertised(self, port: int) -> str:
+        """host:port routers and peers dial, once the server is bound to ``port``."""
+        return f"{self.advertise_host or self.host}:{port}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model_dir=self.model_dir,
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes,
+            num_kv_blocks=self.num_kv_blocks,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            device=self.device,
+            dtype=self.dtype,
+            load_format=self.load_format,
+        )
+
+
+def options(role: str, env: Mapping[str, str] | None = None) -> Options:
+    """The command line of a ``role`` worker."""
+    return Options(WorkerConfig, f"tandem {role}", f"A {role} worker.", env)
+
+
+def parse_config(
+    role: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> WorkerConfig:
+    """The frozen config of a ``role`` worker from flags, falling back to TANDEM_* variables."""
+    opts = options(role, env)
+    config = opts.parse(argv)
+    try:
+        config.security.check()
+        config.locations  # noqa: B018 - validates granularity and interval
+    except ValueError as e:
+        opts.error(str(e))
+    worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    return replace(config, role=role, worker_id=worker_id)

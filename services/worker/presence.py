@@ -1,0 +1,86 @@
+"""A worker's presence in etcd: its member key (role, model, address, incarnation, KV capacity,
+load, hand-off record) and the block-location summaries published under the same lease
+(``libkv.cluster.summary_publisher``), started and stopped together."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from libkv.cluster.etcd_follow import Endpoints
+from libkv.cluster.registry import Member, MemberLoad, Registration
+from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
+from services.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+class Presence:
+    """The registration plus the location publisher attached to the engine's prefix cache."""
+
+    def __init__(self, registration: Registration, publisher: SummaryPublisher) -> None:
+        self.registration = registration
+        self.publisher = publisher
+
+    @classmethod
+    def start(
+        cls,
+        endpoints: Endpoints,
+        registration: Registration,
+        engine: LLMEngine,
+        config: SummaryConfig,
+    ) -> Presence:
+        """Publish what ``engine`` caches from now on, under ``registration``'s lease."""
+        member = registration.member
+        publisher = SummaryPublisher(
+            endpoints, member.worker_id, member.incarnation, registration, config
+        )
+        engine.kv.set_listener(publisher)
+        publisher.start()
+        return cls(registration, publisher)
+
+    async def stop(self) -> None:
+        """Stop publishing, then revoke the lease (which deletes member key and locations)."""
+        await self.publisher.stop()
+        await self.registration.stop()
+
+
+async def register(
+    config: WorkerConfig,
+    address: str,
+    engine: LLMEngine,
+    incarnation: str,
+    extra: dict[str, str] | None = None,
+) -> Presence | None:
+    """Register this worker in etcd and publish its cached prefixes under the same lease
+    (None when no etcd is configured)."""
+    if not config.etcd:
+        return None
+
+    def load() -> MemberLoad:
+        s = engine.stats()
+        return MemberLoad(
+            queue_length=s.num_waiting,
+            running=s.num_running,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_free=s.kv_blocks_total - s.kv_blocks_used,
+        )
+
+    member = Member(
+        worker_id=config.worker_id,
+        role=config.role,
+        model=config.model_name,
+        address=address,
+        kv_blocks_total=engine.pool.num_blocks,
+        block_size=config.block_size,
+        incarnation=incarnation,
+        extra=dict(extra or {}),
+    )
+    registration = await Registration.start(
+        list(config.etcd),
+        member,
+        ttl=config.member_ttl,
+        refresh=config.member_refresh,
+        load_fn=load,
+    )
+    return Presence.start(list(config.etcd), registration, engine, config.locations)

@@ -1,0 +1,181 @@
+"""The worker runtime that prefill and decode share: start the engine, serve gRPC, register in
+etcd (with the block locations), tell live from ready, drain on SIGTERM and stop, in that
+order. A role adds its core, servicers and KV side through a `Wire` function
+(`services.prefill.__main__`, `services.decode.__main__`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InsufficientMemoryError
+from engine.llm_engine import LLMEngine
+from libkv.cluster.registry import Registration
+from libkv.transfer.pool import PoolStore
+from libkv.transfer.setup import KVSide, confine_kv_network
+from services.common.admission import TokenLedger
+from services.common.channels import internal_channel
+from services.common.grpc_server import AddServicerFn, start_server
+from services.common.health import Health
+from services.common.process import run_until_signal, setup_logging
+from services.common.security import apply as apply_security
+from services.observability.engine import observe_engine
+from services.observability.metrics import AdmissionCollector, KVPathCollector
+from services.observability.process import Observability
+from services.worker.config import WorkerConfig, parse_config
+from services.worker.presence import register
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """What a role's wiring gets: the config and the started parts every worker has."""
+
+    config: WorkerConfig
+    obs: Observability
+    engine: AsyncEngine
+    incarnation: str
+    ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: prompt + max_tokens)
+    pool: PoolStore  # the engine's KV pool as the transports see it
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to a peer worker (mutual TLS when configured, keepalive, tracing)."""
+        return internal_channel(address, self.config.security.tls)
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Role:
+    """A role's part of a worker: its servicers and KV side, the work a drain waits for
+    (``busy``), what it does once the server's address is known and what it stops last."""
+
+    servicers: Sequence[tuple[AddServicerFn, Any]]
+    service_names: Sequence[str]
+    kv: KVSide
+    busy: Callable[[], int]
+    bound: Callable[[str], None] = lambda address: None
+    stop: Callable[[], Awaitable[None]] = _nothing
+    collectors: Sequence[Any] = field(default_factory=list)  # Prometheus collectors
+
+
+Wire = Callable[[Worker], Awaitable[Role]]
+
+
+def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
+    """``python -m services.<role>``: parse the config once, then serve until SIGTERM."""
+    config = parse_config(role, argv)
+    setup_logging(role, config.log_level)
+    asyncio.run(serve(config, wire))
+
+
+def start_engine(config: WorkerConfig) -> AsyncEngine:
+    confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
+    try:
+        llm_engine = LLMEngine(config.engine_config())
+    except InsufficientMemoryError as e:  # the numbers, not a traceback
+        log.error("cannot start: %s", e)
+        raise SystemExit(f"error: {e}") from e
+    engine = AsyncEngine(llm_engine)
+    engine.start()
+    return engine
+
+
+def engine_pool(engine: LLMEngine) -> PoolStore:
+    """The engine's KV pool as the transports see it (byte copies go through the engine)."""
+    return PoolStore(engine.runner.kv_cache, engine.runner.block_bytes, engine)
+
+
+def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:
+    """The admission bound in tokens (``--max-pending-tokens``, default twice the pool)."""
+    return config.max_pending_tokens or 2 * engine.pool.num_blocks * config.block_size
+
+
+async def serve(config: WorkerConfig, wire: Wire) -> None:
+    """Run one worker of ``config.role`` until SIGINT/SIGTERM. Ready (grpc.health.v1 "") once
+    registered; live ("liveness") while the engine's step thread runs."""
+    apply_security(config.security)  # before any etcd connection
+    obs = Observability.start(
+        config.observability, config.role, config.model_name, config.worker_id
+    )
+    engine = start_engine(config)
+    observe_engine(engine.engine, obs.metrics.registry)
+    worker = Worker(
+        config,
+        obs,
+        engine,
+        uuid.uuid4().hex,
+        TokenLedger(
+            pending_limit(config, engine.engine),
+            config.batch_admission_fraction,
+            name=f"{config.role} worker {config.worker_id}",
+        ),
+        engine_pool(engine.engine),
+    )
+    role = await wire(worker)
+    server = await start_server(
+        role.servicers,
+        role.service_names,
+        config.bind,
+        metrics=obs.grpc,
+        tls=config.security.tls,
+        ready=False,
+    )
+    address = config.advertised(server.port)
+    role.bound(address)
+    presence = await register(config, address, engine.engine, worker.incarnation, role.kv.extra)
+    if presence is not None:
+        role.kv.publish = presence.registration.set_extra
+    for collector in (
+        AdmissionCollector(worker.ledger),
+        KVPathCollector(role.kv),
+        *role.collectors,
+    ):
+        obs.metrics.register(collector)
+    health = await Health(server, live=lambda: engine.alive).start()
+    log.info("%s worker %s listening on %s", config.role, config.worker_id, address)
+    print(f"READY {config.role} {address}", flush=True)
+
+    async def cleanup() -> None:
+        worker.ledger.close()  # new work gets UNAVAILABLE: the router retries it elsewhere
+        await health.drain()
+        registration = presence.registration if presence is not None else None
+        await drain(registration, role.busy, config.drain_timeout)
+        if presence is not None:
+            await presence.stop()
+        await server.stop(grace=5)
+        await health.stop()
+        await role.kv.close()
+        await role.stop()
+        engine.stop()
+        obs.stop()
+
+    await run_until_signal(cleanup)
+
+
+async def drain(registration: Registration | None, busy: Callable[[], int], timeout: float) -> int:
+    """Graceful termination before the server stops, once admission is closed and readiness is
+    NOT_SERVING: the etcd record is marked draining (routers send nothing new; the record stays,
+    so a prefill worker's KV blocks are still found and pulled), then wait up to ``timeout``
+    seconds for ``busy()`` (work in flight) to reach 0. Returns what is left."""
+    if registration is not None:
+        await registration.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while busy() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    left = busy()
+    if left:
+        log.warning("drain timed out after %.0f s with %d still in flight", timeout, left)
+    return left
