@@ -168,13 +168,13 @@ class EtcdServer:
         if self.is_running():
             return self
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in _reap)
+        command = self._command()
         self._proc = subprocess.Popen(
-            self._command(),
+            process.die_with_parent(command) if self.die_with_parent else command,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C aimed at pytest does not hit etcd first
-            preexec_fn=process.die_with_parent() if self.die_with_parent else None,
         )
         try:
             self._wait_healthy()

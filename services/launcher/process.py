@@ -4,36 +4,32 @@ included), so no orphan keeps holding a port and the next ``make serve`` just wo
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+# Run between the fork and the real program: set PR_SET_PDEATHSIG to SIGKILL, give up if the
+# parent already died (between the fork and the prctl), then exec the command; the setting
+# survives exec. Python code in the forked child itself (a ``preexec_fn``) is not safe while the
+# parent has threads (gRPC's): it crashed children of a pytest process (issue 15's follow-up).
+_PDEATHSIG = """import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+    sys.exit(126)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` for ``subprocess.Popen`` (None off Linux): in the child, between fork and
-    exec, set PR_SET_PDEATHSIG to SIGKILL, then exit at once if the parent is already gone (it
-    died between the fork and the prctl). The signal comes when the *thread* that started the
-    child exits, so start children from a thread that lives as long as they should (the main
-    thread)."""
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the process is SIGKILLed when this one dies (Linux; elsewhere
+    ``argv`` unchanged). The signal comes when the *thread* that started the child exits, so
+    start children from a thread that lives as long as they should (the main thread)."""
     if sys.platform != "linux":
-        return None
-    parent = os.getpid()
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(126)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
+        return list(argv)
+    return [sys.executable, "-S", "-c", _PDEATHSIG, str(os.getpid()), *argv]
 
 
 @dataclass(slots=True)
@@ -60,11 +56,10 @@ def launch(child: Child) -> None:
     log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
     child.proc = subprocess.Popen(
-        child.argv,
+        die_with_parent(child.argv),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
-        preexec_fn=die_with_parent(),
     )
     log.close()
