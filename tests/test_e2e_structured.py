@@ -289,6 +289,9 @@ def test_grammar_survives_a_move_to_another_decode_worker(stack, client):
     """Killed decode-0 stays in the routers' view until its lease lapses, and wins ties: the
     prefilled requests sent to it fail before their second token and move to decode-1 with
     their first tokens, whose matchers replay them."""
+    # Let decode-0 publish its idle load first: a report from the previous test (streams still
+    # running) would otherwise stay in the routers' view after the kill and make it lose ties.
+    time.sleep(stack.config.member_refresh + 0.5)
     stack.kill("decode-0")
     router_log = stack.children["router"].log_path
     deadline = time.monotonic() + stack.config.member_ttl + 2
