@@ -9,6 +9,7 @@ embedding and LM head; norms are whole.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def dummy_weights(
     c = config
     cut = _Cuts.of(config, shard)
 
-    def rand(*shape: int, rows: list[tuple[int, int]] = (), cols: Range = None) -> torch.Tensor:
+    def rand(*shape: int, rows: Sequence[tuple[int, int]] = (), cols: Range = None) -> torch.Tensor:
         """A whole matrix drawn; then only ``rows`` (ranges, concatenated) and ``cols`` kept."""
         t = torch.randn(*shape, generator=g, device=device)
         if rows:

@@ -219,7 +219,7 @@ class ModelRunner:
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
         s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
-        kernels.copy_blocks(self.kv_cache, s, d)
+        kernels.copy_blocks(self.kv_pool, s, d)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
         input_ids, positions, meta = self._tensors(plan)

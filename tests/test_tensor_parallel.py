@@ -25,10 +25,10 @@ from engine.errors import UnsupportedModelError
 from engine.parallel.ranks import RANK_DIED
 from tests.conftest import make_random_model_dir
 
-MAX_TOKENS = 12
+MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # Small budget and pool: long prompts prefill in chunks, the pool preempts under load.
-OPTIONS = dict(max_num_batched_tokens=64, num_kv_blocks=40, max_num_seqs=8)
+OPTIONS = dict(max_num_batched_tokens=64, num_kv_blocks=10, max_num_seqs=8)
 
 
 def prompts(vocab: int = 40000) -> list[list[int]]:
@@ -88,7 +88,7 @@ def test_scores_and_canonical_blocks_match_across_tp_sizes(llama_dir):
 def held_blocks(llm: LLM, prompt: list[int]) -> list[bytes]:
     """Prefill ``prompt`` as a hand-off and read its held blocks (canonical bytes)."""
     eng = llm.engine
-    eng.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    eng.add_request("p", prompt, SamplingParams(max_tokens=2, temperature=0), hold_kv=True)
     while eng.has_unfinished():
         eng.step()
     data = eng.read_blocks(eng.held_block_ids("p"))

@@ -45,9 +45,13 @@ def client_store(host: str, port: int, size: int) -> dist.TCPStore:
 def init_group(store: dist.Store, rank: int, size: int, device: torch.device) -> None:
     """Join the engine's process group: NCCL on CUDA, gloo on CPU."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **kw
+        backend,
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
     )
 
 

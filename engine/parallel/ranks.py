@@ -147,9 +147,10 @@ class RankGroup:
         sentinels = {p.sentinel: p for p in self.procs}
         while sentinels:
             for s in wait(list(sentinels)):
-                proc = sentinels.pop(s)  # type: ignore[call-overload]
+                proc = sentinels.pop(s)  # type: ignore[arg-type]
                 if self._closing:
                     continue
+                proc.join(1.0)  # reaped, so that its exit status is known
                 log.critical(
                     "tensor-parallel rank %s (pid %s) exited with %s: stopping the engine's "
                     "other ranks and this process (a collective with it would never return)",

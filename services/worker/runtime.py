@@ -94,7 +94,7 @@ def start_engine(config: WorkerConfig) -> AsyncEngine:
 
 def engine_pool(engine: LLMEngine) -> PoolStore:
     """The engine's KV pool as the transports see it (byte copies go through the engine)."""
-    return PoolStore(engine.runner.kv_cache, engine.runner.block_bytes, engine)
+    return PoolStore(engine.runner.kv_pool, engine.runner.block_bytes, engine)
 
 
 def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:
