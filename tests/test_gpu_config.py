@@ -54,6 +54,21 @@ def test_explicit_share_and_no_gpus():
     assert cpu["decode-0"].env == {} and cpu["decode-0"].args == []
 
 
+def test_tensor_parallel_workers_take_a_gpu_per_rank():
+    sizes = {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
+    out = place(["prefill-0", "decode-0", "decode-1"], ("0", "1", "2", "3"), sizes=sizes)
+    assert out["prefill-0"].devices == ("0", "1") and out["prefill-0"].ranks == ("1",)
+    assert out["prefill-0"].env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # rank r on cuda:r
+    assert [out[w].devices for w in ("decode-0", "decode-1")] == [("2",), ("3",)]
+    assert {p.utilization for p in out.values()} == {0.9}
+    # Fewer GPUs than ranks in all: shared, each worker's share set by its busiest device.
+    two = place(["prefill-0", "decode-0"], ("0", "1"), sizes={"prefill-0": 2})
+    assert two["decode-0"].devices == ("0",) and two["decode-0"].utilization == 0.45
+    assert two["prefill-0"].utilization == 0.45
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        place(["decode-0"], ("0", "1"), sizes={"decode-0": 4})
+
+
 def test_parse_gpus():
     assert parse_gpus("0, 2") == ("0", "2")
     assert parse_gpus("none") == ()
