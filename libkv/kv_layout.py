@@ -27,6 +27,7 @@ more ranks than KV heads each rank holds one, replicated on consecutive ranks (a
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 LAYOUT_VERSION = 1  # head-major blocks
@@ -120,9 +121,19 @@ class KVLayout:
         return cls(**json.loads(text))
 
     @classmethod
-    def from_extra(cls, extra: dict[str, str]) -> KVLayout | None:
+    def from_extra(cls, extra: Mapping[str, str]) -> KVLayout | None:
         text = extra.get(LAYOUT_KEY)
         return cls.from_json(text) if text else None
+
+
+def pair_refusal(src: Mapping[str, str], dst: Mapping[str, str]) -> str | None:
+    """Why KV cannot move from the worker whose member record has ``src`` (extra fields) to
+    the one with ``dst`` (None: it can; also when a record carries no layout, from a worker
+    older than layouts: the decode worker then checks the handle's block bytes)."""
+    mine, theirs = KVLayout.from_extra(src), KVLayout.from_extra(dst)
+    if mine is None or theirs is None:
+        return None
+    return mine.refusal(theirs)
 
 
 def _geometry(layout: KVLayout) -> dict[str, object]:

@@ -23,8 +23,8 @@ parse_config = functools.partial(worker_config.parse_config, "decode")  # (argv,
 async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     kv = await decode_side(
-        c.kv_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
-        c.cuda_ipc,
+        c.handoff_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
+        c.handoff_cuda_ipc,
     )  # fmt: skip
     assert kv.transport is not None
     transport = ObservedTransport(

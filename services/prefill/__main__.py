@@ -22,14 +22,14 @@ async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     core = PrefillCore(w.engine, c.worker_id, w.incarnation, c.lease_seconds, w.ledger)
     kv = await prefill_side(
-        c.kv_transport,
+        c.handoff_transport,
         w.pool,
         c.worker_id,
         w.incarnation,
         c.etcd,
         holder=core,
         busy=lambda: core.num_held > 0,
-        cuda_ipc=c.cuda_ipc,
+        cuda_ipc=c.handoff_cuda_ipc,
     )
 
     def bound(address: str) -> None:
