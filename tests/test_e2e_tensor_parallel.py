@@ -1,7 +1,9 @@
 """Stacks whose prefill and decode pools run at different tensor-parallel sizes (CPU, gloo, the
 bundled SmolLM2): P tp=2 -> D tp=1 and P tp=1 -> D tp=2 hand KV off and answer token for token
-as the colocated engine does; the member records carry the TP size and the KV layout; a rank
-killed with -9 takes its worker down and its member key lapses.
+as the colocated engine does, over NIXL (each decode rank READs its heads from the prefill ranks
+that hold them, `libkv.transfer.sharded`) and over the gRPC block stream (canonical blocks that
+rank 0 gathers or scatters); the member records carry the TP size, the KV layout and every
+rank's NIXL agent; a rank killed with -9 takes its worker down and its member key lapses.
 
 SmolLM2 has 3 KV heads: at TP=2 one rank holds 1 of them, the other 2 (``engine.parallel.shard``),
 so the hand-off re-slices heads unevenly in both directions.
@@ -13,6 +15,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -22,6 +25,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.parallel.ranks import RANK_DIED
 from libkv.cluster.registry import Member, MemberWatcher
 from libkv.kv_layout import KVLayout
+from libkv.transfer.nixl_agent import nixl_available
+from libkv.transfer.sharded import rank_agent_name, rank_agents
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import members, worker_stats
@@ -33,9 +38,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p2-d1", "p1-d2"])
+PAIRS = [(2, 1, "grpc")]
+if nixl_available():
+    PAIRS = [(2, 1, "nixl"), (1, 2, "nixl"), *PAIRS]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: f"p{p[0]}-d{p[1]}-{p[2]}")
 def stack(smol_dir, tmp_path_factory, request):
-    prefill_tp, decode_tp = request.param
+    prefill_tp, decode_tp, transport = request.param
     config = StackConfig(
         model_dir=str(smol_dir),
         run_dir=str(tmp_path_factory.mktemp("tp-stack")),
@@ -47,6 +57,7 @@ def stack(smol_dir, tmp_path_factory, request):
         member_ttl=3,
         member_refresh=1.0,
         start_timeout=300.0,
+        kv_transport=transport,
     )
     with Stack(config) as s:
         yield s
@@ -97,6 +108,21 @@ def test_handoff_between_tp_sizes_matches_colocated(stack, offline):
     assert "did not arrive" not in decode_log
     stats = worker_stats(stack)
     assert all(s.integrity_ok for s in stats.values())
+    moved = transfers(stack, "decode-0")
+    assert moved == {stack.config.kv_transport: len(PROMPTS)}, moved
+
+
+def transfers(stack: Stack, name: str) -> dict[str, int]:
+    """Hand-offs the decode worker counted, by path (only paths that moved something)."""
+    port = stack.children[name].metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tandem_kv_transfers_total{") and float(line.split()[-1]) > 0:
+            path = line.split('transport="')[1].split('"')[0]
+            out[path.removesuffix("-read")] = int(float(line.split()[-1]))
+    return out
 
 
 def test_member_records_carry_tp_size_and_layout(stack):
@@ -107,6 +133,16 @@ def test_member_records_carry_tp_size_and_layout(stack):
         assert m.tensor_parallel_size == tp
         layout = KVLayout.from_extra(m.extra)
         assert layout is not None and layout.tp == tp and layout.num_kv_heads == 3
+        agents = rank_agents(m.extra)
+        if c.kv_transport == "nixl":  # every rank's agent, named after the incarnation
+            assert [a.name for a in agents] == [
+                rank_agent_name(worker_id, m.incarnation, r) for r in range(tp)
+            ]
+            assert [a.region.block_bytes for a in agents] == [
+                layout.shard_block_bytes(r) for r in range(tp)
+            ]
+        else:
+            assert agents == []
 
 
 def child_pids(pid: int) -> list[int]:

@@ -23,8 +23,8 @@ parse_config = functools.partial(worker_config.parse_config, "decode")  # (argv,
 async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     kv = await decode_side(
-        c.handoff_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
-        c.handoff_cuda_ipc,
+        c.kv_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
+        c.handoff_cuda_ipc, layout=w.engine.engine.runner.layout, ranks=w.rank_agents(),
     )  # fmt: skip
     assert kv.transport is not None
     transport = ObservedTransport(

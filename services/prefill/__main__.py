@@ -22,7 +22,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     core = PrefillCore(w.engine, c.worker_id, w.incarnation, c.lease_seconds, w.ledger)
     kv = await prefill_side(
-        c.handoff_transport,
+        c.kv_transport,
         w.pool,
         c.worker_id,
         w.incarnation,
@@ -30,6 +30,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         holder=core,
         busy=lambda: core.num_held > 0,
         cuda_ipc=c.handoff_cuda_ipc,
+        ranks=w.rank_agents(),
     )
 
     def bound(address: str) -> None:

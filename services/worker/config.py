@@ -148,16 +148,9 @@ class WorkerConfig:
         )
 
     @property
-    def handoff_transport(self) -> str:
-        """``--kv-transport``, except at ``--tensor-parallel-size`` above 1: such a worker moves
-        KV over the gRPC block stream, as canonical blocks (every KV head) that rank 0 gathers
-        from its ranks or scatters to them, so any pair of TP sizes hands off. Its ranks do not
-        run NIXL agents of their own yet: rank 0's pool holds only its heads."""
-        return "grpc" if self.tensor_parallel_size > 1 else self.kv_transport
-
-    @property
     def handoff_cuda_ipc(self) -> bool:
-        """``--cuda-ipc``, off at ``--tensor-parallel-size`` above 1 (see `handoff_transport`)."""
+        """``--cuda-ipc``, off at ``--tensor-parallel-size`` above 1: rank 0's exported pool
+        would hold only its KV heads (CUDA IPC of every rank's shard is not built)."""
         return self.cuda_ipc and self.tensor_parallel_size == 1
 
     def advertised(self, port: int) -> str:

@@ -32,6 +32,7 @@ from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.observability.process import Observability
 from services.worker.config import WorkerConfig, parse_config
 from services.worker.presence import register
+from services.worker.rank_kv import RankNixl
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ class Worker:
     incarnation: str
     ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: prompt + max_tokens)
     pool: PoolStore  # the engine's KV pool as the transports see it
+
+    def rank_agents(self) -> RankNixl | None:
+        """A tensor-parallel engine's ranks 1..N-1 on the KV side (None at TP=1)."""
+        group = self.engine.engine.ranks
+        return RankNixl(group) if group is not None else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """A channel to a peer worker (mutual TLS when configured, keepalive, tracing)."""
