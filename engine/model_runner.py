@@ -10,6 +10,7 @@ tensors on its own device and the ranks meet in the model's collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class ModelRunner:
             )  # fmt: skip
         # Every rank must have the same blocks: the smallest rank's pool sets the size.
         self.num_blocks = self.comm.min_int(self.kv_plan.num_blocks, self.device)
+        self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=self.num_blocks)
         self.kv_pool = kv_pool.allocate(
             self.layout, self.comm.rank, self.num_blocks, self.dtype, self.device
         )

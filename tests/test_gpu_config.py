@@ -5,6 +5,7 @@ refusals, which hand-off path a pair of workers has, and how routers pair worker
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -114,7 +115,7 @@ def test_stack_gives_workers_devices_shares_and_options(tmp_path):
     assert args[args.index("--kv-cache-bytes") + 1] == str(128 * 1024**2)
 
 
-def test_serve_and_bench_flags_reach_the_stack_config():
+def test_serve_and_bench_flags_reach_the_stack_config(tmp_path):
     p = argparse.ArgumentParser()
     add_worker_options(p)
     args = p.parse_args(
@@ -130,6 +131,15 @@ def test_serve_and_bench_flags_reach_the_stack_config():
     assert out["worker_args"] == ("--nixl-mode=read",)
     cfg = StackConfig("/m", "/r", **out)
     assert cfg.placements()["decode-0"].utilization == 0.4
+    tp = worker_overrides(p.parse_args(["--gpus", "0,1,2", "--prefill-tp", "2"]))
+    cfg = StackConfig("/m", "/r", **tp)
+    assert (cfg.prefill_tp, cfg.decode_tp) == (2, 1)
+    assert [p.devices for p in cfg.placements().values()] == [("0", "1"), ("2",)]
+    stack = Stack(dataclasses.replace(cfg, run_dir=str(tmp_path)))
+    argv = stack._worker_args("prefill", 0, cfg.placements()["prefill-0"])
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    with pytest.raises(SystemExit, match="--decode-tp must be >= 1"):
+        worker_overrides(p.parse_args(["--gpus", "none", "--decode-tp", "0"]))
 
 
 def test_worker_memory_flags_and_their_variables():
