@@ -23,6 +23,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.parallel.ranks import RANK_DIED
+from engine.parallel.shard import ModelShard
 from tests.conftest import make_random_model_dir
 
 MAX_TOKENS = 24
@@ -63,6 +64,24 @@ def qwen_dir(tmp_path_factory, smol_dir) -> Path:
 def test_tp2_greedy_matches_tp1(name, llama_dir, qwen_dir, smol_dir):
     model_dir = {"llama": llama_dir, "qwen2": qwen_dir, "smollm2": smol_dir}[name]
     assert greedy(model_dir, 2) == greedy(model_dir, 1)
+
+
+def test_kv_heads_replicate_over_more_ranks_than_kv_heads(llama_dir):
+    """TP=4 over the random Llama's 2 KV heads: each head on two ranks, which split its group
+    of query heads; logits and greedy output match TP=1."""
+    batch = prompts()[:3]
+    with LLM(llama_dir, num_kv_blocks=40) as one:
+        ref = [o.token_ids for o in one.generate(batch, GREEDY)]
+        ref_logits = one.engine.score(batch[1])
+    with LLM(llama_dir, num_kv_blocks=40, tensor_parallel_size=4) as four:
+        shards = [
+            four.engine.runner.comm.shard,
+            *(ModelShard.of(four.engine.runner.model_config, 4, r) for r in (1, 2, 3)),
+        ]
+        assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+        assert [s.heads for s in shards] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+        torch.testing.assert_close(four.engine.score(batch[1]), ref_logits, atol=1e-4, rtol=0)
+        assert [o.token_ids for o in four.generate(batch, GREEDY)] == ref
 
 
 def test_scores_and_canonical_blocks_match_across_tp_sizes(llama_dir):
