@@ -144,7 +144,14 @@ class ShardedReader:
                             dst_rank, agents[src_rank], dst_blocks, src_blocks, parts, t0, timeout
                         )  # fmt: skip
                     )
-            await asyncio.gather(*reads)
+            # Every READ ends (each within the timeout) before a failure is raised: the caller
+            # then frees the destination blocks, and no rank may still be writing into them.
+            results = await asyncio.gather(*reads, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                if isinstance(errors[0], KVTransferError):
+                    raise errors[0]
+                raise KVTransferError(f"READ from {source.worker_id} failed: {errors[0]!r}")
             # Every rank's data is in place: rank 0 tells prefill's rank 0 to free the blocks.
             await self.endpoint.connect(agents[0])
             await self.endpoint.notify(agents[0].name, _rel(request_id))
