@@ -216,6 +216,12 @@ def start_ranks(config: EngineConfig, model_config: ModelConfig, max_len: int) -
         log.warning("tensor parallel: %s; a step waits for the largest shard", why)
     device = rank_device(config, 0)
     if device.type == "cuda":
+        last, count = rank_device(config, size - 1), torch.cuda.device_count()
+        if last.index is not None and last.index >= count:
+            raise ValueError(
+                f"tensor_parallel_size {size} puts its ranks on {device}..{last} (one device "
+                f"each), but this process sees {count} CUDA device(s)"
+            )
         torch.cuda.set_device(device)
     else:
         set_cpu_threads(size)
