@@ -9,10 +9,12 @@ import time
 import torch
 
 from bench.gpu_common import Ceilings, time_ms
+from engine import kv_pool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from engine.model import DecoderModel, LayerWeights, ModelWeights
 from kernels import AttentionMetadata
+from libkv.kv_layout import KVLayout
 
 BLOCK = 16
 
@@ -67,10 +69,12 @@ class LlamaBench:
         self.w = random_weights(c)
         self.model = DecoderModel(c, self.w, max_len)
         self.max_len = max_len
-        shape = (num_blocks, c.num_layers, 2, BLOCK, c.num_kv_heads, c.head_dim)
-        self.kv = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+        # The engine's pool: head-major storage, read through the kernels' view (engine.kv_pool).
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, "bfloat16", 2)
+        pool = kv_pool.allocate(layout, 0, num_blocks, torch.bfloat16, torch.device("cuda"))
         for i in range(0, num_blocks, 1024):  # random, never zeros
-            self.kv[i : i + 1024].normal_()
+            pool[i : i + 1024].normal_()
+        self.kv = kv_pool.kernel_view(pool)
         self.perm = torch.randperm(num_blocks).tolist()
 
     def tables(self, b: int, tokens: int) -> list[list[int]]:

@@ -67,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"topology: {config.topology}")
         for name, placement in config.placements().items():
             if placement.device is not None:
-                print(f"{name:<9} GPU {placement.device} (share {placement.utilization})")
+                gpus = ",".join(placement.devices)
+                print(f"{name:<9} GPU {gpus} (share {placement.utilization})")
         if stack.scrape_targets():
             prom = stack.write_prometheus_config()
             print(f"metrics: prometheus --config.file={prom} "

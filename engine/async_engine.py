@@ -51,9 +51,11 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the step thread, then the engine's tensor-parallel ranks (if any)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     # -- request API (event loop side) -----------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params: Any, **kw: Any):

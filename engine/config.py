@@ -149,6 +149,9 @@ class EngineConfig:
     # next one); enforce_eager turns graphs off.
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Ranks (processes, one device each) the model is split over (engine.parallel); on CUDA
+    # rank r takes device cuda:r (cuda:k+r with device="cuda:k"). Memory settings are per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -161,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, not {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, not {self.kv_cache_bytes}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"

@@ -16,11 +16,24 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Generate from a model folder in-process, with continuous batching underneath."""
+    """Generate from a model folder in-process, with continuous batching underneath.
+
+    ``tensor_parallel_size=N`` (like every ``EngineConfig`` field, a keyword) splits the model
+    over N ranks: this process and N-1 child processes, one device each (``engine.parallel``);
+    ``close()`` (or leaving a ``with`` block) stops them."""
 
     def __init__(self, model: str | Path, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model_dir=str(model), **engine_options))
         self._ids = itertools.count()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.engine.close()
 
     @property
     def tokenizer(self):

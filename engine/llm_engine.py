@@ -26,6 +26,7 @@ from engine.errors import (
 )
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
+from engine.parallel.ranks import RankGroup, start_ranks
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -86,7 +87,15 @@ class LLMEngine(EmitMixin, HandoffMixin):
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.tokenizer = Tokenizer(config.model_dir)
-        self.runner = ModelRunner(config, mc, self.max_model_len)
+        self.ranks: RankGroup | None = None  # tensor parallelism: ranks 1..N-1
+        if config.tensor_parallel_size > 1:
+            self.ranks = start_ranks(config, mc, self.max_model_len)
+        try:
+            comm = self.ranks.comm if self.ranks else None
+            self.runner = ModelRunner(config, mc, self.max_model_len, comm, self.ranks)
+        except BaseException:
+            self.close()
+            raise
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -306,3 +315,8 @@ class LLMEngine(EmitMixin, HandoffMixin):
     def check_integrity(self) -> None:
         with self._lock:
             self.kv.check_integrity()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do at TP=1); the engine is unusable after."""
+        if self.ranks is not None:
+            self.ranks.close()

@@ -31,6 +31,7 @@ import torch
 
 import kernels
 from engine.errors import InsufficientMemoryError
+from engine.parallel.shard import ModelShard
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
@@ -144,14 +145,17 @@ def plan_cuda(
     return KVPlan(blocks, block_bytes, budget, memory)
 
 
-def weight_bytes(config: ModelConfig, element_size: int) -> int:
-    """Bytes of a model's weights, from its config alone."""
+def weight_bytes(config: ModelConfig, element_size: int, shard: ModelShard | None = None) -> int:
+    """Bytes of a model's weights (of one tensor-parallel ``shard``), from its config alone."""
     c = config
-    attn = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
-    attn += c.hidden_size * c.num_heads * c.head_dim
-    mlp = 3 * c.intermediate_size * c.hidden_size
+    s = shard or ModelShard.of(c, 1, 0)
+    heads, kv_heads = s.num_heads, s.num_kv_heads
+    inter, vocab = s.intermediate[1] - s.intermediate[0], s.vocab[1] - s.vocab[0]
+    attn = (heads + 2 * kv_heads) * c.head_dim * c.hidden_size
+    attn += c.hidden_size * heads * c.head_dim
+    mlp = 3 * inter * c.hidden_size
     layers = c.num_layers * (attn + mlp + 2 * c.hidden_size)
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    embed = vocab * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return (layers + embed + c.hidden_size) * element_size
 
 
@@ -240,7 +244,7 @@ def profile_activations(
     lens = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
     per_seq = -(-seq // bs)
     cache = torch.empty(
-        (len(lens) * per_seq, c.num_layers, 2, bs, c.num_kv_heads, c.head_dim),
+        (len(lens) * per_seq, c.num_layers, 2, bs, model.num_kv_heads, c.head_dim),
         device=device,
         dtype=model.w.embed.dtype,
     )

@@ -3,7 +3,9 @@
 One forward pass takes the new tokens of many sequences at once (some prefilling a chunk,
 some decoding one token), writes their K/V into paged slots and attends over each sequence's
 cached prefix plus the new tokens. Q/K/V and gate/up projections are fused into one matmul
-each; the weights are plain tensors (no nn.Linear) so the loader owns their layout.
+each; the weights are plain tensors (no nn.Linear) so the loader owns their layout. Under
+tensor parallelism the weights are one rank's shard (``engine.parallel``): the model computes
+its heads and MLP rows and ``comm`` sums or gathers across ranks.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig, RopeConfig
+from engine.parallel.comm import TPComm
+from engine.parallel.shard import ModelShard
 
 
 @dataclass(slots=True)
@@ -60,9 +63,18 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class DecoderModel:
     """The model: ``forward`` computes hidden states, ``logits`` projects the chosen rows."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, max_len: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        max_len: int,
+        comm: TPComm | None = None,
+    ) -> None:
         self.config = config
         self.w = weights
+        self.comm = comm or TPComm(ModelShard.of(config, 1, 0))
+        self.num_heads = self.comm.shard.num_heads  # this rank's (all of them at TP=1)
+        self.num_kv_heads = self.comm.shard.num_kv_heads
         device, dtype = weights.embed.device, weights.embed.dtype
         inv = rope_inv_freq(config.rope, config.head_dim).to(device)
         # Computed like transformers: float32 outer product, then cos/sin, then cast.
@@ -71,9 +83,8 @@ class DecoderModel:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
         self.scale = config.head_dim**-0.5
-        c = config
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
 
     @torch.inference_mode()
     def forward(
@@ -84,7 +95,7 @@ class DecoderModel:
         meta: kernels.AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]."""
-        x = F.embedding(input_ids, self.w.embed)
+        x = self.comm.embed(input_ids, self.w.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         residual: torch.Tensor | None = None
         for i, lw in enumerate(self.w.layers):
@@ -100,18 +111,19 @@ class DecoderModel:
         qkv = kernels.linear(h, lw.qkv, lw.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]
-        q = q.view(t, c.num_heads, c.head_dim)
-        k = k.view(t, c.num_kv_heads, c.head_dim)
-        v = v.view(t, c.num_kv_heads, c.head_dim)
+        q = q.view(t, self.num_heads, c.head_dim)
+        k = k.view(t, self.num_kv_heads, c.head_dim)
+        v = v.view(t, self.num_kv_heads, c.head_dim)
         q, k = kernels.rotary_embedding(q, k, cos, sin)
         kernels.write_kv(kv_cache, i, k, v, meta)
         o = kernels.paged_attention(q, kv_cache, i, meta, self.scale)
-        return kernels.linear(o.reshape(t, self.q_size), lw.o_proj)
+        return self.comm.all_reduce(kernels.linear(o.reshape(t, self.q_size), lw.o_proj))
 
     def _mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(kernels.silu_and_mul(kernels.linear(h, lw.gate_up)), lw.down)
+        up = kernels.silu_and_mul(kernels.linear(h, lw.gate_up))
+        return self.comm.all_reduce(kernels.linear(up, lw.down))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given hidden rows."""
-        return kernels.linear(hidden, self.w.lm_head).float()
+        return self.comm.gather_vocab(kernels.linear(hidden, self.w.lm_head)).float()

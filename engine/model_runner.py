@@ -1,27 +1,47 @@
 """Turns a scheduler step into tensors, runs the model and samples: the only torch user of the
-engine's step loop."""
+engine's step loop.
+
+Under tensor parallelism every rank has a runner over its shard of the weights and the KV pool.
+Rank 0's (the engine's) plans each step and sends the plan to the other ranks (``peers``,
+``engine.parallel.ranks``) before running its own part; they run it with ``follow``. A plan is
+host data only (token ids, positions, slots, block tables), so every rank builds the same
+tensors on its own device and the ranks meet in the model's collectives.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import kernels
-from engine import memory
+from engine import kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.loader import dummy_weights, load_weights
 from engine.model import DecoderModel
+from engine.parallel.comm import TPComm
+from engine.parallel.ranks import rank_device
+from engine.parallel.shard import ModelShard
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.structured import GrammarRuntime
+from libkv.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    from engine.parallel.ranks import RankGroup
 
 log = logging.getLogger(__name__)
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    if config.tensor_parallel_size > 1:
+        return rank_device(config, rank)
     name = config.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,27 +59,68 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     ]
 
 
-class ModelRunner:
-    """Holds the weights and the KV pool; ``execute`` runs one step."""
+@dataclass(slots=True)
+class StepPlan:
+    """Host-side inputs of one forward pass over a flattened varlen batch (what rank 0 sends
+    the other ranks). ``sample_rows``: rows whose logits are wanted (empty: none)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_len: int) -> None:
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # block * block_size + offset of each token
+    query_start: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    max_query_len: int
+    sample_rows: list[int]
+
+
+class ModelRunner:
+    """Holds the weights and the KV pool (of one rank); ``execute`` runs one step.
+
+    ``kv_pool`` is the pool's storage (head-major, contiguous: what transports register);
+    ``kv_cache`` is the kernels' view of it (``engine.kv_pool``)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_len: int,
+        comm: TPComm | None = None,
+        peers: RankGroup | None = None,
+    ) -> None:
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config)
+        self.comm = comm or TPComm(ModelShard.of(model_config, 1, 0))
+        self.peers = peers  # rank 0 of several: the other ranks, sent every step first
+        self._turn = threading.RLock()  # one command (and its collectives) at a time
+        self.device = resolve_device(config, self.comm.rank)
         self.dtype = resolve_dtype(config, self.device)
         on_cuda = self.device.type == "cuda"
+        shard = self.comm.shard
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
             torch.cuda.set_device(self.device)
             start = memory.CudaStart.now(self.device)
             size = torch.finfo(self.dtype).bits // 8
-            need = memory.weight_bytes(model_config, size)
+            need = memory.weight_bytes(model_config, size, shard)
             memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
-            weights = dummy_weights(model_config, self.device, self.dtype, config.seed)
+            weights = dummy_weights(model_config, self.device, self.dtype, config.seed, shard)
         else:
-            weights = load_weights(Path(config.model_dir), model_config, self.device, self.dtype)
-        self.model = DecoderModel(model_config, weights, max_len)
+            weights = load_weights(
+                Path(config.model_dir), model_config, self.device, self.dtype, shard
+            )
+        self.model = DecoderModel(model_config, weights, max_len, self.comm)
         self.sampler = Sampler()
+        c = model_config
+        self.layout = KVLayout(
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            block_size=config.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            element_size=torch.finfo(self.dtype).bits // 8,
+            tp=self.comm.size,
+        )
         sizes: list[int] = []
         if on_cuda and not config.enforce_eager:
             sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_num_seqs)
@@ -72,13 +133,13 @@ class ModelRunner:
                 self.block_bytes, config.num_kv_blocks, config.kv_cache_bytes,
                 DEFAULT_CPU_KV_CACHE_BYTES,
             )  # fmt: skip
-        self.num_blocks = self.kv_plan.num_blocks
-        c = model_config
-        self.kv_cache = torch.zeros(
-            (self.num_blocks, c.num_layers, 2, config.block_size, c.num_kv_heads, c.head_dim),
-            device=self.device,
-            dtype=self.dtype,
+        # Every rank must have the same blocks: the smallest rank's pool sets the size.
+        self.num_blocks = self.comm.min_int(self.kv_plan.num_blocks, self.device)
+        self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=self.num_blocks)
+        self.kv_pool = kv_pool.allocate(
+            self.layout, self.comm.rank, self.num_blocks, self.dtype, self.device
         )
+        self.kv_cache = kv_pool.kernel_view(self.kv_pool)
         self.graphs: DecodeGraphs | None = None
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
@@ -90,9 +151,8 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        c = self.model_config
-        elem = torch.finfo(self.dtype).bits // 8
-        return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * elem
+        """Bytes of one block of this rank's pool (its KV heads; all of them at TP=1)."""
+        return self.layout.shard_block_bytes(self.comm.rank)
 
     def bind_thread(self) -> None:
         """Make this engine's device the calling thread's current one (CUDA's current device
@@ -110,9 +170,7 @@ class ModelRunner:
         runs (``engine.structured``)."""
         self.bind_thread()
         if sched.copies:
-            src = torch.tensor([c.src for c in sched.copies], device=self.device)
-            dst = torch.tensor([c.dst for c in sched.copies], device=self.device)
-            kernels.copy_blocks(self.kv_cache, src, dst)
+            self._command("copy", [c.src for c in sched.copies], [c.dst for c in sched.copies])
         due = [(i, seq) for i, s in enumerate(_sampling(sched)) for seq in (s.seq, *s.forks)]
         rows = [
             SamplingRow(
@@ -135,20 +193,52 @@ class ModelRunner:
 
     def _logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Logits of the sampling rows (None when no row samples this step)."""
-        logits = self._decode_graph_logits(sched)
-        if logits is not None:
-            return logits
-        input_ids, positions, meta, sample_rows = self._prepare(sched)
-        if not sample_rows:
+        batch = self._decode_batch(sched)
+        if batch is not None:
+            return self._command("graph", batch)
+        return self._command("forward", self._plan(sched))
+
+    # -- commands: what every rank runs (rank 0 sends each to the others first) ---------------
+    def _command(self, op: str, *args):
+        with self._turn:
+            if self.peers is not None:
+                self.peers.send(op, args)
+            return self._ops()[op](*args)
+
+    def follow(self, op: str, args: tuple) -> None:
+        """Run a command rank 0 sent (ranks 1..N-1)."""
+        self.bind_thread()
+        self._ops()[op](*args)
+
+    def _ops(self) -> dict:
+        return {
+            "copy": self._copy,
+            "forward": self._forward,
+            "graph": self._graph,
+            "read": self._read,
+            "write": self._write,
+        }
+
+    def _copy(self, src: list[int], dst: list[int]) -> None:
+        s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
+        kernels.copy_blocks(self.kv_pool, s, d)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        input_ids, positions, meta = self._tensors(plan)
+        if not plan.sample_rows:
             self.model.forward(input_ids, positions, self.kv_cache, meta)
             return None
         # Made before the forward pass, so that on CUDA building it waits for no kernel.
-        sample_idx = torch.tensor(sample_rows, device=self.device)
+        sample_idx = torch.tensor(plan.sample_rows, device=self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         return self.model.logits(hidden[sample_idx])
 
-    def _decode_graph_logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
-        """Logits from a captured graph when the step is pure decode and fits one; else None."""
+    def _graph(self, batch: DecodeBatch) -> torch.Tensor:
+        assert self.graphs is not None
+        return self.graphs.run(batch)
+
+    def _decode_batch(self, sched: SchedulerOutput) -> DecodeBatch | None:
+        """The step as a captured graph's input when it is pure decode and fits one."""
         graphs = self.graphs
         scheduled = sched.scheduled
         if graphs is None or graphs.padded_size(len(scheduled)) is None:
@@ -158,7 +248,7 @@ class ModelRunner:
         bs = self.config.block_size
         positions = [s.seq.num_computed for s in scheduled]
         blocks = [s.block_ids[p // bs] for s, p in zip(scheduled, positions, strict=True)]
-        batch = DecodeBatch(
+        return DecodeBatch(
             token_ids=[_token_at(s.seq, p) for s, p in zip(scheduled, positions, strict=True)],
             positions=positions,
             slot_blocks=blocks,
@@ -166,31 +256,44 @@ class ModelRunner:
             block_tables=[s.block_ids for s in scheduled],
             seq_lens=[p + 1 for p in positions],
         )
-        return graphs.run(batch)
 
+    # -- block bytes (the gRPC block stream): canonical blocks, every KV head ------------------
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Canonical bytes (``libkv.kv_layout``) of whole blocks, from every rank's heads."""
         if not block_ids:
             return []
         self.bind_thread()
-        idx = torch.tensor(block_ids, device=self.device)
-        blocks = self.kv_cache[idx].cpu()
-        return [_tensor_bytes(b) for b in blocks]
+        return self._command("read", list(block_ids))
+
+    def _read(self, block_ids: list[int]) -> list[bytes]:
+        mine = kv_pool.read_bytes(self.kv_pool, block_ids)
+        if self.comm.size == 1:
+            return mine
+        shards = self.comm.gather_to_first(mine)
+        return [] if shards is None else kv_pool.assemble(self.layout, shards)  # type: ignore[arg-type]
 
     def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
-        shape = self.kv_cache.shape[1:]
+        """Write canonical blocks; each rank keeps its heads."""
+        for raw in data:
+            if len(raw) != self.layout.block_bytes:
+                raise ValueError(f"block of {len(raw)} bytes, expected {self.layout.block_bytes}")
         self.bind_thread()
-        for block_id, raw in zip(block_ids, data, strict=True):
-            if len(raw) != self.block_bytes:
-                raise ValueError(f"block of {len(raw)} bytes, expected {self.block_bytes}")
-            src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            self.kv_cache[block_id].copy_(src.view(self.dtype).view(shape))
+        self._command("write", list(block_ids), list(data))
+
+    def _write(self, block_ids: list[int], data: list[bytes]) -> None:
+        if self.comm.size > 1:
+            data = [kv_pool.rank_part(self.layout, self.comm.rank, d) for d in data]
+        kv_pool.write_bytes(self.kv_pool, block_ids, data)
 
     def logits_all(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (not just the sampled ones); for scoring."""
-        input_ids, positions, meta, _ = self._prepare(sched)
-        return self.model.logits(self.model.forward(input_ids, positions, self.kv_cache, meta))
+        plan = self._plan(sched)
+        plan.sample_rows = list(range(len(plan.token_ids)))
+        logits = self._command("forward", plan)
+        assert logits is not None
+        return logits
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _plan(self, sched: SchedulerOutput) -> StepPlan:
         bs = self.config.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -211,21 +314,27 @@ class ModelRunner:
             tables.append(table)
             if s.samples:
                 sample_rows.append(starts[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        max_q = max(s.num_new for s in sched.scheduled)
+        return StepPlan(ids, pos, slots, starts, seq_lens, tables, max_q, sample_rows)
+
+    def _tensors(self, plan: StepPlan):
+        bs = self.config.block_size
+        width = max(len(t) for t in plan.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in plan.block_tables]
         dev = self.device
-        slot_t = torch.tensor(slots, device=dev)
+        slot_t = torch.tensor(plan.slots, device=dev)
         meta = kernels.AttentionMetadata(
             slot_blocks=slot_t // bs,
             slot_offsets=slot_t % bs,
             block_tables=torch.tensor(padded, device=dev),
-            seq_lens=torch.tensor(seq_lens, device=dev),
-            query_start_loc=torch.tensor(starts, device=dev),
-            max_query_len=max(s.num_new for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
+            seq_lens=torch.tensor(plan.seq_lens, device=dev),
+            query_start_loc=torch.tensor(plan.query_start, device=dev),
+            max_query_len=plan.max_query_len,
+            max_seq_len=max(plan.seq_lens),
             block_size=bs,
         )
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows
+        ids = torch.tensor(plan.token_ids, device=dev)
+        return ids, torch.tensor(plan.positions, device=dev), meta
 
 
 def _sampling(sched: SchedulerOutput) -> list[ScheduledSeq]:
@@ -236,7 +345,3 @@ def _token_at(seq, pos: int) -> int:
     """Token ``pos`` of a sequence without building its whole token list."""
     n = len(seq.prompt_token_ids)
     return seq.prompt_token_ids[pos] if pos < n else seq.output_token_ids[pos - n]
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()

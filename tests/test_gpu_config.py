@@ -5,6 +5,7 @@ refusals, which hand-off path a pair of workers has, and how routers pair worker
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,21 @@ def test_explicit_share_and_no_gpus():
     assert cpu["decode-0"].env == {} and cpu["decode-0"].args == []
 
 
+def test_tensor_parallel_workers_take_a_gpu_per_rank():
+    sizes = {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
+    out = place(["prefill-0", "decode-0", "decode-1"], ("0", "1", "2", "3"), sizes=sizes)
+    assert out["prefill-0"].devices == ("0", "1") and out["prefill-0"].ranks == ("1",)
+    assert out["prefill-0"].env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # rank r on cuda:r
+    assert [out[w].devices for w in ("decode-0", "decode-1")] == [("2",), ("3",)]
+    assert {p.utilization for p in out.values()} == {0.9}
+    # Fewer GPUs than ranks in all: shared, each worker's share set by its busiest device.
+    two = place(["prefill-0", "decode-0"], ("0", "1"), sizes={"prefill-0": 2})
+    assert two["decode-0"].devices == ("0",) and two["decode-0"].utilization == 0.45
+    assert two["prefill-0"].utilization == 0.45
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        place(["decode-0"], ("0", "1"), sizes={"decode-0": 4})
+
+
 def test_parse_gpus():
     assert parse_gpus("0, 2") == ("0", "2")
     assert parse_gpus("none") == ()
@@ -99,7 +115,7 @@ def test_stack_gives_workers_devices_shares_and_options(tmp_path):
     assert args[args.index("--kv-cache-bytes") + 1] == str(128 * 1024**2)
 
 
-def test_serve_and_bench_flags_reach_the_stack_config():
+def test_serve_and_bench_flags_reach_the_stack_config(tmp_path):
     p = argparse.ArgumentParser()
     add_worker_options(p)
     args = p.parse_args(
@@ -115,6 +131,15 @@ def test_serve_and_bench_flags_reach_the_stack_config():
     assert out["worker_args"] == ("--nixl-mode=read",)
     cfg = StackConfig("/m", "/r", **out)
     assert cfg.placements()["decode-0"].utilization == 0.4
+    tp = worker_overrides(p.parse_args(["--gpus", "0,1,2", "--prefill-tp", "2"]))
+    cfg = StackConfig("/m", "/r", **tp)
+    assert (cfg.prefill_tp, cfg.decode_tp) == (2, 1)
+    assert [p.devices for p in cfg.placements().values()] == [("0", "1"), ("2",)]
+    stack = Stack(dataclasses.replace(cfg, run_dir=str(tmp_path)))
+    argv = stack._worker_args("prefill", 0, cfg.placements()["prefill-0"])
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    with pytest.raises(SystemExit, match="--decode-tp must be >= 1"):
+        worker_overrides(p.parse_args(["--gpus", "none", "--decode-tp", "0"]))
 
 
 def test_worker_memory_flags_and_their_variables():

@@ -172,6 +172,23 @@ def test_worker_pods_get_gpus_rdma_shm_and_drain_time(rendered) -> None:
     assert "capabilities" not in spec["containers"][0]["securityContext"]  # no RDMA: no IPC_LOCK
 
 
+def test_tensor_parallel_pools_request_a_gpu_per_rank(helm) -> None:
+    docs = render(
+        helm, "disagg-1p1d", ["prefill.tensorParallelSize=4", "decode.tensorParallelSize=2"]
+    )
+    maps = by_kind(docs, "ConfigMap")
+    for role, size in (("prefill", 4), ("decode", 2)):
+        (c,) = pod(docs, role)["containers"]
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == size
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == size
+        (data,) = [d["data"] for d in maps if component(d) == role]
+        assert data["TANDEM_TENSOR_PARALLEL_SIZE"] == str(size)
+    cpu = render(helm, None, ["decode.gpus=0", "decode.tensorParallelSize=2"])
+    assert "nvidia.com/gpu" not in pod(cpu, "decode")["containers"][0]["resources"]["requests"]
+    proc = run_helm(helm, *template_args(None, ["decode.tensorParallelSize=0"]))
+    assert proc.returncode != 0 and "tensorParallelSize" in proc.stderr
+
+
 def test_gateway_metrics_stay_off_the_api_service(rendered) -> None:
     services = {d["metadata"]["name"]: d for d in by_kind(rendered["disagg-xpyd"], "Service")}
     api = services["tandem-gateway"]

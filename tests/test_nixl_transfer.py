@@ -216,3 +216,27 @@ def test_push_for_blocks_not_held_fails_cleanly(peers):
                 )
 
     asyncio.run(main())
+
+
+def test_byte_ranges_of_blocks_move_to_their_offsets(peers):
+    """A tensor-parallel hand-off READs ranges of heads (`libkv.transfer.sharded`): parts of
+    each source block land at their offsets in destination blocks of another size."""
+    peer = peers("prefill-0", "inc-a", 16, 4096, seed=3)
+    expected = peer.expected()
+    decode = Decode(12, 6144, "read", [peer])
+    src, dst = [5, 6, 7, 1], [2, 3, 4, 9]  # a run of three, then one
+    parts = [(1024, 2048, 1536), (0, 5120, 1024)]  # (source offset, destination offset, bytes)
+
+    async def main() -> None:
+        async with decode as transport:
+            endpoint = transport.endpoint
+            await endpoint.connect(peer.info)
+            await endpoint.transfer("READ", peer.info.name, dst, src, b"", 10, parts)
+
+    before = decode.pool.copy()
+    asyncio.run(main())
+    want = before.copy()
+    for s, d in zip(src, dst, strict=True):
+        for so, do, n in parts:
+            want[d, do : do + n] = expected[s, so : so + n]
+    assert decode.pool.tobytes() == want.tobytes()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -10,6 +11,7 @@ from libkv.cluster.location_index import PrefixIndex
 from libkv.cluster.locations import location_key
 from libkv.cluster.registry import Member, MemberLoad
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
+from libkv.kv_layout import LAYOUT_KEY, KVLayout
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
 
 BS = 16
@@ -169,3 +171,32 @@ async def test_router_core_counts_plans_by_policy_and_reason():
     await collect(core, RouteJob("r2", PROMPT[:100], SamplingParams(max_tokens=3)))
     assert clients.calls == [("prefill", "p1"), ("decode", "d0"), ("decode", "d0")]
     assert core.stats.decisions == {("kv", "kv-hit"): 1, ("kv", "decode-only"): 1}
+
+
+def with_layout(m: Member, tp: int, **geometry) -> Member:
+    """``m`` publishing a KV layout at TP size ``tp`` (``geometry`` overrides)."""
+    g = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=BS, dtype="float32",
+             element_size=4)  # fmt: skip
+    layout = KVLayout(**{**g, **geometry}, tp=tp)
+    return dataclasses.replace(m, extra={LAYOUT_KEY: layout.to_json()}, tensor_parallel_size=tp)
+
+
+def test_pairs_of_any_tp_sizes_hand_off_and_other_geometries_are_refused(caplog):
+    p2, d1 = with_layout(STACK[0], 2), with_layout(STACK[2], 1)
+    plan = chooser([p2, d1]).plan(req(), set())
+    assert (plan.prefill.worker_id, plan.decode.worker_id) == ("p0", "d0")
+    p1, d4 = with_layout(STACK[0], 1), with_layout(STACK[2], 4)
+    assert chooser([p1, d4]).plan(req(), set()).prefill.worker_id == "p0"
+    # A bf16 prefill pool cannot feed a float32 decode pool: never paired, served decode-only
+    # (the decode worker prefills), and the reason is logged once.
+    bf16 = with_layout(STACK[1], 2, dtype="bfloat16", element_size=2)
+    for _ in range(3):
+        plan = chooser([bf16, d1]).plan(req(), set())
+        assert plan.prefill is None and plan.reason == "decode-only"
+    refusals = [r.getMessage() for r in caplog.records if "not pairing" in r.getMessage()]
+    assert len(refusals) == 1
+    assert "p1 (tp 2)" in refusals[0] and "d0 (tp 1)" in refusals[0]
+    assert "dtype bfloat16 vs float32" in refusals[0]
+    # With both kinds of prefill worker live, only the compatible one is picked.
+    plan = chooser([bf16, p2, d1]).plan(req(), set())
+    assert plan.prefill.worker_id == "p0"

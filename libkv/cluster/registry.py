@@ -60,6 +60,7 @@ class Member:
     started_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     load: MemberLoad = field(default_factory=MemberLoad)
     extra: dict[str, str] = field(default_factory=dict)  # e.g. NIXL agent metadata
+    tensor_parallel_size: int = 1  # ranks its model is split over (its KV layout: extra)
 
     @property
     def key(self) -> bytes:

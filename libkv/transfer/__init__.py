@@ -9,9 +9,10 @@ Two implementations sit behind `KVTransport`; services choose one through config
   importable or not wanted; bytes travel in a server stream and are copied into the pool.
 
 Pool layout: block ``i`` of a pool is the byte range ``[addr + i * block_bytes, + block_bytes)``
-holding all layers, K and V of that block (``engine.model_runner`` keeps the cache as
-``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``), so one block is exactly one
-transfer descriptor. Per-layer tensors (vLLM's layout) would make it ``2 * num_layers``
+holding all layers, K and V of that block (``engine.kv_pool`` keeps the pool head-major,
+``[num_blocks, kv_heads, num_layers, 2, block_size, head_dim]``, ``libkv.kv_layout``), so one
+block is exactly one transfer descriptor, and so is any contiguous range of its KV heads (what
+a tensor-parallel rank holds). Per-layer tensors (vLLM's layout) would make it ``2 * num_layers``
 descriptors of ``block_size * kv_heads * head_dim`` elements each (32 KiB for Llama-3-8B in
 bf16), and a transfer costs per descriptor: NIXL READ of scattered blocks between two H200s
 moved 2.2 GB/s with 16 KiB descriptors, 7.7 GB/s with 64 KiB, 94 GB/s with 2 MiB

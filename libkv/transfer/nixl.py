@@ -237,9 +237,13 @@ class NixlBlockServer:
         endpoint: NixlEndpoint,
         holder: BlockHolder,
         busy: Callable[[], bool],
+        whole_blocks: bool = True,
     ) -> None:
         self.endpoint = endpoint
         self.holder = holder
+        # False for rank 0 of a tensor-parallel worker: its blocks hold only its KV heads, so it
+        # refuses to push them (decode workers READ every rank's shard: libkv.transfer.sharded).
+        self.whole_blocks = whole_blocks
         self.stats = TransferStats()
         self._cancelled: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -266,6 +270,8 @@ class NixlBlockServer:
             if info.name != peer:
                 raise KVTransferError(f"push from {peer} names agent {info.name}")
             await self.endpoint.connect(info)  # first: even a refusal is sent to it
+            if not self.whole_blocks:
+                raise KVTransferError("a tensor-parallel worker's blocks are READ rank by rank")
             self.holder.held_blocks(rid, msg["inc"], src)
             held = True
             left = msg["deadline_ms"] / 1000 - time.time()

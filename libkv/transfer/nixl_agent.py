@@ -194,17 +194,22 @@ class NixlEndpoint:
         remote_blocks: Sequence[int],
         notif: bytes,
         timeout: float,
+        parts: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         """Run one READ or WRITE of whole blocks to completion, then send ``notif`` (so it
         reaches the peer after the data). Raises KVTransferError on failure or after
-        ``timeout`` (the transfer is cancelled).
+        ``timeout`` (the transfer is cancelled). ``parts``: move only these byte ranges of each
+        block, ``(remote_offset, local_offset, nbytes)`` (a tensor-parallel rank's KV heads:
+        `libkv.kv_layout.slice_plan`); empty: whole blocks.
 
         The notification is sent on its own once the transfer is DONE rather than attached to
         it: an attached one keeps the transfer in progress until UCX has the peer's answer,
         which cost ~1 ms per transfer here (single-block READ 1.7 ms, 0.35 ms without)."""
         deadline = time.monotonic() + timeout
         self._touch()
-        handle, state = await self._call(self._post, op, peer, local_blocks, remote_blocks, notif)
+        handle, state = await self._call(
+            self._post, op, peer, local_blocks, remote_blocks, notif, parts
+        )
         delay = 0.0
         while state == "PROC":
             if time.monotonic() > deadline:
@@ -224,13 +229,16 @@ class NixlEndpoint:
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
         notif: bytes,
+        parts: Sequence[tuple[int, int, int]] = (),
     ) -> tuple[Any, str]:
         remote = self._remote.get(peer)
         if remote is None:
             raise KVTransferError(f"unknown peer agent {peer!r}")
         runs = block_runs(local_blocks, remote_blocks)
         try:
-            if len(runs) < len(local_blocks):  # contiguous runs: one descriptor each
+            if parts:
+                handle = self._parts_xfer(op, peer, runs, parts)
+            elif len(runs) < len(local_blocks):  # contiguous runs: one descriptor each
                 handle = self._merged_xfer(op, peer, runs)
             else:
                 local_idx = np.asarray(local_blocks, dtype=np.int32)
@@ -262,6 +270,42 @@ class NixlEndpoint:
         local_descs = self._agent.get_xfer_descs(local, mine.mem_type)
         remote_descs = self._agent.get_xfer_descs(remote, theirs.mem_type)
         self.merged += 1
+        return self._agent.initialize_xfer(op, local_descs, remote_descs, peer)
+
+    def _parts_xfer(
+        self,
+        op: str,
+        peer: str,
+        runs: list[tuple[int, int, int]],
+        parts: Sequence[tuple[int, int, int]],
+    ) -> Any:
+        """A transfer of byte ranges of blocks: one descriptor per block and part (per run of
+        blocks when the one part is whole blocks on both sides)."""
+        mine, theirs = self.region, self._regions[peer]
+        whole = len(parts) == 1 and parts[0] == (0, 0, mine.block_bytes) == (
+            0,
+            0,
+            theirs.block_bytes,
+        )
+        local, remote = [], []
+        for a, b, n in runs:
+            if whole:
+                local.append(
+                    (mine.addr + a * mine.block_bytes, n * mine.block_bytes, mine.device_id)
+                )
+                remote.append((theirs.addr + b * theirs.block_bytes, n * theirs.block_bytes,
+                               theirs.device_id))  # fmt: skip
+                continue
+            for i in range(n):
+                for src_off, dst_off, nbytes in parts:
+                    local.append((mine.addr + (a + i) * mine.block_bytes + dst_off, nbytes,
+                                  mine.device_id))  # fmt: skip
+                    remote.append((theirs.addr + (b + i) * theirs.block_bytes + src_off, nbytes,
+                                   theirs.device_id))  # fmt: skip
+        local_descs = self._agent.get_xfer_descs(np.array(local, dtype=np.uint64), mine.mem_type)
+        remote_descs = self._agent.get_xfer_descs(
+            np.array(remote, dtype=np.uint64), theirs.mem_type
+        )
         return self._agent.initialize_xfer(op, local_descs, remote_descs, peer)
 
     def _state(self, handle: Any, peer: str, notif: bytes) -> str:

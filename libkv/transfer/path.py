@@ -17,6 +17,7 @@ from libkv.transfer import (
     handoff_path,
 )
 from libkv.transfer.cuda_ipc import CudaIpcTransport
+from libkv.transfer.sharded import ShardedReader
 
 
 class EtcdPeers:
@@ -55,7 +56,9 @@ class PathTransport:
     """The decode side's `KVTransport`: for each source, the path `handoff_path` names
     between the source's member record and this worker's (``mine``): CUDA IPC (``local``),
     the network transport, or none (KVTransferError: the prompt is recomputed or retried).
-    Releases always go through the network transport (NIXL notification or gRPC)."""
+    Releases always go through the network transport (NIXL notification or gRPC). Over the
+    network, a hand-off where one side is tensor-parallel goes rank by rank (``sharded``,
+    `libkv.transfer.sharded`) when the source runs NIXL agents."""
 
     def __init__(
         self,
@@ -63,8 +66,10 @@ class PathTransport:
         mine: dict[str, str],
         network: KVTransport,
         local: CudaIpcTransport | None = None,
+        sharded: ShardedReader | None = None,
     ) -> None:
         self.peers, self.mine, self.network, self.local = peers, mine, network, local
+        self.sharded = sharded
         self.name = network.name
         self.names = [network.name, *(["grpc"] if network.name != "grpc" else [])]
         if local is not None:
@@ -87,13 +92,17 @@ class PathTransport:
                 f"no GPU-direct path from {source.worker_id} to this worker (GPU memory never "
                 "moves over TCP)"
             )
+        if self.sharded is not None and self.sharded.applies(extra):
+            return await self.sharded.fetch(
+                request_id, source, extra, src_blocks, dst_blocks, timeout
+            )
         return await self.network.fetch(request_id, source, src_blocks, dst_blocks, timeout)
 
     @property
     def stats(self) -> TransferStats:
         """Both paths' counters together."""
         total = TransferStats()
-        for part in (self.network, self.local):
+        for part in (self.network, self.local, self.sharded):
             st = getattr(part, "stats", None)
             if st is not None:
                 total.transfers += st.transfers
@@ -104,6 +113,9 @@ class PathTransport:
         return total
 
     async def release(self, request_id: str, source: KVSource) -> None:
+        if self.sharded is not None and request_id in self.sharded.released:
+            self.sharded.released.discard(request_id)  # freed on the READs' notification
+            return
         await self.network.release(request_id, source)
 
     async def close(self) -> None:

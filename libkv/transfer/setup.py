@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from libkv.cluster.registry import MEMBERS_PREFIX, MemberWatcher
+from libkv.kv_layout import KVLayout
 from libkv.transfer import NIXL_GPU_KEY, VISIBLE_KEY, BlockHolder, KVTransport, agent_name
 from libkv.transfer.cuda_ipc import CudaIpcTransport, pool_record
 from libkv.transfer.grpc_stream import ChannelFactory, GrpcStreamTransport, plain_channel
@@ -19,6 +20,7 @@ from libkv.transfer.nixl import NixlBlockServer, NixlTransport
 from libkv.transfer.nixl_agent import NixlEndpoint, nixl_available, ucx_cuda_problem
 from libkv.transfer.path import EtcdPeers, PathTransport
 from libkv.transfer.pool import PoolStore
+from libkv.transfer.sharded import RankAgents, ShardedReader, ranks_extra
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +97,17 @@ class KVSide:
             self.publish(NIXL_GPU_KEY, "0")
 
 
-async def _endpoint(kind: str, pool: PoolStore, worker_id: str, incarnation: str, etcd):
+async def _endpoint(
+    kind: str, pool: PoolStore, worker_id: str, incarnation: str, etcd, ranks: RankAgents | None
+):
     """A NIXL endpoint over the pool, or None (with the reason logged) for gRPC."""
     if resolve_transport(kind) != "nixl":
+        return None
+    if ranks is not None and pool.on_gpu:
+        log.warning(
+            "tensor-parallel GPU pools do not hand KV off over NIXL yet (tested on host memory "
+            "only); this worker's KV stays put and routers serve its requests decode-only"
+        )
         return None
     if not nixl_available():
         log.warning("--kv-transport nixl but NIXL is not importable; using the gRPC stream")
@@ -144,12 +154,14 @@ async def decode_side(
     etcd: tuple,
     channel: ChannelFactory = plain_channel,
     cuda_ipc: bool = True,
+    layout: KVLayout | None = None,
+    ranks: RankAgents | None = None,
 ) -> KVSide:
     """The decode worker's transport: CUDA IPC for peers whose GPU pool it can map, else NIXL
     (or the gRPC stream between host-memory pools, over channels made by ``channel``), per
     `libkv.transfer.handoff_path`."""
     grpc = GrpcStreamTransport(pool, channel)
-    endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd)
+    endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd, ranks)
     side = KVSide()
     if pool.on_gpu:
         _gpu_side(side, pool, kind, endpoint is not None, export=False)
@@ -162,19 +174,36 @@ async def decode_side(
     watcher = await MemberWatcher.start(list(etcd), MEMBERS_PREFIX + "prefill/")
     peers = EtcdPeers(watcher)
     network: KVTransport = grpc
+    sharded = None
     if endpoint is not None:
         assert endpoint.info is not None
         side.extra.update(endpoint.info.to_extra())
         mode = nixl_mode_for(mode, pool.device_type)
         network = NixlTransport(endpoint, peers, mode, fallback=grpc, on_slow=side.network_slow)
         log.info("KV transport: NIXL %s (agent %s), gRPC fallback", mode.upper(), endpoint.name)
+        if layout is not None:
+            await _rank_agents(side, endpoint, worker_id, incarnation, ranks)
+            sharded = ShardedReader(endpoint, layout, ranks)
     local = None
     if pool.on_gpu and cuda_ipc:
         local = CudaIpcTransport(pool.cache, pool.block_bytes, peers)
         log.info("KV transport: CUDA IPC for peers whose GPU this worker can map")
-    side.transport = PathTransport(peers, side.extra, network, local)
-    side.closers = [watcher.stop, side.transport.close]
+    side.transport = PathTransport(peers, side.extra, network, local, sharded)
+    side.closers = [*side.closers, watcher.stop, side.transport.close]
     return side
+
+
+async def _rank_agents(
+    side: KVSide, endpoint: NixlEndpoint, worker_id: str, incarnation: str, ranks
+) -> None:
+    """Start ranks 1..N-1's NIXL agents and publish every rank's (`libkv.transfer.sharded`)."""
+    if ranks is None:
+        return
+    assert endpoint.info is not None
+    infos = [endpoint.info, *await ranks.start(worker_id, incarnation)]
+    side.extra.update(ranks_extra(infos))
+    side.closers.append(ranks.close)
+    log.info("KV transport: NIXL agents of %d ranks: %s", len(infos), [i.name for i in infos])
 
 
 async def prefill_side(
@@ -186,21 +215,23 @@ async def prefill_side(
     holder: BlockHolder,
     busy: Callable[[], bool],
     cuda_ipc: bool = True,
+    ranks: RankAgents | None = None,
 ) -> KVSide:
     """The prefill worker always serves the gRPC stream too (its servicer,
     `libkv.transfer.grpc_stream.BlockStreamServicer`, is registered by the caller), so decode
     workers configured for gRPC still reach it (host-memory pools only) and can release blocks
     through it; a GPU pool is also exported for CUDA IPC. ``busy`` tells whether blocks are
     held for decode workers (the NIXL notification pump runs hot meanwhile)."""
-    endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd)
+    endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd, ranks)
     side = KVSide()
     if pool.on_gpu:
         _gpu_side(side, pool, kind, endpoint is not None, export=cuda_ipc)
     if endpoint is None:
         return side
     assert endpoint.info is not None
-    side.server = NixlBlockServer(endpoint, holder, busy=busy)
+    side.server = NixlBlockServer(endpoint, holder, busy=busy, whole_blocks=ranks is None)
     side.extra.update(endpoint.info.to_extra())
     side.closers.append(side.server.close)
+    await _rank_agents(side, endpoint, worker_id, incarnation, ranks)
     log.info("KV transport: NIXL agent %s serves READ and WRITE", endpoint.name)
     return side

@@ -24,7 +24,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     kv = await decode_side(
         c.kv_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
-        c.cuda_ipc,
+        c.handoff_cuda_ipc, layout=w.engine.engine.runner.layout, ranks=w.rank_agents(),
     )  # fmt: skip
     assert kv.transport is not None
     transport = ObservedTransport(

@@ -119,10 +119,10 @@ class DecodeCore:
         True when the KV is in place; False when it must be recomputed (blocks freed)."""
         assert job.kv is not None and job.first_token is not None
         eng = self.engine.engine
-        if job.kv.block_bytes != eng.runner.block_bytes:
+        if job.kv.block_bytes != eng.runner.layout.block_bytes:
             raise FailedPrecondition(
                 f"KV layout mismatch: prefill blocks are {job.kv.block_bytes} bytes, "
-                f"this worker's are {eng.runner.block_bytes}"
+                f"this worker's are {eng.runner.layout.block_bytes}"
             )
         dst, cached = await self.engine.run(
             eng.reserve,

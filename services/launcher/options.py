@@ -27,6 +27,16 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="each worker's share of its GPU's total memory (default: 0.9 split evenly among "
         "the workers sharing a GPU)",
     )
+    for role in ("prefill", "decode"):
+        g.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"tensor-parallel size of each {role} worker (its --tensor-parallel-size; "
+            "one GPU per rank; default 1)"
+            + ("; colocated workers are decode workers" if role == "decode" else ""),
+        )
     g.add_argument("--kv-cache-mib", type=int, default=None, help="each worker's KV pool (MiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="each worker's KV pool")
     g.add_argument(
@@ -69,7 +79,11 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["max_num_batched_tokens"] = args.max_num_batched_tokens
     elif gpus:
         out["max_num_batched_tokens"] = None  # the workers' default
-    for name in ("num_kv_blocks", "max_num_seqs", "max_model_len"):
+    for name in ("prefill_tp", "decode_tp"):
+        size = getattr(args, name)
+        if size is not None and size < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, not {size}")
+    for name in ("num_kv_blocks", "max_num_seqs", "max_model_len", "prefill_tp", "decode_tp"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     for name in ("dtype", "load_format"):

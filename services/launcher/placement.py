@@ -1,5 +1,6 @@
-"""Where the local stack's workers run: one GPU per worker, shared when there are fewer GPUs
-than workers, each worker with its own share of its device's memory.
+"""Where the local stack's workers run: one GPU per worker (one per rank of a tensor-parallel
+worker), shared when there are fewer GPUs than workers, each worker with its own share of its
+device's memory.
 
 A worker sees its own GPU first in ``CUDA_VISIBLE_DEVICES`` (so its ``cuda:0`` is that GPU)
 followed by the stack's other GPUs: a worker only ever allocates on ``cuda:0``, while a peer's
@@ -30,6 +31,12 @@ class Placement:
     visible: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES, own device first
     utilization: float | None = None
     shared_with: int = 1  # workers on this device, this one included
+    ranks: tuple[str, ...] = ()  # a tensor-parallel worker's devices of ranks 1..N-1
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device this worker uses (rank order)."""
+        return () if self.device is None else (self.device, *self.ranks)
 
     @property
     def env(self) -> dict[str, str]:
@@ -78,17 +85,29 @@ def detect_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
 
 
 def place(
-    workers: Sequence[str], gpus: Sequence[str], utilization: float | None = None
+    workers: Sequence[str],
+    gpus: Sequence[str],
+    utilization: float | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> dict[str, Placement]:
-    """Worker name -> placement: worker i on ``gpus[i % len(gpus)]``. Without GPUs every
+    """Worker name -> placement: each worker takes the next ``sizes[worker]`` GPUs (its
+    tensor-parallel size, 1 by default) round the list, rank 0's first. Without GPUs every
     worker gets the empty placement (its own defaults)."""
     if not gpus:
         return {w: Placement() for w in workers}
-    devices = [gpus[i % len(gpus)] for i in range(len(workers))]
-    count = Counter(devices)
+    sizes = sizes or {}
+    groups, cursor = [], 0
+    for worker in workers:
+        n = sizes.get(worker, 1)
+        if n > len(gpus):
+            raise ValueError(f"{worker} needs {n} GPUs for its ranks; the stack has {len(gpus)}")
+        groups.append(tuple(gpus[(cursor + k) % len(gpus)] for k in range(n)))
+        cursor += n
+    count = Counter(d for group in groups for d in group)
     out = {}
-    for worker, device in zip(workers, devices, strict=True):
-        share = utilization if utilization is not None else DEFAULT_UTILIZATION / count[device]
-        visible = (device, *[g for g in gpus if g != device])
-        out[worker] = Placement(device, visible, round(share, 4), count[device])
+    for worker, group in zip(workers, groups, strict=True):
+        shared = max(count[d] for d in group)
+        share = utilization if utilization is not None else DEFAULT_UTILIZATION / shared
+        visible = (*group, *[g for g in gpus if g not in group])
+        out[worker] = Placement(group[0], visible, round(share, 4), shared, group[1:])
     return out

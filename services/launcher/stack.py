@@ -33,6 +33,8 @@ class StackConfig:
     port: int = 8000
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1  # --tensor-parallel-size of each prefill worker
+    decode_tp: int = 1  # and of each decode worker (colocated workers too)
     # Worker options (None / "": the worker's own default). kv_cache_bytes None: 128 MiB on a
     # CPU stack; on GPUs each worker sizes its pool from its memory share.
     kv_cache_bytes: int | None = None
@@ -78,7 +80,11 @@ class StackConfig:
         ]
 
     def placements(self) -> dict[str, Placement]:
-        return place(self.worker_names, self.gpus, self.gpu_memory_utilization)
+        sizes = {w: self.tp_of(w.partition("-")[0]) for w in self.worker_names}
+        return place(self.worker_names, self.gpus, self.gpu_memory_utilization, sizes)
+
+    def tp_of(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
     def worker_option_args(self) -> list[str]:
         """The engine flags every worker of this stack gets."""
@@ -131,6 +137,7 @@ class Stack:
             "--port", "0",
             *c.worker_option_args(),
             *placement.args,
+            "--tensor-parallel-size", str(c.tp_of(role)),
             "--member-ttl", str(c.member_ttl),
             "--member-refresh", str(c.member_refresh),
             "--lease-seconds", str(c.lease_seconds),
@@ -183,11 +190,11 @@ class Stack:
         last_on: dict[str, Child] = {}
         for name, placement in self.config.placements().items():
             role, _, index = name.partition("-")
-            before = last_on.get(placement.device or "")
-            if before is not None and placement.device is not None:
+            for before in {id(c): c for d in placement.devices if (c := last_on.get(d))}.values():
                 self.wait_logged(before, "READY", deadline)
             argv = self._worker_args(role, int(index), placement)
-            last_on[placement.device or ""] = self._spawn(name, argv, env=placement.env)
+            child = self._spawn(name, argv, env=placement.env)
+            last_on.update(dict.fromkeys(placement.devices, child))
 
     def _observability_args(self, name: str) -> tuple[list[str], int]:
         """Flags giving process ``name`` a free metrics port and (optionally) a trace file."""

@@ -29,7 +29,8 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         c.etcd,
         holder=core,
         busy=lambda: core.num_held > 0,
-        cuda_ipc=c.cuda_ipc,
+        cuda_ipc=c.handoff_cuda_ipc,
+        ranks=w.rank_agents(),
     )
 
     def bound(address: str) -> None:

@@ -97,7 +97,7 @@ class PrefillCore:
             block_ids=tuple(eng.held_block_ids(request_id)),
             num_tokens=len(prompt),
             block_size=eng.config.block_size,
-            block_bytes=eng.runner.block_bytes,
+            block_bytes=eng.runner.layout.block_bytes,  # canonical: every KV head
             dtype=str(eng.runner.dtype).removeprefix("torch."),
             lease_expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
         )

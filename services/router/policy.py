@@ -26,8 +26,10 @@ length alone. Every plan carries a reason (``kv-hit``, ``load``, ``decode-only``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +37,10 @@ from typing import Protocol
 
 from libkv.cluster.registry import Member, MemberDirectory
 from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
+from libkv.kv_layout import pair_refusal
 from libkv.transfer import handoff_path
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("kv", "least-loaded", "round-robin", "session")
 TRANSFER_WEIGHT = 0.25  # a block moved to a decode worker, relative to a block computed
@@ -234,9 +239,25 @@ class Chooser:
 
 
 def paired(prefill: Member, decode: Member) -> bool:
-    """Whether KV can move from ``prefill`` to ``decode`` without GPU memory crossing a host
-    or TCP path (`libkv.transfer.handoff_path`)."""
+    """Whether KV can move from ``prefill`` to ``decode``: their KV layouts agree (any two
+    tensor-parallel sizes do; a different geometry never pairs, so blocks are never
+    mis-sliced: `libkv.kv_layout.pair_refusal`), and no GPU memory would cross a host or TCP
+    path (`libkv.transfer.handoff_path`)."""
+    why = pair_refusal(prefill.extra, decode.extra)
+    if why is not None:
+        _refuse_once(
+            f"not pairing prefill {prefill.worker_id} (tp {prefill.tensor_parallel_size}) with "
+            f"decode {decode.worker_id} (tp {decode.tensor_parallel_size}): {why}; their "
+            "requests are served decode-only"
+        )
+        return False
     return handoff_path(prefill.extra, decode.extra) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def _refuse_once(reason: str) -> None:
+    """Log a refused pair once (per reason) rather than at every request."""
+    log.warning("%s", reason)
 
 
 def _rendezvous(session: str) -> Callable[[Member], bytes]:

@@ -76,6 +76,11 @@ class WorkerConfig:
         "config.json shapes (benchmarks without downloads: python -m engine.shapes)",
         choices=("safetensors", "dummy"),
     )
+    tensor_parallel_size: int = option(
+        1,
+        "ranks the model is split over, one process per device (rank r on cuda:r of what the "
+        "worker sees); rank 0 serves gRPC, registers and schedules",
+    )
     kv_transport: str = option(
         "auto",
         "how KV blocks move between workers (auto: nixl when importable, else grpc)",
@@ -142,6 +147,12 @@ class WorkerConfig:
             budget=self.kv_location_budget,
         )
 
+    @property
+    def handoff_cuda_ipc(self) -> bool:
+        """``--cuda-ipc``, off at ``--tensor-parallel-size`` above 1: rank 0's exported pool
+        would hold only its KV heads (CUDA IPC of every rank's shard is not built)."""
+        return self.cuda_ipc and self.tensor_parallel_size == 1
+
     def advertised(self, port: int) -> str:
         """host:port routers and peers dial, once the server is bound to ``port``."""
         return f"{self.advertise_host or self.host}:{port}"
@@ -159,6 +170,7 @@ class WorkerConfig:
             device=self.device,
             dtype=self.dtype,
             load_format=self.load_format,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
@@ -176,6 +188,10 @@ def parse_config(
     try:
         config.security.check()
         config.locations  # noqa: B018 - validates granularity and interval
+        if config.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, not {config.tensor_parallel_size}"
+            )
     except ValueError as e:
         opts.error(str(e))
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"

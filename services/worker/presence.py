@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from libkv.cluster.etcd_follow import Endpoints
 from libkv.cluster.registry import Member, MemberLoad, Registration
 from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
+from libkv.kv_layout import LAYOUT_KEY
 from services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ async def register(
         kv_blocks_total=engine.pool.num_blocks,
         block_size=config.block_size,
         incarnation=incarnation,
-        extra=dict(extra or {}),
+        extra={**(extra or {}), LAYOUT_KEY: engine.runner.layout.to_json()},
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     registration = await Registration.start(
         list(config.etcd),

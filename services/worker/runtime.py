@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.errors import InsufficientMemoryError
+from engine.errors import InsufficientMemoryError, UnsupportedModelError
 from engine.llm_engine import LLMEngine
 from libkv.cluster.registry import Registration
 from libkv.transfer.pool import PoolStore
@@ -32,6 +32,7 @@ from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.observability.process import Observability
 from services.worker.config import WorkerConfig, parse_config
 from services.worker.presence import register
+from services.worker.rank_kv import RankNixl
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ class Worker:
     incarnation: str
     ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: prompt + max_tokens)
     pool: PoolStore  # the engine's KV pool as the transports see it
+
+    def rank_agents(self) -> RankNixl | None:
+        """A tensor-parallel engine's ranks 1..N-1 on the KV side (None at TP=1)."""
+        group = self.engine.engine.ranks
+        return RankNixl(group) if group is not None else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """A channel to a peer worker (mutual TLS when configured, keepalive, tracing)."""
@@ -84,7 +90,7 @@ def start_engine(config: WorkerConfig) -> AsyncEngine:
     confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
     try:
         llm_engine = LLMEngine(config.engine_config())
-    except InsufficientMemoryError as e:  # the numbers, not a traceback
+    except (InsufficientMemoryError, UnsupportedModelError, ValueError) as e:  # not a traceback
         log.error("cannot start: %s", e)
         raise SystemExit(f"error: {e}") from e
     engine = AsyncEngine(llm_engine)
@@ -94,7 +100,7 @@ def start_engine(config: WorkerConfig) -> AsyncEngine:
 
 def engine_pool(engine: LLMEngine) -> PoolStore:
     """The engine's KV pool as the transports see it (byte copies go through the engine)."""
-    return PoolStore(engine.runner.kv_cache, engine.runner.block_bytes, engine)
+    return PoolStore(engine.runner.kv_pool, engine.runner.block_bytes, engine)
 
 
 def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:

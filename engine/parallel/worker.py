@@ -1,0 +1,85 @@
+"""The main of a tensor-parallel rank process (ranks 1..N-1; rank 0 is the engine's process).
+
+It joins the process group, builds its ``ModelRunner`` over its shard (in step with rank 0's,
+which runs the same collectives: the memory profile, the pool size, the CUDA graphs), then
+runs every command rank 0 sends until ``stop`` or until rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.parallel.comm import TPComm, client_store, init_group
+from engine.parallel.ranks import RANK_DIED, RankSpec, rank_device, set_cpu_threads
+from engine.parallel.rpc import RpcServer
+from engine.parallel.shard import ModelShard
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankContext:
+    """What calls into a rank (``engine.parallel.rpc``) get: the rank's runner (its pool, block
+    size, device) and a dict where callers keep their state between calls."""
+
+    rank: int
+    size: int
+    runner: ModelRunner
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def rank_main(spec: RankSpec, commands: Connection, calls: Connection) -> None:
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    _watch_parent(os.getppid())
+    device = rank_device(spec.config, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        set_cpu_threads(spec.size)
+    server = RpcServer(calls, None)
+    server.ready()
+    init_group(client_store(spec.store_host, spec.store_port, spec.size), spec.rank, spec.size,
+               device)  # fmt: skip
+    from engine.model_runner import ModelRunner
+
+    mc = ModelConfig.from_dir(spec.config.model_dir)
+    comm = TPComm(ModelShard.of(mc, spec.size, spec.rank))
+    runner = ModelRunner(spec.config, mc, spec.max_len, comm)
+    server.context = RankContext(spec.rank, spec.size, runner)
+    server.start()
+    while True:
+        try:
+            op, args = commands.recv()
+        except (EOFError, OSError):  # rank 0 is gone
+            os._exit(RANK_DIED)
+        if op == "stop":
+            break
+        runner.follow(op, args)
+    dist.destroy_process_group()
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when rank 0's process is gone, even inside a collective that would never return."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(RANK_DIED)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
