@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.adapters import AdapterMixin
 from engine.choices import Choice, Request, fork_sequence
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -76,7 +77,7 @@ class EngineStats:
     prompt_tokens: int
 
 
-class LLMEngine(EmitMixin, HandoffMixin):
+class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -98,7 +99,13 @@ class LLMEngine(EmitMixin, HandoffMixin):
             raise
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras if config.enable_lora else 0,
+        )
+        self._unloading: set[str] = set()  # adapters unloaded once their requests finish
         self._requests: dict[str, Request] = {}
         self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
         self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
@@ -124,8 +131,11 @@ class LLMEngine(EmitMixin, HandoffMixin):
         tenant: str | None = None,
         hold_kv: bool = False,
         priority: int = 0,
+        lora: str | None = None,
     ) -> None:
         """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits).
+        ``lora`` names a loaded adapter to run with (AdapterNotFoundError otherwise); it salts
+        the cache keys too, since the same tokens give other KV under another adapter.
         ``priority``: 0 (interactive) is scheduled before 1 (batch), which is preempted first.
 
         ``hold_kv`` makes it a prefill: after the first tokens (one per choice) the request
@@ -135,7 +145,10 @@ class LLMEngine(EmitMixin, HandoffMixin):
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
-        first = self._new_choice(request_id, ids, params, encode_extra_keys(tenant), 0)
+        with self._lock:
+            adapter = self.check_lora(lora)
+        salt = encode_extra_keys(tenant, adapter or None)
+        first = self._new_choice(request_id, ids, params, salt, 0, adapter)
         if params.grammar is not None:
             first.seq.matcher = self.grammar.matcher(params.grammar)
         first.seq.priority = priority
@@ -145,9 +158,15 @@ class LLMEngine(EmitMixin, HandoffMixin):
             self.scheduler.add(first.seq)
 
     def _new_choice(
-        self, request_id: str, ids: list[int], params: SamplingParams, salt: bytes, index: int
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        salt: bytes,
+        index: int,
+        lora: str = "",
     ) -> Choice:
-        seq = Sequence(request_id, ids, params, next(self._counter), salt, index=index)
+        seq = Sequence(request_id, ids, params, next(self._counter), salt, index=index, lora=lora)
         return self._choice_of(seq)
 
     def _choice_of(self, seq: Sequence) -> Choice:
@@ -213,6 +232,7 @@ class LLMEngine(EmitMixin, HandoffMixin):
                 choice = req.live[index]
                 self.scheduler.abort(choice.seq)
                 outs.append(self._output(choice, [], "", []))
+            self._drop_unused_loras()
             return outs[0] if outs else None
 
     def has_unfinished(self) -> bool:
@@ -233,6 +253,7 @@ class LLMEngine(EmitMixin, HandoffMixin):
             self.scheduler.advance(sched.scheduled)
             self._join_forks(sched.scheduled)
             outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
+            self._drop_unused_loras()
             if info is not None and self.on_step is not None:
                 info.seconds = time.perf_counter() - t0
                 self.on_step(info)
