@@ -62,6 +62,7 @@ class FakeBackend:
         self.hang_after: int | None = None  # hang forever after this many events
         self.is_healthy = True
         self.reply = REPLY
+        self.loras: dict[str, str] = {}
 
     def reply_ids(self) -> list[int]:
         return self.tok.encode(self.reply)
@@ -98,6 +99,18 @@ class FakeBackend:
 
     async def readiness(self) -> str | None:
         return None if self.is_healthy else "no live decode worker"
+
+    async def adapters(self) -> list[str]:
+        return sorted(self.loras)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        if name in self.loras:
+            raise APIError(400, f"the adapter `{name}` is already loaded")
+        self.loras[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        if self.loras.pop(name, None) is None:
+            raise APIError(404, f"the adapter `{name}` is not loaded")
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

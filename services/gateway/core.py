@@ -122,6 +122,18 @@ class Backend(Protocol):
         """None when a request could be served now, else the reason it could not."""
         ...
 
+    async def adapters(self) -> list[str]:
+        """The LoRA adapters of the served model that live workers hold."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter on the workers (APIError 400 with the reason when it cannot)."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter from the workers (APIError 404 when none has it)."""
+        ...
+
 
 async def run_generation(
     backend: Backend, req: BackendRequest

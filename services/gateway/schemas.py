@@ -186,3 +186,18 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused:
+    adapters are named)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,11 +41,17 @@ from services.gateway.core import (
 from services.gateway.edge import EdgeMiddleware, error_response, validation_error
 from services.gateway.exchange import Exchange
 from services.gateway.limits import Limits
+from services.gateway.models import ModelCatalog
 from services.gateway.observe import GatewayMetrics, ObserveMiddleware
 from services.gateway.openapi import install_openapi
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import TokenText, full_response
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from services.gateway.stream import stream_chunks
 from services.gateway.tools import tool_support
 
@@ -85,42 +91,70 @@ def create_app(
     install_openapi(app, config.served_model_name)
     text_of = TokenText(tokenizer)
     started = int(time.time())
+    catalog = ModelCatalog(config.served_model_name, backend)
     tools = tool_support(tokenizer, config.tool_call_parser, config.tool_chat_template)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
+        model, body = await _base_model(catalog, body)
         p = await run_in_threadpool(prepare_chat, config, tokenizer, body, rid, tenant, tools)
-        return await _respond(request, backend, p, text_of)
+        return await _respond(request, backend, _for_model(p, model), text_of)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
+        model, body = await _base_model(catalog, body)
         p = await run_in_threadpool(prepare_completion, config, tokenizer, body, rid, tenant)
-        return await _respond(request, backend, p, text_of)
+        return await _respond(request, backend, _for_model(p, model), text_of)
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
+        """OpenAI's model object; an adapter's names its base model as ``parent`` (vLLM)."""
+        base = config.served_model_name
         return {
-            "id": config.served_model_name,
+            "id": name,
             "object": "model",
             "created": started,
             "owned_by": "tandem",
+            "root": base,
+            "parent": None if name == base else base,
             "max_model_len": config.max_model_len,
         }
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        names = [config.served_model_name, *await catalog.adapters(refresh=True)]
+        return {"object": "list", "data": [model_card(n) for n in names]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        if model != config.served_model_name:
+        if model != config.served_model_name and not await catalog.is_adapter(model):
             raise APIError(
                 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
-        return model_card()
+        return model_card(model)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: load a PEFT adapter folder on every worker; 400 with the reason when it
+        cannot be served."""
+        body = await _parse(request, LoadLoraAdapterRequest)
+        if body.lora_name == config.served_model_name:
+            raise APIError(400, "the adapter name is the base model's", param="lora_name")
+        await backend.load_lora(body.lora_name, body.lora_path)
+        catalog.forget()
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: unload an adapter everywhere (404 when not loaded); requests already
+        using it finish first."""
+        body = await _parse(request, UnloadLoraAdapterRequest)
+        await backend.unload_lora(body.lora_name)
+        catalog.forget()
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> Response:
@@ -183,6 +217,26 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
         exchange, _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
         headers=headers,
     )  # fmt: skip
+
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+
+
+async def _base_model(catalog: ModelCatalog, body: B) -> tuple[str, B]:
+    """(the model the body names, the body as validated against the base model): a request
+    for an adapter is checked and tokenized as for its base model."""
+    if await catalog.is_adapter(body.model):
+        return body.model, body.model_copy(update={"model": catalog.base})
+    return body.model, body
+
+
+def _for_model(p: Prepared, model: str) -> Prepared:
+    """``p`` running on ``model`` (an adapter name, or the base model's unchanged)."""
+    if model == p.backend_request.model:
+        return p
+    return dataclasses.replace(
+        p, backend_request=dataclasses.replace(p.backend_request, model=model)
+    )
 
 
 def _with_session(req: BackendRequest, session: str) -> BackendRequest:

@@ -22,6 +22,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             sampling_from_pb(request.sampling),
             request.tenant,
             priority_from_pb(request.priority),
+            request.lora,
         )
         return prefill_response(result)
 

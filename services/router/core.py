@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import ChoiceStart, Event, KVHandle
@@ -50,13 +51,15 @@ class RouteJob:
     priority: str = "interactive"
     deadline: float | None = None  # time.monotonic() after which the caller gave up
     session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
+    lora: str = ""  # LoRA adapter ("" = the base model)
 
     @property
     def route(self) -> RouteRequest:
         """What the routing policy looks at."""
         return RouteRequest(
-            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens
-        )
+            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens,
+            self.lora,
+        )  # fmt: skip
 
     def time_left(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
@@ -102,6 +105,10 @@ class WorkerClients(Protocol):
     def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[Event]: ...
 
     async def release(self, handle: KVHandle, request_id: str) -> None: ...
+
+    async def load_lora(self, worker: Member, name: str, path: str) -> None: ...
+
+    async def unload_lora(self, worker: Member, name: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -275,6 +282,61 @@ class RouterCore:
             raise
         finally:
             self.inflight[worker.worker_id] -= 1
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    def workers(self) -> list[Member]:
+        return [m for role in ("prefill", "decode") for m in self.directory.members_by_role(role)]
+
+    def adapters(self) -> list[str]:
+        """Adapters some live decode worker holds (so requests for them can be served)."""
+        return sorted(set().union(*(m.loras for m in self.directory.members_by_role("decode"))))
+
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """Load an adapter on every live worker that lacks it; all or none: when one worker
+        refuses it (bad folder), the others unload it again and the refusal is raised.
+        Returns the workers that loaded it, once the member view lists it on them."""
+        workers = self.workers()
+        if not workers:
+            raise NoWorker("no live workers to load the adapter on")
+        targets = [m for m in workers if name not in m.loras]
+        if not targets:
+            raise InvalidRequestError(f"the adapter `{name}` is already loaded")
+        results = await asyncio.gather(
+            *(self.clients.load_lora(m, name, path) for m in targets), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        done = [
+            m for m, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)
+        ]
+        if errors:
+            await asyncio.gather(
+                *(self.clients.unload_lora(m, name) for m in done), return_exceptions=True
+            )
+            raise errors[0]
+        ids = {m.worker_id for m in done}
+        await self._until(lambda: ids <= {m.worker_id for m in self.workers() if name in m.loras})
+        return sorted(ids)
+
+    async def unload_lora(self, name: str) -> list[str]:
+        """Unload an adapter from every live worker holding it (their requests using it
+        finish first); AdapterNotFoundError when none holds it."""
+        holders = [m for m in self.workers() if name in m.loras]
+        if not holders:
+            raise AdapterNotFoundError(f"the adapter `{name}` is not loaded")
+        results = await asyncio.gather(
+            *(self.clients.unload_lora(m, name) for m in holders), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(holders):
+            raise errors[0]
+        await self._until(lambda: not any(name in m.loras for m in self.workers()))
+        return sorted(m.worker_id for m in holders)
+
+    async def _until(self, done, timeout: float = 5.0) -> None:
+        """Wait until ``done()`` holds in the member view (the workers publish at once)."""
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a running request; the cancellation reaches every worker it touched."""

@@ -7,6 +7,7 @@ import hmac
 
 from tandem.v1 import common_pb2, router_pb2_grpc
 
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.tokenizer import Tokenizer
 from services.common.codec import event_to_pb
 from services.common.errors import Unauthenticated
@@ -36,17 +37,43 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not token or not found:
             raise Unauthenticated("missing or wrong API key in 'authorization' metadata")
 
+    def _lora_of(self, model: str) -> str:
+        """The adapter a request's ``model`` names ("" for the base model or none given)."""
+        if not model or model == self.model:
+            return ""
+        if model in self.core.adapters():
+            return model
+        raise AdapterNotFoundError(f"The model `{model}` does not exist.")
+
     async def Generate(self, request, context):  # noqa: N802 - generated name
         self._authorize(context)
-        if request.model and request.model != self.model:
-            from engine.errors import RequestNotFoundError
-
-            raise RequestNotFoundError(f"model {request.model!r} is not served here")
+        lora = self._lora_of(request.model)
         rid = request.request_id or self.core.new_request_id()
-        job = job_from_pb(request, self.tokenizer, rid, context.time_remaining())
+        job = job_from_pb(request, self.tokenizer, rid, context.time_remaining(), lora)
         async for ev in self.core.generate(job):
             yield event_to_pb(ev)
 
     async def Abort(self, request, context):  # noqa: N802
         self._authorize(context)
         return common_pb2.AbortResponse(found=self.core.abort(request.request_id))
+
+    async def LoadLoraAdapter(self, request, context):  # noqa: N802
+        self._authorize(context)
+        name = request.lora_name
+        if not name or name == self.model or "," in name:
+            raise InvalidRequestError(f"invalid adapter name {name!r}")
+        if not request.lora_path:
+            raise InvalidRequestError("lora_path is required")
+        ids = await self.core.load_lora(name, request.lora_path)
+        return common_pb2.LoraAdapterResponse(worker_ids=ids)
+
+    async def UnloadLoraAdapter(self, request, context):  # noqa: N802
+        self._authorize(context)
+        ids = await self.core.unload_lora(request.lora_name)
+        return common_pb2.LoraAdapterResponse(worker_ids=ids)
+
+    async def ListModels(self, request, context):  # noqa: N802
+        self._authorize(context)
+        models = [common_pb2.ModelInfo(id=self.model)]
+        models += [common_pb2.ModelInfo(id=n, parent=self.model) for n in self.core.adapters()]
+        return common_pb2.ListModelsResponse(models=models)
