@@ -28,6 +28,7 @@ from engine.errors import (
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
 from engine.parallel.ranks import RankGroup, start_ranks
+from engine.pooling import PoolingConfig, PoolingMixin
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -77,7 +78,7 @@ class EngineStats:
     prompt_tokens: int
 
 
-class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin):
+class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -88,6 +89,7 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin):
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.tokenizer = Tokenizer(config.model_dir)
+        self.pooling = PoolingConfig.from_dir(config.model_dir)
         self.ranks: RankGroup | None = None  # tensor parallelism: ranks 1..N-1
         if config.tensor_parallel_size > 1:
             self.ranks = start_ranks(config, mc, self.max_model_len)
@@ -287,27 +289,6 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin):
                     continue
                 self.kv.fork(s.seq.key, child.key)
                 self.scheduler.attach(child)
-
-    def score(self, prompt: list[int]) -> torch.Tensor:
-        """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill).
-
-        Runs outside the continuous batch under the engine lock, in blocks borrowed from the
-        pool and returned at once; used to check logits against a reference implementation.
-        """
-        from engine.scheduler import ScheduledSeq, SchedulerOutput
-        from libkv.kv_manager import PrefixHit
-
-        self._validate(prompt, SamplingParams(max_tokens=1))
-        with self._lock:
-            rid = f"__score-{next(self._counter)}"
-            seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=1), -1)
-            if self.kv.admit(rid, PrefixHit([], []), 0, len(prompt), b"") is None:
-                raise InvalidRequestError("not enough free KV blocks to score this prompt now")
-            try:
-                sched = SchedulerOutput([ScheduledSeq(seq, len(prompt), self.kv.block_ids(rid))])
-                return self.runner.logits_all(sched)
-            finally:
-                self.kv.free(rid)
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

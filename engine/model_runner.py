@@ -75,6 +75,7 @@ class StepPlan:
     sample_rows: list[int]
     loras: list[str] = field(default_factory=list)  # the step's LoRA adapters (TP 1 only)
     token_loras: list[str] = field(default_factory=list)  # each token's adapter ("": none)
+    hidden: bool = False  # return the sample rows' final hidden states instead of logits
 
 
 class ModelRunner:
@@ -241,6 +242,8 @@ class ModelRunner:
         # Made before the forward pass, so that on CUDA building it waits for no kernel.
         sample_idx = torch.tensor(plan.sample_rows, device=self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
+        if plan.hidden:
+            return hidden[sample_idx]
         return self.model.logits(hidden[sample_idx])
 
     def _graph(self, batch: DecodeBatch) -> torch.Tensor:
@@ -295,13 +298,21 @@ class ModelRunner:
             data = [kv_pool.rank_part(self.layout, self.comm.rank, d) for d in data]
         kv_pool.write_bytes(self.kv_pool, block_ids, data)
 
+    def hidden_all(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Final (normed) hidden states of every scheduled token; for embeddings."""
+        return self._all_rows(sched, hidden=True)
+
     def logits_all(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (not just the sampled ones); for scoring."""
+        return self._all_rows(sched, hidden=False)
+
+    def _all_rows(self, sched: SchedulerOutput, hidden: bool) -> torch.Tensor:
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
-        logits = self._command("forward", plan)
-        assert logits is not None
-        return logits
+        plan.hidden = hidden
+        out = self._command("forward", plan)
+        assert out is not None
+        return out
 
     def _lora_batch(self, plan: StepPlan) -> LoRABatch | None:
         """Place the step's adapters in slots; None when no token of the step has one."""

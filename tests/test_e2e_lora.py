@@ -13,6 +13,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from services.launcher.etcd import free_port
@@ -56,7 +57,8 @@ def expected(smol_dir, adapters):
     for name in (None, "a", "b"):
         for p, o in zip(PROMPTS, llm.generate(ids, params, lora=name), strict=True):
             out[(p, name)] = o.token_ids
-    return {"ids": dict(zip(PROMPTS, ids, strict=True)), "tokens": out}
+    vectors = {name: llm.engine.embed(ids[0], lora=name).tolist() for name in (None, "a")}
+    return {"ids": dict(zip(PROMPTS, ids, strict=True)), "tokens": out, "embed": vectors}
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,17 @@ def test_bad_adapters_and_unknown_models(stack, adapters, tmp_path):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(f"{stack.url}/v1/models/zzz", timeout=10).status_code == 404
     assert httpx.get(f"{stack.url}/v1/models/a", timeout=10).json()["parent"] == MODEL
+
+
+def test_embeddings_of_base_and_adapter(stack, expected):
+    import openai
+
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    for name in (None, "a"):
+        out = client.embeddings.create(model=name or MODEL, input=[PROMPTS[0], PROMPTS[1]])
+        assert out.usage.prompt_tokens == sum(len(expected["ids"][p]) for p in PROMPTS[:2])
+        got = torch.tensor(out.data[0].embedding)
+        want = torch.tensor(expected["embed"][name])
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() > 0.9999
+    base = client.embeddings.create(model=MODEL, input=PROMPTS[0]).data[0].embedding
+    assert base != client.embeddings.create(model="a", input=PROMPTS[0]).data[0].embedding

@@ -63,6 +63,7 @@ class FakeBackend:
         self.is_healthy = True
         self.reply = REPLY
         self.loras: dict[str, str] = {}
+        self.embedded: list[tuple[str, list[list[int]]]] = []
 
     def reply_ids(self) -> list[int]:
         return self.tok.encode(self.reply)
@@ -111,6 +112,12 @@ class FakeBackend:
     async def unload_lora(self, name: str) -> None:
         if self.loras.pop(name, None) is None:
             raise APIError(404, f"the adapter `{name}` is not loaded")
+
+    async def embed(
+        self, request_id: str, model: str, inputs: list[list[int]]
+    ) -> tuple[list[list[float]], int]:
+        self.embedded.append((model, inputs))
+        return [[float(len(ids)), 0.5, -0.25] for ids in inputs], sum(map(len, inputs))
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

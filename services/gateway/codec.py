@@ -142,3 +142,14 @@ def load_lora_request(name: str, path: str) -> common_pb2.LoadLoraAdapterRequest
 
 def unload_lora_request(name: str) -> common_pb2.UnloadLoraAdapterRequest:
     return common_pb2.UnloadLoraAdapterRequest(lora_name=name)
+
+
+def embed_request(request_id: str, model: str, inputs: list[list[int]]) -> common_pb2.EmbedRequest:
+    req = common_pb2.EmbedRequest(request_id=request_id, model=model)
+    for ids in inputs:
+        req.inputs.add(token_ids=ids)
+    return req
+
+
+def embeddings_of(reply: common_pb2.EmbedResponse) -> tuple[list[list[float]], int]:
+    return [list(e.values) for e in reply.embeddings], reply.prompt_tokens

@@ -134,6 +134,12 @@ class Backend(Protocol):
         """Unload an adapter from the workers (APIError 404 when none has it)."""
         ...
 
+    async def embed(
+        self, request_id: str, model: str, inputs: list[list[int]]
+    ) -> tuple[list[list[float]], int]:
+        """(one embedding per input, prompt tokens) from the workers of ``model``."""
+        ...
+
 
 async def run_generation(
     backend: Backend, req: BackendRequest

@@ -138,6 +138,12 @@ class GrpcBackend:
     async def unload_lora(self, name: str) -> None:
         await self._unary("UnloadLoraAdapter", codec.unload_lora_request(name))
 
+    async def embed(
+        self, request_id: str, model: str, inputs: list[list[int]]
+    ) -> tuple[list[list[float]], int]:
+        reply = await self._unary("Embed", codec.embed_request(request_id, model, inputs))
+        return codec.embeddings_of(reply)
+
     async def readiness(self) -> str | None:
         """None when some router can route to a live decode worker of ``model`` (its
         grpc.health.v1 ``model:NAME`` is SERVING), else why none can."""

@@ -201,3 +201,14 @@ class UnloadLoraAdapterRequest(_Body):
 
     lora_name: str
     lora_int_id: int | None = None
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's ``POST /v1/embeddings`` body: ``input`` is a string, a list of strings, a list of
+    token ids or a list of token-id lists."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None

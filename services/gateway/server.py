@@ -39,6 +39,7 @@ from services.gateway.core import (
     unfinished,
 )
 from services.gateway.edge import EdgeMiddleware, error_response, validation_error
+from services.gateway.embeddings import embedding_inputs, embedding_response
 from services.gateway.exchange import Exchange
 from services.gateway.limits import Limits
 from services.gateway.models import ModelCatalog
@@ -49,6 +50,7 @@ from services.gateway.responses import TokenText, full_response
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
 )
@@ -135,6 +137,21 @@ def create_app(
                 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
         return model_card(model)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings, pooled as ``engine.pooling`` says (last token, L2-normalised,
+        for a generative model), computed by prefill workers."""
+        body = await _parse(request, EmbeddingRequest)
+        if body.model != config.served_model_name and not await catalog.is_adapter(body.model):
+            raise APIError(
+                404, f"The model `{body.model}` does not exist.", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+        inputs = await run_in_threadpool(embedding_inputs, config, tokenizer, body)
+        rid = request.state.request_id
+        vectors, tokens = await backend.embed(rid, body.model, inputs)
+        return JSONResponse(embedding_response(body.model, vectors, tokens, body.encoding_format))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:

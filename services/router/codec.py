@@ -162,6 +162,24 @@ class GrpcWorkerClients:
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, f"worker {worker.worker_id}") from e
 
+    async def embed(
+        self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
+    ) -> tuple[list[list[float]], int]:
+        channel = self._channel(worker.address)
+        stub = (
+            worker_pb2_grpc.PrefillStub(channel)
+            if worker.role == "prefill"
+            else worker_pb2_grpc.DecodeStub(channel)
+        )
+        req = common_pb2.EmbedRequest(request_id=request_id, model=lora)
+        for ids in inputs:
+            req.inputs.add(token_ids=ids)
+        try:
+            reply = await stub.Embed(req, timeout=self.prefill_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"{worker.role} {worker.worker_id}") from e
+        return [list(e.values) for e in reply.embeddings], reply.prompt_tokens
+
     async def release(self, handle: common.KVHandle, request_id: str) -> None:
         stub = worker_pb2_grpc.PrefillStub(self._channel(handle.address))
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):

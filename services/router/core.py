@@ -110,6 +110,10 @@ class WorkerClients(Protocol):
 
     async def unload_lora(self, worker: Member, name: str) -> None: ...
 
+    async def embed(
+        self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
+    ) -> tuple[list[list[float]], int]: ...
+
 
 @dataclass(slots=True)
 class RouterStats:
@@ -282,6 +286,26 @@ class RouterCore:
             raise
         finally:
             self.inflight[worker.worker_id] -= 1
+
+    async def embed(
+        self, request_id: str, inputs: list[list[int]], lora: str = ""
+    ) -> tuple[list[list[float]], int]:
+        """(one vector per input, prompt tokens), from a prefill worker (retried once on
+        another worker when one is unavailable or full)."""
+        failed: set[str] = set()
+        while True:
+            worker = self.chooser.pick_embedder(lora, failed)
+            if worker is None:
+                raise NoWorker("no live worker to embed on")
+            self.inflight[worker.worker_id] += 1
+            try:
+                return await self.clients.embed(worker, request_id, inputs, lora)
+            except RETRYABLE:
+                failed.add(worker.worker_id)
+                if len(failed) > 1:
+                    raise
+            finally:
+                self.inflight[worker.worker_id] -= 1
 
     # -- LoRA adapters ---------------------------------------------------------------------------
     def workers(self) -> list[Member]:

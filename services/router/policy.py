@@ -160,6 +160,12 @@ class Chooser:
         live = self.live("prefill", exclude, lora)
         return [p for p in live if any(paired(p, d) for d in decoders)]
 
+    def pick_embedder(self, lora: str, exclude: set[str]) -> Member | None:
+        """The least loaded prefill worker holding ``lora`` (embedding is prefill-only work);
+        a decode worker when no prefill worker is live."""
+        candidates = self.live("prefill", exclude, lora) or self.live("decode", exclude, lora)
+        return min(candidates, key=self._least_loaded) if candidates else None
+
     def load(self, m: Member) -> int:
         return max(self.inflight[m.worker_id], m.load.queue_length + m.load.running)
 

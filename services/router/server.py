@@ -72,6 +72,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ids = await self.core.unload_lora(request.lora_name)
         return common_pb2.LoraAdapterResponse(worker_ids=ids)
 
+    async def Embed(self, request, context):  # noqa: N802
+        self._authorize(context)
+        lora = self._lora_of(request.model)
+        inputs = [list(i.token_ids) for i in request.inputs]
+        if not inputs or any(not ids for ids in inputs):
+            raise InvalidRequestError("every input to embed needs at least one token")
+        rid = request.request_id or self.core.new_request_id()
+        vectors, tokens = await self.core.embed(rid, inputs, lora)
+        reply = common_pb2.EmbedResponse(prompt_tokens=tokens)
+        for v in vectors:
+            reply.embeddings.add(values=v)
+        return reply
+
     async def ListModels(self, request, context):  # noqa: N802
         self._authorize(context)
         models = [common_pb2.ModelInfo(id=self.model)]

@@ -61,6 +61,11 @@ class RouterStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Router/Embed',
+                request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -104,6 +109,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed prompts on a prefill worker (a decode worker when no prefill worker is live);
+        retried once on another worker when one is unavailable or full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.ListModelsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class Router:
             '/tandem.v1.Router/ListModels',
             tandem_dot_v1_dot_common__pb2.ListModelsRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Router/Embed',
+            tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
