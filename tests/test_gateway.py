@@ -101,8 +101,8 @@ class FakeBackend:
     async def readiness(self) -> str | None:
         return None if self.is_healthy else "no live decode worker"
 
-    async def adapters(self) -> list[str]:
-        return sorted(self.loras)
+    async def adapters(self) -> dict[str, str]:
+        return {name: MODEL for name in self.loras}
 
     async def load_lora(self, name: str, path: str) -> None:
         if name in self.loras:

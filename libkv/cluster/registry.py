@@ -300,6 +300,17 @@ class MemberDirectory(Protocol):
     def members_by_role(self, role: str) -> list[Member]: ...
 
 
+class ModelDirectory:
+    """The members of one base model (``Member.model``) in a directory of many: each model's
+    routing (KV-aware choice, load, admission) sees only its own workers."""
+
+    def __init__(self, directory: MemberDirectory, model: str) -> None:
+        self.directory, self.model = directory, model
+
+    def members_by_role(self, role: str) -> list[Member]:
+        return [m for m in self.directory.members_by_role(role) if m.model == self.model]
+
+
 class MemberWatcher:
     """A live local view of all members, kept by a `PrefixFollower`; see module doc."""
 

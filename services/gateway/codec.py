@@ -131,9 +131,9 @@ def list_models_request() -> common_pb2.ListModelsRequest:
     return common_pb2.ListModelsRequest()
 
 
-def adapters_of(reply: common_pb2.ListModelsResponse) -> list[str]:
-    """The adapters (models with a parent) of a ListModels reply."""
-    return [m.id for m in reply.models if m.parent]
+def adapters_of(reply: common_pb2.ListModelsResponse) -> dict[str, str]:
+    """The adapters (models with a parent) of a ListModels reply, with their parents."""
+    return {m.id: m.parent for m in reply.models if m.parent}
 
 
 def load_lora_request(name: str, path: str) -> common_pb2.LoadLoraAdapterRequest:

@@ -122,12 +122,13 @@ class Backend(Protocol):
         """None when a request could be served now, else the reason it could not."""
         ...
 
-    async def adapters(self) -> list[str]:
-        """The LoRA adapters of the served model that live workers hold."""
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters live workers hold: name -> its base model."""
         ...
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Load an adapter on the workers (APIError 400 with the reason when it cannot)."""
+        """Load an adapter on the workers (APIError 400 with the reason when it cannot); with
+        several base models ``name`` is ``BASE/NAME``."""
         ...
 
     async def unload_lora(self, name: str) -> None:

@@ -128,7 +128,7 @@ class GrpcBackend:
                 raise codec.http_error(e.code(), e.details(), _trailers(e)) from e
         raise AssertionError("no router address")  # GrpcBackend has at least one
 
-    async def adapters(self) -> list[str]:
+    async def adapters(self) -> dict[str, str]:
         reply = await self._unary("ListModels", codec.list_models_request())
         return codec.adapters_of(reply)
 

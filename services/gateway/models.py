@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+from engine.tokenizer import Tokenizer
+from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError, Backend
+from services.gateway.responses import TokenText
+from services.gateway.tools import ToolSupport, tool_support
 
 log = logging.getLogger(__name__)
 MISS_REFRESH_S = 0.25
@@ -21,7 +26,7 @@ class ModelCatalog:
         self.base = base
         self.backend = backend
         self.ttl = ttl
-        self._adapters: list[str] = []
+        self._adapters: list[str] = []  # this base model's
         self._at = float("-inf")  # time.monotonic() of the last refresh
 
     async def adapters(self, refresh: bool = False) -> list[str]:
@@ -29,7 +34,8 @@ class ModelCatalog:
         now = time.monotonic()
         if refresh or now - self._at > self.ttl:
             try:
-                self._adapters = await self.backend.adapters()
+                found = await self.backend.adapters()
+                self._adapters = sorted(n for n, base in found.items() if base == self.base)
                 self._at = now
             except APIError as e:  # no router answered: keep the last list
                 log.warning("listing adapters failed: %s", e.message)
@@ -48,3 +54,25 @@ class ModelCatalog:
     def forget(self) -> None:
         """Drop the cache (after a load or unload through this gateway)."""
         self._at = float("-inf")
+
+
+@dataclass(slots=True)
+class Served:
+    """One base model of the gateway: its config (name, folder, context), tokenizer, tool
+    format, detokenizer and adapters."""
+
+    config: GatewayConfig
+    tokenizer: Tokenizer
+    tools: ToolSupport
+    text_of: TokenText
+    catalog: ModelCatalog
+
+    @property
+    def name(self) -> str:
+        return self.config.served_model_name
+
+    @classmethod
+    def of(cls, config: GatewayConfig, tokenizer: Tokenizer, backend: Backend) -> Served:
+        tools = tool_support(tokenizer, config.tool_call_parser, config.tool_chat_template)
+        catalog = ModelCatalog(config.served_model_name, backend)
+        return cls(config, tokenizer, tools, TokenText(tokenizer), catalog)

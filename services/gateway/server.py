@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -42,7 +42,7 @@ from services.gateway.edge import EdgeMiddleware, error_response, validation_err
 from services.gateway.embeddings import embedding_inputs, embedding_response
 from services.gateway.exchange import Exchange
 from services.gateway.limits import Limits
-from services.gateway.models import ModelCatalog
+from services.gateway.models import Served
 from services.gateway.observe import GatewayMetrics, ObserveMiddleware
 from services.gateway.openapi import install_openapi
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
@@ -55,7 +55,6 @@ from services.gateway.schemas import (
     UnloadLoraAdapterRequest,
 )
 from services.gateway.stream import stream_chunks
-from services.gateway.tools import tool_support
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +71,13 @@ def create_app(
     tokenizer: Tokenizer,
     lifespan: Any = None,
     metrics: GatewayMetrics | None = None,
+    extra_models: Sequence[tuple[GatewayConfig, Tokenizer]] = (),
 ) -> FastAPI:
     """The gateway's ASGI app: OpenAI routes over ``backend``, tokenizing with ``tokenizer``.
     ``lifespan`` (optional) is FastAPI's: start-up and shutdown work such as closing channels.
-    ``metrics`` (optional) records requests, token timings and goodput."""
+    ``metrics`` (optional) records requests, token timings and goodput. ``extra_models``: the
+    config and tokenizer of each further base model (``config.model_configs``); a request's
+    ``model`` picks one."""
     app = FastAPI(
         title="Tandem gateway",
         docs_url=None,
@@ -91,64 +93,80 @@ def create_app(
     app.state.limits = Limits.from_config(config)
     _add_error_handlers(app)
     install_openapi(app, config.served_model_name)
-    text_of = TokenText(tokenizer)
     started = int(time.time())
-    catalog = ModelCatalog(config.served_model_name, backend)
-    tools = tool_support(tokenizer, config.tool_call_parser, config.tool_chat_template)
+    served = [Served.of(c, t, backend) for c, t in [(config, tokenizer), *extra_models]]
+    by_name = {m.name: m for m in served}
+
+    async def pick(model: str) -> tuple[Served, bool]:
+        """(the base model ``model`` runs on, whether it names an adapter of it); the first
+        model for an unknown name, whose checks answer 404."""
+        if model in by_name:
+            return by_name[model], False
+        for m in served:
+            if await m.catalog.is_adapter(model):
+                return m, True
+        return served[0], False
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
-        model, body = await _base_model(catalog, body)
-        p = await run_in_threadpool(prepare_chat, config, tokenizer, body, rid, tenant, tools)
-        return await _respond(request, backend, _for_model(p, model), text_of)
+        m, adapter = await pick(body.model)
+        base = body.model_copy(update={"model": m.name}) if adapter else body
+        prep = prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools
+        p = await run_in_threadpool(*prep)
+        return await _respond(request, backend, _for_model(p, body.model), m.text_of)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
-        model, body = await _base_model(catalog, body)
-        p = await run_in_threadpool(prepare_completion, config, tokenizer, body, rid, tenant)
-        return await _respond(request, backend, _for_model(p, model), text_of)
+        m, adapter = await pick(body.model)
+        base = body.model_copy(update={"model": m.name}) if adapter else body
+        prep = prepare_completion, m.config, m.tokenizer, base, rid, tenant
+        p = await run_in_threadpool(*prep)
+        return await _respond(request, backend, _for_model(p, body.model), m.text_of)
 
-    def model_card(name: str) -> dict[str, Any]:
+    def model_card(m: Served, name: str) -> dict[str, Any]:
         """OpenAI's model object; an adapter's names its base model as ``parent`` (vLLM)."""
-        base = config.served_model_name
         return {
             "id": name,
             "object": "model",
             "created": started,
             "owned_by": "tandem",
-            "root": base,
-            "parent": None if name == base else base,
-            "max_model_len": config.max_model_len,
+            "root": m.name,
+            "parent": None if name == m.name else m.name,
+            "max_model_len": m.config.max_model_len,
         }
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        names = [config.served_model_name, *await catalog.adapters(refresh=True)]
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        data = []
+        for m in served:
+            names = [m.name, *await m.catalog.adapters(refresh=True)]
+            data += [model_card(m, n) for n in names]
+        return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> dict[str, Any]:
-        if model != config.served_model_name and not await catalog.is_adapter(model):
+    async def known(model: str) -> Served:
+        """The base model of ``model``; 404 when it is neither a base model nor an adapter."""
+        m, adapter = await pick(model)
+        if model != m.name and not adapter:
             raise APIError(
                 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
-        return model_card(model)
+        return m
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        return model_card(await known(model), model)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         """OpenAI's embeddings, pooled as ``engine.pooling`` says (last token, L2-normalised,
         for a generative model), computed by prefill workers."""
         body = await _parse(request, EmbeddingRequest)
-        if body.model != config.served_model_name and not await catalog.is_adapter(body.model):
-            raise APIError(
-                404, f"The model `{body.model}` does not exist.", param="model",
-                code="model_not_found",
-            )  # fmt: skip
-        inputs = await run_in_threadpool(embedding_inputs, config, tokenizer, body)
+        m = await known(body.model)
+        inputs = await run_in_threadpool(embedding_inputs, m.config, m.tokenizer, body)
         rid = request.state.request_id
         vectors, tokens = await backend.embed(rid, body.model, inputs)
         return JSONResponse(embedding_response(body.model, vectors, tokens, body.encoding_format))
@@ -156,12 +174,13 @@ def create_app(
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         """vLLM's: load a PEFT adapter folder on every worker; 400 with the reason when it
-        cannot be served."""
+        cannot be served. With several base models the name is ``BASE/NAME``."""
         body = await _parse(request, LoadLoraAdapterRequest)
-        if body.lora_name == config.served_model_name:
-            raise APIError(400, "the adapter name is the base model's", param="lora_name")
+        if body.lora_name in by_name:
+            raise APIError(400, "the adapter name is a base model's", param="lora_name")
         await backend.load_lora(body.lora_name, body.lora_path)
-        catalog.forget()
+        for m in served:
+            m.catalog.forget()
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -170,7 +189,8 @@ def create_app(
         using it finish first."""
         body = await _parse(request, UnloadLoraAdapterRequest)
         await backend.unload_lora(body.lora_name)
-        catalog.forget()
+        for m in served:
+            m.catalog.forget()
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
@@ -234,17 +254,6 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
         exchange, _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
         headers=headers,
     )  # fmt: skip
-
-
-B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
-
-
-async def _base_model(catalog: ModelCatalog, body: B) -> tuple[str, B]:
-    """(the model the body names, the body as validated against the base model): a request
-    for an adapter is checked and tokenized as for its base model."""
-    if await catalog.is_adapter(body.model):
-        return body.model, body.model_copy(update={"model": catalog.base})
-    return body.model, body
 
 
 def _for_model(p: Prepared, model: str) -> Prepared:
