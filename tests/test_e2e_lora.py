@@ -73,6 +73,7 @@ def stack(smol_dir, adapters, tmp_path_factory):
         member_ttl=3,
         member_refresh=1.0,
         worker_args=(f"--lora-modules=a={adapters['a']}", *LORA_FLAGS),
+        gateway_args=("--allow-runtime-lora-updating",),
     )
     with Stack(config) as s:
         yield s

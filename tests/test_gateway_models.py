@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import struct
+from collections.abc import Iterator
 
 import pytest
 
-from tests.test_gateway import MODEL, Gateway, assert_error
+from services.gateway.server import create_app
+from tests.app_server import serving
+from tests.test_gateway import CONFIG, MODEL, FakeBackend, Gateway, assert_error, openai_client
 
 # The scripted gateway of tests/test_gateway.py (its fixtures: tok, gateway, gw).
 pytest_plugins = ["tests.test_gateway"]
@@ -62,7 +66,25 @@ def test_embeddings_bad_input(gw: Gateway):
     assert gw.fake.embedded == []
 
 
-def test_lora_endpoints_and_models(gw: Gateway):
+@pytest.fixture
+def lora_gw(tok) -> Iterator[Gateway]:
+    config = dataclasses.replace(CONFIG, allow_runtime_lora_updating=True)
+    fake = FakeBackend(tok)
+    with serving(create_app(config, fake, tok)) as port:
+        url = f"http://127.0.0.1:{port}"
+        with openai_client(url) as client:
+            yield Gateway(url, fake, client)
+
+
+def test_runtime_lora_updating_is_off_by_default(gw: Gateway):
+    body = {"lora_name": "sql", "lora_path": "/a/sql"}
+    assert assert_error(gw.post("/v1/load_lora_adapter", body), 403)["type"] == "permission_error"
+    assert_error(gw.post("/v1/unload_lora_adapter", {"lora_name": "sql"}), 403)
+    assert gw.fake.loras == {}
+
+
+def test_lora_endpoints_and_models(lora_gw: Gateway):
+    gw = lora_gw
     r = gw.post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"})
     assert r.status_code == 200 and "sql" in r.text
     ids = [m.id for m in gw.client.models.list().data]

@@ -102,6 +102,11 @@ class GatewayConfig:
         "jinja chat template for requests with tools (default: the model's own when it "
         "renders tools, else a built-in Hermes ChatML template for ChatML models)",
     )
+    allow_runtime_lora_updating: bool = option(
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders on "
+        "the workers' hosts; off: 403, as vLLM keeps them off unless asked)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.default_max_tokens < 1:

@@ -175,6 +175,7 @@ def create_app(
     async def load_lora_adapter(request: Request) -> Response:
         """vLLM's: load a PEFT adapter folder on every worker; 400 with the reason when it
         cannot be served. With several base models the name is ``BASE/NAME``."""
+        _check_lora_updating(config)
         body = await _parse(request, LoadLoraAdapterRequest)
         if body.lora_name in by_name:
             raise APIError(400, "the adapter name is a base model's", param="lora_name")
@@ -187,6 +188,7 @@ def create_app(
     async def unload_lora_adapter(request: Request) -> Response:
         """vLLM's: unload an adapter everywhere (404 when not loaded); requests already
         using it finish first."""
+        _check_lora_updating(config)
         body = await _parse(request, UnloadLoraAdapterRequest)
         await backend.unload_lora(body.lora_name)
         for m in served:
@@ -254,6 +256,16 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
         exchange, _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
         headers=headers,
     )  # fmt: skip
+
+
+def _check_lora_updating(config: GatewayConfig) -> None:
+    if not config.allow_runtime_lora_updating:
+        raise APIError(
+            403,
+            "loading and unloading LoRA adapters at run time is off on this gateway "
+            "(--allow-runtime-lora-updating)",
+            "permission_error",
+        )
 
 
 def _for_model(p: Prepared, model: str) -> Prepared:

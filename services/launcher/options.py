@@ -65,6 +65,12 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "name an adapter as their model",
     )
     g.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="the gateway serves /v1/load_lora_adapter and /v1/unload_lora_adapter, and the "
+        "workers reserve LoRA slots for them",
+    )
     g.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank accepted")
     g.add_argument(
         "--worker-arg",
@@ -102,6 +108,9 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
             out[name] = getattr(args, name)
     passed = list(args.worker_arg)
     passed += [f"--lora-modules={m}" for m in args.lora_modules]
+    if args.allow_runtime_lora_updating:
+        passed.append("--enable-lora")
+        out["gateway_args"] = ("--allow-runtime-lora-updating",)
     for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
         if value is not None:
             passed.append(f"{flag}={value}")
