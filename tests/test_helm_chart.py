@@ -278,3 +278,18 @@ def test_extra_models_get_pools_of_their_own(helm) -> None:
     for name in ("gateway", "router"):
         (config,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith(name)]
         assert config["data"]["TANDEM_EXTRA_MODEL"] == "qwen=/models/Qwen2.5-0.5B"
+
+
+def test_lora_values_reach_gateway_and_workers(helm) -> None:
+    sets = ["lora.modules={sql=/models/adapters/sql,chat=/models/adapters/chat}",
+            "lora.runtimeUpdating=true", "lora.maxLoras=8"]  # fmt: skip
+    docs = render(helm, sets=sets)
+    maps = {d["metadata"]["name"]: d["data"] for d in by_kind(docs, "ConfigMap")}
+    for role in ("prefill", "decode"):
+        data = maps[f"tandem-{role}"]
+        assert data["TANDEM_LORA_MODULES"] == "sql=/models/adapters/sql,chat=/models/adapters/chat"
+        assert data["TANDEM_ENABLE_LORA"] == "true" and data["TANDEM_MAX_LORAS"] == "8"
+    assert maps["tandem-gateway"]["TANDEM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    off = {d["metadata"]["name"]: d["data"] for d in by_kind(render(helm), "ConfigMap")}
+    assert "TANDEM_ALLOW_RUNTIME_LORA_UPDATING" not in off["tandem-gateway"]
+    assert "TANDEM_LORA_MODULES" not in off["tandem-decode"]
