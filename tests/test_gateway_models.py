@@ -100,3 +100,21 @@ def test_lora_endpoints_and_models(lora_gw: Gateway):
     assert_error(gw.post("/v1/unload_lora_adapter", {"lora_name": "sql"}), 404)
     r = gw.post("/v1/completions", {"model": "sql", "prompt": "Hi", "max_tokens": 3})
     assert assert_error(r, 404)["code"] == "model_not_found"
+
+
+def test_embeddings_spend_the_tenants_token_budget(tok):
+    from services.gateway.keys import ApiKey, TenantLimits, hash_key
+    from tests.test_gateway import KEY
+
+    limits = TenantLimits(tokens_per_window=20, window_seconds=3600)
+    config = dataclasses.replace(CONFIG, api_keys=(ApiKey(hash_key(KEY), "t", limits),))
+    fake = FakeBackend(tok)
+    with serving(create_app(config, fake, tok)) as port:
+        gw = Gateway(f"http://127.0.0.1:{port}", fake, None)  # type: ignore[arg-type]
+        body = {"model": MODEL, "input": list(range(1, 9))}  # 8 tokens (+1 reserved)
+        first = gw.post(EMB, body)
+        assert first.status_code == 200 and first.headers["x-ratelimit-limit-tokens"] == "20"
+        assert gw.post(EMB, body).status_code == 200  # 16 of 20 spent
+        r = gw.post(EMB, body)
+        assert assert_error(r, 429)["code"] == "rate_limit_exceeded"
+        assert len(fake.embedded) == 2

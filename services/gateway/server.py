@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.gateway.config import GatewayConfig
 from services.gateway.core import (
@@ -167,9 +168,19 @@ def create_app(
         body = await _parse(request, EmbeddingRequest)
         m = await known(body.model)
         inputs = await run_in_threadpool(embedding_inputs, m.config, m.tokenizer, body)
-        rid = request.state.request_id
-        vectors, tokens = await backend.embed(rid, body.model, inputs)
-        return JSONResponse(embedding_response(body.model, vectors, tokens, body.encoding_format))
+        rid, tenant = request.state.request_id, request.state.tenant
+        # Metered like a prompt: the tenant's token budget and the gateway's admission.
+        flat = tuple(t for ids in inputs for t in ids)
+        metered = BackendRequest(rid, flat, SamplingParams(max_tokens=1), tenant, body.model)
+        ticket = request.app.state.limits.admit(metered)
+        try:
+            vectors, tokens = await backend.embed(rid, body.model, inputs)
+        except BaseException:
+            ticket.settle(0)
+            raise
+        ticket.settle(0, prompt_only=True)
+        answer = embedding_response(body.model, vectors, tokens, body.encoding_format)
+        return JSONResponse(answer, headers=ticket.headers)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
