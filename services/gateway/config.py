@@ -45,6 +45,7 @@ class GatewayConfig:
         "another base model served beside --model-dir, DIR or NAME=DIR (repeatable; its "
         "context is the model's own); requests pick one by model, through the same routers",
         flag="--extra-model",
+        metavar="[NAME=]DIR",
     )
     max_model_len: int = option(0, "context length (default: the model's)")
     host: str = option("127.0.0.1", "address to bind")

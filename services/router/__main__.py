@@ -63,6 +63,7 @@ class RouterConfig:
         "another base model served beside --model-dir, DIR or NAME=DIR (repeatable): requests "
         "pick one by model; each routes only to workers registered under its name",
         flag="--extra-model",
+        metavar="[NAME=]DIR",
     )
     log_level: str = log_level_option()
     decode_only_threshold: int = option(
