@@ -39,9 +39,14 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.bundled import convert
     from services.launcher.stack import Stack, StackConfig
 
-    model = args.model if args.model != DEFAULT_DIR else convert(DEFAULT_DIR)
+    specs = args.model or [str(convert(DEFAULT_DIR))]
+    first, *extra = specs
+    if "=" in first:
+        raise SystemExit("error: the first --model is served under its folder's name (no NAME=)")
+    model = Path(first).expanduser()
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="tandem-run-")
     common = dict(model_dir=str(model), run_dir=str(run_dir), port=args.port)
+    common["extra_models"] = tuple(extra)
     common.update(worker_overrides(args))
     common["api_keys"] = tuple(args.api_key or ())
     common["num_routers"] = args.routers
@@ -63,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         for child in stack.children.values():
             metrics = f"metrics: :{child.metrics_port}  " if child.metrics_port else ""
             print(f"{child.name:<9} {child.address:<22} {metrics}log: {child.log_path}")
-        print(f"\nOpenAI endpoint: {stack.url}/v1  (model: {Path(model).name})")
+        print(f"\nOpenAI endpoint: {stack.url}/v1  (models: {', '.join(config.models)})")
         print(f"topology: {config.topology}")
         for name, placement in config.placements().items():
             if placement.device is not None:
@@ -117,7 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     serve = sub.add_parser("serve", help="run the whole stack on loopback (etcd + 4 services)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", type=Path, default=DEFAULT_DIR)
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="model folder (repeatable: several base models behind one endpoint, each with its "
+        "own workers; the served name is the folder's unless NAME= is given; default: the "
+        "bundled SmolLM2)",
+    )
     serve.add_argument("--run-dir", type=Path, default=None, help="logs and etcd data")
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)

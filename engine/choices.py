@@ -71,4 +71,5 @@ def fork_sequence(parent: Sequence, index: int) -> Sequence:
         priority=parent.priority,
         index=index,
         matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
+        lora=parent.lora,
     )

@@ -152,6 +152,12 @@ class EngineConfig:
     # Ranks (processes, one device each) the model is split over (engine.parallel); on CUDA
     # rank r takes device cuda:r (cuda:k+r with device="cuda:k"). Memory settings are per rank.
     tensor_parallel_size: int = 1
+    # Multi-LoRA (engine.lora): ``max_loras`` device slots, so at most that many adapters in one
+    # step, each of rank <= ``max_lora_rank``. Off unless enabled: the slots take memory
+    # (layers x 7 projections x slots x rank x (in + out) elements).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -166,6 +172,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, not {self.kv_cache_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"

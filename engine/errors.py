@@ -34,3 +34,12 @@ class KVCapacityError(TandemError):
 class InsufficientMemoryError(TandemError):
     """The engine's share of the device cannot hold the weights, the activations and the
     smallest useful KV pool; raised at start, with the numbers, instead of an OOM later."""
+
+
+class InvalidAdapterError(InvalidRequestError):
+    """A LoRA adapter folder cannot be served: missing files, another base model's shapes, a
+    rank over the limit, or targets and PEFT options the engine does not implement."""
+
+
+class AdapterNotFoundError(TandemError, LookupError):
+    """A request or an unload names a LoRA adapter that is not loaded."""

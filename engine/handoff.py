@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,9 +61,8 @@ class HandoffMixin:
     if TYPE_CHECKING:
 
         def _validate(self, ids: list[int], params: SamplingParams) -> None: ...
-        def _new_choice(
-            self, request_id: str, ids: list[int], params: SamplingParams, salt: bytes, index: int
-        ) -> Choice: ...
+        def _new_choice(self, *args: Any, **kwargs: Any) -> Choice: ...
+        def check_lora(self, name: str | None) -> str: ...
         def _register(self, req: Request) -> None: ...
 
     def held_block_ids(self, request_id: str) -> list[int]:
@@ -103,17 +102,22 @@ class HandoffMixin:
         return len(self._held)
 
     def reserve(
-        self, request_id: str, prompt: list[int], tenant: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        tenant: str | None = None,
+        lora: str | None = None,
     ) -> tuple[list[int], int]:
         """Allocate blocks for a prompt whose KV will arrive from a prefill worker.
 
         Reuses this worker's own cached prefix: returns (block ids, number of leading tokens
         already cached here); only blocks from ``cached // block_size`` on need filling.
-        Raises KVCapacityError when the pool cannot hold it now.
+        Raises KVCapacityError when the pool cannot hold it now. ``lora``: the request's adapter
+        (salts the cache keys as on the prefill side).
         """
         self._validate(prompt, SamplingParams(max_tokens=1))
-        extra = encode_extra_keys(tenant)
         with self._lock:
+            extra = encode_extra_keys(tenant, self.check_lora(lora) or None)
             if request_id in self._requests or request_id in self.kv:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             hit = self.kv.find_prefix(prompt, extra)
@@ -137,6 +141,7 @@ class HandoffMixin:
         recompute: bool = False,
         priority: int = 0,
         firsts: Seq[FirstToken] = (),
+        lora: str | None = None,
     ) -> None:
         """Join a reserved request, whose prompt KV has been written, to the running batch.
 
@@ -146,13 +151,18 @@ class HandoffMixin:
         shares the reserved prompt blocks. ``recompute``: the KV never arrived (transfer failed,
         reservation released); each choice queues like a preempted sequence and this engine
         recomputes prompt and first token (reusing its own cached prefix) before sampling on.
+        ``lora``: the request's adapter (must be loaded here too).
         """
         if not firsts:
             assert first_token is not None, "add_prefilled needs first_token or firsts"
             firsts = [FirstToken(0, first_token, first_logprob, generator_state)]
         self._validate(prompt, params)
-        salt = encode_extra_keys(tenant)
-        choices = [self._prefilled_choice(request_id, prompt, params, salt, f) for f in firsts]
+        with self._lock:
+            adapter = self.check_lora(lora)
+        salt = encode_extra_keys(tenant, adapter or None)
+        choices = [
+            self._prefilled_choice(request_id, prompt, params, salt, f, adapter) for f in firsts
+        ]
         for c in choices:
             c.seq.priority = priority
             c.seq.num_computed = 0 if recompute else len(prompt)
@@ -171,12 +181,18 @@ class HandoffMixin:
             self._share_reserved(request_id, [c.seq for c in choices])
 
     def _prefilled_choice(
-        self, request_id: str, prompt: list[int], params: SamplingParams, salt: bytes, f: FirstToken
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        salt: bytes,
+        f: FirstToken,
+        lora: str = "",
     ) -> Choice:
         """A choice continuing from its first token: generator state and grammar replayed."""
         if not 0 <= f.index < params.n:
             raise InvalidRequestError(f"choice index {f.index} is not in [0, {params.n})")
-        c = self._new_choice(request_id, prompt, params, salt, f.index)
+        c = self._new_choice(request_id, prompt, params, salt, f.index, lora)
         seq = c.seq
         if f.generator_state and seq.generator is not None:
             state = torch.frombuffer(bytearray(f.generator_state), dtype=torch.uint8)

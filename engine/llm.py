@@ -43,11 +43,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion together; outputs come back in prompt order, and for
         a prompt with ``n > 1`` choices, its ``n`` outputs in choice order.
 
         A prompt is a string or a list of token ids; a single prompt may be passed bare.
+        ``lora``: a loaded adapter's name for every prompt, or one per prompt (None: base).
         """
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -56,8 +58,11 @@ class LLM:
             batch = list(prompts)  # type: ignore[arg-type]
         params = _broadcast(sampling_params, len(batch))
         ids = [f"offline-{next(self._ids)}" for _ in batch]
-        for rid, prompt, p in zip(ids, batch, params, strict=True):
-            self.engine.add_request(rid, prompt, p)
+        loras = [lora] * len(batch) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(batch):
+            raise ValueError(f"got {len(loras)} adapters for {len(batch)} prompts")
+        for rid, prompt, p, name in zip(ids, batch, params, loras, strict=True):
+            self.engine.add_request(rid, prompt, p, lora=name)
         final: dict[tuple[str, int], RequestOutput] = {}
         while len(final) < sum(p.n for p in params):
             for out in self.engine.step():

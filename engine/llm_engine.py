@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.adapters import AdapterMixin
 from engine.choices import Choice, Request, fork_sequence
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -27,6 +28,7 @@ from engine.errors import (
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
 from engine.parallel.ranks import RankGroup, start_ranks
+from engine.pooling import PoolingConfig, PoolingMixin
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -76,7 +78,7 @@ class EngineStats:
     prompt_tokens: int
 
 
-class LLMEngine(EmitMixin, HandoffMixin):
+class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -87,6 +89,7 @@ class LLMEngine(EmitMixin, HandoffMixin):
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.tokenizer = Tokenizer(config.model_dir)
+        self.pooling = PoolingConfig.from_dir(config.model_dir)
         self.ranks: RankGroup | None = None  # tensor parallelism: ranks 1..N-1
         if config.tensor_parallel_size > 1:
             self.ranks = start_ranks(config, mc, self.max_model_len)
@@ -98,7 +101,13 @@ class LLMEngine(EmitMixin, HandoffMixin):
             raise
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras if config.enable_lora else 0,
+        )
+        self._unloading: set[str] = set()  # adapters unloaded once their requests finish
         self._requests: dict[str, Request] = {}
         self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
         self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
@@ -124,8 +133,11 @@ class LLMEngine(EmitMixin, HandoffMixin):
         tenant: str | None = None,
         hold_kv: bool = False,
         priority: int = 0,
+        lora: str | None = None,
     ) -> None:
         """Validate and queue a request. ``tenant`` salts its cache keys (no cross-tenant hits).
+        ``lora`` names a loaded adapter to run with (AdapterNotFoundError otherwise); it salts
+        the cache keys too, since the same tokens give other KV under another adapter.
         ``priority``: 0 (interactive) is scheduled before 1 (batch), which is preempted first.
 
         ``hold_kv`` makes it a prefill: after the first tokens (one per choice) the request
@@ -135,7 +147,10 @@ class LLMEngine(EmitMixin, HandoffMixin):
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
-        first = self._new_choice(request_id, ids, params, encode_extra_keys(tenant), 0)
+        with self._lock:
+            adapter = self.check_lora(lora)
+        salt = encode_extra_keys(tenant, adapter or None)
+        first = self._new_choice(request_id, ids, params, salt, 0, adapter)
         if params.grammar is not None:
             first.seq.matcher = self.grammar.matcher(params.grammar)
         first.seq.priority = priority
@@ -145,9 +160,15 @@ class LLMEngine(EmitMixin, HandoffMixin):
             self.scheduler.add(first.seq)
 
     def _new_choice(
-        self, request_id: str, ids: list[int], params: SamplingParams, salt: bytes, index: int
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        salt: bytes,
+        index: int,
+        lora: str = "",
     ) -> Choice:
-        seq = Sequence(request_id, ids, params, next(self._counter), salt, index=index)
+        seq = Sequence(request_id, ids, params, next(self._counter), salt, index=index, lora=lora)
         return self._choice_of(seq)
 
     def _choice_of(self, seq: Sequence) -> Choice:
@@ -213,6 +234,7 @@ class LLMEngine(EmitMixin, HandoffMixin):
                 choice = req.live[index]
                 self.scheduler.abort(choice.seq)
                 outs.append(self._output(choice, [], "", []))
+            self._drop_unused_loras()
             return outs[0] if outs else None
 
     def has_unfinished(self) -> bool:
@@ -233,6 +255,7 @@ class LLMEngine(EmitMixin, HandoffMixin):
             self.scheduler.advance(sched.scheduled)
             self._join_forks(sched.scheduled)
             outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
+            self._drop_unused_loras()
             if info is not None and self.on_step is not None:
                 info.seconds = time.perf_counter() - t0
                 self.on_step(info)
@@ -266,27 +289,6 @@ class LLMEngine(EmitMixin, HandoffMixin):
                     continue
                 self.kv.fork(s.seq.key, child.key)
                 self.scheduler.attach(child)
-
-    def score(self, prompt: list[int]) -> torch.Tensor:
-        """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill).
-
-        Runs outside the continuous batch under the engine lock, in blocks borrowed from the
-        pool and returned at once; used to check logits against a reference implementation.
-        """
-        from engine.scheduler import ScheduledSeq, SchedulerOutput
-        from libkv.kv_manager import PrefixHit
-
-        self._validate(prompt, SamplingParams(max_tokens=1))
-        with self._lock:
-            rid = f"__score-{next(self._counter)}"
-            seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=1), -1)
-            if self.kv.admit(rid, PrefixHit([], []), 0, len(prompt), b"") is None:
-                raise InvalidRequestError("not enough free KV blocks to score this prompt now")
-            try:
-                sched = SchedulerOutput([ScheduledSeq(seq, len(prompt), self.kv.block_ids(rid))])
-                return self.runner.logits_all(sched)
-            finally:
-                self.kv.free(rid)
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

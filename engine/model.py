@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ import kernels
 from engine.config import ModelConfig, RopeConfig
 from engine.parallel.comm import TPComm
 from engine.parallel.shard import ModelShard
+
+if TYPE_CHECKING:
+    from engine.lora import LoRABatch
 
 
 @dataclass(slots=True)
@@ -93,22 +97,29 @@ class DecoderModel:
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: kernels.AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]."""
+        """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]. With
+        ``lora``, each token's adapter adds its low-rank delta to the seven projections."""
         x = self.comm.embed(input_ids, self.w.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         residual: torch.Tensor | None = None
         for i, lw in enumerate(self.w.layers):
             h, residual = kernels.rms_norm(x, lw.input_norm, self.config.rms_norm_eps, residual)
-            h = self._attention(i, lw, h, cos, sin, kv_cache, meta)
+            h = self._attention(i, lw, h, cos, sin, kv_cache, meta, lora)
             h, residual = kernels.rms_norm(h, lw.post_norm, self.config.rms_norm_eps, residual)
-            x = self._mlp(lw, h)
+            x = self._mlp(i, lw, h, lora)
         out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual)
         return out
 
-    def _attention(self, i, lw, h, cos, sin, kv_cache, meta) -> torch.Tensor:
+    def _attention(self, i, lw, h, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
         c = self.config
         qkv = kernels.linear(h, lw.qkv, lw.qkv_bias)
+        if lora is not None:
+            q_end, k_end = self.q_size, self.q_size + self.kv_size
+            lora.add(i, "q_proj", qkv[:, :q_end], h)
+            lora.add(i, "k_proj", qkv[:, q_end:k_end], h)
+            lora.add(i, "v_proj", qkv[:, k_end:], h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]
         q = q.view(t, self.num_heads, c.head_dim)
@@ -116,12 +127,23 @@ class DecoderModel:
         v = v.view(t, self.num_kv_heads, c.head_dim)
         q, k = kernels.rotary_embedding(q, k, cos, sin)
         kernels.write_kv(kv_cache, i, k, v, meta)
-        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale)
-        return self.comm.all_reduce(kernels.linear(o.reshape(t, self.q_size), lw.o_proj))
+        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale).reshape(t, self.q_size)
+        out = kernels.linear(o, lw.o_proj)
+        if lora is not None:
+            lora.add(i, "o_proj", out, o)
+        return self.comm.all_reduce(out)
 
-    def _mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        up = kernels.silu_and_mul(kernels.linear(h, lw.gate_up))
-        return self.comm.all_reduce(kernels.linear(up, lw.down))
+    def _mlp(self, i: int, lw: LayerWeights, h: torch.Tensor, lora: LoRABatch | None):
+        gate_up = kernels.linear(h, lw.gate_up)
+        if lora is not None:
+            n = gate_up.shape[1] // 2
+            lora.add(i, "gate_proj", gate_up[:, :n], h)
+            lora.add(i, "up_proj", gate_up[:, n:], h)
+        act = kernels.silu_and_mul(gate_up)
+        out = kernels.linear(act, lw.down)
+        if lora is not None:
+            lora.add(i, "down_proj", out, act)
+        return self.comm.all_reduce(out)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

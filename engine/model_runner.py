@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,7 @@ from engine import kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.loader import dummy_weights, load_weights
+from engine.lora import LoRABatch, LoRAManager
 from engine.model import DecoderModel
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import rank_device
@@ -72,6 +73,9 @@ class StepPlan:
     block_tables: list[list[int]]
     max_query_len: int
     sample_rows: list[int]
+    loras: list[str] = field(default_factory=list)  # the step's LoRA adapters (TP 1 only)
+    token_loras: list[str] = field(default_factory=list)  # each token's adapter ("": none)
+    hidden: bool = False  # return the sample rows' final hidden states instead of logits
 
 
 class ModelRunner:
@@ -110,6 +114,12 @@ class ModelRunner:
                 Path(config.model_dir), model_config, self.device, self.dtype, shard
             )
         self.model = DecoderModel(model_config, weights, max_len, self.comm)
+        # Before the KV plan, so that on CUDA the slots count as weights.
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype
+            )
         self.sampler = Sampler()
         c = model_config
         self.layout = KVLayout(
@@ -225,12 +235,15 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
         input_ids, positions, meta = self._tensors(plan)
+        lora = self._lora_batch(plan)
         if not plan.sample_rows:
-            self.model.forward(input_ids, positions, self.kv_cache, meta)
+            self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
             return None
         # Made before the forward pass, so that on CUDA building it waits for no kernel.
         sample_idx = torch.tensor(plan.sample_rows, device=self.device)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
+        if plan.hidden:
+            return hidden[sample_idx]
         return self.model.logits(hidden[sample_idx])
 
     def _graph(self, batch: DecodeBatch) -> torch.Tensor:
@@ -241,8 +254,8 @@ class ModelRunner:
         """The step as a captured graph's input when it is pure decode and fits one."""
         graphs = self.graphs
         scheduled = sched.scheduled
-        if graphs is None or graphs.padded_size(len(scheduled)) is None:
-            return None
+        if graphs is None or graphs.padded_size(len(scheduled)) is None or sched.loras:
+            return None  # (graphs are captured without adapters)
         if not all(s.num_new == 1 and s.samples for s in scheduled):
             return None
         bs = self.config.block_size
@@ -285,13 +298,27 @@ class ModelRunner:
             data = [kv_pool.rank_part(self.layout, self.comm.rank, d) for d in data]
         kv_pool.write_bytes(self.kv_pool, block_ids, data)
 
+    def hidden_all(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Final (normed) hidden states of every scheduled token; for embeddings."""
+        return self._all_rows(sched, hidden=True)
+
     def logits_all(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (not just the sampled ones); for scoring."""
+        return self._all_rows(sched, hidden=False)
+
+    def _all_rows(self, sched: SchedulerOutput, hidden: bool) -> torch.Tensor:
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
-        logits = self._command("forward", plan)
-        assert logits is not None
-        return logits
+        plan.hidden = hidden
+        out = self._command("forward", plan)
+        assert out is not None
+        return out
+
+    def _lora_batch(self, plan: StepPlan) -> LoRABatch | None:
+        """Place the step's adapters in slots; None when no token of the step has one."""
+        if self.lora is None or not plan.loras:
+            return None
+        return self.lora.batch(plan.token_loras, self.lora.prepare(set(plan.loras)))
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
         bs = self.config.block_size
@@ -315,7 +342,11 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(starts[-1] - 1)
         max_q = max(s.num_new for s in sched.scheduled)
-        return StepPlan(ids, pos, slots, starts, seq_lens, tables, max_q, sample_rows)
+        plan = StepPlan(ids, pos, slots, starts, seq_lens, tables, max_q, sample_rows)
+        if sched.loras:
+            plan.loras = sorted(sched.loras)
+            plan.token_loras = [s.seq.lora for s in sched.scheduled for _ in range(s.num_new)]
+        return plan
 
     def _tensors(self, plan: StepPlan):
         bs = self.config.block_size

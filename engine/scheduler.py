@@ -42,17 +42,32 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    loras: set[str] = field(default_factory=set)  # the adapters of the scheduled sequences
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.scheduled)
 
+    def add(self, s: ScheduledSeq) -> None:
+        self.scheduled.append(s)
+        if s.seq.lora:
+            self.loras.add(s.seq.lora)
+
 
 class Scheduler:
     """Owns the waiting queue, the running list and the KV cache manager."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int = 0,
+    ) -> None:
+        """``max_loras``: at most that many LoRA adapters in one step (0: no limit); a
+        sequence whose adapter would exceed it waits for a later step, without preemption."""
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -110,6 +125,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not self._lora_fits(seq, out):
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             copies = self.kv.grow(seq.key, seq.num_computed, seq.num_computed + n)
             while copies is None:
@@ -121,10 +139,16 @@ class Scheduler:
             if copies is None:  # seq itself was the victim (newest of the least urgent)
                 break
             out.copies.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
+            out.add(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
             budget -= n
             i += 1
         return budget
+
+    def _lora_fits(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Whether ``seq``'s adapter can join this step (its slot limit not yet reached)."""
+        if not seq.lora or not self.max_loras or seq.lora in out.loras:
+            return True
+        return len(out.loras) < self.max_loras
 
     def _victim(self, first: int) -> Sequence:
         """The sequence to preempt, among those not yet scheduled this step (``running[first:]``):
@@ -143,8 +167,12 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Sequence] = []  # their adapter has no slot this step; they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, out):
+                skipped.append(self.waiting.popleft())
+                continue
             tokens = seq.all_token_ids
             hit = self.kv.find_prefix(tokens, seq.cache_salt)
             # At least the last token is computed: its logits give the next token.
@@ -160,8 +188,9 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.copies.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
+            out.add(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def advance(self, scheduled: Iterable[ScheduledSeq]) -> None:
         """After the forward pass: mark the chunk computed and publish newly full blocks."""

@@ -51,6 +51,7 @@ class Sequence:
     priority: int = 0  # lower is scheduled first: 0 interactive, 1 batch
     index: int = 0  # which choice of its request (0 <= index < params.n)
     matcher: Any = None  # llguidance matcher of a grammar-constrained sequence (engine-owned)
+    lora: str = ""  # the LoRA adapter it runs with ("" = the base model)
 
     @property
     def key(self) -> Hashable:

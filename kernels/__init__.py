@@ -12,7 +12,7 @@ import torch
 
 from kernels import reference
 from kernels._triton import use_triton
-from kernels.reference import AttentionMetadata, copy_blocks
+from kernels.reference import AttentionMetadata, LoRAMetadata, copy_blocks
 
 # Up to this many rows, a bf16/fp16 matrix product on CUDA takes the Triton skinny kernel
 # (decode of small batches); above it, cuBLAS. Benchmarks set it to 0 to compare.
@@ -20,9 +20,11 @@ GEMV_MAX_ROWS = 8
 
 __all__ = [
     "AttentionMetadata",
+    "LoRAMetadata",
     "copy_blocks",
     "copy_blocks_between",
     "linear",
+    "lora_add",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -44,6 +46,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
         return triton_gemv.linear(x, w, bias)
     return reference.linear(x, w, bias)
+
+
+def lora_add(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata
+) -> None:
+    """``y[t] += (x[t] @ a[s].T) @ b[s].T * scale[s]`` for the tokens of each LoRA slot ``s``
+    (``meta``); ``a``: [S, R, in], ``b``: [S, out, R]. In place; base-only tokens untouched."""
+    if use_triton(x):
+        from kernels import triton_lora
+
+        triton_lora.lora_add(y, x, a, b, meta)
+        return
+    reference.lora_add(y, x, a, b, meta)
 
 
 def copy_blocks_between(

@@ -160,3 +160,75 @@ def copy_blocks_between(
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]``."""
     kv_cache[dst] = kv_cache[src]
+
+
+@dataclass(slots=True)
+class LoRAMetadata:
+    """Which LoRA slot each token of a flattened batch uses, built once per step.
+
+    ``token_slots[t]`` is the slot of token ``t`` (-1: the base model alone). The reference
+    path walks ``groups`` (the rows of each slot present); the Triton path walks tiles of at
+    most ``tile_m`` tokens of one slot: ``rows[tile_start[i]:tile_start[i] + tile_len[i]]`` are
+    the token rows of tile ``i``, all of slot ``tile_slot[i]`` (a segmented product with a
+    gather, so a slot's tokens need not be contiguous). ``ranks[s]`` and ``scales[s]`` are the
+    rank and PEFT scale of the adapter in slot ``s``.
+    """
+
+    token_slots: list[int]
+    ranks: list[int]
+    scales: list[float]
+    groups: list[tuple[int, torch.Tensor]]
+    rows: torch.Tensor | None = None  # [T'] int32, tokens with an adapter, grouped by slot
+    tile_start: torch.Tensor | None = None  # [tiles] int32
+    tile_len: torch.Tensor | None = None
+    tile_slot: torch.Tensor | None = None
+    scales_t: torch.Tensor | None = None  # [S] float32
+
+    @classmethod
+    def build(
+        cls, token_slots: list[int], ranks: list[int], scales: list[float],
+        device: torch.device, tile_m: int = 16,
+    ) -> LoRAMetadata:  # fmt: skip
+        by_slot: dict[int, list[int]] = {}
+        for t, s in enumerate(token_slots):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(t)
+        if device.type != "cuda":
+            groups = [(s, torch.tensor(r, device=device)) for s, r in sorted(by_slot.items())]
+            return cls(token_slots, ranks, scales, groups)
+        rows: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        slots: list[int] = []
+        for s, r in sorted(by_slot.items()):
+            for i in range(0, len(r), tile_m):
+                starts.append(len(rows) + i)
+                lens.append(min(tile_m, len(r) - i))
+                slots.append(s)
+            rows.extend(r)
+
+        def i32(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int32, device=device)
+
+        return cls(
+            token_slots, ranks, scales, [], i32(rows), i32(starts), i32(lens), i32(slots),
+            torch.tensor(scales, dtype=torch.float32, device=device),
+        )  # fmt: skip
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups) or (self.tile_slot is not None and self.tile_slot.numel() > 0)
+
+
+def lora_add(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata
+) -> None:
+    """``y[t] += (x[t] @ a[s].T) @ b[s].T * scale[s]`` for each token ``t`` of slot ``s``.
+
+    ``a``: [S, R, in] and ``b``: [S, out, R] hold every slot's matrices zero-padded to rank R;
+    ``y`` ([T, out], may be a column slice of a fused projection) is updated in place. Computed
+    as PEFT does (``lora_B(lora_A(x)) * scaling``) on the adapter's own rank."""
+    for s, rows in meta.groups:
+        r = meta.ranks[s]
+        delta = F.linear(F.linear(x[rows], a[s, :r]), b[s, :, :r].contiguous()) * meta.scales[s]
+        y[rows] += delta

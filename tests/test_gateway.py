@@ -62,6 +62,8 @@ class FakeBackend:
         self.hang_after: int | None = None  # hang forever after this many events
         self.is_healthy = True
         self.reply = REPLY
+        self.loras: dict[str, str] = {}
+        self.embedded: list[tuple[str, list[list[int]]]] = []
 
     def reply_ids(self) -> list[int]:
         return self.tok.encode(self.reply)
@@ -98,6 +100,24 @@ class FakeBackend:
 
     async def readiness(self) -> str | None:
         return None if self.is_healthy else "no live decode worker"
+
+    async def adapters(self) -> dict[str, str]:
+        return {name: MODEL for name in self.loras}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        if name in self.loras:
+            raise APIError(400, f"the adapter `{name}` is already loaded")
+        self.loras[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        if self.loras.pop(name, None) is None:
+            raise APIError(404, f"the adapter `{name}` is not loaded")
+
+    async def embed(
+        self, request_id: str, model: str, inputs: list[list[int]]
+    ) -> tuple[list[list[float]], int]:
+        self.embedded.append((model, inputs))
+        return [[float(len(ids)), 0.5, -0.25] for ids in inputs], sum(map(len, inputs))
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

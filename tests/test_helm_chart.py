@@ -16,6 +16,7 @@ from tests.helm_render import (
     Manifest,
     by_kind,
     component,
+    container_env,
     find_helm,
     render,
     run_helm,
@@ -252,3 +253,43 @@ def test_one_dashboard_configmap_per_json_file(helm) -> None:
         assert m["metadata"]["labels"]["grafana_dashboard"] == "1"
     off = render(helm, sets=["metrics.dashboards.enabled=false"])
     assert not [d for d in by_kind(off, "ConfigMap") if component(d) == "dashboards"]
+
+
+def test_extra_models_get_pools_of_their_own(helm) -> None:
+    sets = [
+        "extraModels[0].name=Qwen2.5-0.5B", "extraModels[0].servedModelName=qwen",
+        "extraModels[0].decode.replicas=3", "extraModels[0].prefill.gpus=0",
+    ]  # fmt: skip
+    docs = render(helm, sets=sets, kube_version=KUBE_VERSIONS[-1])
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    deployments = {d["metadata"]["name"]: d for d in by_kind(docs, "Deployment")}
+    extra = deployments["tandem-decode-qwen2-5-0-5b"]
+    assert extra["spec"]["replicas"] == 3
+    labels = extra["spec"]["selector"]["matchLabels"]
+    assert labels != deployments["tandem-decode"]["spec"]["selector"]["matchLabels"]
+    (container,) = extra["spec"]["template"]["spec"]["containers"]
+    env = container_env(docs, container)
+    assert env["TANDEM_MODEL_DIR"] == "/models/Qwen2.5-0.5B"
+    assert env["TANDEM_SERVED_MODEL_NAME"] == "qwen"
+    prefill = deployments["tandem-prefill-qwen2-5-0-5b"]["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in prefill["containers"][0]["resources"].get("limits", {})
+    for name in ("gateway", "router"):
+        (config,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith(name)]
+        assert config["data"]["TANDEM_EXTRA_MODEL"] == "qwen=/models/Qwen2.5-0.5B"
+
+
+def test_lora_values_reach_gateway_and_workers(helm) -> None:
+    sets = ["lora.modules={sql=/models/adapters/sql,chat=/models/adapters/chat}",
+            "lora.runtimeUpdating=true", "lora.maxLoras=8"]  # fmt: skip
+    docs = render(helm, sets=sets)
+    maps = {d["metadata"]["name"]: d["data"] for d in by_kind(docs, "ConfigMap")}
+    for role in ("prefill", "decode"):
+        data = maps[f"tandem-{role}"]
+        assert data["TANDEM_LORA_MODULES"] == "sql=/models/adapters/sql,chat=/models/adapters/chat"
+        assert data["TANDEM_ENABLE_LORA"] == "true" and data["TANDEM_MAX_LORAS"] == "8"
+    assert maps["tandem-gateway"]["TANDEM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    off = {d["metadata"]["name"]: d["data"] for d in by_kind(render(helm), "ConfigMap")}
+    assert "TANDEM_ALLOW_RUNTIME_LORA_UPDATING" not in off["tandem-gateway"]
+    assert "TANDEM_LORA_MODULES" not in off["tandem-decode"]

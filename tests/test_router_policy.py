@@ -9,7 +9,7 @@ import pytest
 
 from libkv.cluster.location_index import PrefixIndex
 from libkv.cluster.locations import location_key
-from libkv.cluster.registry import Member, MemberLoad
+from libkv.cluster.registry import LORAS, Member, MemberLoad
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
 from libkv.kv_layout import LAYOUT_KEY, KVLayout
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
@@ -200,3 +200,40 @@ def test_pairs_of_any_tp_sizes_hand_off_and_other_geometries_are_refused(caplog)
     # With both kinds of prefill worker live, only the compatible one is picked.
     plan = chooser([bf16, p2, d1]).plan(req(), set())
     assert plan.prefill.worker_id == "p0"
+
+
+def with_loras(m: Member, *names: str) -> Member:
+    return dataclasses.replace(m, extra={**m.extra, LORAS: ",".join(names)})
+
+
+@pytest.mark.parametrize("policy", ["kv", "least-loaded", "round-robin"])
+def test_an_adapters_requests_go_to_workers_that_hold_it(policy):
+    members = [
+        member("p0", "prefill"),
+        with_loras(member("p1", "prefill", queue=5), "a"),
+        member("d0", "decode"),
+        with_loras(member("d1", "decode", queue=5), "a", "b"),
+    ]
+    lora = RouteRequest(PROMPT, max_tokens=16, lora="a")
+    for _ in range(3):  # busier, yet the only holders
+        plan = chooser(members, policy).plan(lora, set())
+        assert (plan.prefill.worker_id, plan.decode.worker_id) == ("p1", "d1")
+    # No prefill worker holds b: the holder decodes it alone; nobody holds c: no plan.
+    plan = chooser(members, policy).plan(RouteRequest(PROMPT, max_tokens=16, lora="b"), set())
+    assert plan.prefill is None and plan.decode.worker_id == "d1"
+    assert chooser(members, policy).plan(RouteRequest(PROMPT, lora="c"), set()) is None
+    # The base model goes anywhere (the idle workers here).
+    plan = chooser(members, policy).plan(req(), set())
+    assert plan.decode.worker_id == "d0" or policy == "round-robin"
+
+
+def test_prefix_hashes_are_salted_by_adapter():
+    index = PrefixIndex()
+    hit = member("d1", "decode")
+    chain = hash_prefix_blocks(PROMPT, BS, encode_extra_keys(None, "a"))
+    index.put(location_key("d1", hit.incarnation, chain[31]), b"32")
+    members = [member("d0", "decode"), with_loras(hit, "a")]
+    plan = chooser(members, index=index).plan(RouteRequest(PROMPT, lora="a"), set())
+    assert plan.decode.worker_id == "d1" and plan.cached_blocks == 32
+    members = [member("d0", "decode"), hit]
+    assert chooser(members, index=index).plan(req(), set()).cached_blocks == 0

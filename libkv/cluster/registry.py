@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MEMBERS_PREFIX = "/tandem/v1/members/"
 ROLES = ("prefill", "decode", "router", "gateway")
 DRAINING = "draining"  # Member.extra key: "1" while the worker finishes its work and takes none
+LORAS = "loras"  # Member.extra key: the LoRA adapters a worker has loaded, comma-separated
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ class Member:
         """Shutting down: it finishes what it has (and serves its KV blocks) but takes nothing
         new, so routers leave it out (`MemberWatcher.members_by_role`)."""
         return self.extra.get(DRAINING) == "1"
+
+    @property
+    def loras(self) -> frozenset[str]:
+        """The LoRA adapters the worker has loaded (routers send an adapter's requests only
+        to workers that hold it)."""
+        return frozenset(n for n in self.extra.get(LORAS, "").split(",") if n)
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
@@ -217,6 +224,13 @@ class Registration:
                 log.warning("refreshing %s failed (%d): %r", self.member.worker_id, failures, e)
                 await self._etcd.reset()
 
+    async def publish(self) -> None:
+        """Put the member record now (after `set_extra`), instead of at the next refresh."""
+        if self.lease_id is None:
+            return
+        member = self._published(self.member)
+        await self._etcd.client.put(member.key, member.to_json(), lease=self.lease_id)
+
     def set_extra(self, key: str, value: str) -> None:
         """Change one field of the member record; published at the next refresh (within
         ``refresh`` seconds)."""
@@ -284,6 +298,17 @@ class MemberDirectory(Protocol):
     """The read side routers need; `MemberWatcher` implements it from etcd."""
 
     def members_by_role(self, role: str) -> list[Member]: ...
+
+
+class ModelDirectory:
+    """The members of one base model (``Member.model``) in a directory of many: each model's
+    routing (KV-aware choice, load, admission) sees only its own workers."""
+
+    def __init__(self, directory: MemberDirectory, model: str) -> None:
+        self.directory, self.model = directory, model
+
+    def members_by_role(self, role: str) -> list[Member]:
+        return [m for m in self.directory.members_by_role(role) if m.model == self.model]
 
 
 class MemberWatcher:

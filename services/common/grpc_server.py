@@ -21,7 +21,12 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
+from engine.errors import (
+    AdapterNotFoundError,
+    InvalidRequestError,
+    KVCapacityError,
+    RequestNotFoundError,
+)
 from services.common import errors
 from services.common.tls import TLSFiles, server_credentials
 from services.observability.grpc import ObserveInterceptor
@@ -39,6 +44,7 @@ LIVENESS_SERVICE = "liveness"
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AdapterNotFoundError, grpc.StatusCode.NOT_FOUND),
     (KVCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),

@@ -30,6 +30,7 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
         tenant=req.tenant,
         cached_tokens=req.cached_tokens,
         priority=priority_from_pb(req.priority),
+        lora=req.lora,
     )
     if req.HasField("kv"):
         job.kv = handle_from_pb(req.kv)

@@ -33,6 +33,7 @@ class DecodeJob:
     generator_state: bytes = b""
     cached_tokens: int = 0
     priority: str = "interactive"
+    lora: str = ""  # LoRA adapter ("" = the base model)
     # With kv: the choices that go on here, each from its first token (empty: choice 0 from
     # first_token, first_logprob and generator_state).
     starts: list[FirstToken] = field(default_factory=list)
@@ -87,7 +88,7 @@ class DecodeCore:
         if job.kv is None:
             async for out in self.engine.generate(
                 job.request_id, job.prompt, job.params, tenant=job.tenant or None,
-                priority=priority,
+                priority=priority, lora=job.lora or None,
             ):  # fmt: skip
                 yield out
             return
@@ -108,6 +109,7 @@ class DecodeCore:
                 recompute=recompute,
                 priority=priority,
                 firsts=job.starts,
+                lora=job.lora or None,
             )
 
         async for out in self.engine.follow(job.request_id, add):
@@ -129,6 +131,7 @@ class DecodeCore:
             job.request_id,
             job.prompt,
             job.tenant or None,
+            job.lora or None,
             undo=lambda _: eng.release(job.request_id),
         )
         skip = cached // eng.config.block_size

@@ -7,6 +7,7 @@ from tandem.v1 import common_pb2, worker_pb2_grpc
 from services.decode.codec import job_from_pb, output_to_pb
 from services.decode.core import DecodeCore
 from services.worker.codec import stats_to_pb
+from services.worker.embed import embed
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
@@ -24,3 +25,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     async def Stats(self, request, context):  # noqa: N802
         return stats_to_pb(await self.core.stats())
+
+    async def Embed(self, request, context):  # noqa: N802
+        return await embed(self.core.engine, self.core.ledger, request)

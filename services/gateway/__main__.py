@@ -19,7 +19,7 @@ import uvicorn
 
 from engine.tokenizer import Tokenizer
 from services.common.process import setup_logging
-from services.gateway.config import GatewayConfig, parse_config
+from services.gateway.config import GatewayConfig, model_configs, parse_config
 from services.gateway.grpc_backend import GrpcBackend
 from services.gateway.observe import GatewayMetrics
 from services.gateway.server import create_app
@@ -51,7 +51,10 @@ async def serve(config: GatewayConfig) -> None:
     metrics = GatewayMetrics(
         obs.metrics.registry, config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000
     )
-    app = create_app(config, backend, tokenizer, lifespan=lifespan, metrics=metrics)
+    extra = [(c, Tokenizer(c.model_dir)) for c in model_configs(config)[1:]]
+    app = create_app(
+        config, backend, tokenizer, lifespan=lifespan, metrics=metrics, extra_models=extra
+    )
     obs.metrics.register(AdmissionCollector(app.state.limits.ledger))
     server = uvicorn.Server(
         uvicorn.Config(

@@ -125,3 +125,31 @@ def http_error(
     else:  # ours: keep internal addresses and state out of the answer (the backend logs it)
         message = _SERVER_MESSAGES.get(status, "internal server error")
     return APIError(status, message, type_, code=err_code, headers=headers)
+
+
+def list_models_request() -> common_pb2.ListModelsRequest:
+    return common_pb2.ListModelsRequest()
+
+
+def adapters_of(reply: common_pb2.ListModelsResponse) -> dict[str, str]:
+    """The adapters (models with a parent) of a ListModels reply, with their parents."""
+    return {m.id: m.parent for m in reply.models if m.parent}
+
+
+def load_lora_request(name: str, path: str) -> common_pb2.LoadLoraAdapterRequest:
+    return common_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+
+
+def unload_lora_request(name: str) -> common_pb2.UnloadLoraAdapterRequest:
+    return common_pb2.UnloadLoraAdapterRequest(lora_name=name)
+
+
+def embed_request(request_id: str, model: str, inputs: list[list[int]]) -> common_pb2.EmbedRequest:
+    req = common_pb2.EmbedRequest(request_id=request_id, model=model)
+    for ids in inputs:
+        req.inputs.add(token_ids=ids)
+    return req
+
+
+def embeddings_of(reply: common_pb2.EmbedResponse) -> tuple[list[list[float]], int]:
+    return [list(e.values) for e in reply.embeddings], reply.prompt_tokens

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from services.common.admission import batch_fraction_option
+from services.common.models import parse_models
 from services.common.options import Options, option
 from services.common.process import log_level_option
 from services.common.tls import TLSFiles, TLSOptions
@@ -39,6 +40,13 @@ class GatewayConfig:
         "", "model folder: tokenizer and config.json", required=True, convert=os.path.expanduser
     )
     served_model_name: str = option("", "model id clients send (default: the folder's name)")
+    extra_models: tuple[str, ...] = option(
+        (),
+        "another base model served beside --model-dir, DIR or NAME=DIR (repeatable; its "
+        "context is the model's own); requests pick one by model, through the same routers",
+        flag="--extra-model",
+        metavar="[NAME=]DIR",
+    )
     max_model_len: int = option(0, "context length (default: the model's)")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "HTTP port")
@@ -95,6 +103,11 @@ class GatewayConfig:
         "jinja chat template for requests with tools (default: the model's own when it "
         "renders tools, else a built-in Hermes ChatML template for ChatML models)",
     )
+    allow_runtime_lora_updating: bool = option(
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders on "
+        "the workers' hosts; off: 403, as vLLM keeps them off unless asked)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.default_max_tokens < 1:
@@ -138,9 +151,31 @@ def parse_config(
     max_model_len = config.max_model_len or context
     if not 1 < max_model_len <= context:
         opts.error(f"--max-model-len must be in [2, {context}] for this model")
-    return replace(
+    config = replace(
         config,
         served_model_name=config.served_model_name or model_dir.resolve().name,
         max_model_len=max_model_len,
         api_keys=keys,
     )
+    try:
+        model_configs(config)
+    except (OSError, ValueError) as e:
+        opts.error(f"--extra-model: {e}")
+    return config
+
+
+def model_configs(config: GatewayConfig) -> list[GatewayConfig]:
+    """The config of each served base model: ``config`` itself, then one per
+    ``--extra-model`` (its folder, name and own context; every other setting shared)."""
+    out = [config]
+    for name, folder in parse_models(config.extra_models).items():
+        if name in (c.served_model_name for c in out):
+            raise ValueError(f"model {name!r} is named twice")
+        context = ModelConfig.from_dir(folder).max_position_embeddings
+        out.append(
+            replace(
+                config, model_dir=folder, served_model_name=name, max_model_len=context,
+                extra_models=(),
+            )
+        )  # fmt: skip
+    return out

@@ -122,6 +122,25 @@ class Backend(Protocol):
         """None when a request could be served now, else the reason it could not."""
         ...
 
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters live workers hold: name -> its base model."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter on the workers (APIError 400 with the reason when it cannot); with
+        several base models ``name`` is ``BASE/NAME``."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter from the workers (APIError 404 when none has it)."""
+        ...
+
+    async def embed(
+        self, request_id: str, model: str, inputs: list[list[int]]
+    ) -> tuple[list[list[float]], int]:
+        """(one embedding per input, prompt tokens) from the workers of ``model``."""
+        ...
+
 
 async def run_generation(
     backend: Backend, req: BackendRequest

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
+ADAPTER_TIMEOUT_S = 120.0  # a load reads the adapter on every worker
 DOWN_RETRY_S = 5.0  # a router that was unavailable goes last in the order for this long
 
 
@@ -112,6 +113,36 @@ class GrpcBackend:
                 )
             except grpc.aio.AioRpcError as e:
                 log.warning("Abort(%s) on %s failed: %s", request_id, address, e.code())
+
+    async def _unary(self, method: str, msg):
+        """One unary call on the first router that answers (in turn, down ones last)."""
+        order = self.order()
+        for i, address in enumerate(order):
+            rpc = getattr(self._stubs[address], method)
+            try:
+                return await rpc(msg, timeout=ADAPTER_TIMEOUT_S, metadata=self._metadata)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and i < len(order) - 1:
+                    self._down_until[address] = time.monotonic() + DOWN_RETRY_S
+                    continue
+                raise codec.http_error(e.code(), e.details(), _trailers(e)) from e
+        raise AssertionError("no router address")  # GrpcBackend has at least one
+
+    async def adapters(self) -> dict[str, str]:
+        reply = await self._unary("ListModels", codec.list_models_request())
+        return codec.adapters_of(reply)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._unary("LoadLoraAdapter", codec.load_lora_request(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self._unary("UnloadLoraAdapter", codec.unload_lora_request(name))
+
+    async def embed(
+        self, request_id: str, model: str, inputs: list[list[int]]
+    ) -> tuple[list[list[float]], int]:
+        reply = await self._unary("Embed", codec.embed_request(request_id, model, inputs))
+        return codec.embeddings_of(reply)
 
     async def readiness(self) -> str | None:
         """None when some router can route to a live decode worker of ``model`` (its

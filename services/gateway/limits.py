@@ -82,13 +82,15 @@ class Ticket:
     on_settle: Callable[[], None] | None = None
     settled: bool = False
 
-    def settle(self, completion_tokens: int) -> None:
-        """Charge what was really used (prompt + generated; 0 when nothing was generated) and
-        release the admission; only the first call counts (`services.gateway.exchange`)."""
+    def settle(self, completion_tokens: int, prompt_only: bool = False) -> None:
+        """Charge what was really used (prompt + generated; 0 when nothing was generated, unless
+        ``prompt_only``: an embedding, whose prompt is all it uses) and release the admission;
+        only the first call counts (`services.gateway.exchange`)."""
         if self.settled:
             return
         self.settled = True
-        used = self.prompt_tokens + completion_tokens if completion_tokens else 0
+        done = completion_tokens or prompt_only
+        used = self.prompt_tokens + completion_tokens if done else 0
         for bucket in self.buckets:
             bucket.level = min(bucket.size, bucket.level + self.reserved - used)
         if self.on_settle is not None:

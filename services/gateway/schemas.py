@@ -186,3 +186,29 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused:
+    adapters are named)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's ``POST /v1/embeddings`` body: ``input`` is a string, a list of strings, a list of
+    token ids or a list of token-id lists."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None

@@ -13,19 +13,20 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.gateway.config import GatewayConfig
 from services.gateway.core import (
@@ -39,15 +40,22 @@ from services.gateway.core import (
     unfinished,
 )
 from services.gateway.edge import EdgeMiddleware, error_response, validation_error
+from services.gateway.embeddings import embedding_inputs, embedding_response
 from services.gateway.exchange import Exchange
 from services.gateway.limits import Limits
+from services.gateway.models import Served
 from services.gateway.observe import GatewayMetrics, ObserveMiddleware
 from services.gateway.openapi import install_openapi
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import TokenText, full_response
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from services.gateway.stream import stream_chunks
-from services.gateway.tools import tool_support
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +72,13 @@ def create_app(
     tokenizer: Tokenizer,
     lifespan: Any = None,
     metrics: GatewayMetrics | None = None,
+    extra_models: Sequence[tuple[GatewayConfig, Tokenizer]] = (),
 ) -> FastAPI:
     """The gateway's ASGI app: OpenAI routes over ``backend``, tokenizing with ``tokenizer``.
     ``lifespan`` (optional) is FastAPI's: start-up and shutdown work such as closing channels.
-    ``metrics`` (optional) records requests, token timings and goodput."""
+    ``metrics`` (optional) records requests, token timings and goodput. ``extra_models``: the
+    config and tokenizer of each further base model (``config.model_configs``); a request's
+    ``model`` picks one."""
     app = FastAPI(
         title="Tandem gateway",
         docs_url=None,
@@ -83,44 +94,117 @@ def create_app(
     app.state.limits = Limits.from_config(config)
     _add_error_handlers(app)
     install_openapi(app, config.served_model_name)
-    text_of = TokenText(tokenizer)
     started = int(time.time())
-    tools = tool_support(tokenizer, config.tool_call_parser, config.tool_chat_template)
+    served = [Served.of(c, t, backend) for c, t in [(config, tokenizer), *extra_models]]
+    by_name = {m.name: m for m in served}
+
+    async def pick(model: str) -> tuple[Served, bool]:
+        """(the base model ``model`` runs on, whether it names an adapter of it); the first
+        model for an unknown name, whose checks answer 404."""
+        if model in by_name:
+            return by_name[model], False
+        for m in served:
+            if await m.catalog.is_adapter(model):
+                return m, True
+        return served[0], False
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
-        p = await run_in_threadpool(prepare_chat, config, tokenizer, body, rid, tenant, tools)
-        return await _respond(request, backend, p, text_of)
+        m, adapter = await pick(body.model)
+        base = body.model_copy(update={"model": m.name}) if adapter else body
+        prep = prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools
+        p = await run_in_threadpool(*prep)
+        return await _respond(request, backend, _for_model(p, body.model), m.text_of)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         rid, tenant = request.state.request_id, request.state.tenant
-        p = await run_in_threadpool(prepare_completion, config, tokenizer, body, rid, tenant)
-        return await _respond(request, backend, p, text_of)
+        m, adapter = await pick(body.model)
+        base = body.model_copy(update={"model": m.name}) if adapter else body
+        prep = prepare_completion, m.config, m.tokenizer, base, rid, tenant
+        p = await run_in_threadpool(*prep)
+        return await _respond(request, backend, _for_model(p, body.model), m.text_of)
 
-    def model_card() -> dict[str, Any]:
+    def model_card(m: Served, name: str) -> dict[str, Any]:
+        """OpenAI's model object; an adapter's names its base model as ``parent`` (vLLM)."""
         return {
-            "id": config.served_model_name,
+            "id": name,
             "object": "model",
             "created": started,
             "owned_by": "tandem",
-            "max_model_len": config.max_model_len,
+            "root": m.name,
+            "parent": None if name == m.name else m.name,
+            "max_model_len": m.config.max_model_len,
         }
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        data = []
+        for m in served:
+            names = [m.name, *await m.catalog.adapters(refresh=True)]
+            data += [model_card(m, n) for n in names]
+        return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> dict[str, Any]:
-        if model != config.served_model_name:
+    async def known(model: str) -> Served:
+        """The base model of ``model``; 404 when it is neither a base model nor an adapter."""
+        m, adapter = await pick(model)
+        if model != m.name and not adapter:
             raise APIError(
                 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
-        return model_card()
+        return m
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        return model_card(await known(model), model)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings, pooled as ``engine.pooling`` says (last token, L2-normalised,
+        for a generative model), computed by prefill workers."""
+        body = await _parse(request, EmbeddingRequest)
+        m = await known(body.model)
+        inputs = await run_in_threadpool(embedding_inputs, m.config, m.tokenizer, body)
+        rid, tenant = request.state.request_id, request.state.tenant
+        # Metered like a prompt: the tenant's token budget and the gateway's admission.
+        flat = tuple(t for ids in inputs for t in ids)
+        metered = BackendRequest(rid, flat, SamplingParams(max_tokens=1), tenant, body.model)
+        ticket = request.app.state.limits.admit(metered)
+        try:
+            vectors, tokens = await backend.embed(rid, body.model, inputs)
+        except BaseException:
+            ticket.settle(0)
+            raise
+        ticket.settle(0, prompt_only=True)
+        answer = embedding_response(body.model, vectors, tokens, body.encoding_format)
+        return JSONResponse(answer, headers=ticket.headers)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: load a PEFT adapter folder on every worker; 400 with the reason when it
+        cannot be served. With several base models the name is ``BASE/NAME``."""
+        _check_lora_updating(config)
+        body = await _parse(request, LoadLoraAdapterRequest)
+        if body.lora_name in by_name:
+            raise APIError(400, "the adapter name is a base model's", param="lora_name")
+        await backend.load_lora(body.lora_name, body.lora_path)
+        for m in served:
+            m.catalog.forget()
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: unload an adapter everywhere (404 when not loaded); requests already
+        using it finish first."""
+        _check_lora_updating(config)
+        body = await _parse(request, UnloadLoraAdapterRequest)
+        await backend.unload_lora(body.lora_name)
+        for m in served:
+            m.catalog.forget()
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> Response:
@@ -183,6 +267,25 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
         exchange, _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
         headers=headers,
     )  # fmt: skip
+
+
+def _check_lora_updating(config: GatewayConfig) -> None:
+    if not config.allow_runtime_lora_updating:
+        raise APIError(
+            403,
+            "loading and unloading LoRA adapters at run time is off on this gateway "
+            "(--allow-runtime-lora-updating)",
+            "permission_error",
+        )
+
+
+def _for_model(p: Prepared, model: str) -> Prepared:
+    """``p`` running on ``model`` (an adapter name, or the base model's unchanged)."""
+    if model == p.backend_request.model:
+        return p
+    return dataclasses.replace(
+        p, backend_request=dataclasses.replace(p.backend_request, model=model)
+    )
 
 
 def _with_session(req: BackendRequest, session: str) -> BackendRequest:

@@ -56,6 +56,23 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="dummy: random weights of the model folder's shapes (python -m engine.shapes)",
     )
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) every worker loads at start, vLLM's syntax; requests "
+        "name an adapter as their model",
+    )
+    g.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="the gateway serves /v1/load_lora_adapter and /v1/unload_lora_adapter, and the "
+        "workers reserve LoRA slots for them",
+    )
+    g.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank accepted")
+    g.add_argument(
         "--worker-arg",
         action="append",
         default=[],
@@ -89,6 +106,14 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("dtype", "load_format"):
         if getattr(args, name):
             out[name] = getattr(args, name)
-    if args.worker_arg:
-        out["worker_args"] = tuple(args.worker_arg)
+    passed = list(args.worker_arg)
+    passed += [f"--lora-modules={m}" for m in args.lora_modules]
+    if args.allow_runtime_lora_updating:
+        passed.append("--enable-lora")
+        out["gateway_args"] = ("--allow-runtime-lora-updating",)
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+        if value is not None:
+            passed.append(f"{flag}={value}")
+    if passed:
+        out["worker_args"] = tuple(passed)
     return out

@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.models import parse_models
 from services.launcher import process
 from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
 from services.launcher.placement import Placement, place
@@ -60,6 +61,9 @@ class StackConfig:
     router_policy: str = ""  # --policy of the routers; empty: their default (kv)
     # Extra flags per kind of process (limits, TLS, ...), appended to its command line.
     worker_args: tuple[str, ...] = ()
+    # Further base models, DIR or NAME=DIR: each gets num_prefill + num_decode workers of its
+    # own (numbered after the first model's), and the routers and gateway serve them all.
+    extra_models: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     etcd_tls: EtcdTLS | None = None  # serve etcd over TLS (client certificates required)
@@ -74,10 +78,27 @@ class StackConfig:
         )
 
     @property
+    def models(self) -> dict[str, str]:
+        """Served name -> folder of every base model, the first first."""
+        return {Path(self.model_dir).name: self.model_dir, **parse_models(self.extra_models)}
+
+    def worker_models(self) -> dict[str, str]:
+        """Worker name -> the served name of its model."""
+        out: dict[str, str] = {}
+        for k, name in enumerate(self.models):
+            out.update(
+                {f"prefill-{k * self.num_prefill + i}": name for i in range(self.num_prefill)}
+            )
+            out.update({f"decode-{k * self.num_decode + i}": name for i in range(self.num_decode)})
+        return out
+
+    @property
     def worker_names(self) -> list[str]:
-        return [f"prefill-{i}" for i in range(self.num_prefill)] + [
-            f"decode-{i}" for i in range(self.num_decode)
-        ]
+        def order(name: str) -> tuple[bool, int]:
+            role, _, index = name.partition("-")
+            return role == "decode", int(index)
+
+        return sorted(self.worker_models(), key=order)
 
     def placements(self) -> dict[str, Placement]:
         sizes = {w: self.tp_of(w.partition("-")[0]) for w in self.worker_names}
@@ -129,9 +150,12 @@ class Stack:
 
     def _worker_args(self, role: str, index: int, placement: Placement) -> list[str]:
         c = self.config
+        model = c.worker_models().get(f"{role}-{index}", Path(c.model_dir).name)
+        named = [] if c.models[model] == c.model_dir else ["--served-model-name", model]
         return self._python(
             f"services.{role}",
-            "--model-dir", c.model_dir,
+            "--model-dir", c.models[model],
+            *named,
             "--etcd", self.etcd.endpoint,
             "--worker-id", f"{role}-{index}",
             "--port", "0",
@@ -153,6 +177,7 @@ class Stack:
             "--etcd", self.etcd.endpoint,
             "--port", str(port),
             "--decode-only-threshold", str(c.decode_only_threshold),
+            *[f"--extra-model={m}" for m in c.extra_models],
             *(["--policy", c.router_policy] if c.router_policy else []),
             *[f"--api-key={k}" for k in c.api_keys],
             *c.router_args,
@@ -174,6 +199,7 @@ class Stack:
             "--host", c.host,
             "--port", str(c.port),
             *[f"--router={address}" for address in routers],
+            *[f"--extra-model={m}" for m in c.extra_models],
             *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
             *keys,
             # The routers check the same keys: the gateway presents the first as its own.

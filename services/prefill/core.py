@@ -68,6 +68,7 @@ class PrefillCore:
         params: SamplingParams,
         tenant: str,
         priority: str = "interactive",
+        lora: str = "",
     ) -> PrefillResult:
         """Prefill ``prompt``; refused at once (ResourceExhausted) past the admission bound.
         Cancelling the call (client gone, deadline passed) aborts it and frees its blocks."""
@@ -81,6 +82,7 @@ class PrefillCore:
                 tenant=tenant or None,
                 hold_kv=True,
                 priority=ENGINE_PRIORITY[priority],
+                lora=lora or None,
             ):
                 firsts[out.index] = out
         if len(firsts) < params.n:

@@ -9,6 +9,7 @@ from services.common.codec import priority_from_pb, sampling_from_pb
 from services.prefill.codec import prefill_response
 from services.prefill.core import PrefillCore
 from services.worker.codec import stats_to_pb
+from services.worker.embed import embed
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
@@ -22,6 +23,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             sampling_from_pb(request.sampling),
             request.tenant,
             priority_from_pb(request.priority),
+            request.lora,
         )
         return prefill_response(result)
 
@@ -35,3 +37,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Stats(self, request, context):  # noqa: N802
         return stats_to_pb(await self.core.stats())
+
+    async def Embed(self, request, context):  # noqa: N802
+        return await embed(self.core.engine, self.core.ledger, request)

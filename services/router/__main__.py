@@ -16,10 +16,11 @@ from tandem.v1 import router_pb2_grpc
 
 from engine.tokenizer import Tokenizer
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
-from libkv.cluster.registry import Member, MemberWatcher, Registration
+from libkv.cluster.registry import Member, MemberWatcher, ModelDirectory, Registration
 from libkv.cluster.summary_index import LocationIndex
 from services.common.grpc_server import start_server
 from services.common.health import Health, model_service
+from services.common.models import parse_models
 from services.common.options import Options, option
 from services.common.process import log_level_option, run_until_signal, setup_logging
 from services.common.security import ETCD_OLD_ENV, Security
@@ -57,6 +58,13 @@ class RouterConfig:
     advertise_host: str = option("", "host others dial (default: --host)")
     router_id: str = option("", "id in etcd (default: router-HOSTNAME-RANDOM)")
     served_model_name: str = option("", "model name (default: the folder's name)")
+    extra_models: tuple[str, ...] = option(
+        (),
+        "another base model served beside --model-dir, DIR or NAME=DIR (repeatable): requests "
+        "pick one by model; each routes only to workers registered under its name",
+        flag="--extra-model",
+        metavar="[NAME=]DIR",
+    )
     log_level: str = log_level_option()
     decode_only_threshold: int = option(
         256, "prompts whose uncached part is shorter go straight to a decode worker"
@@ -98,6 +106,11 @@ class RouterConfig:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).name
 
+    @property
+    def models(self) -> dict[str, str]:
+        """Served name -> model folder, the first model first."""
+        return {self.model_name: self.model_dir, **parse_models(self.extra_models)}
+
 
 def options(env: Mapping[str, str] | None = None) -> Options:
     """The router's command line."""
@@ -114,6 +127,11 @@ def parse_config(
         config.security.check()
     except ValueError as e:
         opts.error(str(e))
+    try:
+        if len(config.models) != 1 + len(config.extra_models):
+            raise ValueError("--extra-model: every model needs its own name")
+    except ValueError as e:
+        opts.error(f"--extra-model: {e}")
     router_id = config.router_id or f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return replace(config, router_id=router_id)
 
@@ -124,7 +142,6 @@ async def serve(config: RouterConfig) -> None:
     gateway's /health asks); live ("liveness") until it stops."""
     apply_security(config.security)  # before any etcd connection
     obs = Observability.start(config.observability, "router", config.model_name, config.router_id)
-    tokenizer = Tokenizer(config.model_dir)  # text prompts of internal callers only
     watcher = await MemberWatcher.start(list(config.etcd))
     clients = GrpcWorkerClients(tls=config.security.tls)
     policy = PolicyConfig(config.policy, config.decode_only_threshold, config.kv_load_weight)
@@ -133,8 +150,17 @@ async def serve(config: RouterConfig) -> None:
     lookup = index
     if index is not None and config.kv_recent_ttl > 0:
         lookup = HintedIndex(index, RecentRoutes(ttl=config.kv_recent_ttl))
-    core = RouterCore(watcher, clients, policy=policy, index=lookup)
-    servicer = RouterServicer(core, tokenizer, config.model_name, config.api_keys)
+    # One core per base model, each over its own workers; tokenizers read text prompts of
+    # internal callers only.
+    routes = {
+        name: (
+            RouterCore(ModelDirectory(watcher, name), clients, policy=policy, index=lookup),
+            Tokenizer(folder),
+        )
+        for name, folder in config.models.items()
+    }
+    core = routes[config.model_name][0]
+    servicer = RouterServicer(routes, config.api_keys)
     server = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
         ["tandem.v1.Router"],
@@ -147,7 +173,7 @@ async def serve(config: RouterConfig) -> None:
 
     def can_route() -> dict[str, bool]:
         decode = watcher.members_by_role("decode")
-        return {model_service(config.model_name): any(m.model == config.model_name for m in decode)}
+        return {model_service(n): any(m.model == n for m in decode) for n in config.models}
 
     health = await Health(
         server,

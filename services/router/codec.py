@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from tandem.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.errors import InvalidRequestError, RequestNotFoundError
 from engine.tokenizer import Tokenizer
@@ -25,11 +25,18 @@ from services.common.errors import (
 from services.common.tls import TLSFiles
 from services.router.core import DecodeCall, PrefillReply, RouteJob
 
+ADAPTER_TIMEOUT_S = 60.0  # reading an adapter folder into host memory
+
 
 def job_from_pb(
-    req: router_pb2.GenerateRequest, tokenizer: Tokenizer, rid: str, time_left: float | None
+    req: router_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    rid: str,
+    time_left: float | None,
+    lora: str = "",
 ) -> RouteJob:
-    """The routing job of a request; ``time_left`` is the call's gRPC deadline (None: none)."""
+    """The routing job of a request; ``time_left`` is the call's gRPC deadline (None: none);
+    ``lora``: the adapter its ``model`` names."""
     which = req.WhichOneof("prompt")
     if which == "text":
         prompt = tokenizer.encode(req.text)
@@ -47,6 +54,7 @@ def job_from_pb(
         common.priority_from_pb(req.priority),
         None if time_left is None else time.monotonic() + time_left,
         session=req.session,
+        lora=lora,
     )
 
 
@@ -91,6 +99,7 @@ class GrpcWorkerClients:
             sampling=common.sampling_to_pb(job.params),
             tenant=job.tenant,
             priority=common.PRIORITY_TO_PB[job.priority],
+            lora=job.lora,
         )
         try:
             resp = await stub.Prefill(req, timeout=job.time_left(self.prefill_timeout))
@@ -120,6 +129,7 @@ class GrpcWorkerClients:
             generator_state=call.generator_state,
             cached_tokens=call.cached_tokens,
             priority=common.PRIORITY_TO_PB[job.priority],
+            lora=job.lora,
         )
         if call.handle is not None and call.first is not None:
             req.kv.CopyFrom(common.handle_to_pb(call.handle))
@@ -135,6 +145,40 @@ class GrpcWorkerClients:
             raise map_rpc_error(e, f"decode {worker.worker_id}") from e
         finally:
             stream.cancel()  # no-op when finished; frees the decode side on early exit
+
+    async def load_lora(self, worker: Member, name: str, path: str) -> None:
+        stub = worker_pb2_grpc.AdaptersStub(self._channel(worker.address))
+        req = common_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        try:
+            await stub.LoadLoraAdapter(req, timeout=ADAPTER_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"worker {worker.worker_id}") from e
+
+    async def unload_lora(self, worker: Member, name: str) -> None:
+        stub = worker_pb2_grpc.AdaptersStub(self._channel(worker.address))
+        req = common_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        try:
+            await stub.UnloadLoraAdapter(req, timeout=ADAPTER_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"worker {worker.worker_id}") from e
+
+    async def embed(
+        self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
+    ) -> tuple[list[list[float]], int]:
+        channel = self._channel(worker.address)
+        stub = (
+            worker_pb2_grpc.PrefillStub(channel)
+            if worker.role == "prefill"
+            else worker_pb2_grpc.DecodeStub(channel)
+        )
+        req = common_pb2.EmbedRequest(request_id=request_id, model=lora)
+        for ids in inputs:
+            req.inputs.add(token_ids=ids)
+        try:
+            reply = await stub.Embed(req, timeout=self.prefill_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"{worker.role} {worker.worker_id}") from e
+        return [list(e.values) for e in reply.embeddings], reply.prompt_tokens
 
     async def release(self, handle: common.KVHandle, request_id: str) -> None:
         stub = worker_pb2_grpc.PrefillStub(self._channel(handle.address))

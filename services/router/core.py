@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import ChoiceStart, Event, KVHandle
@@ -50,13 +51,15 @@ class RouteJob:
     priority: str = "interactive"
     deadline: float | None = None  # time.monotonic() after which the caller gave up
     session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
+    lora: str = ""  # LoRA adapter ("" = the base model)
 
     @property
     def route(self) -> RouteRequest:
         """What the routing policy looks at."""
         return RouteRequest(
-            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens
-        )
+            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens,
+            self.lora,
+        )  # fmt: skip
 
     def time_left(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
@@ -102,6 +105,14 @@ class WorkerClients(Protocol):
     def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[Event]: ...
 
     async def release(self, handle: KVHandle, request_id: str) -> None: ...
+
+    async def load_lora(self, worker: Member, name: str, path: str) -> None: ...
+
+    async def unload_lora(self, worker: Member, name: str) -> None: ...
+
+    async def embed(
+        self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
+    ) -> tuple[list[list[float]], int]: ...
 
 
 @dataclass(slots=True)
@@ -275,6 +286,81 @@ class RouterCore:
             raise
         finally:
             self.inflight[worker.worker_id] -= 1
+
+    async def embed(
+        self, request_id: str, inputs: list[list[int]], lora: str = ""
+    ) -> tuple[list[list[float]], int]:
+        """(one vector per input, prompt tokens), from a prefill worker (retried once on
+        another worker when one is unavailable or full)."""
+        failed: set[str] = set()
+        while True:
+            worker = self.chooser.pick_embedder(lora, failed)
+            if worker is None:
+                raise NoWorker("no live worker to embed on")
+            self.inflight[worker.worker_id] += 1
+            try:
+                return await self.clients.embed(worker, request_id, inputs, lora)
+            except RETRYABLE:
+                failed.add(worker.worker_id)
+                if len(failed) > 1:
+                    raise
+            finally:
+                self.inflight[worker.worker_id] -= 1
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    def workers(self) -> list[Member]:
+        return [m for role in ("prefill", "decode") for m in self.directory.members_by_role(role)]
+
+    def adapters(self) -> list[str]:
+        """Adapters some live decode worker holds (so requests for them can be served)."""
+        return sorted(set().union(*(m.loras for m in self.directory.members_by_role("decode"))))
+
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """Load an adapter on every live worker that lacks it; all or none: when one worker
+        refuses it (bad folder), the others unload it again and the refusal is raised.
+        Returns the workers that loaded it, once the member view lists it on them."""
+        workers = self.workers()
+        if not workers:
+            raise NoWorker("no live workers to load the adapter on")
+        targets = [m for m in workers if name not in m.loras]
+        if not targets:
+            raise InvalidRequestError(f"the adapter `{name}` is already loaded")
+        results = await asyncio.gather(
+            *(self.clients.load_lora(m, name, path) for m in targets), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        done = [
+            m for m, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)
+        ]
+        if errors:
+            await asyncio.gather(
+                *(self.clients.unload_lora(m, name) for m in done), return_exceptions=True
+            )
+            raise errors[0]
+        ids = {m.worker_id for m in done}
+        await self._until(lambda: ids <= {m.worker_id for m in self.workers() if name in m.loras})
+        return sorted(ids)
+
+    async def unload_lora(self, name: str) -> list[str]:
+        """Unload an adapter from every live worker holding it (their requests using it
+        finish first); AdapterNotFoundError when none holds it."""
+        holders = [m for m in self.workers() if name in m.loras]
+        if not holders:
+            raise AdapterNotFoundError(f"the adapter `{name}` is not loaded")
+        results = await asyncio.gather(
+            *(self.clients.unload_lora(m, name) for m in holders), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(holders):
+            raise errors[0]
+        await self._until(lambda: not any(name in m.loras for m in self.workers()))
+        return sorted(m.worker_id for m in holders)
+
+    async def _until(self, done, timeout: float = 5.0) -> None:
+        """Wait until ``done()`` holds in the member view (the workers publish at once)."""
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a running request; the cancellation reaches every worker it touched."""

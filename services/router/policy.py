@@ -69,6 +69,7 @@ class RouteRequest:
     tenant: str = ""
     session: str = ""
     max_tokens: int = 16
+    lora: str = ""  # LoRA adapter: only workers that hold it serve the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,7 @@ class _Chain:
 
     def hashes(self, block_size: int) -> list[BlockHash]:
         if block_size not in self._hashes:
-            extra = encode_extra_keys(self.req.tenant or None)
+            extra = encode_extra_keys(self.req.tenant or None, self.req.lora or None)
             self._hashes[block_size] = hash_prefix_blocks(self.req.prompt, block_size, extra)
         return self._hashes[block_size]
 
@@ -145,13 +146,25 @@ class Chooser:
         self.inflight: Counter[str] = inflight if inflight is not None else Counter()
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
 
-    def live(self, role: str, exclude: set[str]) -> list[Member]:
-        return [m for m in self.directory.members_by_role(role) if m.worker_id not in exclude]
+    def live(self, role: str, exclude: set[str], lora: str = "") -> list[Member]:
+        """Members of ``role`` that take work, not in ``exclude``; with ``lora``, only those
+        whose record lists that adapter as loaded."""
+        members = self.directory.members_by_role(role)
+        return [m for m in members if m.worker_id not in exclude and (not lora or lora in m.loras)]
 
-    def prefill_for(self, decoders: list[Member], exclude: set[str]) -> list[Member]:
+    def prefill_for(
+        self, decoders: list[Member], exclude: set[str], lora: str = ""
+    ) -> list[Member]:
         """Live prefill workers that can hand KV to at least one of ``decoders`` over a
         GPU-direct path (or between host-memory pools): `libkv.transfer.handoff_path`."""
-        return [p for p in self.live("prefill", exclude) if any(paired(p, d) for d in decoders)]
+        live = self.live("prefill", exclude, lora)
+        return [p for p in live if any(paired(p, d) for d in decoders)]
+
+    def pick_embedder(self, lora: str, exclude: set[str]) -> Member | None:
+        """The least loaded prefill worker holding ``lora`` (embedding is prefill-only work);
+        a decode worker when no prefill worker is live."""
+        candidates = self.live("prefill", exclude, lora) or self.live("decode", exclude, lora)
+        return min(candidates, key=self._least_loaded) if candidates else None
 
     def load(self, m: Member) -> int:
         return max(self.inflight[m.worker_id], m.load.queue_length + m.load.running)
@@ -159,7 +172,7 @@ class Chooser:
     # -- plans ----------------------------------------------------------------------------------
     def plan(self, req: RouteRequest, exclude: set[str]) -> Plan | None:
         """Workers for ``req`` avoiding ``exclude``; None when no decode worker is live."""
-        decoders = self.live("decode", exclude)
+        decoders = self.live("decode", exclude, req.lora)
         if not decoders:
             return None
         if self.config.name == "kv":
@@ -178,7 +191,7 @@ class Chooser:
     ) -> Member | None:
         """The prefill worker for ``req`` under this policy (also for a retry); with
         ``decode``, only one that can hand KV to it."""
-        candidates = self.live("prefill", exclude)
+        candidates = self.live("prefill", exclude, req.lora)
         if decode is not None:
             candidates = [p for p in candidates if paired(p, decode)]
         if not candidates:
@@ -198,7 +211,7 @@ class Chooser:
         uncached = len(req.prompt) - hit * bs
         prefill = None
         if uncached >= self.config.decode_only_threshold:
-            candidates = self.prefill_for(decoders, exclude)
+            candidates = self.prefill_for(decoders, exclude, req.lora)
             if candidates:
                 prefill = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
         if prefill is None:

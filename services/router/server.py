@@ -1,12 +1,14 @@
-"""gRPC servicer of the router."""
+"""gRPC servicer of the router: one routing core per base model it serves."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 
 from tandem.v1 import common_pb2, router_pb2_grpc
 
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.tokenizer import Tokenizer
 from services.common.codec import event_to_pb
 from services.common.errors import Unauthenticated
@@ -16,11 +18,12 @@ from services.router.core import RouterCore
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
-        self, core: RouterCore, tokenizer: Tokenizer, model: str, api_keys: frozenset[str]
+        self, routes: Mapping[str, tuple[RouterCore, Tokenizer]], api_keys: frozenset[str]
     ) -> None:
-        self.core = core
-        self.tokenizer = tokenizer
-        self.model = model
+        """``routes``: served base model -> (its core, its tokenizer); the first is the
+        default of a request that names no model."""
+        self.routes = dict(routes)
+        self.default = next(iter(self.routes))
         self.api_keys = api_keys
 
     def _authorize(self, context) -> None:
@@ -36,17 +39,77 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not token or not found:
             raise Unauthenticated("missing or wrong API key in 'authorization' metadata")
 
+    def _resolve(self, model: str) -> tuple[str, str]:
+        """(base model, adapter or "") that a request's ``model`` names; NOT_FOUND else."""
+        if not model or model in self.routes:
+            return model or self.default, ""
+        for base, (core, _) in self.routes.items():
+            if model in core.adapters():
+                return base, model
+        raise AdapterNotFoundError(f"The model `{model}` does not exist.")
+
+    def _base(self, name: str) -> str:
+        """The base model an adapter load names (only one base model: that one)."""
+        if len(self.routes) == 1:
+            return self.default
+        base, sep, _ = name.partition("/")
+        if sep and base in self.routes:
+            return base
+        raise InvalidRequestError(
+            f"this router serves {len(self.routes)} base models: name the adapter "
+            f"BASE/NAME, BASE one of {', '.join(self.routes)}"
+        )
+
     async def Generate(self, request, context):  # noqa: N802 - generated name
         self._authorize(context)
-        if request.model and request.model != self.model:
-            from engine.errors import RequestNotFoundError
-
-            raise RequestNotFoundError(f"model {request.model!r} is not served here")
-        rid = request.request_id or self.core.new_request_id()
-        job = job_from_pb(request, self.tokenizer, rid, context.time_remaining())
-        async for ev in self.core.generate(job):
+        base, lora = self._resolve(request.model)
+        core, tokenizer = self.routes[base]
+        rid = request.request_id or core.new_request_id()
+        job = job_from_pb(request, tokenizer, rid, context.time_remaining(), lora)
+        async for ev in core.generate(job):
             yield event_to_pb(ev)
 
     async def Abort(self, request, context):  # noqa: N802
         self._authorize(context)
-        return common_pb2.AbortResponse(found=self.core.abort(request.request_id))
+        found = any(core.abort(request.request_id) for core, _ in self.routes.values())
+        return common_pb2.AbortResponse(found=found)
+
+    async def LoadLoraAdapter(self, request, context):  # noqa: N802
+        self._authorize(context)
+        name = request.lora_name
+        if not name or name in self.routes or "," in name:
+            raise InvalidRequestError(f"invalid adapter name {name!r}")
+        if not request.lora_path:
+            raise InvalidRequestError("lora_path is required")
+        core = self.routes[self._base(name)][0]
+        ids = await core.load_lora(name, request.lora_path)
+        return common_pb2.LoraAdapterResponse(worker_ids=ids)
+
+    async def UnloadLoraAdapter(self, request, context):  # noqa: N802
+        self._authorize(context)
+        base, lora = self._resolve(request.lora_name)
+        if not lora:
+            raise InvalidRequestError(f"`{request.lora_name}` is a base model, not an adapter")
+        ids = await self.routes[base][0].unload_lora(lora)
+        return common_pb2.LoraAdapterResponse(worker_ids=ids)
+
+    async def Embed(self, request, context):  # noqa: N802
+        self._authorize(context)
+        base, lora = self._resolve(request.model)
+        core = self.routes[base][0]
+        inputs = [list(i.token_ids) for i in request.inputs]
+        if not inputs or any(not ids for ids in inputs):
+            raise InvalidRequestError("every input to embed needs at least one token")
+        rid = request.request_id or core.new_request_id()
+        vectors, tokens = await core.embed(rid, inputs, lora)
+        reply = common_pb2.EmbedResponse(prompt_tokens=tokens)
+        for v in vectors:
+            reply.embeddings.add(values=v)
+        return reply
+
+    async def ListModels(self, request, context):  # noqa: N802
+        self._authorize(context)
+        models = [common_pb2.ModelInfo(id=base) for base in self.routes]
+        for base, (core, _) in self.routes.items():
+            models += [common_pb2.ModelInfo(id=n, parent=base) for n in core.adapters()]
+        return common_pb2.ListModelsResponse(models=models)

@@ -126,6 +126,17 @@ class WorkerConfig:
         "(prompt + max_tokens; prefill: prompt); 0 = twice the KV pool",
     )
     batch_admission_fraction: float = batch_fraction_option()
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "LoRA adapters to load at start, NAME=PATH of a PEFT folder (vLLM's --lora-modules); "
+        "requests name an adapter as their model",
+    )
+    enable_lora: bool = option(
+        False,
+        "reserve LoRA slots so adapters can be loaded at run time (on with --lora-modules)",
+    )
+    max_loras: int = option(4, "LoRA adapters in one batch (device slots, evicted LRU)")
+    max_lora_rank: int = option(64, "highest LoRA rank accepted (sizes the slots)")
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -171,6 +182,9 @@ class WorkerConfig:
             dtype=self.dtype,
             load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_lora=self.enable_lora or bool(self.lora_modules),
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
         )
 
 
@@ -192,7 +206,26 @@ def parse_config(
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1, not {config.tensor_parallel_size}"
             )
+        parse_lora_modules(config.lora_modules)
+        if config.max_loras < 1 or config.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be >= 1")
+        if (config.enable_lora or config.lora_modules) and config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1 yet")
     except ValueError as e:
         opts.error(str(e))
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return replace(config, role=role, worker_id=worker_id)
+
+
+def parse_lora_modules(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """``NAME=PATH`` pairs (vLLM's ``--lora-modules``); ValueError says which one is wrong."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path or "," in name:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        if any(name == n for n, _ in out):
+            raise ValueError(f"--lora-modules: adapter {name!r} given twice")
+        out.append((name, path))
+    return out

@@ -18,7 +18,7 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.errors import InsufficientMemoryError, UnsupportedModelError
 from engine.llm_engine import LLMEngine
-from libkv.cluster.registry import Registration
+from libkv.cluster.registry import LORAS, Registration
 from libkv.transfer.pool import PoolStore
 from libkv.transfer.setup import KVSide, confine_kv_network
 from services.common.admission import TokenLedger
@@ -30,7 +30,8 @@ from services.common.security import apply as apply_security
 from services.observability.engine import observe_engine
 from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.observability.process import Observability
-from services.worker.config import WorkerConfig, parse_config
+from services.worker import adapters as lora
+from services.worker.config import WorkerConfig, parse_config, parse_lora_modules
 from services.worker.presence import register
 from services.worker.rank_kv import RankNixl
 
@@ -129,10 +130,12 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
         ),
         engine_pool(engine.engine),
     )
+    adapters = lora.Adapters(engine)
+    adapters.load_at_start(parse_lora_modules(config.lora_modules))
     role = await wire(worker)
     server = await start_server(
-        role.servicers,
-        role.service_names,
+        [*role.servicers, (lora.add_to_server, lora.AdaptersServicer(adapters, config.worker_id))],
+        [*role.service_names, lora.SERVICE_NAME],
         config.bind,
         metrics=obs.grpc,
         tls=config.security.tls,
@@ -140,9 +143,12 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     address = config.advertised(server.port)
     role.bound(address)
-    presence = await register(config, address, engine.engine, worker.incarnation, role.kv.extra)
+    extra = {**role.kv.extra, LORAS: adapters.record}
+    presence = await register(config, address, engine.engine, worker.incarnation, extra)
     if presence is not None:
         role.kv.publish = presence.registration.set_extra
+        adapters.set_extra = presence.registration.set_extra
+        adapters.publish = presence.registration.publish
     for collector in (
         AdmissionCollector(worker.ledger),
         KVPathCollector(role.kv),

@@ -289,3 +289,13 @@ startupProbe:
   periodSeconds: {{ .startupPeriod }}
   failureThreshold: {{ .startupFailures }}
 {{- end }}
+
+{{/* --extra-model of gateway and routers: SERVED=DIR of every extraModels entry, comma-separated. */}}
+{{- define "tandem.extraModels" -}}
+{{- $out := list }}
+{{- range $m := .Values.extraModels }}
+{{- $dir := printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) $m.name }}
+{{- $out = append $out (printf "%s=%s" (default $m.name $m.servedModelName) $dir) }}
+{{- end }}
+{{- join "," $out }}
+{{- end }}

@@ -46,6 +46,26 @@ class RouterStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.Router/LoadLoraAdapter',
+                request_serializer=tandem_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.Router/UnloadLoraAdapter',
+                request_serializer=tandem_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/tandem.v1.Router/ListModels',
+                request_serializer=tandem_dot_v1_dot_common__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Router/Embed',
+                request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -66,6 +86,37 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter on every live worker of the model (INVALID_ARGUMENT with the reason
+        when the adapter cannot be served).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload a LoRA adapter from every worker that has it (NOT_FOUND when none has); requests
+        using it finish first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """The base model and the adapters its live workers hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embed prompts on a prefill worker (a decode worker when no prefill worker is live);
+        retried once on another worker when one is unavailable or full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +129,26 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.ListModelsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +206,114 @@ class Router:
             '/tandem.v1.Router/Abort',
             tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Router/LoadLoraAdapter',
+            tandem_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Router/UnloadLoraAdapter',
+            tandem_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Router/ListModels',
+            tandem_dot_v1_dot_common__pb2.ListModelsRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Router/Embed',
+            tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

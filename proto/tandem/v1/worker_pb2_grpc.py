@@ -56,6 +56,11 @@ class PrefillStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Prefill/Embed',
+                request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -91,6 +96,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed prompts (final hidden states, pooled; EmbedRequest.model names a LoRA adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +125,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +251,33 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Prefill/Embed',
+            tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """A decode worker: continues requests from their prefilled KV, or prefills short ones itself.
@@ -259,6 +303,11 @@ class DecodeStub:
                 '/tandem.v1.Decode/Stats',
                 request_serializer=tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Decode/Embed',
+                request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
                 _registered_method=True)
 
 
@@ -287,6 +336,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed prompts, as Prefill.Embed (for stacks without prefill workers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -304,6 +360,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +449,154 @@ class Decode:
             '/tandem.v1.Decode/Stats',
             tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/Embed',
+            tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdaptersStub:
+    """LoRA adapters of a worker (prefill and decode workers both serve it).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.Adapters/LoadLoraAdapter',
+                request_serializer=tandem_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.Adapters/UnloadLoraAdapter',
+                request_serializer=tandem_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+
+
+class AdaptersServicer:
+    """LoRA adapters of a worker (prefill and decode workers both serve it).
+    """
+
+    def LoadLoraAdapter(self, request, context):
+        """Load a PEFT adapter folder under a name (INVALID_ARGUMENT with the reason when it cannot
+        be served: missing files, another base model, rank over the limit, unsupported targets).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload an adapter (NOT_FOUND when not loaded); requests using it finish first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.Adapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.Adapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Adapters:
+    """LoRA adapters of a worker (prefill and decode workers both serve it).
+    """
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Adapters/LoadLoraAdapter',
+            tandem_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Adapters/UnloadLoraAdapter',
+            tandem_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,159 @@
+"""Multi-LoRA decode throughput: requests spread over many adapters against base-only.
+
+One engine (``enable_lora``, ``--max-loras`` slots) runs the same ``--requests`` prompts three
+ways, greedy, exactly ``--output`` tokens each:
+
+* ``base``: no adapter (the reference; CUDA graphs apply unless ``--enforce-eager``);
+* ``batched``: request i uses adapter i % ``--adapters``, all adapters in one batch (the
+  segmented LoRA kernel, ``kernels/triton_lora.py``);
+* ``one-at-a-time``: the same, with the scheduler held to one adapter per step (what an engine
+  without batched LoRA does: adapters take turns).
+
+Adapters are random PEFT folders (rank ``--rank`` on ``--targets``) written under ``--out``.
+Decode throughput is the output tokens generated after every request has its first token,
+over that time; the table gives each run's share of base.
+
+    SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.lora --model /tmp/models/llama-3.1-8b \
+        --load-format dummy --out "$OUT"
+    python -m bench.lora --requests 8 --adapters 4 --output 8   # CPU smoke run, bundled model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.lora_config import module_shape
+
+DEFAULT_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(
+    out: Path, engine: LLMEngine, rank: int, targets: list[str], seed: int, std: float = 0.01
+) -> Path:
+    """A random PEFT LoRA folder for the engine's model (A, B ~ N(0, std)), stored bf16."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(engine.model_config.num_layers):
+        for m in targets:
+            fan_in, fan_out = module_shape(engine.model_config, m)
+            block = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, out / "adapter_model.safetensors"
+    )
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], output: int) -> dict:
+    params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+    for i, (p, name) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params, lora=name)
+    start = time.perf_counter()
+    firsts: set[str] = set()
+    all_first = None
+    tokens_after = 0
+    steps = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        steps += 1
+        for o in outs:
+            if o.request_id not in firsts:
+                firsts.add(o.request_id)
+                continue
+            if all_first is not None:
+                tokens_after += len(o.new_token_ids)
+        if all_first is None and len(firsts) == len(prompts):
+            all_first = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    decode_s = end - (all_first or end)
+    return {
+        "seconds": end - start,
+        "steps": steps,
+        "decode_seconds": decode_s,
+        "decode_tokens": tokens_after,
+        "decode_tok_s": tokens_after / decode_s if decode_s > 0 else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", nargs="+", default=list(ALL), choices=ALL)
+    ap.add_argument("--input", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for base either")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each kind (best kept)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    args = ap.parse_args(argv)
+
+    config = EngineConfig(
+        model_dir=str(args.model), load_format=args.load_format, enable_lora=True,
+        max_loras=args.adapters, max_lora_rank=args.rank, enforce_eager=args.enforce_eager,
+        max_num_seqs=max(args.requests, 1), max_num_batched_tokens=max(2048, args.input),
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    names = [f"lora{i}" for i in range(args.adapters)]
+    for i, name in enumerate(names):
+        path = write_adapter(args.out / "lora_adapters" / name, engine, args.rank, args.targets, i)
+        engine.add_lora(name, str(path))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, vocab - 100, (args.input,), generator=g).tolist()]
+    prompts = [[(t + i) % vocab for t in prompts[0]] for i in range(args.requests)]
+    spread = [names[i % len(names)] for i in range(args.requests)]
+    run(engine, prompts[:2], [None, names[0]], 4)  # warm-up (kernels compile)
+    kinds = {"base": [None] * args.requests, "batched": spread, "one-at-a-time": spread}
+    results: dict[str, dict] = {}
+    for kind, loras in kinds.items():
+        engine.scheduler.max_loras = 1 if kind == "one-at-a-time" else args.adapters
+        runs = [run(engine, prompts, loras, args.output) for _ in range(args.repeats)]
+        results[kind] = max(runs, key=lambda r: r["decode_tok_s"])
+    base = results["base"]["decode_tok_s"] or 1.0
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    lines = [
+        f"multi-LoRA decode, {args.requests} requests over {args.adapters} adapters "
+        f"(rank {args.rank}, {'/'.join(t.removesuffix('_proj') for t in args.targets)}), "
+        f"{args.input} in / {args.output} out, {args.model.name}, {device}",
+        "",
+        "| run | decode tok/s | share of base | steps | total s |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, r in results.items():
+        lines.append(
+            f"| {kind} | {r['decode_tok_s']:.0f} | {r['decode_tok_s'] / base:.2f} | "
+            f"{r['steps']} | {r['seconds']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
+              "command": " ".join(sys.argv), "results": results}  # fmt: skip
+    (args.out / "lora.json").write_text(json.dumps(record, indent=2))
+    (args.out / "lora.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Multi-LoRA: adapters by name in host memory, ``max_loras`` slots on the device, and the
+per-step batch that the model's projections add their low-rank deltas from.
+
+Every slot holds, per layer and per projection (q/k/v/o, gate/up/down), ``A`` zero-padded to
+``[max_rank, in]`` and ``B`` to ``[out, max_rank]`` inside one stacked buffer per projection
+(``[layers, slots, ...]``), so one kernel call serves every adapter of a step. A projection an
+adapter does not target stays zero in its slot. Before each step the adapters the step needs
+are placed in slots (``LoRAManager.prepare``); a slot the step does not need is reused least
+recently used first. The scheduler puts at most ``max_loras`` adapters in one step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+import kernels
+from engine.config import ModelConfig
+from engine.errors import AdapterNotFoundError, InvalidAdapterError
+from engine.lora_config import LORA_MODULES, LoRASpec, module_shape, read_spec
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """One step's adapters: the slot buffers and which slot each token uses."""
+
+    a: dict[str, torch.Tensor]  # module -> [layers, slots, R, in]
+    b: dict[str, torch.Tensor]  # module -> [layers, slots, out, R]
+    meta: kernels.LoRAMetadata
+    modules: frozenset[str]  # projections some adapter of the step targets
+
+    def add(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        """``y += lora(x)`` for ``module`` of ``layer`` (``y`` may be a slice of a fused output)."""
+        if module not in self.modules:
+            return
+        kernels.lora_add(y, x, self.a[module][layer], self.b[module][layer], self.meta)
+
+
+class LoRAManager:
+    """Registered adapters (by name) and the device slots they are placed in for a step."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.device, self.dtype = device, dtype
+        self.specs: dict[str, LoRASpec] = {}
+        self._host: dict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self.ranks = [0] * max_loras
+        self.scales = [0.0] * max_loras
+        L = model.num_layers  # noqa: N806
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for m in LORA_MODULES:
+            fan_in, fan_out = module_shape(model, m)
+            self.a[m] = torch.zeros((L, max_loras, max_rank, fan_in), device=device, dtype=dtype)
+            self.b[m] = torch.zeros((L, max_loras, fan_out, max_rank), device=device, dtype=dtype)
+
+    # -- registry ----------------------------------------------------------------------------
+    def add(self, name: str, path: str) -> LoRASpec:
+        """Check and read an adapter folder into host memory (InvalidAdapterError says why not)."""
+        if name in self.specs:
+            raise InvalidAdapterError(f"adapter {name!r} is already loaded")
+        spec = read_spec(name, path, self.model, self.max_rank)
+        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        f = f"{spec.path}/adapter_model.safetensors"
+        with safe_open(f, framework="pt") as st:
+            for target, (a_name, b_name) in spec.tensor_names.items():
+                weights[target] = (
+                    st.get_tensor(a_name).to(self.dtype),
+                    st.get_tensor(b_name).to(self.dtype),
+                )
+        self.specs[name], self._host[name] = spec, weights
+        return spec
+
+    def remove(self, name: str) -> None:
+        """Forget an adapter (the caller made sure no running sequence uses it)."""
+        if name not in self.specs:
+            raise AdapterNotFoundError(f"the adapter `{name}` is not loaded")
+        del self.specs[name], self._host[name]
+        self._slot_of.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(self.specs)
+
+    def resident(self) -> list[str]:
+        """Adapters in device slots, least recently used first."""
+        return list(self._slot_of)
+
+    # -- slots -------------------------------------------------------------------------------
+    def prepare(self, names: set[str]) -> dict[str, int]:
+        """Place every adapter of ``names`` (at most ``max_loras``) in a slot; slot by name."""
+        if len(names) > self.max_loras:
+            raise ValueError(f"{len(names)} adapters in one step; the limit is {self.max_loras}")
+        for name in sorted(names, key=lambda n: n not in self._slot_of):
+            if name in self._slot_of:
+                self._slot_of.move_to_end(name)
+                continue
+            self._place(name, self._free_slot(names))
+        return {n: self._slot_of[n] for n in names}
+
+    def _free_slot(self, keep: set[str]) -> int:
+        used = set(self._slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            return free[0]
+        victim = next(n for n in self._slot_of if n not in keep)  # least recently used
+        return self._slot_of.pop(victim)
+
+    def _place(self, name: str, slot: int) -> None:
+        if name not in self.specs:
+            raise AdapterNotFoundError(f"the adapter `{name}` is not loaded")
+        spec = self.specs[name]
+        for m in LORA_MODULES:
+            self.a[m][:, slot].zero_()
+            self.b[m][:, slot].zero_()
+        r = spec.rank
+        for (layer, m), (a, b) in self._host[name].items():
+            self.a[m][layer, slot, :r].copy_(a, non_blocking=True)
+            self.b[m][layer, slot, :, :r].copy_(b, non_blocking=True)
+        self.ranks[slot], self.scales[slot] = r, spec.scaling
+        self._slot_of[name] = slot
+
+    def batch(self, token_adapters: list[str], slots: dict[str, int]) -> LoRABatch | None:
+        """The step's LoRABatch from each token's adapter name ("" for the base), or None when
+        no token uses an adapter."""
+        if not slots:
+            return None
+        token_slots = [slots[n] if n else -1 for n in token_adapters]
+        meta = kernels.LoRAMetadata.build(token_slots, self.ranks, self.scales, self.device)
+        modules = frozenset().union(*(self.specs[n].modules for n in slots))
+        return LoRABatch(self.a, self.b, meta, modules)

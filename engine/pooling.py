@@ -1,0 +1,113 @@
+"""Embeddings: a prompt's final hidden states pooled into one vector, and full-prompt logits.
+
+Pooling follows the model folder's sentence-transformers config when it has one (``modules.json``
+naming a ``Pooling`` module: CLS, mean or last token, and ``Normalize`` when listed). Otherwise
+it is vLLM's default for generative models: the last token's final (normed) hidden state,
+L2-normalised.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import KVCapacityError, UnsupportedModelError
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence
+from libkv.hashing import encode_extra_keys
+from libkv.kv_manager import PrefixHit
+
+if TYPE_CHECKING:
+    import itertools
+
+    from engine.model_runner import ModelRunner
+    from libkv.kv_manager import KVCacheManager
+
+POOLING_MODES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    mode: str = "last"
+    normalize: bool = True
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> PoolingConfig:
+        """The folder's sentence-transformers pooling, or last token + L2 norm without one."""
+        modules_path = Path(model_dir) / "modules.json"
+        if not modules_path.is_file():
+            return cls()
+        modules = json.loads(modules_path.read_text())
+        types = [str(m.get("type", "")) for m in modules]
+        pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+        normalize = any(t.endswith(".Normalize") for t in types)
+        if pooling is None:
+            return cls("last", normalize)
+        cfg = json.loads((Path(model_dir) / pooling.get("path", "") / "config.json").read_text())
+        for key, mode in (
+            ("pooling_mode_lasttoken", "last"),
+            ("pooling_mode_mean_tokens", "mean"),
+            ("pooling_mode_cls_token", "cls"),
+        ):
+            if cfg.get(key):
+                return cls(mode, normalize)
+        on = sorted(k for k, v in cfg.items() if k.startswith("pooling_mode") and v)
+        raise UnsupportedModelError(f"sentence-transformers pooling {on} is not supported")
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One float32 vector from a prompt's hidden states [T, hidden]."""
+        h = hidden.float()
+        v = {"last": lambda: h[-1], "mean": lambda: h.mean(0), "cls": lambda: h[0]}[self.mode]()
+        return F.normalize(v, dim=-1) if self.normalize else v
+
+
+class PoolingMixin:
+    """Methods of ``LLMEngine`` that run one prompt alone: ``embed`` and ``score``."""
+
+    # Provided by LLMEngine.
+    kv: KVCacheManager
+    runner: ModelRunner
+    pooling: PoolingConfig
+    _lock: threading.RLock
+    _counter: itertools.count
+
+    if TYPE_CHECKING:
+
+        def _validate(self, ids: list[int], params: SamplingParams) -> None: ...
+        def check_lora(self, name: str | None) -> str: ...
+
+    def _alone(self, prompt: list[int], lora: str | None, run):
+        """``run(sched)`` on a one-sequence step of the whole prompt, outside the continuous
+        batch, under the engine lock, in blocks borrowed from the pool and returned at once."""
+        params = SamplingParams(max_tokens=1)
+        self._validate(prompt, params)
+        with self._lock:
+            adapter = self.check_lora(lora)
+            rid = f"__alone-{next(self._counter)}"
+            seq = Sequence(rid, list(prompt), params, -1, lora=adapter)
+            salt = encode_extra_keys(None, adapter or None)
+            if self.kv.admit(rid, PrefixHit([], []), 0, len(prompt), salt) is None:
+                raise KVCapacityError("not enough free KV blocks for this prompt now; retry")
+            try:
+                sched = SchedulerOutput()
+                sched.add(ScheduledSeq(seq, len(prompt), self.kv.block_ids(rid)))
+                return run(sched)
+            finally:
+                self.kv.free(rid)
+
+    def embed(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
+        """The prompt's embedding (float32 [hidden], on the CPU), pooled by ``self.pooling``."""
+        hidden = self._alone(prompt, lora, self.runner.hidden_all)
+        return self.pooling.pool(hidden).cpu()
+
+    def score(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
+        """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill);
+        used to check logits against a reference implementation."""
+        return self._alone(prompt, lora, self.runner.logits_all)

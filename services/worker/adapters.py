@@ -1,0 +1,74 @@
+"""A worker's LoRA adapters: loaded at start (``--lora-modules NAME=PATH``) and at run time
+(the ``tandem.v1.Adapters`` service the router fans out to), listed in the member record
+(``Member.loras``) so routers send an adapter's requests only to workers that hold it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tandem.v1 import common_pb2, worker_pb2_grpc
+
+from engine.errors import InvalidAdapterError
+from libkv.cluster.registry import LORAS
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "tandem.v1.Adapters"
+add_to_server = worker_pb2_grpc.add_AdaptersServicer_to_server
+
+
+class Adapters:
+    """Loads and unloads adapters in the engine and keeps the member record's list current."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.set_extra: Callable[[str, str], None] | None = None  # set once registered
+        self.publish: Callable[[], Awaitable[None]] | None = None
+
+    def load_at_start(self, modules: Sequence[tuple[str, str]]) -> None:
+        """``--lora-modules``: a bad adapter stops the worker with the reason."""
+        for name, path in modules:
+            try:
+                self.engine.engine.add_lora(name, path)
+            except InvalidAdapterError as e:
+                raise SystemExit(f"error: --lora-modules {name}={path}: {e}") from e
+            log.info("loaded LoRA adapter %s from %s", name, path)
+
+    @property
+    def record(self) -> str:
+        """The member record's ``loras`` field."""
+        return ",".join(self.engine.engine.list_loras())
+
+    async def _announce(self) -> None:
+        if self.set_extra is not None:
+            self.set_extra(LORAS, self.record)
+        if self.publish is not None:
+            await self.publish()
+
+    async def load(self, name: str, path: str) -> None:
+        await self.engine.run(self.engine.engine.add_lora, name, path)
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        await self._announce()
+
+    async def unload(self, name: str) -> None:
+        await self.engine.run(self.engine.engine.remove_lora, name)
+        log.info("unloading LoRA adapter %s (once its requests finish)", name)
+        await self._announce()
+
+
+class AdaptersServicer(worker_pb2_grpc.AdaptersServicer):
+    def __init__(self, adapters: Adapters, worker_id: str) -> None:
+        self.adapters = adapters
+        self.worker_id = worker_id
+
+    async def LoadLoraAdapter(self, request, context):  # noqa: N802 - generated name
+        await self.adapters.load(request.lora_name, request.lora_path)
+        return common_pb2.LoraAdapterResponse(worker_ids=[self.worker_id])
+
+    async def UnloadLoraAdapter(self, request, context):  # noqa: N802
+        await self.adapters.unload(request.lora_name)
+        return common_pb2.LoraAdapterResponse(worker_ids=[self.worker_id])

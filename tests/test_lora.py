@@ -1,0 +1,192 @@
+"""Multi-LoRA in the engine against transformers + peft (fp32 CPU), slots, salts, bad adapters.
+
+Adapters are made by peft itself on SmolLM2 with random A and B (tests/lora_adapters.py): one
+of rank 8 on all seven projections (alpha/r scaling), one of rank 16 with rsLoRA on q/v/down.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import AdapterNotFoundError, InvalidAdapterError
+from engine.lora import LoRAManager
+from engine.lora_config import read_spec
+from kernels import reference
+from tests.conftest import hf_greedy, load_hf
+from tests.lora_adapters import ALL_TARGETS, make_adapter
+
+MAX_NEW = 12
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at",
+    "The quick brown fox",
+]
+MIX = [None, "a", "b", "a", None, "b"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, smol_dir):
+    base = tmp_path_factory.mktemp("adapters")
+    a = make_adapter(smol_dir, base / "a", r=8, alpha=16, targets=ALL_TARGETS, seed=1)
+    b = make_adapter(
+        smol_dir, base / "b", r=16, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
+        seed=2, rslora=True,
+    )  # fmt: skip
+    return {"a": a, "b": b}
+
+
+@pytest.fixture(scope="module")
+def peft_reference(smol_dir, adapters):
+    """Greedy continuations by transformers + peft, per (prompt, adapter)."""
+    from peft import PeftModel
+
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(smol_dir)
+    model = PeftModel.from_pretrained(load_hf(smol_dir), str(adapters["a"]), adapter_name="a")
+    model.load_adapter(str(adapters["b"]), adapter_name="b")
+    model.eval()
+    out = {}
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        with model.disable_adapter():
+            out[(text, None)] = hf_greedy(model, ids, MAX_NEW)
+        for name in ("a", "b"):
+            model.set_adapter(name)
+            out[(text, name)] = hf_greedy(model, ids, MAX_NEW)
+    return out
+
+
+def make_llm(smol_dir, adapters, **options) -> LLM:
+    opts = dict(enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256)
+    llm = LLM(smol_dir, **{**opts, **options})
+    for name, path in adapters.items():
+        llm.engine.add_lora(name, str(path))
+    return llm
+
+
+@pytest.mark.parametrize(
+    "max_loras", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["two-slots", "one-slot"]
+)
+def test_mixed_batch_matches_peft(smol_dir, adapters, peft_reference, max_loras):
+    """Base and two adapters in one batch, token for token as peft; with one slot the
+    scheduler runs one adapter per step and the slots are evicted and refilled."""
+    llm = make_llm(smol_dir, adapters, max_loras=max_loras)
+    tok = llm.tokenizer
+    outs = llm.generate(
+        [tok.encode(t) for t in PROMPTS], SamplingParams(max_tokens=MAX_NEW, temperature=0),
+        lora=MIX,
+    )  # fmt: skip
+    for text, name, out in zip(PROMPTS, MIX, outs, strict=True):
+        assert out.token_ids == peft_reference[(text, name)], (text, name)
+    # The adapters matter: each changes the continuation of some prompt.
+    for name in ("a", "b"):
+        assert any(peft_reference[(t, name)] != peft_reference[(t, None)] for t in PROMPTS)
+    llm.engine.check_integrity()
+
+
+def test_prefix_cache_is_salted_by_adapter(smol_dir, adapters):
+    llm = make_llm(smol_dir, adapters, block_size=4)
+    prompt = llm.tokenizer.encode("A long enough prompt to fill several blocks of four tokens.")
+    params = SamplingParams(max_tokens=1, temperature=0)
+    first = llm.generate([prompt], params, lora="a")[0]
+    assert first.num_cached_tokens == 0
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 0  # base: no hit on a's KV
+    assert llm.generate([prompt], params, lora="b")[0].num_cached_tokens == 0
+    assert llm.generate([prompt], params, lora="a")[0].num_cached_tokens >= 8  # a's own hit
+
+
+def test_unknown_adapter_and_unload_after_finish(smol_dir, adapters):
+    llm = make_llm(smol_dir, adapters)
+    engine = llm.engine
+    with pytest.raises(AdapterNotFoundError, match="`zzz` is not loaded"):
+        engine.add_request("x", [1, 2, 3], lora="zzz")
+    engine.add_request("r1", llm.tokenizer.encode("Hello"), SamplingParams(max_tokens=4), lora="a")
+    engine.step()
+    engine.remove_lora("a")  # r1 still runs with it
+    assert engine.list_loras() == ["b"]
+    with pytest.raises(AdapterNotFoundError):
+        engine.add_request("r2", [1, 2, 3], lora="a")
+    assert "a" in engine.runner.lora.specs  # kept for r1
+    while engine.has_unfinished():
+        engine.step()
+    assert "a" not in engine.runner.lora.specs  # freed once r1 finished
+    with pytest.raises(AdapterNotFoundError):
+        engine.remove_lora("a")
+    engine.add_lora("a", str(adapters["a"]))  # loads again under the same name
+    assert engine.list_loras() == ["a", "b"]
+    with pytest.raises(InvalidAdapterError, match="already loaded"):
+        engine.add_lora("a", str(adapters["a"]))
+
+
+def test_slots_are_evicted_least_recently_used(smol_dir, adapters, tmp_path):
+    c = make_adapter(smol_dir, tmp_path / "c", r=4, alpha=4, targets=["o_proj"], seed=3)
+    from engine.config import ModelConfig
+
+    m = LoRAManager(ModelConfig.from_dir(smol_dir), 2, 16, torch.device("cpu"), torch.float32)
+    for name, path in {**adapters, "c": c}.items():
+        m.add(name, str(path))
+    assert m.prepare({"a"}) == {"a": 0}
+    assert m.prepare({"b"}) == {"b": 1}
+    m.prepare({"a"})  # a is now the most recent
+    assert m.prepare({"c"}) == {"c": 1}  # b (least recently used) gave its slot
+    assert m.resident() == ["a", "c"]
+    assert m.prepare({"b", "c"}) == {"b": 0, "c": 1}  # a evicted; c kept (needed)
+    # The slot holds c's matrices, zero elsewhere (b's rank-16 leftovers cleared).
+    assert m.ranks[1] == 4
+    assert torch.count_nonzero(m.a["q_proj"][:, 1]) == 0
+    assert torch.count_nonzero(m.a["o_proj"][:, 1, 4:]) == 0
+    with pytest.raises(ValueError, match="limit is 2"):
+        m.prepare({"a", "b", "c"})
+
+
+def test_lora_reference_kernel_against_dense():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 32, generator=g)
+    a = torch.randn(3, 8, 32, generator=g)
+    b = torch.randn(3, 20, 8, generator=g)
+    a[1, 4:] = 0  # slot 1 has rank 4
+    b[1, :, 4:] = 0
+    slots = [0, -1, 1, 0, 2, -1, 1]
+    meta = reference.LoRAMetadata.build(slots, [8, 4, 8], [0.5, 2.0, 1.0], torch.device("cpu"))
+    y = torch.zeros(7, 20)
+    reference.lora_add(y, x, a, b, meta)
+    for t, s in enumerate(slots):
+        want = torch.zeros(20) if s < 0 else (b[s] @ (a[s] @ x[t])) * [0.5, 2.0, 1.0][s]
+        torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-5)
+
+
+# -- bad adapters ------------------------------------------------------------------------------
+
+
+def test_bad_adapters_are_refused_with_the_reason(smol_dir, adapters, tmp_path, qwen2_dir):
+    from engine.config import ModelConfig
+
+    model = ModelConfig.from_dir(smol_dir)
+    with pytest.raises(InvalidAdapterError, match="not a directory"):
+        read_spec("x", tmp_path / "missing", model, 64)
+    with pytest.raises(InvalidAdapterError, match="rank 16 is over the limit of 8"):
+        read_spec("b", adapters["b"], model, 8)
+    other = ModelConfig.from_dir(qwen2_dir)  # another base model (hidden 128, 3 layers)
+    with pytest.raises(InvalidAdapterError, match="another base model"):
+        read_spec("a", adapters["a"], other, 64)
+    head = make_adapter(smol_dir, tmp_path / "head", r=4, alpha=4, targets=["lm_head"], seed=4)
+    with pytest.raises(InvalidAdapterError, match="unsupported target"):
+        read_spec("h", head, model, 64)
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["a"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(InvalidAdapterError, match="use_dora"):
+        read_spec("d", dora, model, 64)
+    (dora / "adapter_model.safetensors").unlink()
+    with pytest.raises(InvalidAdapterError, match="adapter_model.safetensors not found"):
+        read_spec("d", dora, model, 64)
