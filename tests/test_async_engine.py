@@ -40,6 +40,9 @@ class SlowEngine:
         with self._lock:
             return bool(self.live)
 
+    def close(self) -> None:  # AsyncEngine.stop() ends with it (an engine's tensor-parallel ranks)
+        self.closed = True
+
     def stats(self) -> int:
         with self._lock:
             return len(self.live)
