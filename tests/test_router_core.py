@@ -44,6 +44,8 @@ class Clients:
         self.fail_after_first = fail_after_first
         self.calls: list[tuple[str, str]] = []
         self.released: list[str] = []
+        self.reserved: list[str] = []  # decode workers booked before a prefill
+        self.unreserved: list[str] = []
 
     async def prefill(self, worker, job):
         self.calls.append(("prefill", worker.worker_id))
@@ -62,6 +64,12 @@ class Clients:
 
     async def release(self, handle, request_id):
         self.released.append(request_id)
+
+    async def reserve(self, worker, job, lease):
+        self.reserved.append(worker.worker_id)
+
+    async def unreserve(self, worker, request_id):
+        self.unreserved.append(worker.worker_id)
 
 
 def job(n_tokens: int) -> RouteJob:

@@ -31,7 +31,11 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
         cached_tokens=req.cached_tokens,
         priority=priority_from_pb(req.priority),
         lora=req.lora,
+        admitted=req.admitted,
+        resumed=list(req.resumed_token_ids),
     )
+    if job.resumed and (req.HasField("kv") or job.params.n != 1):
+        raise InvalidRequestError("resumed_token_ids go with n=1 and without kv")
     if req.HasField("kv"):
         job.kv = handle_from_pb(req.kv)
         starts = [(req.first, req.generator_state)]

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
+from engine.errors import KVCapacityError
 from engine.handoff import FirstToken
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
@@ -34,6 +35,8 @@ class DecodeJob:
     cached_tokens: int = 0
     priority: str = "interactive"
     lora: str = ""  # LoRA adapter ("" = the base model)
+    admitted: bool = False  # admitted before its first token reached the client (see generate)
+    resumed: list[int] = field(default_factory=list)  # a migrated request's streamed tokens
     # With kv: the choices that go on here, each from its first token (empty: choice 0 from
     # first_token, first_logprob and generator_state).
     starts: list[FirstToken] = field(default_factory=list)
@@ -72,14 +75,51 @@ class DecodeCore:
         self.transfer_timeout = transfer_timeout
         self.on_transfer_failure = on_transfer_failure
         self.ledger = ledger or TokenLedger(0, name=f"decode worker {worker_id}")
+        self._reservations: dict[str, float] = {}  # request id -> monotonic expiry
         self.blocks_pulled = 0  # blocks that moved (cached prefix blocks never do)
         self.transfer_failures = 0
         self.recomputed = 0
 
+    def reserve(self, request_id: str, tokens: int, priority: str, lease: float) -> None:
+        """Book ``tokens`` for a request that is being prefilled elsewhere (ResourceExhausted
+        at once when full, Unavailable while draining); `generate` takes the booking, `unreserve`
+        drops it, and it lapses ``lease`` seconds from now."""
+        self._expire()
+        if request_id not in self._reservations:  # else a retried call: renew the lease
+            self.ledger.admit(request_id, tokens, priority)
+        self._reservations[request_id] = time.monotonic() + lease
+
+    def unreserve(self, request_id: str) -> bool:
+        """Drop a booking no Generate took (the prefill failed, the client left)."""
+        if self._reservations.pop(request_id, None) is None:
+            return False
+        self.ledger.release(request_id)
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, expiry in list(self._reservations.items()):
+            if expiry <= now:
+                log.warning("reservation of %s lapsed unused; releasing it", rid)
+                self.unreserve(rid)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reservations)
+
     async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
-        """Stream the job's outputs; refused at once (ResourceExhausted) past the admission
-        bound. Closing the stream (client gone, deadline passed) aborts it and frees its blocks."""
-        with self.ledger.hold(job.request_id, job.cost, job.priority):
+        """Stream the job's outputs. A job with a reservation here takes it; one ``admitted``
+        elsewhere is booked even past the bound (it has a client waiting on a started stream);
+        any other is refused at once (ResourceExhausted) past the admission bound. Closing the
+        stream (client gone, deadline passed) aborts it and frees its blocks."""
+        if self._reservations.pop(job.request_id, None) is not None:
+            try:
+                async for out in self._generate(job):
+                    yield out
+            finally:
+                self.ledger.release(job.request_id)
+            return
+        with self.ledger.hold(job.request_id, job.cost, job.priority, force=job.admitted):
             async for out in self._generate(job):
                 yield out
 
@@ -126,14 +166,21 @@ class DecodeCore:
                 f"KV layout mismatch: prefill blocks are {job.kv.block_bytes} bytes, "
                 f"this worker's are {eng.runner.layout.block_bytes}"
             )
-        dst, cached = await self.engine.run(
-            eng.reserve,
-            job.request_id,
-            job.prompt,
-            job.tenant or None,
-            job.lora or None,
-            undo=lambda _: eng.release(job.request_id),
-        )
+        try:
+            dst, cached = await self.engine.run(
+                eng.reserve,
+                job.request_id,
+                job.prompt,
+                job.tenant or None,
+                job.lora or None,
+                undo=lambda _: eng.release(job.request_id),
+            )
+        except KVCapacityError:
+            # Admitted, its first token streamed: never fail it for capacity. It queues like
+            # a preempted sequence and is recomputed here once blocks free up.
+            log.warning("no free KV blocks for %s now; it queues and is recomputed", job.request_id)
+            self.recomputed += 1
+            return False
         skip = cached // eng.config.block_size
         src = job.kv.block_ids[skip:]
         try:
@@ -167,8 +214,9 @@ class DecodeCore:
         return min(self.transfer_timeout, lease_left)
 
     async def abort_request(self, request_id: str) -> bool:
-        """The Abort RPC (off the event loop: it takes the engine lock)."""
-        return await self.engine.run(self.engine.abort, request_id)
+        """The Abort RPC (off the event loop: it takes the engine lock); drops a reservation."""
+        dropped = self.unreserve(request_id)
+        return await self.engine.run(self.engine.abort, request_id) or dropped
 
     async def stats(self) -> WorkerStats:
         return await self.engine.run(

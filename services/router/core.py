@@ -27,6 +27,7 @@ from services.router.policy import Chooser, LocationLookup, PolicyConfig, RouteR
 
 log = logging.getLogger(__name__)
 RETRYABLE = (Unavailable, ResourceExhausted)
+RESERVATION_LEASE_S = 60.0  # a decode booking no Generate took lapses after this
 
 
 class NoWorker(Unavailable):
@@ -52,6 +53,11 @@ class RouteJob:
     deadline: float | None = None  # time.monotonic() after which the caller gave up
     session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
     lora: str = ""  # LoRA adapter ("" = the base model)
+
+    @property
+    def cost(self) -> int:
+        """What decode admission books for it: prompt plus every token its choices may make."""
+        return len(self.prompt) + self.params.n * self.params.max_tokens
 
     @property
     def route(self) -> RouteRequest:
@@ -94,6 +100,8 @@ class DecodeCall:
     generator_state: bytes = b""
     cached_tokens: int = 0
     others: list[ChoiceStart] = field(default_factory=list)
+    admitted: bool = False  # booked before its first token: the decode worker must take it
+    resumed: list[int] = field(default_factory=list)  # migrated: choice 0's streamed tokens
 
 
 class WorkerClients(Protocol):
@@ -113,6 +121,12 @@ class WorkerClients(Protocol):
     async def embed(
         self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
     ) -> tuple[list[list[float]], int]: ...
+
+    async def reserve(self, worker: Member, job: RouteJob, lease: float) -> None:
+        """Book ``job.cost`` on a decode worker (ResourceExhausted at once when it is full)."""
+        ...
+
+    async def unreserve(self, worker: Member, request_id: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -201,15 +215,29 @@ class RouterCore:
             async for ev in self._decode(decode, DecodeCall(job), failed, started):
                 yield ev
             return
-        reply = await self._prefill(prefill, job, failed)
+        # Two-phase admission: book the decode side before the prefill, so a request whose
+        # first token reaches the client is admitted for its whole life (a full decode pool
+        # refuses it here, fast, while the client can still get a 429).
+        await self._reserve(decode, job, failed)
+        try:
+            reply = await self._prefill(prefill, job, failed)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self.clients.unreserve(decode, job.request_id))
+            raise
+        except BaseException:
+            await self.clients.unreserve(decode, job.request_id)  # before a retry books again
+            raise
+        if reply.handle is None:  # every choice finished at its first token
+            asyncio.ensure_future(self.clients.unreserve(decode, job.request_id))
         started[0] = True
         for first in reply.firsts:  # one per choice
             yield first
-        if reply.handle is None:  # every choice finished at its first token
+        if reply.handle is None:
             return
         call = DecodeCall(
-            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens, reply.others
-        )
+            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens,
+            reply.others, admitted=True,
+        )  # fmt: skip
         async for ev in self._decode_prefilled(decode, prefill, call, failed, started):
             yield ev
 
@@ -258,12 +286,20 @@ class RouterCore:
                     call.generator_state,
                     call.cached_tokens,
                     call.others,
+                    admitted=True,
                 )
             finally:
                 # Free the prefill side's blocks now if decode never took them (cancel,
                 # failure). Harmless after a successful transfer: the release finds nothing.
                 if not keep:
                     asyncio.ensure_future(self.clients.release(handle, job.request_id))
+
+    async def _reserve(self, worker: Member, job: RouteJob, failed: set[str]) -> None:
+        try:
+            await self.clients.reserve(worker, job, job.time_left(RESERVATION_LEASE_S) or 0.0)
+        except RETRYABLE:
+            failed.add(worker.worker_id)
+            raise
 
     async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
         self.inflight[worker.worker_id] += 1
