@@ -41,6 +41,22 @@ class FirstToken:
     token: int
     logprob: TokenLogprob | None = None
     generator_state: bytes = b""
+    # A migrated choice: the tokens it streamed from another worker before ``token``.
+    earlier: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every output token the choice has, in order."""
+        return [*self.earlier, self.token]
+
+
+def advance(generator: torch.Generator, steps: int, width: int) -> None:
+    """Move a seeded generator past ``steps`` sampled tokens: the sampler draws ``width``
+    uniforms from it per token (``engine.sampler._race``), so the same draws, in the same
+    sizes on the same device, leave it where the worker that sampled them left it."""
+    scratch = torch.empty(width, device=generator.device)
+    for _ in range(steps):
+        scratch.uniform_(generator=generator)
 
 
 class HandoffMixin:
@@ -51,6 +67,7 @@ class HandoffMixin:
     kv: KVCacheManager
     runner: ModelRunner
     scheduler: Scheduler
+    max_model_len: int
     _lock: threading.RLock
     _requests: dict
     _reserved: set[str]
@@ -189,20 +206,29 @@ class HandoffMixin:
         f: FirstToken,
         lora: str = "",
     ) -> Choice:
-        """A choice continuing from its first token: generator state and grammar replayed."""
+        """A choice continuing from its output so far (its first token, or every token a
+        migrated choice streamed): generator state and grammar replayed, the text of those
+        tokens already sent (what a stop string still holds back is sent as it would have
+        been)."""
         if not 0 <= f.index < params.n:
             raise InvalidRequestError(f"choice index {f.index} is not in [0, {params.n})")
+        tokens = f.tokens
+        if len(prompt) + len(tokens) > self.max_model_len or len(tokens) > params.max_tokens:
+            raise InvalidRequestError("the output so far leaves no room to continue")
         c = self._new_choice(request_id, prompt, params, salt, f.index, lora)
         seq = c.seq
         if f.generator_state and seq.generator is not None:
             state = torch.frombuffer(bytearray(f.generator_state), dtype=torch.uint8)
             seq.generator.set_state(state)
+        elif seq.generator is not None and not params.greedy:
+            # A migrated choice: the generator state stayed with the worker that died.
+            advance(seq.generator, len(tokens), self.runner.sampler_width)
         if params.grammar is not None:
-            seq.matcher = self.grammar.matcher(params.grammar, replay=[f.token])
-        seq.output_token_ids.append(f.token)
+            seq.matcher = self.grammar.matcher(params.grammar, replay=tokens)
+        seq.output_token_ids.extend(tokens)
         if c.logprobs is not None and f.logprob is not None:
             c.logprobs.append(f.logprob)
-        c.text = c.detok.push([f.token]).text
+        c.text = c.detok.push(tokens).text
         return c
 
     def _share_reserved(self, request_id: str, seqs: list[Sequence]) -> None:

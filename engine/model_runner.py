@@ -164,6 +164,11 @@ class ModelRunner:
         """Bytes of one block of this rank's pool (its KV heads; all of them at TP=1)."""
         return self.layout.shard_block_bytes(self.comm.rank)
 
+    @property
+    def sampler_width(self) -> int:
+        """Columns of the logits the sampler sees (rows of the LM head)."""
+        return int(self.model.w.lm_head.shape[0])
+
     def bind_thread(self) -> None:
         """Make this engine's device the calling thread's current one (CUDA's current device
         is per thread, and kernels launch on it)."""

@@ -100,3 +100,34 @@ def test_abort_and_release_free_everything(pair):
         decode.add_prefilled("y", prompt, 5, SamplingParams())
     prefill.check_integrity()
     decode.check_integrity()
+
+
+def test_a_migrated_request_resumes_token_identically(pair) -> None:
+    """A request that streamed k tokens elsewhere, resumed here from prompt + those tokens
+    (recomputed), continues as an uninterrupted run would: greedy, seeded sampling (its
+    generator advanced past the k draws), and a stop string held back across the cut."""
+    from engine.handoff import FirstToken
+
+    whole, resumed = pair
+    tok = whole.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a short poem about rivers."}])
+    cases = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=1234, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0, stop=["\n\n"]),
+    ]
+    for i, params in enumerate(cases):
+        whole.add_request(f"w{i}", prompt, params)
+        outs = [o for o in run(whole) if o.request_id == f"w{i}"]
+        ref = outs[-1]
+        for k in (1, len(ref.token_ids) // 2):
+            done = ref.token_ids[:k]
+            streamed_text = "".join(o.new_text for o in outs[:k])
+            first = FirstToken(0, done[-1], earlier=tuple(done[:-1]))
+            resumed.add_prefilled(f"m{i}-{k}", prompt, None, params, recompute=True, firsts=[first])
+            rest = [o for o in run(resumed) if o.request_id == f"m{i}-{k}"]
+            assert rest[-1].token_ids == ref.token_ids, (i, k)
+            assert streamed_text + "".join(o.new_text for o in rest) == ref.text, (i, k)
+            assert rest[-1].finish_reason == ref.finish_reason
+            assert sum(len(o.new_token_ids) for o in rest) == len(ref.token_ids) - k
+    resumed.check_integrity()

@@ -79,6 +79,7 @@ class DecodeCore:
         self.blocks_pulled = 0  # blocks that moved (cached prefix blocks never do)
         self.transfer_failures = 0
         self.recomputed = 0
+        self.resumed = 0  # migrated requests continued here
 
     def reserve(self, request_id: str, tokens: int, priority: str, lease: float) -> None:
         """Book ``tokens`` for a request that is being prefilled elsewhere (ResourceExhausted
@@ -125,6 +126,10 @@ class DecodeCore:
 
     async def _generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
         priority = ENGINE_PRIORITY[job.priority]
+        if job.resumed:
+            async for out in self._resume(job, priority):
+                yield out
+            return
         if job.kv is None:
             async for out in self.engine.generate(
                 job.request_id, job.prompt, job.params, tenant=job.tenant or None,
@@ -151,6 +156,24 @@ class DecodeCore:
                 firsts=job.starts,
                 lora=job.lora or None,
             )
+
+        async for out in self.engine.follow(job.request_id, add):
+            yield out
+
+    async def _resume(self, job: DecodeJob, priority: int) -> AsyncIterator[RequestOutput]:
+        """A request migrated from a decode worker that died: recompute the KV of its prompt
+        and of the tokens it streamed (from this worker's prefix cache where it has them), then
+        sample on; the text of those tokens is not sent again."""
+        done = job.resumed
+        first = FirstToken(0, done[-1], earlier=tuple(done[:-1]))
+        eng = self.engine.engine
+        self.resumed += 1
+
+        def add() -> None:
+            eng.add_prefilled(
+                job.request_id, job.prompt, None, job.params, tenant=job.tenant or None,
+                recompute=True, priority=priority, firsts=[first],
+            )  # fmt: skip
 
         async for out in self.engine.follow(job.request_id, add):
             yield out

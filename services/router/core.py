@@ -133,6 +133,7 @@ class WorkerClients(Protocol):
 class RouterStats:
     decisions: Counter = field(default_factory=Counter)  # (policy, reason) -> plans made
     retries: int = 0
+    migrations: int = 0  # streams moved to another decode worker after tokens were sent
 
 
 class RouterCore:
@@ -143,15 +144,18 @@ class RouterCore:
         decode_only_threshold: int = 256,
         policy: PolicyConfig | None = None,
         index: LocationLookup | None = None,
+        max_migrations: int = 2,
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
-        ``index``, the block-location index, feeds the "kv" policy."""
+        ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
+        decode worker at most ``max_migrations`` times."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
         self.inflight: Counter[str] = Counter()
         self.chooser = Chooser(directory, self.policy, index, self.inflight)
         self.stats = RouterStats()
+        self.max_migrations = max_migrations
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
@@ -162,7 +166,8 @@ class RouterCore:
     async def generate(self, job: RouteJob) -> AsyncIterator[Event]:
         """Stream the request's events; retries once if a worker fails before the first token,
         and on every other worker while workers refuse it for capacity (ResourceExhausted, a
-        fast refusal); when all refused, raises the refusal that frees up soonest."""
+        fast refusal); when all refused, raises the refusal that frees up soonest. A stream
+        whose decode worker fails after tokens were sent migrates (see `_migrate`)."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks[job.request_id] = task
@@ -170,20 +175,32 @@ class RouterCore:
         started = [False]
         refusals: list[ResourceExhausted] = []
         failures = 0
+        streamed: list[int] = []  # choice 0's tokens sent so far
+        migrations = 0
         try:
             while True:
                 try:
-                    async for ev in self._attempt(job, failed, started):
+                    if migrations:
+                        events = self._resume(job, streamed, failed, started)
+                    else:
+                        events = self._attempt(job, failed, started)
+                    async for ev in events:
+                        if ev.index == 0:
+                            streamed.extend(ev.token_ids)
                         yield ev
                     return
                 except RETRYABLE as e:
+                    if started[0]:
+                        self._migrate(job, e, streamed, migrations)
+                        migrations += 1
+                        continue
                     if isinstance(e, NoWorker) and refusals:
                         raise soonest(refusals) from e
                     if isinstance(e, ResourceExhausted):
                         refusals.append(e)
                     else:
                         failures += 1
-                    if started[0] or failures > 1 or isinstance(e, NoWorker):
+                    if failures > 1 or isinstance(e, NoWorker):
                         raise
                     self.stats.retries += 1
                     log.warning("request %s: %s; retrying on another worker", job.request_id, e)
@@ -198,6 +215,39 @@ class RouterCore:
         finally:
             self._tasks.pop(job.request_id, None)
             self._aborted.discard(job.request_id)
+
+    def _migrate(self, job: RouteJob, e: Exception, streamed: list[int], done: int) -> None:
+        """Decide on a stream whose worker failed after its first token (killed, or drained
+        past its timeout): it goes on elsewhere from the prompt plus the tokens already sent,
+        as Dynamo's migration does (re-prefill on the new decode worker, from its prefix cache
+        where it has them), at most ``max_migrations`` times; else re-raise ``e`` as the
+        stream's end. Only single-choice requests migrate."""
+        why = ""
+        if isinstance(e, NoWorker):
+            why = "no decode worker left"
+        elif job.params.n != 1:
+            why = "n > 1 is not migrated"
+        elif done >= self.max_migrations:
+            why = f"it already migrated {done} times (--max-migrations {self.max_migrations})"
+        elif not streamed or len(streamed) >= job.params.max_tokens:
+            why = "nothing to continue from"
+        if why:
+            raise Unavailable(f"request {job.request_id} lost its worker ({e}); {why}") from e
+        self.stats.migrations += 1
+        log.warning("request %s: %s after %d tokens; migrating (%d of at most %d)",
+                    job.request_id, e, len(streamed), done + 1, self.max_migrations)  # fmt: skip
+
+    async def _resume(self, job: RouteJob, streamed: list[int], failed: set[str], started):
+        """Continue a migrated request on another decode worker: admitted already (it takes it
+        past its bound), resumed from ``streamed``; the deadline still applies."""
+        plan = self.chooser.plan(job.route, failed)
+        if plan is None:
+            raise NoWorker("no live decode worker to continue on")
+        log.info("request %s resumes on %s after %d tokens", job.request_id,
+                 plan.decode.worker_id, len(streamed))  # fmt: skip
+        call = DecodeCall(job, admitted=True, resumed=list(streamed))
+        async for ev in self._decode(plan.decode, call, failed, started):
+            yield ev
 
     async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
         plan = self.chooser.plan(job.route, failed)

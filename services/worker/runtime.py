@@ -163,10 +163,12 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
         worker.ledger.close()  # new work gets UNAVAILABLE: the router retries it elsewhere
         await health.drain()
         registration = presence.registration if presence is not None else None
-        await drain(registration, role.busy, config.drain_timeout)
+        left = await drain(registration, role.busy, config.drain_timeout)
         if presence is not None:
             await presence.stop()
-        await server.stop(grace=5)
+        # Past the drain timeout the work left is cut at once (a router moves a cut decode
+        # stream to another worker); otherwise calls just finishing get a few seconds.
+        await server.stop(grace=0.5 if left else 5)
         await health.stop()
         await role.kv.close()
         await role.stop()
