@@ -246,6 +246,11 @@ class HandoffMixin:
         """Copy raw block bytes (pool layout and dtype) into this pool."""
         self.runner.write_blocks(block_ids, data)
 
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        """Checksums of whole blocks (``engine.kv_checksum``), on the pool's device."""
+        with self._lock:
+            return self.runner.block_checksums(block_ids)
+
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""
         return self.runner.read_blocks(block_ids)

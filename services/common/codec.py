@@ -52,6 +52,7 @@ class KVHandle:
     block_bytes: int
     dtype: str
     lease_expires_unix_ms: int
+    block_checksums: tuple[int, ...] = ()  # per block, from the sender; () = unchecked
 
 
 @dataclass(slots=True)
@@ -212,6 +213,7 @@ def handle_to_pb(h: KVHandle) -> common_pb2.KVHandle:
         block_bytes=h.block_bytes,
         dtype=h.dtype,
         lease_expires_unix_ms=h.lease_expires_unix_ms,
+        block_checksums=list(h.block_checksums),
     )
 
 
@@ -226,4 +228,5 @@ def handle_from_pb(msg: common_pb2.KVHandle) -> KVHandle:
         block_bytes=msg.block_bytes,
         dtype=msg.dtype,
         lease_expires_unix_ms=msg.lease_expires_unix_ms,
+        block_checksums=tuple(msg.block_checksums),
     )

@@ -40,6 +40,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         transfer_timeout=c.kv_transfer_timeout,
         on_transfer_failure=c.on_transfer_failure,
         ledger=w.ledger,
+        fault=c.kv_fault,
     )
     return runtime.Role(
         servicers=[(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],

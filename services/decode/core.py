@@ -65,6 +65,7 @@ class DecodeCore:
         transfer_timeout: float = 10.0,
         on_transfer_failure: str = "recompute",
         ledger: TokenLedger | None = None,
+        fault: str = "",
     ) -> None:
         if on_transfer_failure not in ("recompute", "retry"):
             raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
@@ -78,6 +79,8 @@ class DecodeCore:
         self._reservations: dict[str, float] = {}  # request id -> monotonic expiry
         self.blocks_pulled = 0  # blocks that moved (cached prefix blocks never do)
         self.transfer_failures = 0
+        self.corrupt_blocks = 0  # arrived blocks whose checksum did not match the sender's
+        self.fault = fault  # test only: "corrupt" damages each transfer's first block
         self.recomputed = 0
         self.resumed = 0  # migrated requests continued here
 
@@ -223,7 +226,30 @@ class DecodeCore:
             raise
         self.blocks_pulled += len(src)
         await self.transport.release(job.request_id, job.kv)
+        bad = await self._check(job, dst[skip:], skip)
+        if bad:
+            eng.release(job.request_id)
+            self.corrupt_blocks += bad
+            self.recomputed += 1
+            log.warning("KV of %s: %d of %d blocks arrived corrupt; recomputing it here",
+                        job.request_id, bad, len(src))  # fmt: skip
+            return False
         return True
+
+    async def _check(self, job: DecodeJob, dst: list[int], skip: int) -> int:
+        """How many of the blocks that arrived differ from the sender's checksums (0 when the
+        handle carries none). The test fault hook damages the first one before the check."""
+        assert job.kv is not None
+        eng = self.engine.engine
+        if self.fault == "corrupt" and dst:
+            await self.engine.run(eng.write_blocks, dst[:1], [b"\xa5" * eng.runner.block_bytes])
+        expected = job.kv.block_checksums[skip:]
+        if not expected or not dst:
+            return 0
+        got = await self.engine.run(eng.block_checksums, dst)
+        if not got:  # a tensor-parallel worker checks nothing
+            return 0
+        return sum(a != b for a, b in zip(got, expected, strict=True))
 
     def _timeout(self, kv: KVHandle) -> float:
         """The transfer timeout, cut short so a transfer never outlives the prefill lease: a

@@ -136,7 +136,7 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "address", "block_ids", "num_tokens", "block_size", "block_bytes", "dtype", "lease_expires_unix_ms")
+    __slots__ = ("worker_id", "incarnation", "address", "block_ids", "num_tokens", "block_size", "block_bytes", "dtype", "lease_expires_unix_ms", "block_checksums")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class KVHandle(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     address: str
@@ -155,7 +156,8 @@ class KVHandle(_message.Message):
     block_bytes: int
     dtype: str
     lease_expires_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "incarnation", "queue_length", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "prompt_tokens", "preemptions", "held_requests", "integrity_ok", "role", "location_txns", "location_puts", "location_deletes")
