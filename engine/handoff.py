@@ -50,6 +50,19 @@ class FirstToken:
         return [*self.earlier, self.token]
 
 
+@dataclass(frozen=True, slots=True)
+class HeldKV:
+    """A running request taken out of this engine's batch with its KV kept (a live move off a
+    draining decode worker): ``block_ids`` hold the KV of ``num_tokens`` tokens, the prompt
+    and every output token but the last, which the worker taking over feeds next."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    output_token_ids: tuple[int, ...]
+    generator_state: bytes = b""
+
+
 def advance(generator: torch.Generator, steps: int, width: int) -> None:
     """Move a seeded generator past ``steps`` sampled tokens: the sampler draws ``width``
     uniforms from it per token (``engine.sampler._race``), so the same draws, in the same
@@ -182,7 +195,9 @@ class HandoffMixin:
         ]
         for c in choices:
             c.seq.priority = priority
-            c.seq.num_computed = 0 if recompute else len(prompt)
+            # The reserved KV covers the prompt and every output token but the last (the first
+            # token only, unless the request moved here from another decode worker).
+            c.seq.num_computed = 0 if recompute else c.seq.num_tokens - 1
             c.seq.num_cached_prompt_tokens = num_cached_tokens
         req = Request(choices[0].seq, {c.seq.index: c for c in choices})
         with self._lock:
@@ -245,6 +260,31 @@ class HandoffMixin:
     def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
         """Copy raw block bytes (pool layout and dtype) into this pool."""
         self.runner.write_blocks(block_ids, data)
+
+    def hold_for_move(self, request_id: str) -> HeldKV | None:
+        """Take a running single-choice request out of the batch, keeping its blocks held (as
+        a prefill does) for another decode worker to pull; None when it cannot move now (not
+        here, several choices, or not between two decode steps). Its stream gets no more
+        outputs; `release` frees the blocks."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.hold_kv or req.unborn or len(req.live) != 1:
+                return None
+            (choice,) = req.live.values()
+            seq = choice.seq
+            if seq not in self.scheduler.running or seq.num_computed != seq.num_tokens - 1:
+                return None
+            self.scheduler.detach(seq)
+            del self._requests[request_id]
+            self._held.add(request_id)
+            self._held_seqs[request_id] = {}  # no choice goes on here
+            state = b""
+            if seq.generator is not None:
+                state = bytes(seq.generator.get_state().numpy().tobytes())
+            return HeldKV(
+                request_id, tuple(self.kv.block_ids(seq.key)), seq.num_computed,
+                tuple(seq.output_token_ids), state,
+            )  # fmt: skip
 
     def block_checksums(self, block_ids: list[int]) -> list[int]:
         """Checksums of whole blocks (``engine.kv_checksum``), on the pool's device."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class Stream:
     status: int = 0
     done: bool = False
     progress: threading.Event = field(default_factory=threading.Event)  # a few chunks in
+    gap: float = 0.0  # longest pause between two chunks, seconds
 
 
 def run_stream(url: str, s: Stream) -> None:
@@ -51,7 +53,12 @@ def run_stream(url: str, s: Stream) -> None:
             "stream_options": {"include_usage": True}}  # fmt: skip
     with httpx.stream("POST", url, json=body, timeout=300) as r:
         s.status = r.status_code
+        last = None
         for line in r.iter_lines():
+            now = time.monotonic()
+            if last is not None and line:
+                s.gap = max(s.gap, now - last)
+            last = now if line else last
             if line == "data: [DONE]":
                 s.done = True
             elif line.startswith("data: "):
@@ -86,13 +93,19 @@ def run_all(stack: Stack, prompts: list[str], during=None) -> list[Stream]:
     return streams
 
 
-def migrations(stack: Stack) -> float:
-    target = stack.scrape_targets()["router"]
+def metric(stack: Stack, process: str, name: str) -> float:
+    target = stack.scrape_targets()[process]
     with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("tandem_router_migrations_total"):
+            if line.startswith(name):
                 return float(line.split()[-1])
-    raise AssertionError("no tandem_router_migrations_total")
+    raise AssertionError(f"no {name} from {process}")
+
+
+def migrations(stack: Stack) -> tuple[float, float]:
+    """The router's migrations, and of those the live moves (KV handed over)."""
+    return (metric(stack, "router", "tandem_router_migrations_total"),
+            metric(stack, "router", "tandem_router_live_moves_total"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +157,26 @@ def hit_busiest(stack: Stack, sig: int, hit: list[str]):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "drain"])
 def test_streams_of_a_lost_decode_worker_continue_elsewhere(stack, reference, sig):
     before = migrations(stack)
+    recomputed = {n: metric(stack, n, "tandem_kv_handoff_recomputed_total")
+                  for n in ("decode-0", "decode-1")}  # fmt: skip
     hit: list[str] = []
     streams = run_all(stack, PROMPTS[:STREAMS], during=hit_busiest(stack, sig, hit))
     check_against(reference, streams)
-    assert migrations(stack) - before >= 1
+    moved, live = (a - b for a, b in zip(migrations(stack), before, strict=True))
+    survivor = "decode-0" if hit[0] == "decode-1" else "decode-1"
+    gap = max(s.gap for s in streams)
+    print(f"{hit[0]} {signal.Signals(sig).name}: {moved:.0f} migrated, {live:.0f} with their "
+          f"KV; longest pause between chunks {gap:.2f} s")  # fmt: skip
+    assert moved >= 1
+    if sig == signal.SIGTERM:  # a planned drain moves the running streams with their KV
+        assert live >= 1
+        assert "handed over with their KV" in stack.children[hit[0]].log_path.read_text()
+        # The KV arrived: nothing was recomputed on the worker that took them over.
+        after = metric(stack, survivor, "tandem_kv_handoff_recomputed_total")
+        assert after == recomputed[survivor]
+    else:
+        assert live == 0
+    assert "arrived corrupt" not in stack.children[survivor].log_path.read_text()
     # The stack keeps serving on the survivor, and the lost worker comes back.
     stack.restart(hit[0])
     check_against(reference, run_all(stack, PROMPTS[:2]))

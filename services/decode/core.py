@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from engine.errors import KVCapacityError
-from engine.handoff import FirstToken
+from engine.handoff import FirstToken, HeldKV
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.transfer import KVTransferError, KVTransport
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
-from services.common.codec import KVHandle
+from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
+from services.decode.handover import Handover
 from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,12 @@ class DecodeJob:
     # With kv: the choices that go on here, each from its first token (empty: choice 0 from
     # first_token, first_logprob and generator_state).
     starts: list[FirstToken] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV ``kv`` holds: the prompt, and for a request moved here from a
+        draining decode worker every output token but the last."""
+        return self.prompt + self.resumed[:-1]
 
     @property
     def cost(self) -> int:
@@ -66,6 +73,7 @@ class DecodeCore:
         on_transfer_failure: str = "recompute",
         ledger: TokenLedger | None = None,
         fault: str = "",
+        checksums: bool = True,
     ) -> None:
         if on_transfer_failure not in ("recompute", "retry"):
             raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
@@ -81,6 +89,7 @@ class DecodeCore:
         self.transfer_failures = 0
         self.corrupt_blocks = 0  # arrived blocks whose checksum did not match the sender's
         self.fault = fault  # test only: "corrupt" damages each transfer's first block
+        self.handover = Handover(engine, worker_id, incarnation, checksums)
         self.recomputed = 0
         self.resumed = 0  # migrated requests continued here
 
@@ -111,25 +120,38 @@ class DecodeCore:
     def num_reserved(self) -> int:
         return len(self._reservations)
 
-    async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
+    async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:
         """Stream the job's outputs. A job with a reservation here takes it; one ``admitted``
         elsewhere is booked even past the bound (it has a client waiting on a started stream);
         any other is refused at once (ResourceExhausted) past the admission bound. Closing the
         stream (client gone, deadline passed) aborts it and frees its blocks."""
         if self._reservations.pop(job.request_id, None) is not None:
             try:
-                async for out in self._generate(job):
+                async for out in self._relay(job):
                     yield out
             finally:
                 self.ledger.release(job.request_id)
             return
         with self.ledger.hold(job.request_id, job.cost, job.priority, force=job.admitted):
-            async for out in self._generate(job):
+            async for out in self._relay(job):
                 yield out
+
+    async def _relay(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:
+        """The engine's outputs; a request handed over on a drain ends with where its KV is."""
+        async for out in self._generate(job):
+            if isinstance(out, HeldKV):
+                yield await self.handover.moved(out)
+                return
+            yield out
+
+    async def move_out(self) -> int:
+        """On a planned drain: hand every running request over with its KV (`Handover`)."""
+        running = [rid for rid in self.ledger.inflight if rid not in self._reservations]
+        return await self.handover.move_out(running)
 
     async def _generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
         priority = ENGINE_PRIORITY[job.priority]
-        if job.resumed:
+        if job.resumed and job.kv is None:
             async for out in self._resume(job, priority):
                 yield out
             return
@@ -196,7 +218,7 @@ class DecodeCore:
             dst, cached = await self.engine.run(
                 eng.reserve,
                 job.request_id,
-                job.prompt,
+                job.kv_tokens,
                 job.tenant or None,
                 job.lora or None,
                 undo=lambda _: eng.release(job.request_id),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from services.common.codec import priority_from_pb
+from services.common.codec import Event, Moved, event_to_pb, priority_from_pb
 from services.decode.codec import job_from_pb, output_to_pb
 from services.decode.core import DecodeCore
 from services.worker.codec import stats_to_pb
@@ -20,6 +20,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):  # noqa: N802 - generated name
         job = job_from_pb(request)
         async for out in self.core.generate(job):
+            if isinstance(out, Moved):  # draining: the request goes on elsewhere from this KV
+                yield event_to_pb(Event(job.request_id, moved=out))
+                return
             yield output_to_pb(out, job)
 
     async def Reserve(self, request, context):  # noqa: N802

@@ -16,7 +16,7 @@ from typing import Protocol
 from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 from libkv.cluster.registry import Member, MemberDirectory
-from services.common.codec import ChoiceStart, Event, KVHandle
+from services.common.codec import ChoiceStart, Event, KVHandle, Moved
 from services.common.errors import (
     DeadlineExceeded,
     KVTransferFailed,
@@ -28,6 +28,14 @@ from services.router.policy import Chooser, LocationLookup, PolicyConfig, RouteR
 log = logging.getLogger(__name__)
 RETRYABLE = (Unavailable, ResourceExhausted)
 RESERVATION_LEASE_S = 60.0  # a decode booking no Generate took lapses after this
+
+
+class HandedOver(Exception):
+    """A draining decode worker handed the request over with its KV (live KV migration)."""
+
+    def __init__(self, moved: Moved) -> None:
+        super().__init__("handed over by a draining decode worker")
+        self.moved = moved
 
 
 class NoWorker(Unavailable):
@@ -134,6 +142,7 @@ class RouterStats:
     decisions: Counter = field(default_factory=Counter)  # (policy, reason) -> plans made
     retries: int = 0
     migrations: int = 0  # streams moved to another decode worker after tokens were sent
+    live_moves: int = 0  # of those, moved with their KV off a draining worker
 
 
 class RouterCore:
@@ -177,11 +186,12 @@ class RouterCore:
         failures = 0
         streamed: list[int] = []  # choice 0's tokens sent so far
         migrations = 0
+        moved: Moved | None = None  # KV handed over by a draining decode worker
         try:
             while True:
                 try:
                     if migrations:
-                        events = self._resume(job, streamed, failed, started)
+                        events = self._resume(job, streamed, failed, started, moved)
                     else:
                         events = self._attempt(job, failed, started)
                     async for ev in events:
@@ -189,10 +199,16 @@ class RouterCore:
                             streamed.extend(ev.token_ids)
                         yield ev
                     return
+                except HandedOver as h:
+                    self._migrate(job, Unavailable(str(h)), streamed, migrations)
+                    self.stats.live_moves += 1
+                    migrations += 1
+                    moved = h.moved
                 except RETRYABLE as e:
                     if started[0]:
                         self._migrate(job, e, streamed, migrations)
                         migrations += 1
+                        moved = None
                         continue
                     if isinstance(e, NoWorker) and refusals:
                         raise soonest(refusals) from e
@@ -237,15 +253,24 @@ class RouterCore:
         log.warning("request %s: %s after %d tokens; migrating (%d of at most %d)",
                     job.request_id, e, len(streamed), done + 1, self.max_migrations)  # fmt: skip
 
-    async def _resume(self, job: RouteJob, streamed: list[int], failed: set[str], started):
+    async def _resume(
+        self, job: RouteJob, streamed: list[int], failed: set[str], started, moved: Moved | None
+    ):
         """Continue a migrated request on another decode worker: admitted already (it takes it
-        past its bound), resumed from ``streamed``; the deadline still applies."""
+        past its bound), resumed from ``streamed``; the deadline still applies. With ``moved``
+        (a live move) the new worker pulls the KV of the prompt and every streamed token but
+        the last instead of computing it."""
         plan = self.chooser.plan(job.route, failed)
         if plan is None:
             raise NoWorker("no live decode worker to continue on")
-        log.info("request %s resumes on %s after %d tokens", job.request_id,
-                 plan.decode.worker_id, len(streamed))  # fmt: skip
+        live = moved is not None and moved.kv.num_tokens == len(job.prompt) + len(streamed) - 1
+        log.info("request %s resumes on %s after %d tokens (%s)", job.request_id,
+                 plan.decode.worker_id, len(streamed),
+                 "its KV moves" if live else "recomputed")  # fmt: skip
         call = DecodeCall(job, admitted=True, resumed=list(streamed))
+        if live and moved is not None:
+            call.handle, call.generator_state = moved.kv, moved.generator_state
+            call.first = Event(job.request_id, [streamed[-1]])
         async for ev in self._decode(plan.decode, call, failed, started):
             yield ev
 
@@ -365,6 +390,9 @@ class RouterCore:
         self.inflight[worker.worker_id] += 1
         try:
             async for ev in self.clients.decode(worker, call):
+                if ev.moved is not None:  # draining: not to be picked again for this request
+                    failed.add(worker.worker_id)
+                    raise HandedOver(ev.moved)
                 started[0] = True
                 yield ev
         except RETRYABLE:
