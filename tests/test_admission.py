@@ -18,7 +18,8 @@ from services.common.admission import (
 )
 from services.common.codec import Event
 from services.common.errors import ResourceExhausted, Unavailable
-from services.router.core import PrefillReply, RouteJob, RouterCore
+from services.router.calls import PrefillReply, RouteJob
+from services.router.core import RouterCore
 from tests.test_router_core import HANDLE, Directory, member
 
 
@@ -321,3 +322,30 @@ def test_an_unused_booking_lapses() -> None:
     core.reserve("a", 90, "interactive", lease=0.0)
     core.reserve("b", 90, "interactive", lease=30)  # a's lease is over: it was released
     assert list(core.ledger.inflight) == ["b"]
+
+
+async def test_an_unreachable_decode_worker_fails_its_booking_without_using_the_retry() -> None:
+    """A dead decode worker still in the member view fails the booking, before any prefill:
+    the next decode worker is booked, and a prefill failure after that still gets its retry."""
+
+    class DeadD0(Booking):
+        async def reserve(self, worker, job, lease):
+            self.log.append(("reserve", worker.worker_id))
+            if worker.worker_id == "d0":
+                raise Unavailable("d0 unreachable")
+
+        async def prefill(self, worker, job):
+            self.log.append(("prefill", worker.worker_id))
+            if worker.worker_id == "p0":
+                raise Unavailable("p0 down")
+            return PrefillReply(Event(job.request_id, [7], "x"), HANDLE)
+
+    workers = [member("p0", "prefill"), member("p1", "prefill", queue=1),
+               member("d0", "decode"), member("d1", "decode", queue=1)]  # fmt: skip
+    clients = DeadD0({})
+    core = RouterCore(Directory(workers), clients)
+    events = [ev async for ev in core.generate(_long_job())]
+    assert [e.token_ids for e in events] == [[7], [9]]
+    assert clients.log == [("reserve", "d0"), ("reserve", "d1"), ("prefill", "p0"),
+                           ("unreserve", "d1"), ("reserve", "d1"), ("prefill", "p1"),
+                           ("decode", "d1")]  # fmt: skip

@@ -11,7 +11,8 @@ from engine.sampling_params import SamplingParams
 from libkv.cluster.registry import Member, MemberLoad
 from services.common.codec import Event, KVHandle
 from services.common.errors import Unavailable
-from services.router.core import PrefillReply, RouteJob, RouterCore
+from services.router.calls import PrefillReply, RouteJob
+from services.router.core import RouterCore
 
 
 class Directory:

@@ -23,7 +23,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tls import TLSFiles
-from services.router.core import DecodeCall, PrefillReply, RouteJob
+from services.router.calls import DecodeCall, PrefillReply, RouteJob
 
 ADAPTER_TIMEOUT_S = 60.0  # reading an adapter folder into host memory
 
