@@ -168,8 +168,13 @@ class ModelRunner:
 
     @property
     def sampler_width(self) -> int:
-        """Columns of the logits the sampler sees (rows of the LM head)."""
-        return int(self.model.w.lm_head.shape[0])
+        """Columns of the logits the sampler sees (rows of the LM head, of every rank's
+        shard under tensor parallelism)."""
+        return (
+            sum(self.comm.shard.vocab_rows)
+            if self.comm.size > 1
+            else int(self.model.w.lm_head.shape[0])
+        )
 
     def bind_thread(self) -> None:
         """Make this engine's device the calling thread's current one (CUDA's current device
