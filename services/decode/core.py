@@ -197,7 +197,7 @@ class DecodeCore:
         def add() -> None:
             eng.add_prefilled(
                 job.request_id, job.prompt, None, job.params, tenant=job.tenant or None,
-                recompute=True, priority=priority, firsts=[first],
+                recompute=True, priority=priority, firsts=[first], lora=job.lora or None,
             )  # fmt: skip
 
         async for out in self.engine.follow(job.request_id, add):
