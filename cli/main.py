@@ -38,6 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.bundled import convert
     from services.launcher.stack import Stack, StackConfig
+    from services.launcher.supervisor import RestartPolicy
 
     specs = args.model or [str(convert(DEFAULT_DIR))]
     first, *extra = specs
@@ -79,13 +80,17 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"metrics: prometheus --config.file={prom} "
                   f"--storage.tsdb.path={stack.run_dir / 'prometheus'} "
                   "--web.listen-address=127.0.0.1:9090")  # fmt: skip
-        print("Ctrl-C stops everything.", flush=True)
+        print("Ctrl-C stops everything (gateway, workers, routers, etcd, in that order).")
+        print(f"a child that exits is restarted (up to {args.max_restarts} times within "
+              f"{args.restart_window:.0f} s)", flush=True)  # fmt: skip
+        policy = RestartPolicy(max_crashes=args.max_restarts + 1, window=args.restart_window)
+        supervisor = stack.supervisor(policy, say=lambda line: print(line, flush=True))
         while not stopping:
-            for child in stack.children.values():
-                if child.proc is not None and child.proc.poll() is not None:
-                    print(f"{child.name} exited with {child.proc.returncode}; see {child.log_path}")
-                    return 1
-            time.sleep(0.5)
+            supervisor.poll()
+            if "gateway" in supervisor.given_up:
+                print("the gateway cannot be kept running; stopping the stack", flush=True)
+                return 1
+            time.sleep(0.2)
     except KeyboardInterrupt:
         pass
     finally:
@@ -147,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prompts shorter than this skip the prefill pool (router default: 256)",
+    )
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=4,
+        help="restart a child that exits (worker, router, gateway, etcd) with exponential "
+        "backoff at most this many times within --restart-window, then give up on it",
+    )
+    serve.add_argument(
+        "--restart-window", type=float, default=60.0, help="seconds (see --max-restarts)"
     )
     serve.add_argument("--api-key", action="append", help="require this API key (repeatable)")
     serve.add_argument(

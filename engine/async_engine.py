@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -27,6 +28,13 @@ from engine.llm_engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Moved:
+    """The last item of a stream whose request moved out (``AsyncEngine.move_out``)."""
+
+    held: Any
 
 
 class AsyncEngine:
@@ -76,6 +84,27 @@ class AsyncEngine:
         self._wake.set()
         async for out in self._drain(request_id, queue):
             yield out
+
+    async def move_out(self, request_id: str, hold: Callable[[str], Any]) -> Any:
+        """Run ``hold(request_id)`` on the step thread between two steps (after the last step's
+        outputs are queued); when it returns something (the request left the engine with its
+        KV held, ``LLMEngine.hold_for_move``), the request's stream yields it last and ends."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                moved = hold(request_id)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                loop.call_soon_threadsafe(fut.set_exception, exc)
+                return
+            entry = self._queues.pop(request_id, None) if moved is not None else None
+            if entry is not None:
+                entry[0].call_soon_threadsafe(entry[1].put_nowait, _Moved(moved))
+            loop.call_soon_threadsafe(fut.set_result, moved)
+
+        self._later(run)
+        return await fut
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request (or drop held/reserved blocks). False if unknown."""
@@ -144,6 +173,10 @@ class AsyncEngine:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, _Moved):  # left the engine with its KV held
+                    done = True
+                    yield item.held
+                    return
                 done = (item.finished or item.kv_held) and not item.others_pending
                 yield item
                 if done:

@@ -41,6 +41,35 @@ class FirstToken:
     token: int
     logprob: TokenLogprob | None = None
     generator_state: bytes = b""
+    # A migrated choice: the tokens it streamed from another worker before ``token``.
+    earlier: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every output token the choice has, in order."""
+        return [*self.earlier, self.token]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKV:
+    """A running request taken out of this engine's batch with its KV kept (a live move off a
+    draining decode worker): ``block_ids`` hold the KV of ``num_tokens`` tokens, the prompt
+    and every output token but the last, which the worker taking over feeds next."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    output_token_ids: tuple[int, ...]
+    generator_state: bytes = b""
+
+
+def advance(generator: torch.Generator, steps: int, width: int) -> None:
+    """Move a seeded generator past ``steps`` sampled tokens: the sampler draws ``width``
+    uniforms from it per token (``engine.sampler._race``), so the same draws, in the same
+    sizes on the same device, leave it where the worker that sampled them left it."""
+    scratch = torch.empty(width, device=generator.device)
+    for _ in range(steps):
+        scratch.uniform_(generator=generator)
 
 
 class HandoffMixin:
@@ -51,6 +80,7 @@ class HandoffMixin:
     kv: KVCacheManager
     runner: ModelRunner
     scheduler: Scheduler
+    max_model_len: int
     _lock: threading.RLock
     _requests: dict
     _reserved: set[str]
@@ -165,7 +195,9 @@ class HandoffMixin:
         ]
         for c in choices:
             c.seq.priority = priority
-            c.seq.num_computed = 0 if recompute else len(prompt)
+            # The reserved KV covers the prompt and every output token but the last (the first
+            # token only, unless the request moved here from another decode worker).
+            c.seq.num_computed = 0 if recompute else c.seq.num_tokens - 1
             c.seq.num_cached_prompt_tokens = num_cached_tokens
         req = Request(choices[0].seq, {c.seq.index: c for c in choices})
         with self._lock:
@@ -189,20 +221,29 @@ class HandoffMixin:
         f: FirstToken,
         lora: str = "",
     ) -> Choice:
-        """A choice continuing from its first token: generator state and grammar replayed."""
+        """A choice continuing from its output so far (its first token, or every token a
+        migrated choice streamed): generator state and grammar replayed, the text of those
+        tokens already sent (what a stop string still holds back is sent as it would have
+        been)."""
         if not 0 <= f.index < params.n:
             raise InvalidRequestError(f"choice index {f.index} is not in [0, {params.n})")
+        tokens = f.tokens
+        if len(prompt) + len(tokens) > self.max_model_len or len(tokens) > params.max_tokens:
+            raise InvalidRequestError("the output so far leaves no room to continue")
         c = self._new_choice(request_id, prompt, params, salt, f.index, lora)
         seq = c.seq
         if f.generator_state and seq.generator is not None:
             state = torch.frombuffer(bytearray(f.generator_state), dtype=torch.uint8)
             seq.generator.set_state(state)
+        elif seq.generator is not None and not params.greedy:
+            # A migrated choice: the generator state stayed with the worker that died.
+            advance(seq.generator, len(tokens), self.runner.sampler_width)
         if params.grammar is not None:
-            seq.matcher = self.grammar.matcher(params.grammar, replay=[f.token])
-        seq.output_token_ids.append(f.token)
+            seq.matcher = self.grammar.matcher(params.grammar, replay=tokens)
+        seq.output_token_ids.extend(tokens)
         if c.logprobs is not None and f.logprob is not None:
             c.logprobs.append(f.logprob)
-        c.text = c.detok.push([f.token]).text
+        c.text = c.detok.push(tokens).text
         return c
 
     def _share_reserved(self, request_id: str, seqs: list[Sequence]) -> None:
@@ -219,6 +260,36 @@ class HandoffMixin:
     def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
         """Copy raw block bytes (pool layout and dtype) into this pool."""
         self.runner.write_blocks(block_ids, data)
+
+    def hold_for_move(self, request_id: str) -> HeldKV | None:
+        """Take a running single-choice request out of the batch, keeping its blocks held (as
+        a prefill does) for another decode worker to pull; None when it cannot move now (not
+        here, several choices, or not between two decode steps). Its stream gets no more
+        outputs; `release` frees the blocks."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.hold_kv or req.unborn or len(req.live) != 1:
+                return None
+            (choice,) = req.live.values()
+            seq = choice.seq
+            if seq not in self.scheduler.running or seq.num_computed != seq.num_tokens - 1:
+                return None
+            self.scheduler.detach(seq)
+            del self._requests[request_id]
+            self._held.add(request_id)
+            self._held_seqs[request_id] = {}  # no choice goes on here
+            state = b""
+            if seq.generator is not None:
+                state = bytes(seq.generator.get_state().numpy().tobytes())
+            return HeldKV(
+                request_id, tuple(self.kv.block_ids(seq.key)), seq.num_computed,
+                tuple(seq.output_token_ids), state,
+            )  # fmt: skip
+
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        """Checksums of whole blocks (``engine.kv_checksum``), on the pool's device."""
+        with self._lock:
+            return self.runner.block_checksums(block_ids)
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""

@@ -23,6 +23,7 @@ import kernels
 from engine import kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
+from engine.kv_checksum import BlockChecksums
 from engine.loader import dummy_weights, load_weights
 from engine.lora import LoRABatch, LoRAManager
 from engine.model import DecoderModel
@@ -151,6 +152,7 @@ class ModelRunner:
         )
         self.kv_cache = kv_pool.kernel_view(self.kv_pool)
         self.graphs: DecodeGraphs | None = None
+        self._checksums: BlockChecksums | None = None
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
@@ -163,6 +165,16 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block of this rank's pool (its KV heads; all of them at TP=1)."""
         return self.layout.shard_block_bytes(self.comm.rank)
+
+    @property
+    def sampler_width(self) -> int:
+        """Columns of the logits the sampler sees (rows of the LM head, of every rank's
+        shard under tensor parallelism)."""
+        return (
+            sum(self.comm.shard.vocab_rows)
+            if self.comm.size > 1
+            else int(self.model.w.lm_head.shape[0])
+        )
 
     def bind_thread(self) -> None:
         """Make this engine's device the calling thread's current one (CUDA's current device
@@ -269,6 +281,16 @@ class ModelRunner:
             block_tables=[s.block_ids for s in scheduled],
             seq_lens=[p + 1 for p in positions],
         )
+
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        """Checksums of whole blocks, computed on the pool's device (``engine.kv_checksum``);
+        [] under tensor parallelism (each rank holds only its heads: not checked)."""
+        if self.comm.size > 1:
+            return []
+        self.bind_thread()
+        if self._checksums is None:
+            self._checksums = BlockChecksums(self.kv_pool)
+        return self._checksums(block_ids)
 
     # -- block bytes (the gRPC block stream): canonical blocks, every KV head ------------------
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:

@@ -219,8 +219,10 @@ def router() -> Dashboard:
         Panel("Decision share", "Share of decisions by reason.", "percentunit",
               (Target(f"sum by (reason) ({rate(decisions)}) / ignoring(reason) group_left "
                       f"clamp_min(sum({rate(decisions)}), 1e-9)", "{{reason}}"),), stacked=True),
-        Panel("Retries", "Requests retried on another worker per second.", "ops",
-              (Target(f"sum({rate('tandem_router_retries_total')})", "retries"),)),
+        Panel("Retries and migrations", "Requests retried on another worker before their "
+              "first token, and streams migrated after it, per second.", "ops",
+              (Target(f"sum({rate('tandem_router_retries_total')})", "retries"),
+               Target(f"sum({rate('tandem_router_migrations_total')})", "migrations"))),
         Panel("Router stream time", "Router Generate calls, start to last token.", "s",
               percentiles("tandem_grpc_server_handling_seconds",
                           extra='component="router", method="/tandem.v1.Router/Generate"')),

@@ -18,8 +18,9 @@ from services.common.admission import (
 )
 from services.common.codec import Event
 from services.common.errors import ResourceExhausted, Unavailable
-from services.router.core import RouteJob, RouterCore
-from tests.test_router_core import Directory, member
+from services.router.calls import PrefillReply, RouteJob
+from services.router.core import RouterCore
+from tests.test_router_core import HANDLE, Directory, member
 
 
 class Clock:
@@ -222,3 +223,129 @@ async def test_prefill_core_admits_in_prompt_tokens_and_passes_priority() -> Non
     core.ledger.release("other")
     await core.prefill("d", list(range(10)), params, "t", "batch")
     assert engine.added[-1] == ("d", 1)
+
+
+# --- two-phase admission: decode capacity is booked before the prefill ----------------------
+
+
+class Booking(Refusing):
+    """Prefill-and-decode routing; decode workers in ``full`` refuse the booking."""
+
+    def __init__(self, full: dict[str, int], prefill_down: bool = False) -> None:
+        super().__init__(full)
+        self.prefill_down = prefill_down
+        self.log: list[tuple[str, str]] = []
+
+    async def reserve(self, worker, job, lease):
+        self.log.append(("reserve", worker.worker_id))
+        assert lease > 0 and job.cost == len(job.prompt) + job.params.max_tokens
+        if worker.worker_id in self.full:
+            raise ResourceExhausted("full", retry_after_ms=self.full[worker.worker_id])
+
+    async def unreserve(self, worker, request_id):
+        self.log.append(("unreserve", worker.worker_id))
+
+    async def prefill(self, worker, job):
+        self.log.append(("prefill", worker.worker_id))
+        if self.prefill_down:
+            raise Unavailable("prefill down")
+        return PrefillReply(Event(job.request_id, [7], "x"), HANDLE)
+
+    async def decode(self, worker, call):
+        self.log.append(("decode" if call.admitted else "decode-unbooked", worker.worker_id))
+        yield Event(call.job.request_id, [9], "z", finish_reason="length")
+
+
+def _long_job() -> RouteJob:
+    return RouteJob("r1", list(range(300)), SamplingParams(max_tokens=3))
+
+
+async def test_decode_is_booked_before_the_prefill_and_a_full_pool_is_refused_first() -> None:
+    workers = [member("p0", "prefill"), member("d0", "decode"), member("d1", "decode", queue=1)]
+    clients = Booking({"d0": 500})
+    events = [ev async for ev in RouterCore(Directory(workers), clients).generate(_long_job())]
+    assert [e.token_ids for e in events] == [[7], [9]]
+    assert clients.log == [("reserve", "d0"), ("reserve", "d1"), ("prefill", "p0"),
+                           ("decode", "d1")]  # fmt: skip
+    # Every decode worker full: refused before any prefill work, with the soonest retry.
+    clients = Booking({"d0": 500, "d1": 200})
+    with pytest.raises(ResourceExhausted) as e:
+        _ = [ev async for ev in RouterCore(Directory(workers), clients).generate(_long_job())]
+    assert e.value.retry_after_ms == 200
+    assert clients.log == [("reserve", "d0"), ("reserve", "d1")]
+
+
+async def test_a_failed_prefill_drops_its_booking() -> None:
+    workers = [member("p0", "prefill"), member("d0", "decode")]
+    clients = Booking({}, prefill_down=True)
+    events = [ev async for ev in RouterCore(Directory(workers), clients).generate(_long_job())]
+    assert events[-1].finish_reason == "length"
+    # Dropped before the retry, which goes decode-only (no prefill worker left) and books at
+    # the decode worker's own admission.
+    assert clients.log == [("reserve", "d0"), ("prefill", "p0"), ("unreserve", "d0"),
+                           ("decode-unbooked", "d0")]  # fmt: skip
+
+
+class _DecodeEngine:
+    """The slice of AsyncEngine a decode-only DecodeCore uses."""
+
+    async def generate(self, request_id, prompt, params, **kw):
+        yield f"out-{request_id}"
+
+
+async def test_decode_core_takes_its_booking_and_a_started_stream_past_the_bound() -> None:
+    from services.decode.core import DecodeCore, DecodeJob
+
+    core = DecodeCore(_DecodeEngine(), None, "d0", "inc", ledger=TokenLedger(100))  # type: ignore[arg-type]
+    core.reserve("a", 80, "interactive", lease=30)
+    core.reserve("a", 80, "interactive", lease=30)  # a retried call renews, books once
+    assert core.ledger.pending_tokens == 80 and core.num_reserved == 1
+    with pytest.raises(ResourceExhausted):
+        core.reserve("b", 30, "interactive", lease=30)
+    job = DecodeJob("a", list(range(70)), SamplingParams(max_tokens=10))
+    assert [o async for o in core.generate(job)] == ["out-a"]  # took the booking: no refusal
+    assert core.ledger.pending_tokens == 0 and core.num_reserved == 0
+    core.reserve("c", 90, "interactive", lease=30)
+    # A request that streamed tokens elsewhere (migrated, or its booking lapsed) is never
+    # refused for capacity; an unbooked new one is.
+    started = DecodeJob("s", list(range(40)), SamplingParams(max_tokens=10), admitted=True)
+    assert [o async for o in core.generate(started)] == ["out-s"]
+    with pytest.raises(ResourceExhausted):
+        _ = [o async for o in core.generate(DecodeJob("n", [1], SamplingParams(max_tokens=20)))]
+    assert core.unreserve("c") and core.ledger.pending_tokens == 0
+
+
+def test_an_unused_booking_lapses() -> None:
+    from services.decode.core import DecodeCore
+
+    core = DecodeCore(None, None, "d0", "inc", ledger=TokenLedger(100))  # type: ignore[arg-type]
+    core.reserve("a", 90, "interactive", lease=0.0)
+    core.reserve("b", 90, "interactive", lease=30)  # a's lease is over: it was released
+    assert list(core.ledger.inflight) == ["b"]
+
+
+async def test_an_unreachable_decode_worker_fails_its_booking_without_using_the_retry() -> None:
+    """A dead decode worker still in the member view fails the booking, before any prefill:
+    the next decode worker is booked, and a prefill failure after that still gets its retry."""
+
+    class DeadD0(Booking):
+        async def reserve(self, worker, job, lease):
+            self.log.append(("reserve", worker.worker_id))
+            if worker.worker_id == "d0":
+                raise Unavailable("d0 unreachable")
+
+        async def prefill(self, worker, job):
+            self.log.append(("prefill", worker.worker_id))
+            if worker.worker_id == "p0":
+                raise Unavailable("p0 down")
+            return PrefillReply(Event(job.request_id, [7], "x"), HANDLE)
+
+    workers = [member("p0", "prefill"), member("p1", "prefill", queue=1),
+               member("d0", "decode"), member("d1", "decode", queue=1)]  # fmt: skip
+    clients = DeadD0({})
+    core = RouterCore(Directory(workers), clients)
+    events = [ev async for ev in core.generate(_long_job())]
+    assert [e.token_ids for e in events] == [[7], [9]]
+    assert clients.log == [("reserve", "d0"), ("reserve", "d1"), ("prefill", "p0"),
+                           ("unreserve", "d1"), ("reserve", "d1"), ("prefill", "p1"),
+                           ("decode", "d1")]  # fmt: skip

@@ -287,8 +287,9 @@ def test_aborted_request_mid_grammar_frees_its_blocks(stack):
 
 def test_grammar_survives_a_move_to_another_decode_worker(stack, client):
     """Killed decode-0 stays in the routers' view until its lease lapses, and wins ties: the
-    prefilled requests sent to it fail before their second token and move to decode-1 with
-    their first tokens, whose matchers replay them."""
+    router's booking of decode capacity on it fails before any prefill, and the request goes to
+    decode-1 (or, had decode-0 died after the booking, moves there with its first tokens, whose
+    matchers replay them); the output still follows the schema."""
     # Let decode-0 publish its idle load first: a report from the previous test (streams still
     # running) would otherwise stay in the routers' view after the kill and make it lose ties.
     time.sleep(stack.config.member_refresh + 0.5)
@@ -305,6 +306,7 @@ def test_grammar_survives_a_move_to_another_decode_worker(stack, client):
             )  # fmt: skip
             jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
             done += 1
-        assert "decoding on decode-1 instead" in router_log.read_text()
+        text = router_log.read_text()
+        assert "decoding on decode-1 instead" in text or "retrying on another worker" in text
     finally:
         stack.restart("decode-0")

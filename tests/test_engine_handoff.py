@@ -100,3 +100,74 @@ def test_abort_and_release_free_everything(pair):
         decode.add_prefilled("y", prompt, 5, SamplingParams())
     prefill.check_integrity()
     decode.check_integrity()
+
+
+def test_a_migrated_request_resumes_token_identically(pair) -> None:
+    """A request that streamed k tokens elsewhere, resumed here from prompt + those tokens
+    (recomputed), continues as an uninterrupted run would: greedy, seeded sampling (its
+    generator advanced past the k draws), and a stop string held back across the cut."""
+    from engine.handoff import FirstToken
+
+    whole, resumed = pair
+    tok = whole.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a short poem about rivers."}])
+    cases = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=1234, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0, stop=["\n\n"]),
+    ]
+    for i, params in enumerate(cases):
+        whole.add_request(f"w{i}", prompt, params)
+        outs = [o for o in run(whole) if o.request_id == f"w{i}"]
+        ref = outs[-1]
+        for k in (1, len(ref.token_ids) // 2):
+            done = ref.token_ids[:k]
+            streamed_text = "".join(o.new_text for o in outs[:k])
+            first = FirstToken(0, done[-1], earlier=tuple(done[:-1]))
+            resumed.add_prefilled(f"m{i}-{k}", prompt, None, params, recompute=True, firsts=[first])
+            rest = [o for o in run(resumed) if o.request_id == f"m{i}-{k}"]
+            assert rest[-1].token_ids == ref.token_ids, (i, k)
+            assert streamed_text + "".join(o.new_text for o in rest) == ref.text, (i, k)
+            assert rest[-1].finish_reason == ref.finish_reason
+            assert sum(len(o.new_token_ids) for o in rest) == len(ref.token_ids) - k
+    resumed.check_integrity()
+
+
+def test_a_running_request_moves_with_its_kv_and_continues_token_identically(pair) -> None:
+    """Live KV migration between two engines: after k decode steps the request leaves the first
+    engine's batch with its KV held (prompt + every output token but the last), its blocks are
+    copied to the second engine, which continues without recomputing and matches an
+    uninterrupted run (greedy and seeded)."""
+    from engine.handoff import FirstToken
+
+    a, b = pair
+    prompt = a.tokenizer.encode("The three most useful kitchen tools are")
+    for i, params in enumerate([
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
+    ]):  # fmt: skip
+        a.add_request(f"ref{i}", prompt, params)
+        ref = [o for o in run(a) if o.request_id == f"ref{i}"][-1]
+        rid = f"mv{i}"
+        a.add_request(rid, prompt, params)
+        outs = []
+        while len(outs) < 5:
+            outs += [o for o in a.step() if o.request_id == rid]
+        held = a.hold_for_move(rid)
+        assert held is not None and held.output_token_ids == tuple(outs[-1].token_ids)
+        assert held.num_tokens == len(prompt) + len(held.output_token_ids) - 1
+        done = list(held.output_token_ids)
+        kv_tokens = prompt + done[:-1]
+        dst, cached = b.reserve(rid, kv_tokens)
+        skip = cached // b.config.block_size
+        b.write_blocks(dst[skip:], a.read_blocks(list(held.block_ids)[skip:]))
+        assert a.release(rid) and not a.has_unfinished()
+        first = FirstToken(0, done[-1], None, held.generator_state, tuple(done[:-1]))
+        b.add_prefilled(rid, prompt, None, params, firsts=[first])
+        seq = b._requests[rid].parent
+        assert seq.num_computed == held.num_tokens  # nothing is computed again
+        rest = [o for o in run(b) if o.request_id == rid]
+        assert rest[-1].token_ids == ref.token_ids, i
+        assert "".join(o.new_text for o in outs + rest) == ref.text
+    a.check_integrity()
+    b.check_integrity()

@@ -27,8 +27,8 @@ from libkv.transfer.setup import decode_side
 from services.common.errors import KVTransferFailed
 from services.decode.core import DecodeCore, DecodeJob
 from services.launcher.etcd import EtcdServer
+from services.router.calls import RouteJob
 from services.router.codec import GrpcWorkerClients
-from services.router.core import RouteJob
 from services.worker.runtime import engine_pool
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

@@ -111,6 +111,8 @@ def test_router_collector_reads_decisions_and_members():
         class stats:  # noqa: N801 - stands in for RouterStats
             decisions = Counter({("kv", "kv-hit"): 3, ("kv", "load"): 1, "decode_only": 2})
             retries = 4
+            migrations = 5
+            live_moves = 2
 
     class Watcher:
         members = {"p0": _Member("prefill"), "d0": _Member("decode"), "d1": _Member("decode")}
@@ -120,6 +122,8 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, "tandem_router_decisions_total", policy="kv", reason="kv-hit") == 3
     assert value(reg, "tandem_router_decisions_total", reason="decode_only") == 2
     assert value(reg, "tandem_router_retries_total") == 4
+    assert value(reg, "tandem_router_migrations_total") == 5
+    assert value(reg, "tandem_router_live_moves_total") == 2
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0
     assert decision_labels(("session", "sticky")) == ("session", "sticky")

@@ -67,6 +67,8 @@ EXPECTED = {
         **GRPC,
         "tandem_router_decisions": "counter",
         "tandem_router_retries": "counter",
+        "tandem_router_migrations": "counter",
+        "tandem_router_live_moves": "counter",
         "tandem_router_members": "gauge",
     },
     "prefill-0": {**GRPC, **WORKER, **ADMISSION},

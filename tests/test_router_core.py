@@ -11,7 +11,8 @@ from engine.sampling_params import SamplingParams
 from libkv.cluster.registry import Member, MemberLoad
 from services.common.codec import Event, KVHandle
 from services.common.errors import Unavailable
-from services.router.core import PrefillReply, RouteJob, RouterCore
+from services.router.calls import PrefillReply, RouteJob
+from services.router.core import RouterCore
 
 
 class Directory:
@@ -44,6 +45,8 @@ class Clients:
         self.fail_after_first = fail_after_first
         self.calls: list[tuple[str, str]] = []
         self.released: list[str] = []
+        self.reserved: list[str] = []  # decode workers booked before a prefill
+        self.unreserved: list[str] = []
 
     async def prefill(self, worker, job):
         self.calls.append(("prefill", worker.worker_id))
@@ -62,6 +65,12 @@ class Clients:
 
     async def release(self, handle, request_id):
         self.released.append(request_id)
+
+    async def reserve(self, worker, job, lease):
+        self.reserved.append(worker.worker_id)
+
+    async def unreserve(self, worker, request_id):
+        self.unreserved.append(worker.worker_id)
 
 
 def job(n_tokens: int) -> RouteJob:
@@ -116,15 +125,50 @@ async def test_retry_once_on_another_worker_before_first_token():
     assert clients.calls == [("decode", "d0"), ("decode", "d1")]  # exactly one retry
 
 
-async def test_no_retry_after_the_first_token():
-    d = Directory([member("d0", "decode"), member("d1", "decode")])
-    clients = Clients(fail_after_first=True)
+async def test_a_stream_that_loses_its_worker_migrates_with_what_it_sent():
+    """Dynamo-style migration: decode worker d0 dies after one token; d1 continues from the
+    prompt plus that token (admitted, resumed), and the caller sees one stream."""
+
+    class Dies(Clients):
+        async def decode(self, worker, call):
+            self.calls.append(("decode", worker.worker_id))
+            self.resumed.append(list(call.resumed))
+            assert call.admitted == bool(call.resumed)
+            start = len(call.resumed)
+            for i in range(start, 6):
+                if worker.worker_id in self.down and i == start + 1:
+                    raise Unavailable(f"{worker.worker_id} died mid-stream")
+                yield Event(call.job.request_id, [10 + i], "t",
+                            finish_reason="length" if i == 5 else None)  # fmt: skip
+
+    def six() -> RouteJob:
+        return RouteJob("r1", list(range(10)), SamplingParams(max_tokens=6))
+
+    d = Directory([member("d0", "decode"), member("d1", "decode", queue=1),
+                   member("d2", "decode", queue=2)])  # fmt: skip
+    clients = Dies(down={"d0"})
+    clients.resumed = []
+    core = RouterCore(d, clients)
+    events = await collect(core, six())
+    assert [e.token_ids for e in events] == [[i] for i in range(10, 16)]  # none lost or repeated
+    assert clients.calls == [("decode", "d0"), ("decode", "d1")]
+    assert clients.resumed == [[], [10]] and core.stats.migrations == 1
+
+    # Every worker dies after a token: two migrations (the default), then the error.
+    clients = Dies(down={"d0", "d1", "d2"})
+    clients.resumed = []
     core = RouterCore(d, clients)
     seen = []
-    with pytest.raises(Unavailable):
-        async for ev in core.generate(job(10)):
-            seen.append(ev)
-    assert len(seen) == 1 and clients.calls == [("decode", "d0")]
+    with pytest.raises(Unavailable, match="already migrated 2 times"):
+        async for ev in core.generate(six()):
+            seen.append(ev.token_ids)
+    assert seen == [[10], [11], [12]] and clients.resumed == [[], [10], [10, 11]]
+    assert core.stats.migrations == 2
+
+    clients = Dies(down={"d0"})
+    clients.resumed = []
+    with pytest.raises(Unavailable, match="max-migrations 0"):
+        await collect(RouterCore(d, clients, max_migrations=0), six())
 
 
 async def test_prefilled_request_moves_to_another_decode_worker_before_its_tokens():
@@ -193,6 +237,11 @@ async def test_kv_transfer_failure_prefills_again_on_another_worker():
             return replace(reply, handle=replace(HANDLE, worker_id=worker.worker_id))
 
         async def decode(self, worker, call):
+            if call.handle is None:  # migrated: resumed from the token already streamed
+                self.calls.append(("resume", worker.worker_id))
+                assert call.resumed == [7] and call.admitted
+                yield Event(call.job.request_id, [9], "z", finish_reason="length")
+                return
             self.calls.append(("decode", call.handle.worker_id))
             if call.handle.worker_id == "p0":
                 raise KVTransferFailed("p0 died mid-transfer")
@@ -211,10 +260,13 @@ async def test_kv_transfer_failure_prefills_again_on_another_worker():
     await asyncio.sleep(0)
     assert clients.released == ["r1", "r1"]  # both prefill workers' blocks released
 
-    clients = LostKV()  # with no other prefill worker the request fails cleanly
-    with pytest.raises(Unavailable, match="no other prefill worker"):
-        await collect(RouterCore(Directory([member("p0", "prefill"), member("d0", "decode")]),
-                                 clients), job(300))  # fmt: skip
+    # With no other prefill worker the stream migrates: resumed from its first token, on a
+    # decode worker that recomputes the prompt.
+    clients = LostKV()
+    core = RouterCore(Directory([member("p0", "prefill"), member("d0", "decode")]), clients)
+    events = await collect(core, job(300))
+    assert [e.token_ids for e in events] == [[7], [9]]
+    assert clients.calls[-1] == ("resume", "d0") and core.stats.migrations == 1
 
 
 class CountingTokenizer:

@@ -160,7 +160,8 @@ def test_unknown_policy_is_rejected():
 
 async def test_router_core_counts_plans_by_policy_and_reason():
     from engine.sampling_params import SamplingParams
-    from services.router.core import RouteJob, RouterCore
+    from services.router.calls import RouteJob
+    from services.router.core import RouterCore
     from tests.test_router_core import Clients, collect
 
     index = PrefixIndex()

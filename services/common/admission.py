@@ -74,9 +74,13 @@ class TokenLedger:
             return max(1, int(self.max_tokens * self.batch_fraction))
         return self.max_tokens
 
-    def admit(self, request_id: str, tokens: int, priority: str = "interactive") -> None:
+    def admit(
+        self, request_id: str, tokens: int, priority: str = "interactive", force: bool = False
+    ) -> None:
         """Book ``tokens`` for ``request_id`` or raise ResourceExhausted (with
-        ``retry_after_ms``) when that would take the ledger past the priority's limit."""
+        ``retry_after_ms``) when that would take the ledger past the priority's limit.
+        ``force``: a request admitted for its whole life elsewhere (it has streamed tokens):
+        booked even past the limit, never refused for capacity."""
         check_priority(priority)
         if self.closed:
             raise Unavailable(f"{self.name} is draining; it takes no new requests")
@@ -84,7 +88,7 @@ class TokenLedger:
             raise ValueError(f"request {request_id!r} is already admitted")
         limit = self.limit_for(priority)
         after = self.pending_tokens + tokens
-        if self.max_tokens and self.inflight and after > limit:
+        if self.max_tokens and self.inflight and after > limit and not force:
             self.refused[priority] += 1
             raise ResourceExhausted(
                 f"{self.name} is at its admission limit for {priority} requests: "
@@ -110,9 +114,11 @@ class TokenLedger:
         self._trim(now)
 
     @contextmanager
-    def hold(self, request_id: str, tokens: int, priority: str = "interactive") -> Iterator[None]:
+    def hold(
+        self, request_id: str, tokens: int, priority: str = "interactive", force: bool = False
+    ) -> Iterator[None]:
         """``admit`` now, ``release`` when the block exits however it exits."""
-        self.admit(request_id, tokens, priority)
+        self.admit(request_id, tokens, priority, force)
         try:
             yield
         finally:

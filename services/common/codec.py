@@ -52,6 +52,7 @@ class KVHandle:
     block_bytes: int
     dtype: str
     lease_expires_unix_ms: int
+    block_checksums: tuple[int, ...] = ()  # per block, from the sender; () = unchecked
 
 
 @dataclass(slots=True)
@@ -68,6 +69,16 @@ class Event:
     completion_tokens: int = 0
     cached_tokens: int = 0
     index: int = 0  # the choice (n > 1)
+    moved: Moved | None = None  # a draining decode worker hands the request over
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """A running request's KV held by a draining decode worker (mirror of ``tandem.v1.MovedKV``):
+    the prompt and every output token but the last."""
+
+    kv: KVHandle
+    generator_state: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +186,9 @@ def event_to_pb(ev: Event) -> common_pb2.TokenEvent:
         stop_reason=ev.stop_reason,
         index=ev.index,
     )
+    if ev.moved is not None:
+        msg.moved.kv.CopyFrom(handle_to_pb(ev.moved.kv))
+        msg.moved.generator_state = ev.moved.generator_state
     if ev.finish_reason is not None:
         msg.usage.CopyFrom(
             common_pb2.Usage(
@@ -198,6 +212,11 @@ def event_from_pb(msg: common_pb2.TokenEvent) -> Event:
         completion_tokens=msg.usage.completion_tokens,
         cached_tokens=msg.usage.cached_tokens,
         index=msg.index,
+        moved=(
+            Moved(handle_from_pb(msg.moved.kv), msg.moved.generator_state)
+            if msg.HasField("moved")
+            else None
+        ),
     )
 
 
@@ -212,6 +231,7 @@ def handle_to_pb(h: KVHandle) -> common_pb2.KVHandle:
         block_bytes=h.block_bytes,
         dtype=h.dtype,
         lease_expires_unix_ms=h.lease_expires_unix_ms,
+        block_checksums=list(h.block_checksums),
     )
 
 
@@ -226,4 +246,5 @@ def handle_from_pb(msg: common_pb2.KVHandle) -> KVHandle:
         block_bytes=msg.block_bytes,
         dtype=msg.dtype,
         lease_expires_unix_ms=msg.lease_expires_unix_ms,
+        block_checksums=tuple(msg.block_checksums),
     )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from tandem.v1 import worker_pb2_grpc
 
+from libkv.transfer.grpc_stream import BlockStreamServicer
 from libkv.transfer.observed import ObservedTransport
 from libkv.transfer.setup import decode_side
 from services.decode.core import DecodeCore
@@ -40,13 +41,25 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         transfer_timeout=c.kv_transfer_timeout,
         on_transfer_failure=c.on_transfer_failure,
         ledger=w.ledger,
+        fault=c.kv_fault,
+        checksums=c.kv_checksums,
     )
+
+    def bound(address: str) -> None:
+        core.handover.address = address  # moved requests' KV handles name it
+
     return runtime.Role(
-        servicers=[(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core))],
-        service_names=["tandem.v1.Decode"],
+        servicers=[
+            (worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core)),
+            (worker_pb2_grpc.add_KVTransportServicer_to_server, BlockStreamServicer(core.handover)),
+        ],
+        service_names=["tandem.v1.Decode", "tandem.v1.KVTransport"],
         kv=kv,
-        # Running streams finish (up to the drain timeout); aborts still reach them.
-        busy=lambda: len(core.ledger.inflight),
+        # Running streams finish or move with their KV (up to the drain timeout), and moved
+        # KV is read by the workers taking over; aborts still reach them.
+        busy=lambda: len(core.ledger.inflight) + core.handover.num_held,
+        bound=bound,
+        hand_over=core.move_out,
         collectors=[HandoffCollector(core)],
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tandem.v1 import common_pb2, worker_pb2
@@ -31,7 +32,11 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
         cached_tokens=req.cached_tokens,
         priority=priority_from_pb(req.priority),
         lora=req.lora,
+        admitted=req.admitted,
+        resumed=list(req.resumed_token_ids),
     )
+    if job.resumed and job.params.n != 1:
+        raise InvalidRequestError("resumed_token_ids go with n=1")
     if req.HasField("kv"):
         job.kv = handle_from_pb(req.kv)
         starts = [(req.first, req.generator_state)]
@@ -41,6 +46,10 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
                 "a DecodeRequest with kv must carry each choice's first token"
             )
         job.starts = [_first_token(ev, state) for ev, state in starts if not ev.finish_reason]
+        if job.resumed:  # moved with its KV: every output token so far, the last one first
+            if job.resumed[-1] != req.first.token_ids[0]:
+                raise InvalidRequestError("a moved request's first token is its last output")
+            job.starts = [replace(job.starts[0], earlier=tuple(job.resumed[:-1]))]
         job.first_token = req.first.token_ids[0]
         job.first_logprob = _first_token(req.first, b"").logprob
         job.generator_state = req.generator_state

@@ -9,13 +9,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
-from engine.handoff import FirstToken
+from engine.errors import KVCapacityError
+from engine.handoff import FirstToken, HeldKV
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.transfer import KVTransferError, KVTransport
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
-from services.common.codec import KVHandle
+from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
+from services.decode.handover import Handover
 from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
@@ -34,9 +36,17 @@ class DecodeJob:
     cached_tokens: int = 0
     priority: str = "interactive"
     lora: str = ""  # LoRA adapter ("" = the base model)
+    admitted: bool = False  # admitted before its first token reached the client (see generate)
+    resumed: list[int] = field(default_factory=list)  # a migrated request's streamed tokens
     # With kv: the choices that go on here, each from its first token (empty: choice 0 from
     # first_token, first_logprob and generator_state).
     starts: list[FirstToken] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV ``kv`` holds: the prompt, and for a request moved here from a
+        draining decode worker every output token but the last."""
+        return self.prompt + self.resumed[:-1]
 
     @property
     def cost(self) -> int:
@@ -62,6 +72,8 @@ class DecodeCore:
         transfer_timeout: float = 10.0,
         on_transfer_failure: str = "recompute",
         ledger: TokenLedger | None = None,
+        fault: str = "",
+        checksums: bool = True,
     ) -> None:
         if on_transfer_failure not in ("recompute", "retry"):
             raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
@@ -72,19 +84,77 @@ class DecodeCore:
         self.transfer_timeout = transfer_timeout
         self.on_transfer_failure = on_transfer_failure
         self.ledger = ledger or TokenLedger(0, name=f"decode worker {worker_id}")
+        self._reservations: dict[str, float] = {}  # request id -> monotonic expiry
         self.blocks_pulled = 0  # blocks that moved (cached prefix blocks never do)
         self.transfer_failures = 0
+        self.corrupt_blocks = 0  # arrived blocks whose checksum did not match the sender's
+        self.fault = fault  # test only: "corrupt" damages each transfer's first block
+        self.handover = Handover(engine, worker_id, incarnation, checksums)
         self.recomputed = 0
+        self.resumed = 0  # migrated requests continued here
 
-    async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
-        """Stream the job's outputs; refused at once (ResourceExhausted) past the admission
-        bound. Closing the stream (client gone, deadline passed) aborts it and frees its blocks."""
-        with self.ledger.hold(job.request_id, job.cost, job.priority):
-            async for out in self._generate(job):
+    def reserve(self, request_id: str, tokens: int, priority: str, lease: float) -> None:
+        """Book ``tokens`` for a request that is being prefilled elsewhere (ResourceExhausted
+        at once when full, Unavailable while draining); `generate` takes the booking, `unreserve`
+        drops it, and it lapses ``lease`` seconds from now."""
+        self._expire()
+        if request_id not in self._reservations:  # else a retried call: renew the lease
+            self.ledger.admit(request_id, tokens, priority)
+        self._reservations[request_id] = time.monotonic() + lease
+
+    def unreserve(self, request_id: str) -> bool:
+        """Drop a booking no Generate took (the prefill failed, the client left)."""
+        if self._reservations.pop(request_id, None) is None:
+            return False
+        self.ledger.release(request_id)
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, expiry in list(self._reservations.items()):
+            if expiry <= now:
+                log.warning("reservation of %s lapsed unused; releasing it", rid)
+                self.unreserve(rid)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reservations)
+
+    async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:
+        """Stream the job's outputs. A job with a reservation here takes it; one ``admitted``
+        elsewhere is booked even past the bound (it has a client waiting on a started stream);
+        any other is refused at once (ResourceExhausted) past the admission bound. Closing the
+        stream (client gone, deadline passed) aborts it and frees its blocks."""
+        if self._reservations.pop(job.request_id, None) is not None:
+            try:
+                async for out in self._relay(job):
+                    yield out
+            finally:
+                self.ledger.release(job.request_id)
+            return
+        with self.ledger.hold(job.request_id, job.cost, job.priority, force=job.admitted):
+            async for out in self._relay(job):
                 yield out
+
+    async def _relay(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:
+        """The engine's outputs; a request handed over on a drain ends with where its KV is."""
+        async for out in self._generate(job):
+            if isinstance(out, HeldKV):
+                yield await self.handover.moved(out)
+                return
+            yield out
+
+    async def move_out(self) -> int:
+        """On a planned drain: hand every running request over with its KV (`Handover`)."""
+        running = [rid for rid in self.ledger.inflight if rid not in self._reservations]
+        return await self.handover.move_out(running)
 
     async def _generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
         priority = ENGINE_PRIORITY[job.priority]
+        if job.resumed and job.kv is None:
+            async for out in self._resume(job, priority):
+                yield out
+            return
         if job.kv is None:
             async for out in self.engine.generate(
                 job.request_id, job.prompt, job.params, tenant=job.tenant or None,
@@ -115,6 +185,24 @@ class DecodeCore:
         async for out in self.engine.follow(job.request_id, add):
             yield out
 
+    async def _resume(self, job: DecodeJob, priority: int) -> AsyncIterator[RequestOutput]:
+        """A request migrated from a decode worker that died: recompute the KV of its prompt
+        and of the tokens it streamed (from this worker's prefix cache where it has them), then
+        sample on; the text of those tokens is not sent again."""
+        done = job.resumed
+        first = FirstToken(0, done[-1], earlier=tuple(done[:-1]))
+        eng = self.engine.engine
+        self.resumed += 1
+
+        def add() -> None:
+            eng.add_prefilled(
+                job.request_id, job.prompt, None, job.params, tenant=job.tenant or None,
+                recompute=True, priority=priority, firsts=[first], lora=job.lora or None,
+            )  # fmt: skip
+
+        async for out in self.engine.follow(job.request_id, add):
+            yield out
+
     async def _receive_kv(self, job: DecodeJob) -> bool:
         """Reserve blocks, fetch the ones not cached here, tell prefill to release.
 
@@ -126,14 +214,21 @@ class DecodeCore:
                 f"KV layout mismatch: prefill blocks are {job.kv.block_bytes} bytes, "
                 f"this worker's are {eng.runner.layout.block_bytes}"
             )
-        dst, cached = await self.engine.run(
-            eng.reserve,
-            job.request_id,
-            job.prompt,
-            job.tenant or None,
-            job.lora or None,
-            undo=lambda _: eng.release(job.request_id),
-        )
+        try:
+            dst, cached = await self.engine.run(
+                eng.reserve,
+                job.request_id,
+                job.kv_tokens,
+                job.tenant or None,
+                job.lora or None,
+                undo=lambda _: eng.release(job.request_id),
+            )
+        except KVCapacityError:
+            # Admitted, its first token streamed: never fail it for capacity. It queues like
+            # a preempted sequence and is recomputed here once blocks free up.
+            log.warning("no free KV blocks for %s now; it queues and is recomputed", job.request_id)
+            self.recomputed += 1
+            return False
         skip = cached // eng.config.block_size
         src = job.kv.block_ids[skip:]
         try:
@@ -153,7 +248,30 @@ class DecodeCore:
             raise
         self.blocks_pulled += len(src)
         await self.transport.release(job.request_id, job.kv)
+        bad = await self._check(job, dst[skip:], skip)
+        if bad:
+            eng.release(job.request_id)
+            self.corrupt_blocks += bad
+            self.recomputed += 1
+            log.warning("KV of %s: %d of %d blocks arrived corrupt; recomputing it here",
+                        job.request_id, bad, len(src))  # fmt: skip
+            return False
         return True
+
+    async def _check(self, job: DecodeJob, dst: list[int], skip: int) -> int:
+        """How many of the blocks that arrived differ from the sender's checksums (0 when the
+        handle carries none). The test fault hook damages the first one before the check."""
+        assert job.kv is not None
+        eng = self.engine.engine
+        if self.fault == "corrupt" and dst:
+            await self.engine.run(eng.write_blocks, dst[:1], [b"\xa5" * eng.runner.block_bytes])
+        expected = job.kv.block_checksums[skip:]
+        if not expected or not dst:
+            return 0
+        got = await self.engine.run(eng.block_checksums, dst)
+        if not got:  # a tensor-parallel worker checks nothing
+            return 0
+        return sum(a != b for a, b in zip(got, expected, strict=True))
 
     def _timeout(self, kv: KVHandle) -> float:
         """The transfer timeout, cut short so a transfer never outlives the prefill lease: a
@@ -167,8 +285,9 @@ class DecodeCore:
         return min(self.transfer_timeout, lease_left)
 
     async def abort_request(self, request_id: str) -> bool:
-        """The Abort RPC (off the event loop: it takes the engine lock)."""
-        return await self.engine.run(self.engine.abort, request_id)
+        """The Abort RPC (off the event loop: it takes the engine lock); drops a reservation."""
+        dropped = self.unreserve(request_id)
+        return await self.engine.run(self.engine.abort, request_id) or dropped
 
     async def stats(self) -> WorkerStats:
         return await self.engine.run(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from tandem.v1 import common_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from services.common.codec import Event, Moved, event_to_pb, priority_from_pb
 from services.decode.codec import job_from_pb, output_to_pb
 from services.decode.core import DecodeCore
 from services.worker.codec import stats_to_pb
 from services.worker.embed import embed
+
+DEFAULT_LEASE_MS = 60_000  # a Reserve that names no lease
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
@@ -17,7 +20,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):  # noqa: N802 - generated name
         job = job_from_pb(request)
         async for out in self.core.generate(job):
+            if isinstance(out, Moved):  # draining: the request goes on elsewhere from this KV
+                yield event_to_pb(Event(job.request_id, moved=out))
+                return
             yield output_to_pb(out, job)
+
+    async def Reserve(self, request, context):  # noqa: N802
+        lease = (request.lease_ms or DEFAULT_LEASE_MS) / 1000
+        self.core.reserve(
+            request.request_id, request.tokens, priority_from_pb(request.priority), lease
+        )
+        return worker_pb2.ReserveResponse()
 
     async def Abort(self, request, context):  # noqa: N802
         found = await self.core.abort_request(request.request_id)

@@ -19,6 +19,7 @@ from services.launcher import process
 from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
 from services.launcher.placement import Placement, place
 from services.launcher.process import Child
+from services.launcher.supervisor import RestartPolicy, Supervisor
 
 # The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
 # decode-only (the router also falls back to decode-only when no prefill worker is live).
@@ -344,18 +345,38 @@ class Stack:
             child.address = tail[tail.index("READY") :].splitlines()[0].split()[-1]
         return child
 
-    def stop(self) -> None:
-        for child in reversed(list(self.children.values())):
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.terminate()
+    def supervisor(self, policy: RestartPolicy | None = None, say=print) -> Supervisor:
+        """A supervisor that restarts this stack's children (and etcd) when they exit."""
+        return Supervisor(self.children, self._launch, self.etcd, policy, say)
+
+    def drain_order(self) -> list[list[Child]]:
+        """The order ``stop`` ends the children in, group after group: the gateway (it stops
+        taking requests and lets open streams finish), then the workers (decode workers finish
+        their streams; prefill workers' held KV can still be pulled meanwhile), then the
+        routers; etcd last."""
+        groups: list[list[Child]] = [[], [], []]
         for child in self.children.values():
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+            rank = 0 if child.name == "gateway" else 2 if child.name.startswith("router") else 1
+            groups[rank].append(child)
+        return [g for g in groups if g]
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM each group of ``drain_order`` and wait up to ``grace`` s for it to exit
+        (SIGKILL after that), then stop etcd."""
+        for group in self.drain_order():
+            live = [c for c in group if c.proc is not None and c.proc.poll() is None]
+            for child in live:
+                assert child.proc is not None
+                child.proc.terminate()
+            deadline = time.monotonic() + grace
+            for child in group:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
         self.etcd.close()
 
     def __enter__(self) -> Stack:

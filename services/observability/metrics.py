@@ -259,3 +259,9 @@ class HandoffCollector(Collector):
             "prompt.",
             value=self.core.recomputed,
         )
+        yield CounterMetricFamily(
+            "tandem_kv_transfer_corrupt_blocks",
+            "KV blocks that arrived with a checksum other than the sender's (their prompt was "
+            "recomputed; corrupt KV is never served).",
+            value=self.core.corrupt_blocks,
+        )

@@ -43,8 +43,10 @@ class PrefillCore:
         incarnation: str,
         lease_seconds: float,
         ledger: TokenLedger | None = None,
+        checksums: bool = True,
     ) -> None:
         self.engine = engine
+        self.checksums = checksums  # sent with each handle, for the decode worker to check
         # Admission in prompt tokens: a prefill's work and what it holds for the decode side.
         self.ledger = ledger or TokenLedger(0, name=f"prefill worker {worker_id}")
         self.worker_id = worker_id
@@ -92,16 +94,20 @@ class PrefillCore:
             return PrefillResult(outs, None, [b""] * params.n)
         expires = time.monotonic() + self.lease_seconds
         self._leases[request_id] = expires
+        block_ids = eng.held_block_ids(request_id)
+        # Sealed: the prompt's KV is complete and no step writes these blocks while held.
+        sums = await self.engine.run(eng.block_checksums, block_ids) if self.checksums else []
         handle = KVHandle(
             worker_id=self.worker_id,
             incarnation=self.incarnation,
             address=self.address,
-            block_ids=tuple(eng.held_block_ids(request_id)),
+            block_ids=tuple(block_ids),
             num_tokens=len(prompt),
             block_size=eng.config.block_size,
             block_bytes=eng.runner.layout.block_bytes,  # canonical: every KV head
             dtype=str(eng.runner.dtype).removeprefix("torch."),
             lease_expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
+            block_checksums=tuple(sums),
         )
         states = [eng.generator_state(request_id, i) for i in range(params.n)]
         return PrefillResult(outs, handle, states)

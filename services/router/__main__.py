@@ -94,6 +94,11 @@ class RouterConfig:
         "kv policy: seconds this router remembers where it sent a prompt, until the worker's "
         "block-location summary (written at most once a second) shows it; 0: off",
     )
+    max_migrations: int = option(
+        2,
+        "times a stream whose decode worker fails after sending tokens moves to another decode "
+        "worker (resumed from the prompt and the tokens sent); then it ends with an error event",
+    )
     drain_timeout: float = option(
         30.0,
         "on SIGTERM: most seconds streams in flight get to finish (new calls are refused at "
@@ -154,7 +159,13 @@ async def serve(config: RouterConfig) -> None:
     # internal callers only.
     routes = {
         name: (
-            RouterCore(ModelDirectory(watcher, name), clients, policy=policy, index=lookup),
+            RouterCore(
+                ModelDirectory(watcher, name),
+                clients,
+                policy=policy,
+                index=lookup,
+                max_migrations=config.max_migrations,
+            ),
             Tokenizer(folder),
         )
         for name, folder in config.models.items()

@@ -23,7 +23,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tls import TLSFiles
-from services.router.core import DecodeCall, PrefillReply, RouteJob
+from services.router.calls import DecodeCall, PrefillReply, RouteJob
 
 ADAPTER_TIMEOUT_S = 60.0  # reading an adapter folder into host memory
 
@@ -74,6 +74,9 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
     if code == grpc.StatusCode.ABORTED:
         return KVTransferFailed(f"{who}: {details}")
     return Unavailable(f"{who} failed: {code.name}: {details}")
+
+
+RESERVE_TIMEOUT_S = 5.0  # a Reserve is a bookkeeping call: a worker this slow is as good as down
 
 
 class GrpcWorkerClients:
@@ -130,6 +133,8 @@ class GrpcWorkerClients:
             cached_tokens=call.cached_tokens,
             priority=common.PRIORITY_TO_PB[job.priority],
             lora=job.lora,
+            admitted=call.admitted,
+            resumed_token_ids=call.resumed,
         )
         if call.handle is not None and call.first is not None:
             req.kv.CopyFrom(common.handle_to_pb(call.handle))
@@ -179,6 +184,24 @@ class GrpcWorkerClients:
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, f"{worker.role} {worker.worker_id}") from e
         return [list(e.values) for e in reply.embeddings], reply.prompt_tokens
+
+    async def reserve(self, worker: Member, job: RouteJob, lease: float) -> None:
+        stub = worker_pb2_grpc.DecodeStub(self._channel(worker.address))
+        req = worker_pb2.ReserveRequest(
+            request_id=job.request_id,
+            tokens=job.cost,
+            priority=common.PRIORITY_TO_PB[job.priority],
+            lease_ms=int(lease * 1000),
+        )
+        try:
+            await stub.Reserve(req, timeout=job.time_left(RESERVE_TIMEOUT_S))
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, f"decode {worker.worker_id}") from e
+
+    async def unreserve(self, worker: Member, request_id: str) -> None:
+        stub = worker_pb2_grpc.DecodeStub(self._channel(worker.address))
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
 
     async def release(self, handle: common.KVHandle, request_id: str) -> None:
         stub = worker_pb2_grpc.PrefillStub(self._channel(handle.address))

@@ -1,5 +1,7 @@
-"""Routing logic (no grpc): choose workers, run prefill then decode (or decode only), retry
-once on another worker when one fails before the first token, propagate cancellation."""
+"""Routing logic (no grpc): choose workers, book decode capacity, run prefill then decode (or
+decode only), retry once on another worker when one fails before the first token, migrate a
+stream whose decode worker fails after it (or hands it over while draining), propagate
+cancellation. The types it works with are in ``calls``."""
 
 from __future__ import annotations
 
@@ -10,115 +12,27 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
-from engine.sampling_params import SamplingParams
 from libkv.cluster.registry import Member, MemberDirectory
-from services.common.codec import ChoiceStart, Event, KVHandle
-from services.common.errors import (
-    DeadlineExceeded,
-    KVTransferFailed,
-    ResourceExhausted,
-    Unavailable,
+from services.common.codec import Event, Moved
+from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
+from services.router.calls import (
+    RESERVATION_LEASE_S,
+    RETRYABLE,
+    BookingFailed,
+    DecodeCall,
+    HandedOver,
+    NoWorker,
+    PrefillReply,
+    RouteJob,
+    RouterStats,
+    WorkerClients,
+    soonest,
 )
-from services.router.policy import Chooser, LocationLookup, PolicyConfig, RouteRequest
+from services.router.policy import Chooser, LocationLookup, PolicyConfig
 
 log = logging.getLogger(__name__)
-RETRYABLE = (Unavailable, ResourceExhausted)
-
-
-class NoWorker(Unavailable):
-    """No live worker is left to try (none registered, or all failed or refused)."""
-
-
-def soonest(refusals: list[ResourceExhausted]) -> ResourceExhausted:
-    """One refusal for the caller: every worker is full; retry when the first frees up."""
-    waits = [r.retry_after_ms for r in refusals if r.retry_after_ms is not None]
-    return ResourceExhausted(
-        f"all {len(refusals)} workers tried are at capacity; last: {refusals[-1]}",
-        retry_after_ms=min(waits) if waits else None,
-    )
-
-
-@dataclass(slots=True)
-class RouteJob:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    tenant: str = ""
-    priority: str = "interactive"
-    deadline: float | None = None  # time.monotonic() after which the caller gave up
-    session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
-    lora: str = ""  # LoRA adapter ("" = the base model)
-
-    @property
-    def route(self) -> RouteRequest:
-        """What the routing policy looks at."""
-        return RouteRequest(
-            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens,
-            self.lora,
-        )  # fmt: skip
-
-    def time_left(self, cap: float | None = None) -> float | None:
-        """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
-        if self.deadline is None:
-            return cap
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded(f"request {self.request_id} passed its deadline")
-        return left if cap is None else min(left, cap)
-
-
-@dataclass(slots=True)
-class PrefillReply:
-    """Choice 0's first event and generator state; ``others``: those of choices 1..n-1."""
-
-    first: Event
-    handle: KVHandle | None
-    generator_state: bytes = b""
-    cached_tokens: int = 0
-    others: list[ChoiceStart] = field(default_factory=list)
-
-    @property
-    def firsts(self) -> list[Event]:
-        return [self.first, *(c.first for c in self.others)]
-
-
-@dataclass(slots=True)
-class DecodeCall:
-    job: RouteJob
-    handle: KVHandle | None = None
-    first: Event | None = None
-    generator_state: bytes = b""
-    cached_tokens: int = 0
-    others: list[ChoiceStart] = field(default_factory=list)
-
-
-class WorkerClients(Protocol):
-    """How the router talks to workers; raises Unavailable/ResourceExhausted when a worker
-    cannot serve (retryable) and engine errors (InvalidRequestError, ...) otherwise."""
-
-    async def prefill(self, worker: Member, job: RouteJob) -> PrefillReply: ...
-
-    def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[Event]: ...
-
-    async def release(self, handle: KVHandle, request_id: str) -> None: ...
-
-    async def load_lora(self, worker: Member, name: str, path: str) -> None: ...
-
-    async def unload_lora(self, worker: Member, name: str) -> None: ...
-
-    async def embed(
-        self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
-    ) -> tuple[list[list[float]], int]: ...
-
-
-@dataclass(slots=True)
-class RouterStats:
-    decisions: Counter = field(default_factory=Counter)  # (policy, reason) -> plans made
-    retries: int = 0
 
 
 class RouterCore:
@@ -129,15 +43,18 @@ class RouterCore:
         decode_only_threshold: int = 256,
         policy: PolicyConfig | None = None,
         index: LocationLookup | None = None,
+        max_migrations: int = 2,
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
-        ``index``, the block-location index, feeds the "kv" policy."""
+        ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
+        decode worker at most ``max_migrations`` times."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
         self.inflight: Counter[str] = Counter()
         self.chooser = Chooser(directory, self.policy, index, self.inflight)
         self.stats = RouterStats()
+        self.max_migrations = max_migrations
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
@@ -148,7 +65,8 @@ class RouterCore:
     async def generate(self, job: RouteJob) -> AsyncIterator[Event]:
         """Stream the request's events; retries once if a worker fails before the first token,
         and on every other worker while workers refuse it for capacity (ResourceExhausted, a
-        fast refusal); when all refused, raises the refusal that frees up soonest."""
+        fast refusal); when all refused, raises the refusal that frees up soonest. A stream
+        whose decode worker fails after tokens were sent migrates (see `_migrate`)."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks[job.request_id] = task
@@ -156,20 +74,39 @@ class RouterCore:
         started = [False]
         refusals: list[ResourceExhausted] = []
         failures = 0
+        streamed: list[int] = []  # choice 0's tokens sent so far
+        migrations = 0
+        moved: Moved | None = None  # KV handed over by a draining decode worker
         try:
             while True:
                 try:
-                    async for ev in self._attempt(job, failed, started):
+                    if migrations:
+                        events = self._resume(job, streamed, failed, started, moved)
+                    else:
+                        events = self._attempt(job, failed, started)
+                    async for ev in events:
+                        if ev.index == 0:
+                            streamed.extend(ev.token_ids)
                         yield ev
                     return
+                except HandedOver as h:
+                    self._migrate(job, Unavailable(str(h)), streamed, migrations)
+                    self.stats.live_moves += 1
+                    migrations += 1
+                    moved = h.moved
                 except RETRYABLE as e:
+                    if started[0]:
+                        self._migrate(job, e, streamed, migrations)
+                        migrations += 1
+                        moved = None
+                        continue
                     if isinstance(e, NoWorker) and refusals:
                         raise soonest(refusals) from e
                     if isinstance(e, ResourceExhausted):
                         refusals.append(e)
-                    else:
+                    elif not isinstance(e, BookingFailed):
                         failures += 1
-                    if started[0] or failures > 1 or isinstance(e, NoWorker):
+                    if failures > 1 or isinstance(e, NoWorker):
                         raise
                     self.stats.retries += 1
                     log.warning("request %s: %s; retrying on another worker", job.request_id, e)
@@ -184,6 +121,48 @@ class RouterCore:
         finally:
             self._tasks.pop(job.request_id, None)
             self._aborted.discard(job.request_id)
+
+    def _migrate(self, job: RouteJob, e: Exception, streamed: list[int], done: int) -> None:
+        """Decide on a stream whose worker failed after its first token (killed, or drained
+        past its timeout): it goes on elsewhere from the prompt plus the tokens already sent,
+        as Dynamo's migration does (re-prefill on the new decode worker, from its prefix cache
+        where it has them), at most ``max_migrations`` times; else re-raise ``e`` as the
+        stream's end. Only single-choice requests migrate."""
+        why = ""
+        if isinstance(e, NoWorker):
+            why = "no decode worker left"
+        elif job.params.n != 1:
+            why = "n > 1 is not migrated"
+        elif done >= self.max_migrations:
+            why = f"it already migrated {done} times (--max-migrations {self.max_migrations})"
+        elif not streamed or len(streamed) >= job.params.max_tokens:
+            why = "nothing to continue from"
+        if why:
+            raise Unavailable(f"request {job.request_id} lost its worker ({e}); {why}") from e
+        self.stats.migrations += 1
+        log.warning("request %s: %s after %d tokens; migrating (%d of at most %d)",
+                    job.request_id, e, len(streamed), done + 1, self.max_migrations)  # fmt: skip
+
+    async def _resume(
+        self, job: RouteJob, streamed: list[int], failed: set[str], started, moved: Moved | None
+    ):
+        """Continue a migrated request on another decode worker: admitted already (it takes it
+        past its bound), resumed from ``streamed``; the deadline still applies. With ``moved``
+        (a live move) the new worker pulls the KV of the prompt and every streamed token but
+        the last instead of computing it."""
+        plan = self.chooser.plan(job.route, failed)
+        if plan is None:
+            raise NoWorker("no live decode worker to continue on")
+        live = moved is not None and moved.kv.num_tokens == len(job.prompt) + len(streamed) - 1
+        log.info("request %s resumes on %s after %d tokens (%s)", job.request_id,
+                 plan.decode.worker_id, len(streamed),
+                 "its KV moves" if live else "recomputed")  # fmt: skip
+        call = DecodeCall(job, admitted=True, resumed=list(streamed))
+        if live and moved is not None:
+            call.handle, call.generator_state = moved.kv, moved.generator_state
+            call.first = Event(job.request_id, [streamed[-1]])
+        async for ev in self._decode(plan.decode, call, failed, started):
+            yield ev
 
     async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
         plan = self.chooser.plan(job.route, failed)
@@ -201,15 +180,29 @@ class RouterCore:
             async for ev in self._decode(decode, DecodeCall(job), failed, started):
                 yield ev
             return
-        reply = await self._prefill(prefill, job, failed)
+        # Two-phase admission: book the decode side before the prefill, so a request whose
+        # first token reaches the client is admitted for its whole life (a full decode pool
+        # refuses it here, fast, while the client can still get a 429).
+        await self._reserve(decode, job, failed)
+        try:
+            reply = await self._prefill(prefill, job, failed)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self.clients.unreserve(decode, job.request_id))
+            raise
+        except BaseException:
+            await self.clients.unreserve(decode, job.request_id)  # before a retry books again
+            raise
+        if reply.handle is None:  # every choice finished at its first token
+            asyncio.ensure_future(self.clients.unreserve(decode, job.request_id))
         started[0] = True
         for first in reply.firsts:  # one per choice
             yield first
-        if reply.handle is None:  # every choice finished at its first token
+        if reply.handle is None:
             return
         call = DecodeCall(
-            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens, reply.others
-        )
+            job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens,
+            reply.others, admitted=True,
+        )  # fmt: skip
         async for ev in self._decode_prefilled(decode, prefill, call, failed, started):
             yield ev
 
@@ -258,12 +251,23 @@ class RouterCore:
                     call.generator_state,
                     call.cached_tokens,
                     call.others,
+                    admitted=True,
                 )
             finally:
                 # Free the prefill side's blocks now if decode never took them (cancel,
                 # failure). Harmless after a successful transfer: the release finds nothing.
                 if not keep:
                     asyncio.ensure_future(self.clients.release(handle, job.request_id))
+
+    async def _reserve(self, worker: Member, job: RouteJob, failed: set[str]) -> None:
+        try:
+            await self.clients.reserve(worker, job, job.time_left(RESERVATION_LEASE_S) or 0.0)
+        except ResourceExhausted:
+            failed.add(worker.worker_id)
+            raise
+        except Unavailable as e:
+            failed.add(worker.worker_id)
+            raise BookingFailed(str(e)) from e
 
     async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
         self.inflight[worker.worker_id] += 1
@@ -279,6 +283,9 @@ class RouterCore:
         self.inflight[worker.worker_id] += 1
         try:
             async for ev in self.clients.decode(worker, call):
+                if ev.moved is not None:  # draining: not to be picked again for this request
+                    failed.add(worker.worker_id)
+                    raise HandedOver(ev.moved)
                 started[0] = True
                 yield ev
         except RETRYABLE:

@@ -22,7 +22,8 @@ def decision_labels(key: Any) -> tuple[str, str]:
 
 
 class RouterCollector(Collector):
-    """``tandem_router_decisions_total{policy,reason}``, ``tandem_router_retries_total`` and
+    """``tandem_router_decisions_total{policy,reason}``, ``tandem_router_retries_total``,
+    ``tandem_router_migrations_total``, ``tandem_router_live_moves_total`` and
     ``tandem_router_members{role}`` of one router."""
 
     def __init__(self, core: Any, watcher: Any) -> None:
@@ -46,6 +47,16 @@ class RouterCollector(Collector):
             "tandem_router_retries",
             "Requests retried on another worker after a failure before their first token.",
             value=stats.retries,
+        )
+        yield CounterMetricFamily(
+            "tandem_router_migrations",
+            "Streams moved to another decode worker after their worker failed mid-stream.",
+            value=stats.migrations,
+        )
+        yield CounterMetricFamily(
+            "tandem_router_live_moves",
+            "Of those, streams a draining decode worker handed over with their KV.",
+            value=stats.live_moves,
         )
         members = GaugeMetricFamily(
             "tandem_router_members", "Live members in this router's view, by role.",

@@ -98,6 +98,16 @@ class WorkerConfig:
         choices=("recompute", "retry"),
     )
     kv_transfer_timeout: float = option(10.0, "decode: seconds to obtain a request's KV")
+    kv_checksums: bool = option(
+        True,
+        "prefill: checksum each block of a handed-off prompt (on the pool's device); decode: "
+        "check what arrived and recompute the prompt on a mismatch",
+    )
+    kv_fault: str = option(
+        "",
+        "test only: decode corrupts the first block of every KV transfer after it arrived",
+        choices=("", "corrupt"),
+    )
     cuda_ipc: bool = option(
         True,
         "GPU pools: move KV between workers of this host by CUDA IPC and device copies "

@@ -75,6 +75,9 @@ class Role:
     bound: Callable[[str], None] = lambda address: None
     stop: Callable[[], Awaitable[None]] = _nothing
     collectors: Sequence[Any] = field(default_factory=list)  # Prometheus collectors
+    # On SIGTERM, once routers no longer pick this worker: move work elsewhere (live KV
+    # migration of a decode worker's running requests).
+    hand_over: Callable[[], Awaitable[object]] = _nothing
 
 
 Wire = Callable[[Worker], Awaitable[Role]]
@@ -163,10 +166,12 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
         worker.ledger.close()  # new work gets UNAVAILABLE: the router retries it elsewhere
         await health.drain()
         registration = presence.registration if presence is not None else None
-        await drain(registration, role.busy, config.drain_timeout)
+        left = await drain(registration, role.busy, config.drain_timeout, role.hand_over)
         if presence is not None:
             await presence.stop()
-        await server.stop(grace=5)
+        # Past the drain timeout the work left is cut at once (a router moves a cut decode
+        # stream to another worker); otherwise calls just finishing get a few seconds.
+        await server.stop(grace=0.5 if left else 5)
         await health.stop()
         await role.kv.close()
         await role.stop()
@@ -176,13 +181,23 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     await run_until_signal(cleanup)
 
 
-async def drain(registration: Registration | None, busy: Callable[[], int], timeout: float) -> int:
+async def drain(
+    registration: Registration | None,
+    busy: Callable[[], int],
+    timeout: float,
+    hand_over: Callable[[], Awaitable[object]] = _nothing,
+) -> int:
     """Graceful termination before the server stops, once admission is closed and readiness is
     NOT_SERVING: the etcd record is marked draining (routers send nothing new; the record stays,
-    so a prefill worker's KV blocks are still found and pulled), then wait up to ``timeout``
-    seconds for ``busy()`` (work in flight) to reach 0. Returns what is left."""
+    so a prefill worker's KV blocks are still found and pulled), ``hand_over()`` moves what it
+    can elsewhere, then wait up to ``timeout`` seconds for ``busy()`` (work in flight) to reach
+    0. Returns what is left."""
     if registration is not None:
         await registration.drain()
+    try:
+        await hand_over()
+    except Exception:  # what did not move finishes here or is cut at the timeout
+        log.exception("handing work over failed")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while busy() and loop.time() < deadline:

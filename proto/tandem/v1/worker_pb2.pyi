@@ -58,7 +58,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority", "other_choices", "lora")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority", "other_choices", "lora", "admitted", "resumed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,8 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     OTHER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingOptions
@@ -81,7 +83,25 @@ class DecodeRequest(_message.Message):
     priority: _common_pb2.Priority
     other_choices: _containers.RepeatedCompositeFieldContainer[ChoiceStart]
     lora: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ..., lora: _Optional[str] = ...) -> None: ...
+    admitted: bool
+    resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ..., lora: _Optional[str] = ..., admitted: _Optional[bool] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "tokens", "priority", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: int
+    priority: _common_pb2.Priority
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "incarnation", "block_ids")

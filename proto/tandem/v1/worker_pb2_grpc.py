@@ -294,6 +294,11 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/tandem.v1.Decode/Reserve',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Decode/Abort',
                 request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -322,8 +327,18 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """Book decode capacity for a request before it is prefilled elsewhere (the first phase of
+        admission): refused at once with RESOURCE_EXHAUSTED when the worker is full (UNAVAILABLE
+        while draining). The booking is taken by the request's Generate, dropped by Abort, and
+        lapses after lease_ms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
-        """Abort a request and free its blocks at once.
+        """Abort a request (or drop its reservation) and free its blocks at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -350,6 +365,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.TokenEvent.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -395,6 +415,33 @@ class Decode:
             '/tandem.v1.Decode/Generate',
             tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/Reserve',
+            tandem_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

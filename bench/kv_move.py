@@ -1,0 +1,93 @@
+"""Live KV migration against re-prefill: what it costs a running request to continue on another
+decode worker, from the moment it leaves the first worker's batch to its next token there.
+
+- move: the request leaves engine A's batch with its KV held (``hold_for_move``), its blocks
+  are read out and written into engine B's pool (the gRPC-stream transport's byte work, no
+  network), B joins it to its batch and samples the next token;
+- re-prefill: B takes the same request from its prompt plus the tokens already produced (what
+  a migration does when the KV is lost) and computes all of it before the next token (another
+  tenant, so B's prefix cache does not help).
+
+    python -m bench.kv_move --model ~/.cache/tandem/models/SmolLM2-135M-Instruct
+
+Prints a table; ``--out DIR`` also writes ``kv_move.json`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.bundled import DEFAULT_DIR
+from engine.handoff import FirstToken
+
+
+def next_token(engine: LLMEngine, rid: str) -> None:
+    while not any(o.request_id == rid for o in engine.step()):
+        pass
+
+
+def one(a: LLMEngine, b: LLMEngine, prompt: list[int], produced: int, tag: str) -> dict:
+    params = SamplingParams(max_tokens=produced + 8, temperature=0, ignore_eos=True)
+    rid = f"run-{tag}"
+    a.add_request(rid, prompt, params)
+    outs = 0
+    while outs < produced:
+        outs += sum(o.request_id == rid for o in a.step())
+    t0 = time.perf_counter()
+    held = a.hold_for_move(rid)
+    assert held is not None
+    done = list(held.output_token_ids)
+    dst, cached = b.reserve(rid, prompt + done[:-1])
+    skip = cached // b.config.block_size
+    b.write_blocks(dst[skip:], a.read_blocks(list(held.block_ids)[skip:]))
+    a.release(rid)
+    first = FirstToken(0, done[-1], None, held.generator_state, tuple(done[:-1]))
+    b.add_prefilled(rid, prompt, None, params, firsts=[first])
+    next_token(b, rid)
+    t_move = time.perf_counter() - t0
+    b.abort(rid)
+    t0 = time.perf_counter()
+    again = f"again-{tag}"
+    b.add_prefilled(again, prompt, None, params, tenant=f"cold-{tag}", recompute=True,
+                    firsts=[FirstToken(0, done[-1], earlier=tuple(done[:-1]))])  # fmt: skip
+    next_token(b, again)
+    t_recompute = time.perf_counter() - t0
+    b.abort(again)
+    return {
+        "prompt_tokens": len(prompt), "produced": produced, "blocks": len(held.block_ids),
+        "move_ms": round(t_move * 1e3, 1), "reprefill_ms": round(t_recompute * 1e3, 1),
+        "speedup": round(t_recompute / t_move, 2),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--produced", type=int, default=32)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    config = EngineConfig(model_dir=str(args.model), kv_cache_bytes=256 * 1024**2)
+    a, b = LLMEngine(config), LLMEngine(config)
+    rows = []
+    for n in args.prompt_tokens:
+        ids = a.tokenizer.encode(" ".join(f"line {i} of the log;" for i in range(n)))[:n]
+        one(a, b, ids, args.produced, f"warm{n}")  # first use of these shapes
+        rows.append(one(a, b, ids, args.produced, str(n)))
+    print(f"{'prompt':>7} {'produced':>8} {'blocks':>6} {'move ms':>8} {'re-prefill ms':>13} "
+          f"{'speedup':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['prompt_tokens']:>7} {r['produced']:>8} {r['blocks']:>6} {r['move_ms']:>8} "
+              f"{r['reprefill_ms']:>13} {r['speedup']:>7}")  # fmt: skip
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_move.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

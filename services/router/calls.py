@@ -1,0 +1,142 @@
+"""What the router core works with (no grpc): the routing job, the workers' replies and calls,
+the client Protocol the core talks to workers through, the errors that steer its retries and
+migrations, and its counters."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+from libkv.cluster.registry import Member
+from services.common.codec import ChoiceStart, Event, KVHandle, Moved
+from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from services.router.policy import RouteRequest
+
+RETRYABLE = (Unavailable, ResourceExhausted)
+RESERVATION_LEASE_S = 60.0  # a decode booking no Generate took lapses after this
+
+
+class HandedOver(Exception):
+    """A draining decode worker handed the request over with its KV (live KV migration)."""
+
+    def __init__(self, moved: Moved) -> None:
+        super().__init__("handed over by a draining decode worker")
+        self.moved = moved
+
+
+class BookingFailed(Unavailable):
+    """A decode worker could not be reached to book capacity (dead, not yet out of the member
+    view): nothing ran anywhere, so trying the next one does not use up the one retry."""
+
+
+class NoWorker(Unavailable):
+    """No live worker is left to try (none registered, or all failed or refused)."""
+
+
+def soonest(refusals: list[ResourceExhausted]) -> ResourceExhausted:
+    """One refusal for the caller: every worker is full; retry when the first frees up."""
+    waits = [r.retry_after_ms for r in refusals if r.retry_after_ms is not None]
+    return ResourceExhausted(
+        f"all {len(refusals)} workers tried are at capacity; last: {refusals[-1]}",
+        retry_after_ms=min(waits) if waits else None,
+    )
+
+
+@dataclass(slots=True)
+class RouteJob:
+    """One request as the router routes it (from ``tandem.v1.GenerateRequest``)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    tenant: str = ""
+    priority: str = "interactive"
+    deadline: float | None = None  # time.monotonic() after which the caller gave up
+    session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
+    lora: str = ""  # LoRA adapter ("" = the base model)
+
+    @property
+    def cost(self) -> int:
+        """What decode admission books for it: prompt plus every token its choices may make."""
+        return len(self.prompt) + self.params.n * self.params.max_tokens
+
+    @property
+    def route(self) -> RouteRequest:
+        """What the routing policy looks at."""
+        return RouteRequest(
+            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens,
+            self.lora,
+        )  # fmt: skip
+
+    def time_left(self, cap: float | None = None) -> float | None:
+        """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
+        if self.deadline is None:
+            return cap
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.request_id} passed its deadline")
+        return left if cap is None else min(left, cap)
+
+
+@dataclass(slots=True)
+class PrefillReply:
+    """Choice 0's first event and generator state; ``others``: those of choices 1..n-1."""
+
+    first: Event
+    handle: KVHandle | None
+    generator_state: bytes = b""
+    cached_tokens: int = 0
+    others: list[ChoiceStart] = field(default_factory=list)
+
+    @property
+    def firsts(self) -> list[Event]:
+        return [self.first, *(c.first for c in self.others)]
+
+
+@dataclass(slots=True)
+class DecodeCall:
+    job: RouteJob
+    handle: KVHandle | None = None
+    first: Event | None = None
+    generator_state: bytes = b""
+    cached_tokens: int = 0
+    others: list[ChoiceStart] = field(default_factory=list)
+    admitted: bool = False  # booked before its first token: the decode worker must take it
+    resumed: list[int] = field(default_factory=list)  # migrated: choice 0's streamed tokens
+
+
+class WorkerClients(Protocol):
+    """How the router talks to workers; raises Unavailable/ResourceExhausted when a worker
+    cannot serve (retryable) and engine errors (InvalidRequestError, ...) otherwise."""
+
+    async def prefill(self, worker: Member, job: RouteJob) -> PrefillReply: ...
+
+    def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[Event]: ...
+
+    async def release(self, handle: KVHandle, request_id: str) -> None: ...
+
+    async def load_lora(self, worker: Member, name: str, path: str) -> None: ...
+
+    async def unload_lora(self, worker: Member, name: str) -> None: ...
+
+    async def embed(
+        self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
+    ) -> tuple[list[list[float]], int]: ...
+
+    async def reserve(self, worker: Member, job: RouteJob, lease: float) -> None:
+        """Book ``job.cost`` on a decode worker (ResourceExhausted at once when it is full)."""
+        ...
+
+    async def unreserve(self, worker: Member, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class RouterStats:
+    decisions: Counter = field(default_factory=Counter)  # (policy, reason) -> plans made
+    retries: int = 0
+    migrations: int = 0  # streams moved to another decode worker after tokens were sent
+    live_moves: int = 0  # of those, moved with their KV off a draining worker
