@@ -12,6 +12,7 @@ from engine.errors import UnsupportedModelError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
+SPECULATIVE_METHODS = ("ngram",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,64 @@ def _eos_ids(cfg: dict[str, Any], model_dir: Path | None) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names. ``ngram`` (prompt lookup): the drafts are the
+    ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its
+    own history, prompt and output. As in vLLM, an unset bound takes the other's value, and both
+    default to 5."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        method = "ngram" if self.method == "[ngram]" else self.method
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported; supported: "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, not {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        assert lo is not None and hi is not None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
+        """From a dict or a JSON object (``--speculative-config``); None or "" stays None.
+        Unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs besides the model folder. Frozen; derived values are
     properties."""
@@ -158,8 +217,12 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Speculative decoding (a SpeculativeConfig, or its dict / JSON form); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+        object.__setattr__(self, "speculative_config", spec)
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -30,8 +30,9 @@ from engine.model import DecoderModel
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import rank_device
 from engine.parallel.shard import ModelShard
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.spec_decode import VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
 from libkv.kv_layout import KVLayout
 
@@ -184,16 +185,18 @@ class ModelRunner:
 
     def execute(
         self, sched: SchedulerOutput, grammar: GrammarRuntime | None = None
-    ) -> SamplerOutput:
+    ) -> VerifyOutput:
         """Copy blocks, run the forward pass on every scheduled token, sample where due.
 
         One row is sampled per sampling sequence and per fork of it (forks reuse its logits).
         With ``grammar``, the bitmasks of constrained rows are filled while the forward pass
-        runs (``engine.structured``)."""
+        runs (``engine.structured``). The draft tokens of speculating sequences are verified
+        (``engine.spec_decode``): those emit their kept drafts and one more token."""
         self.bind_thread()
         if sched.copies:
             self._command("copy", [c.src for c in sched.copies], [c.dst for c in sched.copies])
-        due = [(i, seq) for i, s in enumerate(_sampling(sched)) for seq in (s.seq, *s.forks)]
+        sampling = _sampling(sched)
+        due = [(i, seq) for i, s in enumerate(sampling) for seq in (s.seq, *s.forks)]
         rows = [
             SamplingRow(
                 seq.params,
@@ -207,11 +210,14 @@ class ModelRunner:
         masks = grammar.start_fill([seq.matcher for _, seq in due]) if grammar else None
         logits = self._logits(sched)
         if logits is None:
-            return SamplerOutput([], [])
+            return VerifyOutput([], [], [])
+        bitmask = masks.result(logits.device) if masks is not None else None
+        if any(s.draft for s in sampling):
+            drafts = [s.draft for s in sampling]
+            return sample_with_drafts(self.sampler, logits, drafts, due, rows, bitmask)
         if len(due) != logits.shape[0]:  # forks: repeat their parent's row
             logits = logits[torch.tensor([i for i, _ in due], device=logits.device)]
-        bitmask = masks.result(logits.device) if masks is not None else None
-        return self.sampler(logits, rows, bitmask)
+        return VerifyOutput.single(self.sampler(logits, rows, bitmask))
 
     def _logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Logits of the sampling rows (None when no row samples this step)."""
@@ -355,14 +361,15 @@ class ModelRunner:
             seq, lo = s.seq, s.seq.num_computed
             hi = lo + s.num_new
             table = s.block_ids
-            ids.extend(seq.all_token_ids[lo:hi])
+            ids.extend(seq.all_token_ids[lo : hi - len(s.draft)])
+            ids.extend(s.draft)
             pos.extend(range(lo, hi))
             slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
             starts.append(starts[-1] + s.num_new)
             seq_lens.append(hi)
             tables.append(table)
-            if s.samples:
-                sample_rows.append(starts[-1] - 1)
+            if s.samples:  # the newest token's row, and one row per draft token after it
+                sample_rows.extend(range(starts[-1] - 1 - len(s.draft), starts[-1]))
         max_q = max(s.num_new for s in sched.scheduled)
         plan = StepPlan(ids, pos, slots, starts, seq_lens, tables, max_q, sample_rows)
         if sched.loras:
