@@ -118,9 +118,9 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
         self._prompt_tokens = 0
-        self._spec = SpecStats()
         spec = config.speculative_config
         self.proposer = None if spec is None else NgramProposer.of(spec)
+        self._spec = SpecStats(accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
         self.on_step: StepObserver | None = None  # called with each step's StepStats
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from libkv.cluster.summary_publisher import SummaryConfig
 from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
 from services.common.admission import batch_fraction_option
@@ -147,6 +147,15 @@ class WorkerConfig:
     )
     max_loras: int = option(4, "LoRA adapters in one batch (device slots, evicted LRU)")
     max_lora_rank: int = option(64, "highest LoRA rank accepted (sizes the slots)")
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        "speculative decoding as a JSON object with vLLM's names, e.g. '{\"method\": \"ngram\", "
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(default: off)",
+        convert=SpeculativeConfig.parse,
+        raw="str",
+        metavar="JSON",
+    )
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -195,6 +204,7 @@ class WorkerConfig:
             enable_lora=self.enable_lora or bool(self.lora_modules),
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            speculative_config=self.speculative_config,
         )
 
 
