@@ -13,7 +13,7 @@ from engine import kv_pool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from engine.model import DecoderModel, LayerWeights, ModelWeights
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, Fp8Weight
 from libkv.kv_layout import KVLayout
 
 BLOCK = 16
@@ -47,18 +47,24 @@ def random_weights(c: ModelConfig, seed: int = 0) -> ModelWeights:
     )
 
 
+def _nbytes(t: torch.Tensor | Fp8Weight) -> int:
+    if isinstance(t, Fp8Weight):  # one byte per weight plus a float32 scale per row
+        return t.weight.numel() + t.scale.numel() * 4
+    return t.numel() * t.element_size()
+
+
 def weight_bytes_per_step(w: ModelWeights) -> int:
     """Bytes a decode step must read: every layer weight, the final norm and the LM head."""
     n = sum(
-        t.numel()
+        _nbytes(t)
         for lw in w.layers
         for t in (lw.input_norm, lw.qkv, lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
     )
-    return (n + w.norm.numel() + w.lm_head.numel()) * 2
+    return n + _nbytes(w.norm) + _nbytes(w.lm_head)
 
 
-def kv_bytes_per_token(c: ModelConfig) -> int:
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+def kv_bytes_per_token(c: ModelConfig, element_size: int = 2) -> int:
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element_size
 
 
 class LlamaBench:
@@ -93,7 +99,8 @@ class LlamaBench:
             seq_lens=[ctx + 1] * b,
         )
         ms, host_ms = self._time_graph(batch)
-        nbytes = weight_bytes_per_step(self.w) + b * (ctx + 1) * kv_bytes_per_token(self.c)
+        kv_token = kv_bytes_per_token(self.c, self.kv.element_size())
+        nbytes = weight_bytes_per_step(self.w) + b * (ctx + 1) * kv_token
         roof_ms = nbytes / ceil.copy_bytes_per_s * 1e3
         return {
             "batch": b,

@@ -219,6 +219,10 @@ class EngineConfig:
     max_lora_rank: int = 64
     # Speculative decoding (a SpeculativeConfig, or its dict / JSON form); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # FP8 (engine.fp8): "auto" keeps the KV cache in the model dtype, "fp8" (= "fp8_e4m3")
+    # stores it in e4m3; quantization "fp8" holds the layers' matrices in e4m3.
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
@@ -239,6 +243,12 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', not {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', not {self.quantization!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"

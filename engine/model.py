@@ -27,13 +27,18 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class LayerWeights:
+    """One decoder layer. The matrices may be ``kernels.Fp8Weight`` (``engine.fp8``);
+    ``k_scale``/``v_scale`` scale the layer's K/V in an FP8 KV cache."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
+    qkv: torch.Tensor | kernels.Fp8Weight  # [(H + 2*Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: torch.Tensor | kernels.Fp8Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | kernels.Fp8Weight  # [2 * intermediate, hidden]
+    down: torch.Tensor | kernels.Fp8Weight
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass(slots=True)
@@ -126,8 +131,9 @@ class DecoderModel:
         k = k.view(t, self.num_kv_heads, c.head_dim)
         v = v.view(t, self.num_kv_heads, c.head_dim)
         q, k = kernels.rotary_embedding(q, k, cos, sin)
-        kernels.write_kv(kv_cache, i, k, v, meta)
-        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale).reshape(t, self.q_size)
+        kernels.write_kv(kv_cache, i, k, v, meta, lw.k_scale, lw.v_scale)
+        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale, lw.k_scale, lw.v_scale)
+        o = o.reshape(t, self.q_size)
         out = kernels.linear(o, lw.o_proj)
         if lora is not None:
             lora.add(i, "o_proj", out, o)

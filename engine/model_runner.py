@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
-from engine import kv_pool, memory
+from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.kv_checksum import BlockChecksums
@@ -101,19 +101,25 @@ class ModelRunner:
         self._turn = threading.RLock()  # one command (and its collectives) at a time
         self.device = resolve_device(config, self.comm.rank)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        quantize = config.quantization == "fp8"
+        if quantize:
+            fp8.check_device(self.device, "--quantization fp8")
         on_cuda = self.device.type == "cuda"
         shard = self.comm.shard
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
             torch.cuda.set_device(self.device)
             start = memory.CudaStart.now(self.device)
-            size = torch.finfo(self.dtype).bits // 8
-            need = memory.weight_bytes(model_config, size, shard)
+            size = self.dtype.itemsize
+            need = memory.weight_bytes(model_config, size, shard, 1 if quantize else None)
             memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
-            weights = dummy_weights(model_config, self.device, self.dtype, config.seed, shard)
+            weights = dummy_weights(
+                model_config, self.device, self.dtype, config.seed, shard, quantize
+            )
         else:
             weights = load_weights(
-                Path(config.model_dir), model_config, self.device, self.dtype, shard
+                Path(config.model_dir), model_config, self.device, self.dtype, shard, quantize
             )
         self.model = DecoderModel(model_config, weights, max_len, self.comm)
         # Before the KV plan, so that on CUDA the slots count as weights.
@@ -129,8 +135,8 @@ class ModelRunner:
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
             block_size=config.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
-            element_size=torch.finfo(self.dtype).bits // 8,
+            dtype=str(self.kv_dtype).removeprefix("torch."),
+            element_size=self.kv_dtype.itemsize,  # 1 for an FP8 cache: half of bf16's bytes
             tp=self.comm.size,
         )
         sizes: list[int] = []
@@ -149,7 +155,7 @@ class ModelRunner:
         self.num_blocks = self.comm.min_int(self.kv_plan.num_blocks, self.device)
         self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=self.num_blocks)
         self.kv_pool = kv_pool.allocate(
-            self.layout, self.comm.rank, self.num_blocks, self.dtype, self.device
+            self.layout, self.comm.rank, self.num_blocks, self.kv_dtype, self.device
         )
         self.kv_cache = kv_pool.kernel_view(self.kv_pool)
         self.graphs: DecodeGraphs | None = None

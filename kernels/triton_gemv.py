@@ -29,8 +29,9 @@ class GemvPlan:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -44,9 +45,11 @@ def _gemv_kernel(
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # FP8 weights: exact in bf16/fp16
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if HAS_SCALE:  # per output channel (FP8 weights)
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -58,21 +61,28 @@ def linear(
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     plan: GemvPlan | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ w.T + bias`` for ``x`` of shape ``[M <= 16, K]`` and ``w`` of shape ``[N, K]``."""
+    """``x @ w.T + bias`` for ``x`` of shape ``[M <= 16, K]`` and ``w`` of shape ``[N, K]``.
+
+    With ``scale`` (float32 ``[N]``), ``w`` is an FP8 weight and the product is
+    ``(x @ w.T) * scale + bias``: weight-only FP8, read at one byte per weight."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_ROWS or w.shape[1] != k or x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"x {list(x.shape)} / w {list(w.shape)}: need M <= 16, unit strides")
     if bias is not None and bias.shape != (n,):
         raise ValueError("bias must be [N]")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
+        raise ValueError("scale must be float32 [N]")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     plan = plan or GemvPlan()
     _gemv_kernel[(triton.cdiv(n, plan.block_n),)](
-        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        x, w, bias if bias is not None else x, scale if scale is not None else x, out, m, n, k,
+        x.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None, BLOCK_M=16, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out

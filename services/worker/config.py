@@ -156,6 +156,20 @@ class WorkerConfig:
         raw="str",
         metavar="JSON",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's element type: auto (the model dtype) or fp8 (e4m3 with per-layer scales; "
+        "half the memory and hand-off bytes of bf16; CUDA needs compute capability 8.9+). "
+        "Prefill and decode workers must agree",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
+    quantization: str = option(
+        "",
+        "fp8: the layers' weight matrices in e4m3 with per-channel scales computed at load "
+        "(FP8 tensor cores; CUDA needs compute capability 8.9+); default: none",
+        choices=("", "fp8"),
+        metavar="{fp8}",
+    )
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -205,6 +219,8 @@ class WorkerConfig:
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             speculative_config=self.speculative_config,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization or None,
         )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.errors import InsufficientMemoryError, UnsupportedModelError
+from engine.errors import InsufficientMemoryError, UnsupportedConfigError, UnsupportedModelError
 from engine.llm_engine import LLMEngine
 from libkv.cluster.registry import LORAS, Registration
 from libkv.transfer.pool import PoolStore
@@ -94,7 +94,7 @@ def start_engine(config: WorkerConfig) -> AsyncEngine:
     confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
     try:
         llm_engine = LLMEngine(config.engine_config())
-    except (InsufficientMemoryError, UnsupportedModelError, ValueError) as e:  # not a traceback
+    except (InsufficientMemoryError, UnsupportedModelError, UnsupportedConfigError, ValueError) as e:
         log.error("cannot start: %s", e)
         raise SystemExit(f"error: {e}") from e
     engine = AsyncEngine(llm_engine)
