@@ -20,6 +20,7 @@ class StepStats:
     prefill_seqs: int = 0  # sequences computing (part of) a prompt in this step
     prefill_tokens: int = 0
     decode_seqs: int = 0  # sequences producing their next token from cached KV
+    draft_tokens: int = 0  # speculative tokens verified along with the decodes
     queue_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -30,6 +31,11 @@ class StepStats:
     @property
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed: prompt chunks, one per decoding sequence, and draft tokens."""
+        return self.prefill_tokens + self.decode_seqs + self.draft_tokens
 
 
 StepObserver = Callable[[StepStats], None]
@@ -50,6 +56,7 @@ def batch_stats(sched: SchedulerOutput) -> StepStats:
             out.prefill_tokens += s.num_new
         else:
             out.decode_seqs += 1
+            out.draft_tokens += len(s.draft)
     return out
 
 

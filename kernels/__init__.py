@@ -86,7 +86,8 @@ def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> tor
             from kernels import triton_gemv
 
             return triton_gemv.linear(x, w.weight, bias, scale=w.scale)
-        if x.dtype == torch.bfloat16:
+        n, k = w.shape
+        if x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
             from kernels import fp8_gemm
 
             return fp8_gemm.scaled_mm_linear(x, w, bias)

@@ -27,8 +27,11 @@ def scaled_mm_linear(
     n, k = w.weight.shape
     if x.shape[1] != k or k % 16 or n % 16:
         raise ValueError(f"x {list(x.shape)} / w {[n, k]}: K and N must be multiples of 16")
+    m = x.shape[0]
+    if m % 16:  # rows padded to the tensor cores' tile (zero rows, dropped after)
+        x = torch.cat([x, x.new_zeros(16 - m % 16, k)])
     xq, xs = quantize_rows(x)
     out = torch._scaled_mm(
         xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16
-    )
+    )[:m]
     return out if bias is None else out + bias

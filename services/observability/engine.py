@@ -129,7 +129,8 @@ class StepMetrics:
         )
         self.batch_tokens = Histogram(
             "tandem_engine_batch_size_tokens",
-            "Tokens computed in one engine step (prompt chunks plus one per decoding sequence).",
+            "Tokens computed in one engine step (prompt chunks, one per decoding sequence, and "
+            "speculative draft tokens).",
             ["phase"],
             buckets=SIZE_BUCKETS,
             registry=registry,
@@ -148,7 +149,7 @@ class StepMetrics:
         phase = step.phase
         self.duration.labels(phase).observe(step.seconds)
         self.batch_seqs.labels(phase).observe(step.num_seqs)
-        self.batch_tokens.labels(phase).observe(step.prefill_tokens + step.decode_seqs)
+        self.batch_tokens.labels(phase).observe(step.num_tokens)
         for q in step.queue_seconds:
             self.queue.observe(q)
 
