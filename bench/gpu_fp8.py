@@ -119,7 +119,10 @@ def handoff_rows() -> list[dict]:
     rows = []
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", kernels.FP8)):
         shape = (256, c.num_layers, 2, BLOCK, c.num_kv_heads, c.head_dim)
-        src = torch.zeros(shape, dtype=dtype, device="cuda").view(torch.uint8).view(256, -1)
+        numel = 1
+        for n in shape[1:]:
+            numel *= n
+        src = torch.zeros((256, numel * dtype.itemsize), dtype=torch.uint8, device="cuda")
         dst = torch.zeros_like(src)
         idx = torch.randperm(256, device="cuda")[:64]
         ms = time_ms(lambda d=dst, s=src, i=idx: kernels.copy_blocks_between(d, s, i, i), iters=50)

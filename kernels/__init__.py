@@ -37,6 +37,7 @@ __all__ = [
     "paged_attention",
     "quantize_fp8_rows",
     "rms_norm",
+    "rope_write_kv",
     "rotary_embedding",
     "silu_and_mul",
     "write_kv",
@@ -157,6 +158,30 @@ def write_kv(
         )
         return
     reference.write_kv(kv_cache, layer, k, v, meta, k_scale, v_scale)
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """``rotary_embedding`` of q and k, then ``write_kv`` of the rotated k and v; returns the
+    rotated q. On CUDA one kernel does both (the rotated k never goes through memory)."""
+    if use_triton(q):
+        from kernels import triton_rope_kv
+
+        return triton_rope_kv.rope_write_kv(
+            q, k, v, cos, sin, kv_cache, layer, meta.slot_blocks, meta.slot_offsets,
+            k_scale, v_scale,
+        )  # fmt: skip
+    return reference.rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale)
 
 
 def paged_attention(

@@ -130,6 +130,24 @@ def write_kv(
     layer_kv.select(1, 1)[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
 
 
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """RoPE of q and k, then the write of the rotated k and v into ``layer``; returns q."""
+    q, k = rotary_embedding(q, k, cos, sin)
+    write_kv(kv_cache, layer, k, v, meta, k_scale, v_scale)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -96,6 +96,7 @@ def reference_attention(
         meta.max_seq_len,
         meta.block_size,
     )
-    kv = kv_cache.cpu() if kv_cache.dtype == reference.FP8 else kv_cache.float().cpu()
+    fp8 = kv_cache.dtype == reference.FP8
+    kv = kv_cache.view(torch.uint8).cpu().view(reference.FP8) if fp8 else kv_cache.float().cpu()
     out = reference.paged_attention(q.float().cpu(), kv, layer, cpu, scale, k_scale, v_scale)
     return out.to(q.device)

@@ -7,6 +7,7 @@ Set ``TANDEM_GPU_REPORT`` to a file to collect the agreement figures as JSON lin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ from kernels.triton_cache import write_kv  # noqa: E402
 from kernels.triton_decode import decode_attention  # noqa: E402
 from kernels.triton_gemv import linear as gemv  # noqa: E402
 from kernels.triton_prefill import prefill_attention  # noqa: E402
+from kernels.triton_rope import rotary_embedding  # noqa: E402
 from tests.kernel_cases import make_paged_batch, reference_attention, rel_err  # noqa: E402
 from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts  # noqa: E402
 
@@ -84,17 +86,45 @@ def test_fp8_write_kv_matches_reference(scales):
     t = meta.slot_blocks.shape[0]
     k = torch.randn(t, 2, 128, device="cuda").bfloat16() * 4
     v = torch.randn(t, 2, 128, device="cuda").bfloat16() * 4
-    ours = torch.zeros(kv.shape, dtype=FP8, device="cuda")
-    ref = torch.zeros(kv.shape, dtype=FP8, device="cuda")
+    ours = torch.zeros(kv.shape, dtype=torch.uint8, device="cuda").view(FP8)
     write_kv(ours, 1, k, v, meta.slot_blocks, meta.slot_offsets, *scales)
-    reference.write_kv(ref, 1, k, v, meta, *scales)
+    ref = torch.zeros(kv.shape, dtype=torch.uint8).view(FP8)  # the reference on the CPU
+    cpu = dataclasses.replace(meta, slot_blocks=meta.slot_blocks.cpu(),
+                              slot_offsets=meta.slot_offsets.cpu())  # fmt: skip
+    reference.write_kv(ref, 1, k.cpu(), v.cpu(), cpu, *scales)
+    ours = ours.cpu()
     same = (ours.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
     assert same > 0.999  # both round to nearest; any tie broken otherwise is one e4m3 step
     assert rel_err(ours.float(), ref.float()) < 1e-2
 
 
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=needs_fp8)])
+def test_rope_write_kv_is_the_unfused_pair_bit_for_bit(fp8):
+    """The fused kernel against the Triton RoPE then the Triton KV write (same rounding, so
+    exact), with a padding row; the unfused pair is checked against the references elsewhere."""
+    q, kv, meta = make_paged_batch(
+        [300, 5], [300, 5], block_size=16, num_heads=32, num_kv_heads=8, head_dim=128
+    )
+    t = q.shape[0]
+    qkv = torch.randn(t, 48 * 128, device="cuda").bfloat16()
+    qq, k, v = (x.view(t, -1, 128) for x in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+    ang = torch.rand(t, 64, device="cuda") * 1000
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+    meta.slot_blocks[7] = -1  # a padding row of a graph: rotated, but writes nothing
+    cache = torch.zeros(kv.shape, dtype=torch.uint8, device="cuda").view(FP8) if fp8 else kv
+    fused, unfused = cache.clone(), cache.clone()
+    got = kernels.rope_write_kv(qq, k, v, cos, sin, fused, 1, meta, 0.5, 2.0)
+    rq, rk = rotary_embedding(qq, k, cos, sin)
+    write_kv(unfused, 1, rk, v, meta.slot_blocks, meta.slot_offsets, 0.5, 2.0)
+    assert torch.equal(got, rq)
+    assert torch.equal(fused.view(torch.uint8), unfused.view(torch.uint8))
+
+
 def fp8_cache(kv: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
-    return torch.cat([to_fp8(kv[:, :, :1], k_scale), to_fp8(kv[:, :, 1:], v_scale)], dim=2)
+    """The pool in FP8 (made on the CPU, whose FP8 support the reference uses anyway)."""
+    kv = kv.float().cpu()
+    parts = [to_fp8(kv[:, :, :1], k_scale), to_fp8(kv[:, :, 1:], v_scale)]
+    return torch.cat([p.view(torch.uint8) for p in parts], dim=2).cuda().view(FP8)
 
 
 @needs_fp8
