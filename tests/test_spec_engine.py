@@ -257,3 +257,37 @@ def test_sampling_distribution_is_kept_through_the_engine(qwen2_dir):
     df = int(keep.sum()) - 1
     crit = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
     assert stat < crit, (stat, df, a, b)
+
+
+def test_drafts_share_a_step_with_grammars_forks_and_logit_bias(smol_pair):
+    """A step where one sequence verifies a draft while others sample plainly: a JSON-schema
+    request (its grammar mask applies to its row only; it never drafts), n = 2 forks of one
+    prompt, and a logit-biased request. Every output equals the engine without speculation."""
+    from engine.grammar import GrammarSpec
+
+    base, spec = smol_pair
+    tok = base.tokenizer
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    ask = tok.encode_chat([{"role": "user", "content": "Give a JSON object with a number n."}])
+    greedy = dict(max_tokens=24, temperature=0)
+    requests = [
+        ("rep", tok.encode(REPETITIVE[0]), SamplingParams(**greedy)),
+        ("json", ask, SamplingParams(**greedy, grammar=GrammarSpec.json_schema(schema))),
+        ("two", tok.encode(REPETITIVE[2]), SamplingParams(**greedy, n=2)),
+        ("bias", tok.encode(REPETITIVE[0]), SamplingParams(**greedy, logit_bias=((11, 5.0),))),
+    ]
+
+    def run(engine: LLMEngine) -> dict:
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[(out.request_id, out.index)] = out.token_ids
+        engine.check_integrity()
+        return done
+
+    drafts = spec.stats().spec.drafts
+    assert run(spec) == run(base)
+    assert spec.stats().spec.drafts > drafts
