@@ -43,8 +43,8 @@ from engine.bundled import DEFAULT_DIR
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {
     "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4,
+    "num_speculative_tokens": 5,
+    "prompt_lookup_max": 5,
     "prompt_lookup_min": 2,
 }
 CODE_FILE = REPO / "libkv" / "hashing.py"
@@ -165,7 +165,7 @@ def replay(args) -> dict:
 
     trace_src = json.loads(Path(args.trace).read_text())
     k = SPEC["num_speculative_tokens"]
-    times = step_times(args.shape, k, args.context)
+    times = step_times(args.shape, k, args.context, args.steps)
     rows = []
     for r in trace_src["rows"]:
         steps = r["trace"]  # per decode step of the measured run: (drafted, emitted)
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: default)")
     p.add_argument("--shape", default="llama-3.1-8b", help="replay: engine.shapes name")
     p.add_argument("--context", type=int, default=1024, help="replay: tokens in the KV cache")
+    p.add_argument("--steps", type=int, default=40, help="replay: timed steps per draft length")
     p.add_argument("--trace", default=str(REPO / "bench/results/spec_decode_cpu.json"))
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--date", default=dt.date.today().isoformat())

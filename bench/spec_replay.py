@@ -50,15 +50,22 @@ def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, f
     out = {}
     for d in range(k + 1):
         engine.proposer = Drafts(d, vocab)  # type: ignore[assignment]
-        engine.add_request(f"d{d}", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        engine.add_request(
+            f"d{d}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+        )
         engine.step()  # the prefill
         times = []
         while engine.has_unfinished():
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             engine.step()
-            torch.cuda.synchronize()
+            _sync()
             times.append((time.perf_counter() - t0) * 1e3)
         out[d] = statistics.median(times[2:])
         print(f"verify {d} drafts: {out[d]:.3f} ms", flush=True)
     return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
