@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
@@ -149,9 +150,10 @@ class WorkerConfig:
     max_lora_rank: int = option(64, "highest LoRA rank accepted (sizes the slots)")
     speculative_config: SpeculativeConfig | None = option(
         None,
-        "speculative decoding as a JSON object with vLLM's names, e.g. '{\"method\": \"ngram\", "
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(default: off)",
+        "speculative decoding as a JSON object with vLLM's names (method, num_speculative_tokens, "
+        "prompt_lookup_max, prompt_lookup_min), e.g. "
+        + json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+        + " (default: off)",
         convert=SpeculativeConfig.parse,
         raw="str",
         metavar="JSON",
