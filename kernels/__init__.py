@@ -24,6 +24,9 @@ from kernels.reference import (
 # Up to this many rows, a bf16/fp16 matrix product on CUDA takes the Triton skinny kernel
 # (decode of small batches); above it, cuBLAS. Benchmarks set it to 0 to compare.
 GEMV_MAX_ROWS = 8
+# Within that range, fold RMSNorm into the QKV and gate/up products and SiLU-and-multiply into
+# the down product (`norm_linear`, `silu_mul_linear`): three fewer launches per layer.
+FUSE_DECODE = True
 
 __all__ = [
     "FP8",
@@ -34,12 +37,14 @@ __all__ = [
     "copy_blocks_between",
     "linear",
     "lora_add",
+    "norm_linear",
     "paged_attention",
     "quantize_fp8_rows",
     "rms_norm",
     "rope_write_kv",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_mul_linear",
     "write_kv",
 ]
 
@@ -79,6 +84,50 @@ def lora_add(
         triton_lora.lora_add(y, x, a, b, meta)
         return
     reference.lora_add(y, x, a, b, meta)
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
+    """Whether the product takes the skinny Triton kernel (see `linear`)."""
+    weight = w.weight if isinstance(w, Fp8Weight) else w
+    return (
+        x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and use_triton(x)
+    )
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: torch.Tensor,
+    eps: float,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual) * norm, w, bias), x + residual)``: `rms_norm` then
+    `linear`; in one launch where the product takes the skinny kernel (``FUSE_DECODE``)."""
+    if FUSE_DECODE and _skinny(x, w) and norm.dtype == x.dtype:
+        from kernels import triton_gemv
+
+        if isinstance(w, Fp8Weight):
+            return triton_gemv.norm_linear(x, residual, norm, eps, w.weight, bias, scale=w.scale)
+        return triton_gemv.norm_linear(x, residual, norm, eps, w, bias)
+    h, residual_out = rms_norm(x, norm, eps, residual)
+    return linear(h, w, bias), residual_out
+
+
+def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """``linear(silu_and_mul(x), w)`` for the fused gate/up output ``x``; in one launch where
+    the product takes the skinny kernel (``FUSE_DECODE``)."""
+    if FUSE_DECODE and _skinny(x, w):
+        from kernels import triton_gemv
+
+        if isinstance(w, Fp8Weight):
+            return triton_gemv.silu_mul_linear(x, w.weight, scale=w.scale)
+        return triton_gemv.silu_mul_linear(x, w)
+    return linear(silu_and_mul(x), w)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
