@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 import kernels
-from bench.gpu import table
-from bench.gpu_common import llama_config, measure_ceilings, time_ms
+from bench.gpu_common import llama_config, measure_ceilings, table, time_ms
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
 from engine.fp8 import quantize_layer
 from tests.kernel_cases import rel_err
 
@@ -113,18 +113,18 @@ def _pair(what: str, b: int, ctx: int, bf16: dict, fp8: dict) -> dict:
     return row
 
 
-def handoff_rows() -> list[dict]:
+def handoff_rows(c: ModelConfig | None = None, device: str = "cuda") -> list[dict]:
     """Bytes and CUDA IPC gather time of a 1,024-token prompt's blocks (8B shape)."""
-    c = llama_config()
+    c = c or llama_config()
     rows = []
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", kernels.FP8)):
         shape = (256, c.num_layers, 2, BLOCK, c.num_kv_heads, c.head_dim)
         numel = 1
         for n in shape[1:]:
             numel *= n
-        src = torch.zeros((256, numel * dtype.itemsize), dtype=torch.uint8, device="cuda")
+        src = torch.zeros((256, numel * dtype.itemsize), dtype=torch.uint8, device=device)
         dst = torch.zeros_like(src)
-        idx = torch.randperm(256, device="cuda")[:64]
+        idx = torch.randperm(256, device=device)[:64]
         ms = time_ms(lambda d=dst, s=src, i=idx: kernels.copy_blocks_between(d, s, i, i), iters=50)
         rows.append({"kv": name, "block_bytes": src.shape[1], "prompt_bytes": 64 * src.shape[1],
                      "gather_ms": ms})  # fmt: skip
@@ -134,23 +134,25 @@ def handoff_rows() -> list[dict]:
     return rows
 
 
-def agreement_rows(model: Path | None) -> list[dict]:
-    """Greedy agreement and mean |logprob change| of FP8 KV / FP8 weights against bf16."""
+def agreement_rows(model: Path | None, n: int = 20, max_tokens: int = 32) -> list[dict]:
+    """Greedy agreement and mean |logprob change| of FP8 KV / FP8 weights against bf16, over
+    ``n`` random prompts of up to 200 tokens and ``max_tokens`` each."""
     from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = model or make_smol_shape_dir(Path(tmp) / "smol", seed=0)
-        prompts = random_prompts(20, SMOL_CONFIG["vocab_size"], seed=1, hi=200)
+        prompts = random_prompts(n, SMOL_CONFIG["vocab_size"], seed=1, hi=200)
         runs = {}
         for name, opts in (("bf16", {}), ("fp8_kv", {"kv_cache_dtype": "fp8"}),
                            ("fp8_weights", {"quantization": "fp8"})):  # fmt: skip
-            llm = LLM(folder, num_kv_blocks=2048, max_num_seqs=32, **opts)
-            params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+            llm = LLM(folder, num_kv_blocks=2048, max_num_seqs=32, dtype="bfloat16", **opts)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             outs = [o.token_ids for o in llm.generate(prompts, params)]
             scores = [llm.engine.score(p) for p in prompts]
             runs[name] = (outs, scores)
             del llm
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     rows = []
     base_outs, base_scores = runs["bf16"]
     for name in ("fp8_kv", "fp8_weights"):
@@ -167,7 +169,7 @@ def agreement_rows(model: Path | None) -> list[dict]:
         rows.append({
             "vs_bf16": name,
             "model": "given" if model else "SmolLM2 shape, random weights",
-            "greedy_identical": sum(x == y for x, y in zip(base_outs, outs, strict=True)) / 20,
+            "greedy_identical": sum(x == y for x, y in zip(base_outs, outs, strict=True)) / n,
             "mean_first_divergence": sum(first) / len(first),
             "mean_abs_logprob_delta": sum(deltas) / len(deltas),
         })  # fmt: skip

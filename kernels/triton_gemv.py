@@ -250,11 +250,12 @@ def _launch(
 # run says it pays (bench.decode_gpu measures both); o_proj and qkv of the 8B shape have ~2-3.
 SPLIT_K_TILES_PER_SM = 0
 SPLIT_K = 2
+SPLIT_K_MIN_K = 2048  # shallower products gain nothing from splitting
 
 
 def plan_for(n: int, k: int, device: torch.device) -> GemvPlan:
     """The tile plan of an ``[N, K]`` product: split-K for short, deep ones (see above)."""
-    if SPLIT_K_TILES_PER_SM and device.type == "cuda" and k >= 2048:
+    if SPLIT_K_TILES_PER_SM and device.type == "cuda" and k >= SPLIT_K_MIN_K:
         from kernels._triton import num_sms
 
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())

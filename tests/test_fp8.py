@@ -11,6 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import UnsupportedConfigError
 from kernels import reference
 from kernels.reference import FP8, quantize_fp8_rows, to_fp8
+from tests.handoff_cases import check_handoff_matches_colocated
 from tests.kernel_cases import make_paged_batch, rel_err
 
 
@@ -147,33 +148,10 @@ def test_fp8_weights_on_cpu_stay_close(smol_dir, smol_prompts):
 def test_fp8_kv_handoff_is_token_exact_against_fp8_colocated(smol_dir, smol_prompts):
     """Prefill and decode engines with FP8 caches: the held blocks move as raw bytes (half of
     bf16's) and the decode engine continues exactly like one FP8 engine doing both."""
-    colocated = make(smol_dir, dtype="bfloat16", kv_cache_dtype="fp8")
-    prefill = make(smol_dir, dtype="bfloat16", kv_cache_dtype="fp8")
-    decode = make(smol_dir, dtype="bfloat16", kv_cache_dtype="fp8")
-    # One request at a time on both sides: bf16 results depend on the batch they share.
     prompts = [smol_prompts[1], smol_prompts[-1]]
-    ref = [greedy(colocated, [p], max_tokens=12)[0] for p in prompts]
-    params = SamplingParams(max_tokens=12, temperature=0)
-    for i, prompt in enumerate(prompts):
-        rid = f"h{i}"
-        prefill.add_request(rid, prompt, params, hold_kv=True)
-        first = None
-        while prefill.has_unfinished():
-            for out in prefill.step():
-                first = out
-        assert first is not None and first.kv_held
-        data = prefill.read_blocks(prefill.held_block_ids(rid))
-        assert {len(b) for b in data} == {prefill.runner.block_bytes}
-        reserved, cached = decode.reserve(rid, prompt)
-        skip = cached // decode.config.block_size
-        decode.write_blocks(reserved[skip:], data[skip:])
-        prefill.release(rid)
-        decode.add_prefilled(rid, prompt, first.token_ids[0], params, num_cached_tokens=cached)
-        final = None
-        while decode.has_unfinished():
-            for out in decode.step():
-                final = out
-        assert final is not None and final.token_ids == ref[i], i
-    for e in (prefill, decode):
-        e.check_integrity()
-        assert e.pool.num_used == 0
+    moved = check_handoff_matches_colocated(
+        lambda: make(smol_dir, dtype="bfloat16", kv_cache_dtype="fp8"), prompts
+    )
+    bf16 = make(smol_dir, dtype="bfloat16", num_kv_blocks=8)
+    blocks = [-(-len(p) // bf16.config.block_size) for p in prompts]
+    assert moved == [n * bf16.runner.block_bytes // 2 for n in blocks]  # half of bf16's bytes

@@ -8,18 +8,15 @@ Set ``TANDEM_GPU_REPORT`` to a file to collect the agreement figures as JSON lin
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from tests.gpu_report import agreement, fp8_capable, generate, report, require_cuda_triton
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu
+require_cuda_triton()
 
 import kernels  # noqa: E402
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -31,10 +28,11 @@ from kernels.triton_decode import decode_attention  # noqa: E402
 from kernels.triton_gemv import linear as gemv  # noqa: E402
 from kernels.triton_prefill import prefill_attention  # noqa: E402
 from kernels.triton_rope import rotary_embedding  # noqa: E402
+from tests.handoff_cases import check_handoff_matches_colocated  # noqa: E402
 from tests.kernel_cases import make_paged_batch, reference_attention, rel_err  # noqa: E402
 from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts  # noqa: E402
 
-FP8_OK = torch.cuda.get_device_capability() >= (8, 9)
+FP8_OK = fp8_capable()
 needs_fp8 = pytest.mark.skipif(not FP8_OK, reason="FP8 needs compute capability 8.9+")
 SPEC = {
     "method": "ngram",
@@ -42,15 +40,6 @@ SPEC = {
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
 }
-
-
-def report(check: str, **values) -> None:
-    line = json.dumps({"check": check, **values})
-    print(line)
-    path = os.environ.get("TANDEM_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 # -- kernels -----------------------------------------------------------------------------------
@@ -156,22 +145,8 @@ def smol_shape_dir(tmp_path_factory) -> Path:
     return make_smol_shape_dir(tmp_path_factory.mktemp("smol_shape") / "model", seed=0)
 
 
-def generate(model_dir: Path, prompts, max_tokens: int = 24, **options) -> list[list[int]]:
-    llm = LLM(model_dir, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=2048, **options)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = [o.token_ids for o in llm.generate(prompts, params)]
-    llm.engine.check_integrity()
-    del llm
-    torch.cuda.empty_cache()
-    return outs
-
-
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
 
 
 def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
@@ -239,3 +214,23 @@ def test_fp8_weights_engine_on_cuda(smol_shape_dir):
     llm = LLM(smol_shape_dir, num_kv_blocks=64, quantization="fp8", kv_cache_dtype="fp8")
     assert llm.engine.runner.model.w.layers[0].qkv.weight.dtype == FP8
     assert llm.engine.runner.kv_cache.dtype == FP8
+
+
+@needs_fp8
+def test_fp8_kv_handoff_on_cuda_is_token_exact_against_fp8_colocated(smol_shape_dir):
+    """The disaggregated path on CUDA with FP8 caches (prefill graph-free, decode with CUDA
+    graphs on both sides): the decode engine continues exactly like one FP8 engine, and each
+    hand-off moves half the bytes of a bf16 one."""
+    prompts = random_prompts(4, SMOL_CONFIG["vocab_size"], seed=7, lo=20, hi=200)
+
+    def make(**kw) -> LLMEngine:
+        opts = {"num_kv_blocks": 256, "max_num_batched_tokens": 256, **kw}
+        return LLMEngine(EngineConfig(model_dir=str(smol_shape_dir), **opts))
+
+    moved = check_handoff_matches_colocated(lambda: make(kv_cache_dtype="fp8"), prompts, 16)
+    bf16 = make(num_kv_blocks=16)
+    blocks = [-(-len(p) // bf16.config.block_size) for p in prompts]
+    report(
+        "fp8_kv_handoff_cuda", bytes=moved, bf16_bytes=[n * bf16.runner.block_bytes for n in blocks]
+    )
+    assert moved == [n * bf16.runner.block_bytes // 2 for n in blocks]
