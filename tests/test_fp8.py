@@ -155,3 +155,35 @@ def test_fp8_kv_handoff_is_token_exact_against_fp8_colocated(smol_dir, smol_prom
     bf16 = make(smol_dir, dtype="bfloat16", num_kv_blocks=8)
     blocks = [-(-len(p) // bf16.config.block_size) for p in prompts]
     assert moved == [n * bf16.runner.block_bytes // 2 for n in blocks]  # half of bf16's bytes
+
+
+@pytest.mark.slow
+def test_fp8_kv_through_the_stack_is_token_exact_with_fp8_blocks(smol_dir, tmp_path):
+    """A disaggregated request through the real stack (router, prefill and decode workers, the
+    KV transport) with ``--kv-cache-dtype fp8`` on both workers: the text equals an offline FP8
+    engine's, and every block moved is an FP8 block (a quarter of float32's bytes)."""
+    import httpx
+
+    from services.launcher.stack import Stack, StackConfig
+    from services.launcher.etcd import free_port
+    from tests.stack_probe import metrics_of
+
+    text = "List the steps again. " + " ".join(f"step {i}: mix {i * 7} grams." for i in range(40))
+    offline = make(smol_dir, kv_cache_dtype="fp8", max_num_batched_tokens=256)  # the workers'
+    prompt = offline.tokenizer.encode(text)
+    assert len(prompt) > 256  # the router prefills it on the prefill worker
+    ref = offline.tokenizer.decode(greedy(offline, [prompt], max_tokens=24)[0])
+    config = StackConfig(model_dir=str(smol_dir), run_dir=str(tmp_path), port=free_port(),
+                         num_prefill=1, num_decode=1,
+                         worker_args=("--kv-cache-dtype", "fp8"))  # fmt: skip
+    with Stack(config) as stack:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": text, "max_tokens": 24,
+                "temperature": 0}  # fmt: skip
+        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref
+        decode = metrics_of(stack.scrape_targets()["decode-0"])
+    blocks = decode["tandem_kv_transfer_blocks_total"]
+    assert blocks >= len(prompt) // offline.config.block_size
+    assert decode["tandem_kv_transfer_bytes_total"] == blocks * offline.runner.block_bytes
+    assert offline.runner.block_bytes * 4 == make(smol_dir, num_kv_blocks=4).runner.block_bytes

@@ -6,12 +6,10 @@ engine without speculation."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
@@ -20,6 +18,7 @@ from engine.step_stats import SpecStats
 from services.launcher.etcd import free_port
 from services.observability.engine import EngineCollector
 from services.worker.config import parse_config
+from tests.stack_probe import metrics_of
 
 SPEC_JSON = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -77,21 +76,9 @@ def test_engine_reports_every_draft_position_from_the_start(smol_dir):
     assert engine.stats().spec.accepted_per_pos == [0, 0, 0, 0]
 
 
-def metrics_of(address: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    common = {"component", "model", "worker"}  # on every sample of a process
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if set(s.labels) <= common
-    }
-
-
 @pytest.mark.slow
 def test_disaggregated_request_speculates_on_the_decode_worker(smol_dir, tmp_path):
-    from services.launcher import Stack, StackConfig
+    from services.launcher.stack import Stack, StackConfig
 
     prompt_text = "Repeat the list twice. " + ", ".join(f"item {i} of {i * 3}" for i in range(40))
     config = StackConfig(
