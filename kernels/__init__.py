@@ -60,13 +60,7 @@ def linear(
     """
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, bias)
-    if (
-        x.shape[0] <= GEMV_MAX_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(-1) == 1
-        and w.stride(-1) == 1
-        and use_triton(x)
-    ):
+    if _skinny(x, w):
         from kernels import triton_gemv
 
         return triton_gemv.linear(x, w, bias)
