@@ -27,8 +27,8 @@ from engine.errors import (
 )
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
-from engine.parallel.ranks import RankGroup, start_ranks
 from engine.ngram import NgramProposer
+from engine.parallel.ranks import RankGroup, start_ranks
 from engine.pooling import PoolingConfig, PoolingMixin
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler

@@ -164,8 +164,8 @@ def test_fp8_kv_through_the_stack_is_token_exact_with_fp8_blocks(smol_dir, tmp_p
     engine's, and every block moved is an FP8 block (a quarter of float32's bytes)."""
     import httpx
 
-    from services.launcher.stack import Stack, StackConfig
     from services.launcher.etcd import free_port
+    from services.launcher.stack import Stack, StackConfig
     from tests.stack_probe import metrics_of
 
     text = "List the steps again. " + " ".join(f"step {i}: mix {i * 7} grams." for i in range(40))
