@@ -28,7 +28,7 @@ import torch
 
 import kernels
 from bench.gpu_checks import check_kernels, time_attention, time_gemv
-from bench.gpu_common import llama_config, measure_ceilings
+from bench.gpu_common import llama_config, measure_ceilings, table
 from bench.gpu_llama import BLOCK, LlamaBench, kv_bytes_per_token
 
 DECODE = [(b, ctx) for ctx in (1024, 8192) for b in (1, 8, 32, 128)]
@@ -53,15 +53,6 @@ DECODE_COLS = [
     "skipped",
 ]
 ATTN_COLS = ["kernel", "batch", "ctx", "ms", "frac_copy_bw", "frac_matmul"]
-
-
-def table(rows: list[dict], cols: list[str]) -> str:
-    def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def pool_blocks(c, configs: list[tuple[int, int]], reserve_bytes: int) -> tuple[int, list]:

@@ -13,6 +13,7 @@ from kernels.triton_gemv import GemvPlan, linear
 from kernels.triton_norm import rms_norm, silu_and_mul
 from kernels.triton_prefill import prefill_attention
 from kernels.triton_rope import rotary_embedding
+from kernels.triton_rope_kv import rope_write_kv
 from tests.kernel_cases import make_paged_batch, reference_attention, rel_err
 
 TOL = 1e-2
@@ -57,6 +58,13 @@ def check_kernels(seed: int) -> list[dict]:
     cos, sin = (torch.cat([f(ang), f(ang)], -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     got, want = rotary_embedding(qq, k, cos, sin), reference.rotary_embedding(qq, k, cos, sin)
     rows.append(("rotary_embedding", max(rel_err(got[0], want[0]), rel_err(got[1], want[1]))))
+    # RoPE with the KV write fused in: bit for bit the unfused Triton pair, and so as close to
+    # the references as they are.
+    cache, unfused = kv.clone(), kv.clone()
+    got_q = rope_write_kv(qq, k, k, cos, sin, cache, 1, meta.slot_blocks, meta.slot_offsets)
+    write_kv(unfused, 1, got[1], k, meta.slot_blocks, meta.slot_offsets)
+    exact = torch.equal(got_q, got[0]) and torch.equal(cache, unfused)
+    rows.append(("rope_write_kv", rel_err(got_q, want[0]) if exact else float("inf")))
     for m in (1, 8, 16):
         xm, wm = torch.randn(m, 4096, device="cuda"), torch.randn(6144, 4096, device="cuda")
         bias = torch.randn(6144, device="cuda")

@@ -13,18 +13,18 @@ from engine import kv_pool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from engine.model import DecoderModel, LayerWeights, ModelWeights
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, Fp8Weight
 from libkv.kv_layout import KVLayout
 
 BLOCK = 16
 
 
-def random_weights(c: ModelConfig, seed: int = 0) -> ModelWeights:
+def random_weights(c: ModelConfig, seed: int = 0, device: str = "cuda") -> ModelWeights:
     """Random bf16 weights drawn on the GPU (std 0.02, norms near 1)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02
 
     def norm() -> torch.Tensor:
         return 1 + rand(c.hidden_size)
@@ -47,31 +47,39 @@ def random_weights(c: ModelConfig, seed: int = 0) -> ModelWeights:
     )
 
 
+def _nbytes(t: torch.Tensor | Fp8Weight) -> int:
+    if isinstance(t, Fp8Weight):  # one byte per weight plus a float32 scale per row
+        return t.weight.numel() + t.scale.numel() * 4
+    return t.numel() * t.element_size()
+
+
 def weight_bytes_per_step(w: ModelWeights) -> int:
     """Bytes a decode step must read: every layer weight, the final norm and the LM head."""
     n = sum(
-        t.numel()
+        _nbytes(t)
         for lw in w.layers
         for t in (lw.input_norm, lw.qkv, lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
     )
-    return (n + w.norm.numel() + w.lm_head.numel()) * 2
+    return n + _nbytes(w.norm) + _nbytes(w.lm_head)
 
 
-def kv_bytes_per_token(c: ModelConfig) -> int:
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+def kv_bytes_per_token(c: ModelConfig, element_size: int = 2) -> int:
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element_size
 
 
 class LlamaBench:
-    """One model and one KV pool of ``num_blocks`` random blocks, shared by every config."""
+    """One model and one KV pool of ``num_blocks`` random blocks, shared by every config
+    (``device`` "cpu": the benchmarks' dry runs, eager steps instead of graph replays)."""
 
-    def __init__(self, c: ModelConfig, num_blocks: int, max_len: int) -> None:
+    def __init__(self, c: ModelConfig, num_blocks: int, max_len: int, device: str = "cuda") -> None:
         self.c = c
-        self.w = random_weights(c)
+        self.device = device
+        self.w = random_weights(c, device=device)
         self.model = DecoderModel(c, self.w, max_len)
         self.max_len = max_len
         # The engine's pool: head-major storage, read through the kernels' view (engine.kv_pool).
         layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, "bfloat16", 2)
-        pool = kv_pool.allocate(layout, 0, num_blocks, torch.bfloat16, torch.device("cuda"))
+        pool = kv_pool.allocate(layout, 0, num_blocks, torch.bfloat16, torch.device(device))
         for i in range(0, num_blocks, 1024):  # random, never zeros
             pool[i : i + 1024].normal_()
         self.kv = kv_pool.kernel_view(pool)
@@ -93,7 +101,8 @@ class LlamaBench:
             seq_lens=[ctx + 1] * b,
         )
         ms, host_ms = self._time_graph(batch)
-        nbytes = weight_bytes_per_step(self.w) + b * (ctx + 1) * kv_bytes_per_token(self.c)
+        kv_token = kv_bytes_per_token(self.c, self.kv.element_size())
+        nbytes = weight_bytes_per_step(self.w) + b * (ctx + 1) * kv_token
         roof_ms = nbytes / ceil.copy_bytes_per_s * 1e3
         return {
             "batch": b,
@@ -109,6 +118,11 @@ class LlamaBench:
         """Median replay time (events), and median wall time of the engine's whole path:
         inputs up, replay, argmax, tokens down."""
         b = len(batch.token_ids)
+        if self.device != "cuda":
+            ids, pos, meta = self._decode_inputs(b, batch.seq_lens[0] - 1)
+            ms = time_ms(lambda: self.model.logits(self.model.forward(ids, pos, self.kv, meta)),
+                         warmup=1, iters=3)  # fmt: skip
+            return ms, ms
         graphs = DecodeGraphs(self.model, self.kv, [b], -(-self.max_len // BLOCK), BLOCK)
         graphs.capture()
         graphs.run(batch)
@@ -166,10 +180,10 @@ class LlamaBench:
             "frac_matmul": flops / ceil.matmul_flops_per_s / (ms / 1e3),
         }
 
-    def profile_decode(self, b: int, ctx: int) -> str:
-        """Per-kernel GPU time of one eager decode step (where the time goes)."""
+    def _decode_inputs(self, b: int, ctx: int):
+        """Token ids, positions and metadata of an eager decode step (``ctx`` tokens held)."""
         tables = self.tables(b, ctx + 1)
-        dev = "cuda"
+        dev = self.device
         meta = AttentionMetadata(
             slot_blocks=torch.tensor([t[ctx // BLOCK] for t in tables], device=dev),
             slot_offsets=torch.full((b,), ctx % BLOCK, device=dev),
@@ -182,6 +196,13 @@ class LlamaBench:
         )
         ids = torch.zeros(b, dtype=torch.long, device=dev) + 5
         pos = torch.full((b,), ctx, device=dev)
+        return ids, pos, meta
+
+    def profile_decode(self, b: int, ctx: int) -> str:
+        """Per-kernel GPU time of one eager decode step (where the time goes)."""
+        ids, pos, meta = self._decode_inputs(b, ctx)
+        if self.device != "cuda":
+            return "(no GPU: no profile)"
         for _ in range(2):
             self.model.logits(self.model.forward(ids, pos, self.kv, meta))
         torch.cuda.synchronize()

@@ -12,6 +12,7 @@ from engine.errors import UnsupportedModelError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
+SPECULATIVE_METHODS = ("ngram",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,64 @@ def _eos_ids(cfg: dict[str, Any], model_dir: Path | None) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names. ``ngram`` (prompt lookup): the drafts are the
+    ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its
+    own history, prompt and output. As in vLLM, an unset bound takes the other's value, and both
+    default to 5."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        method = "ngram" if self.method == "[ngram]" else self.method
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported; supported: "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, not {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        assert lo is not None and hi is not None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
+        """From a dict or a JSON object (``--speculative-config``); None or "" stays None.
+        Unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs besides the model folder. Frozen; derived values are
     properties."""
@@ -158,8 +217,16 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Speculative decoding (a SpeculativeConfig, or its dict / JSON form); None: off.
+    speculative_config: SpeculativeConfig | None = None
+    # FP8 (engine.fp8): "auto" keeps the KV cache in the model dtype, "fp8" (= "fp8_e4m3")
+    # stores it in e4m3; quantization "fp8" holds the layers' matrices in e4m3.
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+        object.__setattr__(self, "speculative_config", spec)
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -176,6 +243,12 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', not {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', not {self.quantization!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"

@@ -34,15 +34,16 @@ class EmitMixin:
     def _emit(
         self,
         due: list[Sequence],
-        tokens: Seq[int],
-        logprobs: Seq[TokenLogprob | None],
+        tokens: Seq[Seq[int]],
+        logprobs: Seq[Seq[TokenLogprob | None]],
     ) -> list[RequestOutput]:
-        """One output per sampled sequence, in order; then settle each request touched."""
+        """One output per sampled sequence, in order (with the tokens it produced this step:
+        one, or kept draft tokens and one more); then settle each request touched."""
         outputs: list[RequestOutput] = []
         by_request: dict[str, list[RequestOutput]] = {}
-        for seq, token, lp in zip(due, tokens, logprobs, strict=True):
+        for seq, toks, lps in zip(due, tokens, logprobs, strict=True):
             req = self._requests[seq.request_id]
-            out = self._on_token(req, req.live[seq.index], token, lp)
+            out = self._on_tokens(req, req.live[seq.index], toks, lps)
             outputs.append(out)
             by_request.setdefault(seq.request_id, []).append(out)
         for rid, outs in by_request.items():
@@ -58,19 +59,29 @@ class EmitMixin:
                     out.others_pending = True
         return outputs
 
-    def _on_token(
-        self, req: Request, choice: Choice, token: int, lp: TokenLogprob | None
+    def _on_tokens(
+        self, req: Request, choice: Choice, tokens: Seq[int], lps: Seq[TokenLogprob | None]
     ) -> RequestOutput:
+        """Append a step's tokens up to the first that finishes the choice (the rest are
+        dropped)."""
         seq = choice.seq
         if not seq.output_token_ids and seq is req.parent:
             self._prefix_hit_tokens += seq.num_cached_prompt_tokens
             self._prompt_tokens += len(seq.prompt_token_ids)
-        seq.output_token_ids.append(token)
-        if choice.logprobs is not None and lp is not None:
-            choice.logprobs.append(lp)
-        delta = choice.detok.push([token])
-        new_text = delta.text
-        reason = self._finish_reason(choice, token, delta.stop_matched)
+        new_ids: list[int] = []
+        new_lps: list[TokenLogprob] = []
+        new_text = ""
+        for token, lp in zip(tokens, lps, strict=True):
+            seq.output_token_ids.append(token)
+            new_ids.append(token)
+            if choice.logprobs is not None and lp is not None:
+                choice.logprobs.append(lp)
+                new_lps.append(lp)
+            delta = choice.detok.push([token])
+            new_text += delta.text
+            reason = self._finish_reason(choice, token, delta.stop_matched)
+            if reason is not None:
+                break
         if reason is not None:
             if reason is not FinishReason.STOP or delta.stop_matched is None:
                 new_text += choice.detok.flush()
@@ -82,7 +93,7 @@ class EmitMixin:
                 self.scheduler.finish(seq, reason)
             del req.live[seq.index]
         choice.text += new_text
-        return self._output(choice, [token], new_text, [lp] if lp is not None else [])
+        return self._output(choice, new_ids, new_text, new_lps)
 
     def _finish_reason(self, choice: Choice, token: int, stop: str | None) -> FinishReason | None:
         seq, p = choice.seq, choice.seq.params

@@ -43,3 +43,7 @@ class InvalidAdapterError(InvalidRequestError):
 
 class AdapterNotFoundError(TandemError, LookupError):
     """A request or an unload names a LoRA adapter that is not loaded."""
+
+
+class UnsupportedConfigError(TandemError):
+    """An engine option this device or build cannot run (FP8 on a GPU without it, ...)."""

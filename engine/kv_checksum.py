@@ -34,7 +34,7 @@ class BlockChecksums:
         block_bytes = cache[0].numel() * cache.element_size()
         if block_bytes % 8:
             raise ValueError(f"blocks of {block_bytes} bytes are not whole 64-bit words")
-        self.cache = cache
+        self.cache = cache.view(torch.uint8)  # as bytes: any element type, FP8 pools included
         if weighted is None:
             weighted = cache.device.type != "cpu"
         words = block_bytes // 8
@@ -49,7 +49,7 @@ class BlockChecksums:
         if not block_ids:
             return []
         if self.weights is None:
-            flat = self.cache.view(torch.uint8).view(self.cache.shape[0], -1)
+            flat = self.cache.view(self.cache.shape[0], -1)
             return [zlib.crc32(flat[i].numpy().data) for i in block_ids]
         idx = torch.tensor(list(block_ids), device=self.cache.device)
         words = self.cache.index_select(0, idx).reshape(len(block_ids), -1).view(torch.int64)

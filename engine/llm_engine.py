@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,12 +27,13 @@ from engine.errors import (
 )
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
+from engine.ngram import NgramProposer
 from engine.parallel.ranks import RankGroup, start_ranks
 from engine.pooling import PoolingConfig, PoolingMixin
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
-from engine.step_stats import StepObserver, batch_stats
+from engine.step_stats import SpecStats, StepObserver, batch_stats
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
 from libkv.block_pool import BlockPool
@@ -76,6 +77,7 @@ class EngineStats:
     num_preemptions: int
     prefix_hit_tokens: int
     prompt_tokens: int
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
@@ -116,6 +118,9 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
         self._prompt_tokens = 0
+        spec = config.speculative_config
+        self.proposer = None if spec is None else NgramProposer.of(spec)
+        self._spec = SpecStats(accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
         self.on_step: StepObserver | None = None  # called with each step's StepStats
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -246,12 +251,15 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         """One iteration: schedule, run the model, sample, detokenize, finish what is done."""
         with self._lock:
             t0 = time.perf_counter()
+            if self.proposer is not None:
+                self._propose(self.proposer)
             sched = self.scheduler.schedule()
             if not sched.scheduled:
                 return []
             info = batch_stats(sched) if self.on_step is not None else None
             due = self._due(sched.scheduled)
             sampled = self.runner.execute(sched, self.grammar)
+            self._count_drafts(sched.scheduled, due, sampled.num_accepted)
             self.scheduler.advance(sched.scheduled)
             self._join_forks(sched.scheduled)
             outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
@@ -278,6 +286,29 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             due.extend(s.forks)
         return due
 
+    def _propose(self, proposer: NgramProposer) -> None:
+        """Set the draft of every decoding sequence for the next step: never past its
+        ``max_tokens`` or the context limit (a step emits the kept drafts plus one token), and
+        none for a grammar-constrained sequence (its matcher cannot take tokens back)."""
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            if seq.output_token_ids and seq.num_uncomputed == 1 and seq.matcher is None:
+                limit = min(
+                    seq.params.max_tokens - len(seq.output_token_ids),
+                    self.max_model_len - seq.num_tokens,
+                )
+                seq.draft_token_ids = proposer.propose(seq, limit - 1)
+
+    def _count_drafts(
+        self, scheduled: list[ScheduledSeq], due: list[Sequence], accepted: list[int]
+    ) -> None:
+        """Tell each drafting chunk how many of its draft tokens were kept, and count them."""
+        kept = {id(seq): n for seq, n in zip(due, accepted, strict=True)}
+        for s in scheduled:
+            if s.draft:
+                s.num_accepted = kept[id(s.seq)]
+                self._spec.add(len(s.draft), s.num_accepted)
+
     def _join_forks(self, scheduled: list[ScheduledSeq]) -> None:
         """After the prompt's forward pass: forked choices share its blocks and join the batch
         (unless the request is a prefill hand-off, which decodes elsewhere)."""
@@ -302,6 +333,7 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
                 num_preemptions=self.scheduler.num_preemptions,
                 prefix_hit_tokens=self._prefix_hit_tokens,
                 prompt_tokens=self._prompt_tokens,
+                spec=self._spec.copy(),
             )
 
     def try_stats(self, timeout: float) -> EngineStats | None:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
+from engine.fp8 import quantize_layer
 from engine.model import LayerWeights, ModelWeights
 from engine.parallel.shard import ModelShard
 
@@ -41,6 +42,10 @@ class _Tensors:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def scalar(self, name: str, default: float = 1.0) -> float:
+        """A one-element tensor of the checkpoint as a float, or ``default`` if absent."""
+        return float(self.get(name).float().item()) if name in self else default
 
     def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
         """The tensor, or only ``rows``/``cols`` of it (read from disk without the rest)."""
@@ -87,8 +92,11 @@ def load_weights(
     device: torch.device,
     dtype: torch.dtype,
     shard: ModelShard | None = None,
+    fp8: bool = False,
 ) -> ModelWeights:
-    """Read and fuse the checkpoint's weights (only ``shard``'s part of them)."""
+    """Read and fuse the checkpoint's weights (only ``shard``'s part of them); ``fp8``: quantize
+    each layer's matrices as it is read (engine.fp8), so at most one layer is held in ``dtype``
+    beside the rest."""
     src = _Tensors(Path(model_dir), device, dtype)
     cut = _Cuts.of(config, shard)
     qkv_cuts, mlp_cuts = (cut.q, cut.kv, cut.kv), (cut.mlp, cut.mlp)
@@ -102,17 +110,19 @@ def load_weights(
         a, m = p + "self_attn.", p + "mlp."
         qkv = [a + f"{x}_proj.weight" for x in "qkv"]
         bias = [a + f"{x}_proj.bias" for x in "qkv"]
-        layers.append(
-            LayerWeights(
-                input_norm=src.get(p + "input_layernorm.weight"),
-                qkv=fused(qkv, qkv_cuts),
-                qkv_bias=fused(bias, qkv_cuts) if config.qkv_bias else None,
-                o_proj=src.get(a + "o_proj.weight", cols=cut.q),
-                post_norm=src.get(p + "post_attention_layernorm.weight"),
-                gate_up=fused([m + "gate_proj.weight", m + "up_proj.weight"], mlp_cuts),
-                down=src.get(m + "down_proj.weight", cols=cut.mlp),
-            )
+        lw = LayerWeights(
+            input_norm=src.get(p + "input_layernorm.weight"),
+            qkv=fused(qkv, qkv_cuts),
+            qkv_bias=fused(bias, qkv_cuts) if config.qkv_bias else None,
+            o_proj=src.get(a + "o_proj.weight", cols=cut.q),
+            post_norm=src.get(p + "post_attention_layernorm.weight"),
+            gate_up=fused([m + "gate_proj.weight", m + "up_proj.weight"], mlp_cuts),
+            down=src.get(m + "down_proj.weight", cols=cut.mlp),
+            # FP8 KV scales of checkpoints that carry them (vLLM's names), else 1.0.
+            k_scale=src.scalar(a + "k_scale"),
+            v_scale=src.scalar(a + "v_scale"),
         )
+        layers.append(quantize_layer(lw) if fp8 else lw)
     embed = src.get("model.embed_tokens.weight", cut.vocab)
     if config.tie_word_embeddings or "lm_head.weight" not in src:
         lm_head = embed
@@ -127,6 +137,7 @@ def dummy_weights(
     dtype: torch.dtype,
     seed: int = 0,
     shard: ModelShard | None = None,
+    fp8: bool = False,
 ) -> ModelWeights:
     """Random weights of the config's shapes (std 0.02; norms 1): for speed, not for text.
 
@@ -154,8 +165,9 @@ def dummy_weights(
     qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * d
     qkv_cut, gate_up_cut = _fused_rows(c, cut)
     vocab_cut = [cut.vocab] if cut.vocab else []
-    layers = [
-        LayerWeights(
+    layers = []
+    for _ in range(c.num_layers):
+        lw = LayerWeights(
             input_norm=ones(c.hidden_size),
             qkv=rand(qkv_rows, c.hidden_size, rows=qkv_cut),
             qkv_bias=rand(qkv_rows, rows=qkv_cut) if c.qkv_bias else None,
@@ -164,8 +176,7 @@ def dummy_weights(
             gate_up=rand(2 * c.intermediate_size, c.hidden_size, rows=gate_up_cut),
             down=rand(c.hidden_size, c.intermediate_size, cols=cut.mlp),
         )
-        for _ in range(c.num_layers)
-    ]
+        layers.append(quantize_layer(lw) if fp8 else lw)
     embed = rand(c.vocab_size, c.hidden_size, rows=vocab_cut)
     lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size, rows=vocab_cut)
     return ModelWeights(embed, layers, ones(c.hidden_size), lm_head)

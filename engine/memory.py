@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
+from engine import fp8
 from engine.errors import InsufficientMemoryError
 from engine.parallel.shard import ModelShard
 
@@ -145,8 +146,15 @@ def plan_cuda(
     return KVPlan(blocks, block_bytes, budget, memory)
 
 
-def weight_bytes(config: ModelConfig, element_size: int, shard: ModelShard | None = None) -> int:
-    """Bytes of a model's weights (of one tensor-parallel ``shard``), from its config alone."""
+def weight_bytes(
+    config: ModelConfig,
+    element_size: int,
+    shard: ModelShard | None = None,
+    matrix_size: int | None = None,
+) -> int:
+    """Bytes of a model's weights (of one tensor-parallel ``shard``), from its config alone;
+    ``matrix_size``: bytes per element of the layers' matrices where it differs (1 for FP8
+    weights, whose row scales are counted)."""
     c = config
     s = shard or ModelShard.of(c, 1, 0)
     heads, kv_heads = s.num_heads, s.num_kv_heads
@@ -154,9 +162,12 @@ def weight_bytes(config: ModelConfig, element_size: int, shard: ModelShard | Non
     attn = (heads + 2 * kv_heads) * c.head_dim * c.hidden_size
     attn += c.hidden_size * heads * c.head_dim
     mlp = 3 * inter * c.hidden_size
-    layers = c.num_layers * (attn + mlp + 2 * c.hidden_size)
+    rows = (heads + 2 * kv_heads) * c.head_dim + 2 * (c.hidden_size + inter)
+    msize = element_size if matrix_size is None else matrix_size
+    scales = 0 if msize == element_size else c.num_layers * rows * 4
+    layers = c.num_layers * ((attn + mlp) * msize + 2 * c.hidden_size * element_size)
     embed = vocab * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return (layers + embed + c.hidden_size) * element_size
+    return layers + scales + (embed + c.hidden_size) * element_size
 
 
 def check_weights_fit(start: CudaStart, weights: int, utilization: float) -> None:
@@ -203,8 +214,9 @@ def plan_for_cuda(
     device = torch.device("cuda", torch.cuda.current_device())
     weights = torch.cuda.memory_allocated(device)
     tokens = config.max_num_batched_tokens
+    kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, model.w.embed.dtype, device)
     peak = profile_activations(
-        model, config.block_size, tokens, max_len, config.max_num_seqs, device
+        model, config.block_size, tokens, max_len, config.max_num_seqs, device, kv_dtype
     )
     free_now, total = torch.cuda.mem_get_info(device)
     torch_grew = torch.cuda.memory_reserved(device) - start.reserved
@@ -235,6 +247,7 @@ def profile_activations(
     max_len: int,
     rows: int,
     device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Peak bytes allocated by one step of ``tokens`` new tokens (prefills of at most
     ``max_len`` tokens each) plus the logits of ``rows`` rows and a sampling sort of them, over
@@ -246,7 +259,7 @@ def profile_activations(
     cache = torch.empty(
         (len(lens) * per_seq, c.num_layers, 2, bs, model.num_kv_heads, c.head_dim),
         device=device,
-        dtype=model.w.embed.dtype,
+        dtype=kv_dtype or model.w.embed.dtype,
     )
     offsets = torch.cat([torch.arange(n, device=device) for n in lens])
     first_block = torch.cat(

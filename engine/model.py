@@ -27,13 +27,18 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class LayerWeights:
+    """One decoder layer. The matrices may be ``kernels.Fp8Weight`` (``engine.fp8``);
+    ``k_scale``/``v_scale`` scale the layer's K/V in an FP8 KV cache."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
+    qkv: torch.Tensor | kernels.Fp8Weight  # [(H + 2*Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: torch.Tensor | kernels.Fp8Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | kernels.Fp8Weight  # [2 * intermediate, hidden]
+    down: torch.Tensor | kernels.Fp8Weight
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass(slots=True)
@@ -104,46 +109,61 @@ class DecoderModel:
         x = self.comm.embed(input_ids, self.w.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         residual: torch.Tensor | None = None
+        qkv_parts = (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))
         for i, lw in enumerate(self.w.layers):
-            h, residual = kernels.rms_norm(x, lw.input_norm, self.config.rms_norm_eps, residual)
-            h = self._attention(i, lw, h, cos, sin, kv_cache, meta, lora)
-            h, residual = kernels.rms_norm(h, lw.post_norm, self.config.rms_norm_eps, residual)
-            x = self._mlp(i, lw, h, lora)
+            qkv, residual = self._normed_product(
+                i, x, residual, lw.input_norm, lw.qkv, lw.qkv_bias, lora, qkv_parts
+            )
+            h = self._attention(i, lw, qkv, cos, sin, kv_cache, meta, lora)
+            n = lw.gate_up.shape[0] // 2
+            gate_up, residual = self._normed_product(
+                i, h, residual, lw.post_norm, lw.gate_up, None, lora,
+                (("gate_proj", n), ("up_proj", n)),
+            )  # fmt: skip
+            x = self.comm.all_reduce(self._down(i, lw, gate_up, lora))
         out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual)
         return out
 
-    def _attention(self, i, lw, h, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
+    def _normed_product(self, i, x, residual, norm, w, bias, lora, parts):
+        """``linear(rms_norm(x + residual) * norm, w, bias)`` and the next residual: one launch
+        for decode batches (``kernels.norm_linear``), unless LoRA deltas need the normed rows;
+        ``parts``: the adapter projections in the fused product's columns, with their widths."""
+        eps = self.config.rms_norm_eps
+        if lora is None:
+            return kernels.norm_linear(x, residual, norm, eps, w, bias)
+        h, residual = kernels.rms_norm(x, norm, eps, residual)
+        out = kernels.linear(h, w, bias)
+        lo = 0
+        for name, width in parts:
+            lora.add(i, name, out[:, lo : lo + width], h)
+            lo += width
+        return out, residual
+
+    def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
+        """Attention of the layer from its (normed) input's QKV product; returns o_proj's."""
         c = self.config
-        qkv = kernels.linear(h, lw.qkv, lw.qkv_bias)
-        if lora is not None:
-            q_end, k_end = self.q_size, self.q_size + self.kv_size
-            lora.add(i, "q_proj", qkv[:, :q_end], h)
-            lora.add(i, "k_proj", qkv[:, q_end:k_end], h)
-            lora.add(i, "v_proj", qkv[:, k_end:], h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = h.shape[0]
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, c.head_dim)
         k = k.view(t, self.num_kv_heads, c.head_dim)
         v = v.view(t, self.num_kv_heads, c.head_dim)
-        q, k = kernels.rotary_embedding(q, k, cos, sin)
-        kernels.write_kv(kv_cache, i, k, v, meta)
-        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale).reshape(t, self.q_size)
+        q = kernels.rope_write_kv(q, k, v, cos, sin, kv_cache, i, meta, lw.k_scale, lw.v_scale)
+        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale, lw.k_scale, lw.v_scale)
+        o = o.reshape(t, self.q_size)
         out = kernels.linear(o, lw.o_proj)
         if lora is not None:
             lora.add(i, "o_proj", out, o)
         return self.comm.all_reduce(out)
 
-    def _mlp(self, i: int, lw: LayerWeights, h: torch.Tensor, lora: LoRABatch | None):
-        gate_up = kernels.linear(h, lw.gate_up)
-        if lora is not None:
-            n = gate_up.shape[1] // 2
-            lora.add(i, "gate_proj", gate_up[:, :n], h)
-            lora.add(i, "up_proj", gate_up[:, n:], h)
+    def _down(self, i: int, lw: LayerWeights, gate_up: torch.Tensor, lora: LoRABatch | None):
+        """The down product of SiLU-and-multiply of ``gate_up`` (one launch for decode
+        batches, ``kernels.silu_mul_linear``, unless a LoRA delta needs the activation)."""
+        if lora is None:
+            return kernels.silu_mul_linear(gate_up, lw.down)
         act = kernels.silu_and_mul(gate_up)
         out = kernels.linear(act, lw.down)
-        if lora is not None:
-            lora.add(i, "down_proj", out, act)
-        return self.comm.all_reduce(out)
+        lora.add(i, "down_proj", out, act)
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
-from engine import kv_pool, memory
+from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.kv_checksum import BlockChecksums
@@ -30,8 +30,9 @@ from engine.model import DecoderModel
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import rank_device
 from engine.parallel.shard import ModelShard
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.spec_decode import VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
 from libkv.kv_layout import KVLayout
 
@@ -100,19 +101,25 @@ class ModelRunner:
         self._turn = threading.RLock()  # one command (and its collectives) at a time
         self.device = resolve_device(config, self.comm.rank)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        quantize = config.quantization == "fp8"
+        if quantize:
+            fp8.check_device(self.device, "--quantization fp8")
         on_cuda = self.device.type == "cuda"
         shard = self.comm.shard
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
             torch.cuda.set_device(self.device)
             start = memory.CudaStart.now(self.device)
-            size = torch.finfo(self.dtype).bits // 8
-            need = memory.weight_bytes(model_config, size, shard)
+            size = self.dtype.itemsize
+            need = memory.weight_bytes(model_config, size, shard, 1 if quantize else None)
             memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
-            weights = dummy_weights(model_config, self.device, self.dtype, config.seed, shard)
+            weights = dummy_weights(
+                model_config, self.device, self.dtype, config.seed, shard, quantize
+            )
         else:
             weights = load_weights(
-                Path(config.model_dir), model_config, self.device, self.dtype, shard
+                Path(config.model_dir), model_config, self.device, self.dtype, shard, quantize
             )
         self.model = DecoderModel(model_config, weights, max_len, self.comm)
         # Before the KV plan, so that on CUDA the slots count as weights.
@@ -128,8 +135,8 @@ class ModelRunner:
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
             block_size=config.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
-            element_size=torch.finfo(self.dtype).bits // 8,
+            dtype=str(self.kv_dtype).removeprefix("torch."),
+            element_size=self.kv_dtype.itemsize,  # 1 for an FP8 cache: half of bf16's bytes
             tp=self.comm.size,
         )
         sizes: list[int] = []
@@ -148,7 +155,7 @@ class ModelRunner:
         self.num_blocks = self.comm.min_int(self.kv_plan.num_blocks, self.device)
         self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=self.num_blocks)
         self.kv_pool = kv_pool.allocate(
-            self.layout, self.comm.rank, self.num_blocks, self.dtype, self.device
+            self.layout, self.comm.rank, self.num_blocks, self.kv_dtype, self.device
         )
         self.kv_cache = kv_pool.kernel_view(self.kv_pool)
         self.graphs: DecodeGraphs | None = None
@@ -184,16 +191,18 @@ class ModelRunner:
 
     def execute(
         self, sched: SchedulerOutput, grammar: GrammarRuntime | None = None
-    ) -> SamplerOutput:
+    ) -> VerifyOutput:
         """Copy blocks, run the forward pass on every scheduled token, sample where due.
 
         One row is sampled per sampling sequence and per fork of it (forks reuse its logits).
         With ``grammar``, the bitmasks of constrained rows are filled while the forward pass
-        runs (``engine.structured``)."""
+        runs (``engine.structured``). The draft tokens of speculating sequences are verified
+        (``engine.spec_decode``): those emit their kept drafts and one more token."""
         self.bind_thread()
         if sched.copies:
             self._command("copy", [c.src for c in sched.copies], [c.dst for c in sched.copies])
-        due = [(i, seq) for i, s in enumerate(_sampling(sched)) for seq in (s.seq, *s.forks)]
+        sampling = _sampling(sched)
+        due = [(i, seq) for i, s in enumerate(sampling) for seq in (s.seq, *s.forks)]
         rows = [
             SamplingRow(
                 seq.params,
@@ -207,11 +216,14 @@ class ModelRunner:
         masks = grammar.start_fill([seq.matcher for _, seq in due]) if grammar else None
         logits = self._logits(sched)
         if logits is None:
-            return SamplerOutput([], [])
+            return VerifyOutput([], [], [])
+        bitmask = masks.result(logits.device) if masks is not None else None
+        if any(s.draft for s in sampling):
+            drafts = [s.draft for s in sampling]
+            return sample_with_drafts(self.sampler, logits, drafts, due, rows, bitmask)
         if len(due) != logits.shape[0]:  # forks: repeat their parent's row
             logits = logits[torch.tensor([i for i, _ in due], device=logits.device)]
-        bitmask = masks.result(logits.device) if masks is not None else None
-        return self.sampler(logits, rows, bitmask)
+        return VerifyOutput.single(self.sampler(logits, rows, bitmask))
 
     def _logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Logits of the sampling rows (None when no row samples this step)."""
@@ -355,14 +367,15 @@ class ModelRunner:
             seq, lo = s.seq, s.seq.num_computed
             hi = lo + s.num_new
             table = s.block_ids
-            ids.extend(seq.all_token_ids[lo:hi])
+            ids.extend(seq.all_token_ids[lo : hi - len(s.draft)])
+            ids.extend(s.draft)
             pos.extend(range(lo, hi))
             slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
             starts.append(starts[-1] + s.num_new)
             seq_lens.append(hi)
             tables.append(table)
-            if s.samples:
-                sample_rows.append(starts[-1] - 1)
+            if s.samples:  # the newest token's row, and one row per draft token after it
+                sample_rows.extend(range(starts[-1] - 1 - len(s.draft), starts[-1]))
         max_q = max(s.num_new for s in sched.scheduled)
         plan = StepPlan(ids, pos, slots, starts, seq_lens, tables, max_q, sample_rows)
         if sched.loras:

@@ -106,7 +106,7 @@ class Sampler:
             _put(tokens, greedy, _take(x, greedy).argmax(dim=-1))
         if sampled:
             _put(tokens, sampled, _sample(_take(x, sampled), [rows[i] for i in sampled]))
-        return _finish(tokens, raw_logprobs, want_lp, params)
+        return host_output(tokens, raw_logprobs, want_lp, params)
 
 
 def _is_plain(r: SamplingRow) -> bool:
@@ -219,7 +219,12 @@ def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Sample one token per row of the penalised logits ``x`` (``[S, V]``, non-greedy rows)."""
-    params = [r.params for r in rows]
+    return race(filtered_probs(x, [r.params for r in rows]), [r.generator for r in rows])
+
+
+def filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each non-greedy row samples from: softmax of the penalised logits
+    ``x`` (``[S, V]``) after temperature, top-k, top-p and min-p (a new tensor)."""
     temperature = torch.tensor(
         [max(p.temperature, MIN_TEMPERATURE) for p in params], device=x.device
     )
@@ -238,7 +243,7 @@ def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
         _put(x, min_p, _min_p(_take(x, min_p), [params[i].min_p for i in min_p]))
-    return _race(torch.softmax(x, dim=-1), [r.generator for r in rows])
+    return torch.softmax(x, dim=-1)
 
 
 def _top_k(x: torch.Tensor, k: Sequence[int]) -> torch.Tensor:
@@ -281,7 +286,7 @@ def _min_p(x: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     return x.masked_fill(x < threshold, -math.inf)
 
 
-def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row of ``probs`` (which it overwrites) as ``argmax(probs / E)``.
 
     ``E ~ Exponential(1)`` is made as ``-log(U)``, ``U ~ Uniform[0, 1)``: ``uniform_`` stays below
@@ -299,7 +304,7 @@ def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
     return probs.div_(u.log_().neg_()).argmax(dim=-1)
 
 
-def _finish(
+def host_output(
     tokens: torch.Tensor,
     raw_logprobs: torch.Tensor | None,
     want_lp: Sequence[int],

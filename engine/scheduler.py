@@ -24,17 +24,23 @@ class ScheduledSeq:
     """``num_new`` tokens of ``seq`` computed this step, starting at ``seq.num_computed``.
 
     ``forks`` are further choices of the same request that sample their first token from this
-    chunk's logits (``n > 1``: the prompt is computed once, then forked)."""
+    chunk's logits (``n > 1``: the prompt is computed once, then forked). A decoding sequence
+    may carry ``draft``, speculative tokens computed after its newest one (the last
+    ``len(draft)`` of ``num_new``); the engine sets ``num_accepted``, how many of them the model
+    confirmed, before ``Scheduler.advance``.
+    """
 
     seq: Sequence
     num_new: int
     block_ids: list[int]
     forks: list[Sequence] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
+    num_accepted: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -117,6 +123,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.token_budget)
+        budget = self._schedule_drafts(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
@@ -150,6 +157,27 @@ class Scheduler:
             return True
         return len(out.loras) < self.max_loras
 
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Add each decoding sequence's draft tokens with what the step has left: budget and
+        free blocks only (a draft never preempts anything); a draft that does not fit is cut
+        or dropped. Drafts go before new prefills, as in vLLM."""
+        for s in out.scheduled:
+            seq = s.seq
+            if budget <= 0:
+                break
+            if not seq.draft_token_ids or s.num_new != 1 or not s.samples:
+                continue
+            draft = seq.draft_token_ids[:budget]
+            end = seq.num_computed + 1 + len(draft)
+            copies = self.kv.grow(seq.key, seq.num_computed, end)
+            if copies is None:
+                continue
+            assert not copies, "the write block was made private when the step grew it"
+            s.draft, s.num_new = draft, 1 + len(draft)
+            s.block_ids = self.kv.block_ids(seq.key)
+            budget -= len(draft)
+        return budget
+
     def _victim(self, first: int) -> Sequence:
         """The sequence to preempt, among those not yet scheduled this step (``running[first:]``):
         the newest of the least urgent priority there (batch before interactive)."""
@@ -161,6 +189,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.key)
         seq.status, seq.num_computed = SeqStatus.WAITING, 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -193,7 +222,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def advance(self, scheduled: Iterable[ScheduledSeq]) -> None:
-        """After the forward pass: mark the chunk computed and publish newly full blocks."""
+        """After the forward pass: mark the chunk computed and publish newly full blocks.
+
+        Of a draft, only the ``num_accepted`` confirmed tokens count as computed (the engine
+        appends them to the outputs after this call); the blocks past them are freed, so the
+        rejected tokens' KV is neither kept nor ever cached."""
         for s in scheduled:
-            s.seq.num_computed += s.num_new
-            self.kv.commit(s.seq.key, s.seq.all_token_ids, s.seq.num_computed)
+            seq = s.seq
+            if not s.draft:
+                seq.num_computed += s.num_new
+                self.kv.commit(seq.key, seq.all_token_ids, seq.num_computed)
+                continue
+            seq.num_computed += s.num_new - len(s.draft) + s.num_accepted
+            tokens = seq.all_token_ids + s.draft[: s.num_accepted]
+            self.kv.commit(seq.key, tokens, seq.num_computed)
+            self.kv.truncate(seq.key, seq.num_computed + 1)

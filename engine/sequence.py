@@ -32,6 +32,9 @@ class Sequence:
 
     A request with ``n`` choices has ``n`` sequences sharing its ``request_id``, told apart by
     ``index``; ``key`` names the block table of each (the request id itself for choice 0).
+
+    ``draft_token_ids`` are speculative guesses of the tokens after the newest one, set by the
+    engine before a step; the step computes them with it and keeps those the model confirms.
     """
 
     request_id: str
@@ -57,6 +60,8 @@ class Sequence:
     def key(self) -> Hashable:
         """The block-table key: ``request_id`` for choice 0, ``(request_id, index)`` otherwise."""
         return self.request_id if self.index == 0 else (self.request_id, self.index)
+
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ class StepStats:
     prefill_seqs: int = 0  # sequences computing (part of) a prompt in this step
     prefill_tokens: int = 0
     decode_seqs: int = 0  # sequences producing their next token from cached KV
+    draft_tokens: int = 0  # speculative tokens verified along with the decodes
     queue_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -30,6 +31,11 @@ class StepStats:
     @property
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed: prompt chunks, one per decoding sequence, and draft tokens."""
+        return self.prefill_tokens + self.decode_seqs + self.draft_tokens
 
 
 StepObserver = Callable[[StepStats], None]
@@ -50,4 +56,31 @@ def batch_stats(sched: SchedulerOutput) -> StepStats:
             out.prefill_tokens += s.num_new
         else:
             out.decode_seqs += 1
+            out.draft_tokens += len(s.draft)
     return out
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding so far: verified drafts (one per sequence and step that had one),
+    their tokens, the tokens the model kept, and kept tokens by draft position (``[0]``: first
+    draft tokens kept; the acceptance rate at position j is ``accepted_per_pos[j] / drafts``)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, num_draft: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    def copy(self) -> SpecStats:
+        return SpecStats(
+            self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_pos)
+        )

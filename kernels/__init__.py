@@ -12,36 +12,55 @@ import torch
 
 from kernels import reference
 from kernels._triton import use_triton
-from kernels.reference import AttentionMetadata, LoRAMetadata, copy_blocks
+from kernels.reference import (
+    FP8,
+    AttentionMetadata,
+    Fp8Weight,
+    LoRAMetadata,
+    copy_blocks,
+    quantize_fp8_rows,
+)
 
 # Up to this many rows, a bf16/fp16 matrix product on CUDA takes the Triton skinny kernel
 # (decode of small batches); above it, cuBLAS. Benchmarks set it to 0 to compare.
 GEMV_MAX_ROWS = 8
+# Within that range, fold RMSNorm into the QKV and gate/up products and SiLU-and-multiply into
+# the down product (`norm_linear`, `silu_mul_linear`): three fewer launches per layer.
+FUSE_DECODE = True
 
 __all__ = [
+    "FP8",
     "AttentionMetadata",
+    "Fp8Weight",
     "LoRAMetadata",
     "copy_blocks",
     "copy_blocks_between",
     "linear",
     "lora_add",
+    "norm_linear",
     "paged_attention",
+    "quantize_fp8_rows",
     "rms_norm",
+    "rope_write_kv",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_mul_linear",
     "write_kv",
 ]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + bias`` (``F.linear``) for ``x`` of shape ``[T, K]``."""
-    if (
-        x.shape[0] <= GEMV_MAX_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(-1) == 1
-        and w.stride(-1) == 1
-        and use_triton(x)
-    ):
+def linear(
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ w.T + bias`` (``F.linear``) for ``x`` of shape ``[T, K]``.
+
+    An FP8 weight (``Fp8Weight``) on CUDA: up to ``GEMV_MAX_ROWS`` rows, the skinny Triton
+    kernel reads it as is (weight-only FP8: half the bytes of bf16); more rows quantize ``x``
+    per row to FP8 too and use the FP8 tensor cores (``torch._scaled_mm``, row-wise scales).
+    """
+    if isinstance(w, Fp8Weight):
+        return _fp8_linear(x, w, bias)
+    if _skinny(x, w):
         from kernels import triton_gemv
 
         return triton_gemv.linear(x, w, bias)
@@ -59,6 +78,64 @@ def lora_add(
         triton_lora.lora_add(y, x, a, b, meta)
         return
     reference.lora_add(y, x, a, b, meta)
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
+    """Whether the product takes the skinny Triton kernel (see `linear`)."""
+    weight = w.weight if isinstance(w, Fp8Weight) else w
+    return (
+        x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and use_triton(x)
+    )
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: torch.Tensor,
+    eps: float,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual) * norm, w, bias), x + residual)``: `rms_norm` then
+    `linear`; in one launch where the product takes the skinny kernel (``FUSE_DECODE``)."""
+    if FUSE_DECODE and _skinny(x, w) and norm.dtype == x.dtype:
+        from kernels import triton_gemv
+
+        if isinstance(w, Fp8Weight):
+            return triton_gemv.norm_linear(x, residual, norm, eps, w.weight, bias, scale=w.scale)
+        return triton_gemv.norm_linear(x, residual, norm, eps, w, bias)
+    h, residual_out = rms_norm(x, norm, eps, residual)
+    return linear(h, w, bias), residual_out
+
+
+def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """``linear(silu_and_mul(x), w)`` for the fused gate/up output ``x``; in one launch where
+    the product takes the skinny kernel (``FUSE_DECODE``)."""
+    if FUSE_DECODE and _skinny(x, w):
+        from kernels import triton_gemv
+
+        if isinstance(w, Fp8Weight):
+            return triton_gemv.silu_mul_linear(x, w.weight, scale=w.scale)
+        return triton_gemv.silu_mul_linear(x, w)
+    return linear(silu_and_mul(x), w)
+
+
+def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if use_triton(x) and x.stride(-1) == 1:
+        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            from kernels import triton_gemv
+
+            return triton_gemv.linear(x, w.weight, bias, scale=w.scale)
+        n, k = w.shape
+        if x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+            from kernels import fp8_gemm
+
+            return fp8_gemm.scaled_mm_linear(x, w, bias)
+    return reference.linear(x, w, bias)
 
 
 def copy_blocks_between(
@@ -106,21 +183,61 @@ def rotary_embedding(
 
 
 def write_kv(
-    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    kv_cache: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store new K/V rows into their paged slots of ``layer``."""
+    """Store new K/V rows into their paged slots of ``layer`` (an FP8 cache stores
+    ``k / k_scale`` and ``v / v_scale``, saturated)."""
     if use_triton(kv_cache):
         from kernels import triton_cache
 
-        triton_cache.write_kv(kv_cache, layer, k, v, meta.slot_blocks, meta.slot_offsets)
+        triton_cache.write_kv(
+            kv_cache, layer, k, v, meta.slot_blocks, meta.slot_offsets, k_scale, v_scale
+        )
         return
-    reference.write_kv(kv_cache, layer, k, v, meta)
+    reference.write_kv(kv_cache, layer, k, v, meta, k_scale, v_scale)
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """``rotary_embedding`` of q and k, then ``write_kv`` of the rotated k and v; returns the
+    rotated q. On CUDA one kernel does both (the rotated k never goes through memory)."""
+    if use_triton(q):
+        from kernels import triton_rope_kv
+
+        return triton_rope_kv.rope_write_kv(
+            q, k, v, cos, sin, kv_cache, layer, meta.slot_blocks, meta.slot_offsets,
+            k_scale, v_scale,
+        )  # fmt: skip
+    return reference.rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale)
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of the step's new tokens over their sequences' paged KV.
+    """Causal attention of the step's new tokens over their sequences' paged KV (an FP8 cache
+    is read as ``k * k_scale``, ``v * v_scale``).
 
     On CUDA, a batch of single-token queries (decode) takes the split-KV decode kernel, which
     reads no host-side lengths and so can be captured in a CUDA graph; anything else takes the
@@ -131,18 +248,13 @@ def paged_attention(
             from kernels import triton_decode
 
             return triton_decode.decode_attention(
-                q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale
-            )
+                q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
+                k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
         from kernels import triton_prefill
 
         return triton_prefill.prefill_attention(
-            q,
-            kv_cache,
-            layer,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            meta.max_query_len,
-            scale,
-        )
-    return reference.paged_attention(q, kv_cache, layer, meta, scale)
+            q, kv_cache, layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, scale, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    return reference.paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale)

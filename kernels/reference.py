@@ -16,6 +16,35 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn  # KV cache and weights in FP8: e4m3, finite (no inf), max 448
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A linear weight in FP8 with one float32 scale per output row (per channel), made at
+    load time: ``W ~= weight.float() * scale[:, None]``."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+def quantize_fp8_rows(w: torch.Tensor) -> Fp8Weight:
+    """Per-row (output channel) FP8 of a ``[N, K]`` weight: each row's largest magnitude maps
+    to 448."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return Fp8Weight(to_fp8(wf / scale[:, None]), scale)
+
+
+def to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at +-448 (a plain cast would give NaN past it)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -55,8 +84,12 @@ def rms_norm(
     return out, residual_out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + bias``."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ w.T + bias``; an FP8 weight is dequantized first (weight-only FP8 semantics)."""
+    if isinstance(w, Fp8Weight):
+        w = (w.weight.float() * w.scale[:, None]).to(x.dtype)
     return F.linear(x, w, bias)
 
 
@@ -80,20 +113,54 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    kv_cache: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store new K/V rows ([T, Hkv, D]) into their paged slots of ``layer``."""
+    """Store new K/V rows ([T, Hkv, D]) into their paged slots of ``layer``. An FP8 cache
+    stores ``k / k_scale`` and ``v / v_scale`` (saturated)."""
+    if kv_cache.dtype == FP8:
+        k, v = to_fp8(k, k_scale), to_fp8(v, v_scale)
     layer_kv = kv_cache.select(1, layer)
     layer_kv.select(1, 0)[meta.slot_blocks, meta.slot_offsets] = k.to(kv_cache.dtype)
     layer_kv.select(1, 1)[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
 
 
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """RoPE of q and k, then the write of the rotated k and v into ``layer``; returns q."""
+    q, k = rotary_embedding(q, k, cos, sin)
+    write_kv(kv_cache, layer, k, v, meta, k_scale, v_scale)
+    return q
+
+
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequences' paged KV (cached prefix included).
 
-    q: [T, H, D] flattened varlen queries; returns [T, H, D]. GQA: H is a multiple of Hkv.
+    q: [T, H, D] flattened varlen queries; returns [T, H, D]. GQA: H is a multiple of Hkv. An
+    FP8 cache is read as ``k * k_scale``, ``v * v_scale``.
     """
     pad_idx, mask = _padding(meta, q.device)
     b, max_q = meta.num_seqs, meta.max_query_len
@@ -102,9 +169,10 @@ def paged_attention(
     qp[pad_idx] = q
     qp = qp.view(b, max_q, h, d).transpose(1, 2)  # [B, H, Q, D]
     k, v = _gather_kv(kv_cache, layer, meta)  # [B, Hkv, S, D]
-    out = F.scaled_dot_product_attention(
-        qp, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    if kv_cache.dtype == FP8:
+        k, v = k.float() * k_scale, v.float() * v_scale
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(b * max_q, h, d)[pad_idx]
 
 
@@ -158,8 +226,10 @@ def copy_blocks_between(
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]``."""
-    kv_cache[dst] = kv_cache[src]
+    """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]`` (as
+    bytes, so any element type, FP8 included, is copied alike)."""
+    raw = kv_cache.view(torch.uint8)
+    raw[dst] = raw[src]
 
 
 @dataclass(slots=True)

@@ -48,6 +48,8 @@ def _write_kv_kernel(
     v_cache_ptr,
     slot_blocks_ptr,
     slot_offsets_ptr,
+    k_inv,
+    v_inv,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -59,6 +61,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     blk = tl.load(slot_blocks_ptr + t).to(tl.int64)
@@ -71,6 +74,9 @@ def _write_kv_kernel(
     dst = blk * stride_cb + off * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if FP8:  # scaled and saturated like reference.to_fp8
+        k = tl.clamp(k.to(tl.float32) * k_inv, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) * v_inv, -448.0, 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -82,8 +88,11 @@ def write_kv(
     v: torch.Tensor,
     slot_blocks: torch.Tensor,
     slot_offsets: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store ``k``/``v`` (``[T, Hkv, D]``, unit stride in D) into their slots of ``layer``.
+    """Store ``k``/``v`` (``[T, Hkv, D]``, unit stride in D) into their slots of ``layer``;
+    an FP8 cache gets ``k / k_scale`` and ``v / v_scale``, saturated at +-448.
 
     A negative block id in ``slot_blocks`` marks a padding row, which writes nothing.
     """
@@ -102,6 +111,8 @@ def write_kv(
         paged.v,
         slot_blocks,
         slot_offsets,
+        1.0 / k_scale,
+        1.0 / v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -113,5 +124,6 @@ def write_kv(
         HEAD_DIM=d,
         BLOCK_H=next_pow2(hkv),
         BLOCK_D=next_pow2(d),
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )

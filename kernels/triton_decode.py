@@ -52,7 +52,7 @@ class DecodePlan:
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, scale_log2, v_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, block_size, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,19 +87,20 @@ def _decode_split_kernel(
         blk = tl.load(table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
         row = blk * stride_kb + (pos % block_size).to(tl.int64) * stride_kt + kvh * stride_kh
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        # An FP8 cache is read as is and upcast here; its scales are in scale_log2 and v_scale.
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     p_off = b * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=gd_mask)
@@ -139,8 +140,11 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     plan: DecodePlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence (``q``: ``[B, H, D]``) over its paged KV.
+    """Attention of one new token per sequence (``q``: ``[B, H, D]``) over its paged KV (an
+    FP8 cache holds ``k / k_scale`` and ``v / v_scale``).
 
     ``seq_lens[b]`` counts the KV of sequence ``b`` including the new token, already written;
     ``seq_lens[b] == 0`` gives a zero output (padding rows of a captured batch).
@@ -159,7 +163,7 @@ def decode_attention(
     lse = torch.empty((b, h, plan.num_splits), dtype=torch.float32, device=q.device)
     block_d = max(next_pow2(d), 16)
     _decode_split_kernel[(b, plan.num_kv_heads, plan.num_splits)](
-        q, paged.k, paged.v, block_tables, seq_lens, part, lse, scale * LOG2E,
+        q, paged.k, paged.v, block_tables, seq_lens, part, lse, scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1), paged.stride_block, paged.stride_token, paged.stride_head,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), paged.block_size, plan.num_splits,

@@ -47,22 +47,23 @@ def _attend(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, kvh, q_pos, seq_len, scal
     blk = tl.load(table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
     row = blk * stride_kb + (pos % block_size).to(tl.int64) * stride_kt + kvh * stride_kh
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+    # An FP8 cache is read as is and upcast here; its scales are in scale_log2 and v_scale.
+    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale_log2, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_tb,
     block_size, num_m_tiles,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -105,7 +106,7 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, kvh, q_pos, seq_len,
                                 scale_log2, block_size, stride_kb, stride_kt, stride_kh, offs_n,
                                 offs_d, d_mask, True, DOT_PRECISION)  # fmt: skip
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]
     o_ptr = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
@@ -120,8 +121,11 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     plan: PrefillPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of a flattened varlen batch ``q`` (``[T, H, D]``) over paged KV.
+    """Causal attention of a flattened varlen batch ``q`` (``[T, H, D]``) over paged KV (an FP8
+    cache holds ``k / k_scale`` and ``v / v_scale``).
 
     Rows ``query_start_loc[i]:query_start_loc[i+1]`` are the last positions of sequence ``i``,
     whose KV (``seq_lens[i]`` tokens, the new ones included) is already in the pool.
@@ -139,7 +143,8 @@ def prefill_attention(
     plan = plan or PrefillPlan.make(d, max_query_len)
     num_m_tiles = triton.cdiv(max_query_len, plan.block_m)
     _prefill_kernel[(num_m_tiles, h, b)](
-        q, paged.k, paged.v, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        q, paged.k, paged.v, out, block_tables, seq_lens, query_start_loc,
+        scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         paged.stride_block, paged.stride_token, paged.stride_head, block_tables.stride(0),
         paged.block_size, num_m_tiles,

@@ -185,6 +185,19 @@ class KVCacheManager:
         self.pool.touch(table.blocks)
         self._tables[dst] = BlockTable(table.extra, list(table.blocks), list(table.hashes))
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Free the table's blocks past those covering ``num_tokens`` tokens: slots written for
+        speculative tokens the model rejected. They are never in the prefix cache (only blocks
+        of confirmed, computed tokens are), so they go back to the fresh free list."""
+        table = self._tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        if len(table.blocks) <= keep:
+            return
+        assert len(table.hashes) <= keep, "a cached block past the confirmed tokens"
+        extra = table.blocks[keep:]
+        del table.blocks[keep:]
+        self.pool.free(reversed(extra))
+
     def _is_shared(self, block: KVBlock) -> bool:
         return block.ref_cnt > 1 or block.block_hash is not None
 

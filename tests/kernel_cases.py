@@ -73,10 +73,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The reference in float32 on the CPU, on the upcast inputs (a higher-precision target
-    for bf16 kernels); returned on ``q``'s device."""
+    for bf16 kernels; an FP8 cache stays FP8, read with its scales); returned on ``q``'s
+    device."""
     from kernels import reference
 
     cpu = AttentionMetadata(
@@ -89,5 +96,7 @@ def reference_attention(
         meta.max_seq_len,
         meta.block_size,
     )
-    out = reference.paged_attention(q.float().cpu(), kv_cache.float().cpu(), layer, cpu, scale)
+    fp8 = kv_cache.dtype == reference.FP8
+    kv = kv_cache.view(torch.uint8).cpu().view(reference.FP8) if fp8 else kv_cache.float().cpu()
+    out = reference.paged_attention(q.float().cpu(), kv, layer, cpu, scale, k_scale, v_scale)
     return out.to(q.device)

@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,18 @@ WORKER_ROLES = ("prefill", "decode")
 
 
 # --- Workers and members --------------------------------------------------------------------
+def metrics_of(address: str) -> dict[str, float]:
+    """A process's Prometheus samples by name, summed over their labels (``transport``,
+    ``position``...; component, model and worker are one value per process)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
 
 
 def live_workers(stack: Stack) -> dict[str, str]:

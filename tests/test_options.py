@@ -47,7 +47,13 @@ RENAMED = {
 
 
 # Options whose values are checked beyond their kind: two good values each.
-GOOD = {"--log-level": ("DEBUG", "warning")}
+GOOD = {
+    "--log-level": ("DEBUG", "warning"),
+    "--speculative-config": (
+        '{"num_speculative_tokens": 3}',
+        '{"method": "ngram", "num_speculative_tokens": 5}',
+    ),
+}
 
 
 def sample(spec: Spec, other: bool = False) -> tuple[str, Any]:

@@ -71,12 +71,12 @@ class FakeKV:
         for c, content in zip(out.copies, copied, strict=True):
             self.slots[c.dst] = content
         bs = self.block_size
-        for s in out.scheduled:
-            tokens, start = s.seq.all_token_ids, s.seq.num_computed
+        for s in out.scheduled:  # a draft's slots hold the draft (tests/test_spec_scheduler.py)
+            tokens, start = s.seq.all_token_ids + s.draft, s.seq.num_computed
             for p in range(start, start + s.num_new):
                 self.slots[s.block_ids[p // bs]][p % bs] = tuple(tokens[: p + 1])
         for s in out.scheduled:  # attention reads the whole context of every new token
-            tokens = s.seq.all_token_ids
+            tokens = s.seq.all_token_ids + s.draft
             for p in range(s.seq.num_computed + s.num_new):
                 got = self.slots[s.block_ids[p // bs]][p % bs]
                 assert got == tuple(tokens[: p + 1]), f"{s.seq.request_id} reads bad KV at {p}"

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.step_stats import StepStats
+from engine.step_stats import SpecStats, StepStats
 from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
 
@@ -71,6 +71,33 @@ class EngineCollector(Collector):
         )
         yield _counter("tandem_engine_preemptions", "Sequences preempted (recomputed later) for "
                        "lack of KV blocks.", s.num_preemptions)  # fmt: skip
+        yield from _spec_metrics(s.spec)
+
+
+def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
+    """Speculative decoding: drafts verified, their tokens, and the tokens the model kept (in
+    all, and by position in the draft: acceptance rate at position j = per_pos[j] / drafts)."""
+    yield _counter(
+        "tandem_engine_spec_decode_drafts",
+        "Speculative drafts verified (one per sequence and step that had one).",
+        spec.drafts,
+    )
+    yield _counter(
+        "tandem_engine_spec_decode_draft_tokens", "Draft tokens verified.", spec.draft_tokens
+    )
+    yield _counter(
+        "tandem_engine_spec_decode_accepted_tokens",
+        "Draft tokens the model confirmed (each saves one forward pass).",
+        spec.accepted_tokens,
+    )
+    per_pos = CounterMetricFamily(
+        "tandem_engine_spec_decode_accepted_tokens_per_pos",
+        "Draft tokens confirmed, by their position in the draft (0: the first).",
+        labels=["position"],
+    )
+    for j, n in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([str(j)], n)
+    yield per_pos
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -102,7 +129,8 @@ class StepMetrics:
         )
         self.batch_tokens = Histogram(
             "tandem_engine_batch_size_tokens",
-            "Tokens computed in one engine step (prompt chunks plus one per decoding sequence).",
+            "Tokens computed in one engine step (prompt chunks, one per decoding sequence, and "
+            "speculative draft tokens).",
             ["phase"],
             buckets=SIZE_BUCKETS,
             registry=registry,
@@ -121,7 +149,7 @@ class StepMetrics:
         phase = step.phase
         self.duration.labels(phase).observe(step.seconds)
         self.batch_seqs.labels(phase).observe(step.num_seqs)
-        self.batch_tokens.labels(phase).observe(step.prefill_tokens + step.decode_seqs)
+        self.batch_tokens.labels(phase).observe(step.num_tokens)
         for q in step.queue_seconds:
             self.queue.observe(q)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
@@ -10,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from libkv.cluster.summary_publisher import SummaryConfig
 from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
 from services.common.admission import batch_fraction_option
@@ -147,6 +148,30 @@ class WorkerConfig:
     )
     max_loras: int = option(4, "LoRA adapters in one batch (device slots, evicted LRU)")
     max_lora_rank: int = option(64, "highest LoRA rank accepted (sizes the slots)")
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        "speculative decoding as a JSON object with vLLM's names (method, num_speculative_tokens, "
+        "prompt_lookup_max, prompt_lookup_min), e.g. "
+        + json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+        + " (default: off)",
+        convert=SpeculativeConfig.parse,
+        raw="str",
+        metavar="JSON",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's element type: auto (the model dtype) or fp8 (e4m3 with per-layer scales; "
+        "half the memory and hand-off bytes of bf16; CUDA needs compute capability 8.9+). "
+        "Prefill and decode workers must agree",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
+    quantization: str = option(
+        "",
+        "fp8: the layers' weight matrices in e4m3 with per-channel scales computed at load "
+        "(FP8 tensor cores; CUDA needs compute capability 8.9+); default: none",
+        choices=("", "fp8"),
+        metavar="{fp8}",
+    )
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -195,6 +220,9 @@ class WorkerConfig:
             enable_lora=self.enable_lora or bool(self.lora_modules),
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            speculative_config=self.speculative_config,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization or None,
         )
 
 

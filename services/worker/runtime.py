@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.errors import InsufficientMemoryError, UnsupportedModelError
+from engine.errors import InsufficientMemoryError, UnsupportedConfigError, UnsupportedModelError
 from engine.llm_engine import LLMEngine
 from libkv.cluster.registry import LORAS, Registration
 from libkv.transfer.pool import PoolStore
@@ -92,9 +92,10 @@ def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
 
 def start_engine(config: WorkerConfig) -> AsyncEngine:
     confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
+    refused = (InsufficientMemoryError, UnsupportedModelError, UnsupportedConfigError, ValueError)
     try:
         llm_engine = LLMEngine(config.engine_config())
-    except (InsufficientMemoryError, UnsupportedModelError, ValueError) as e:  # not a traceback
+    except refused as e:  # the reason, not a traceback
         log.error("cannot start: %s", e)
         raise SystemExit(f"error: {e}") from e
     engine = AsyncEngine(llm_engine)

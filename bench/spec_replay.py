@@ -1,0 +1,71 @@
+"""Step times of speculative decoding on a random-weight shape (``bench.spec_decode --mode
+replay``): one engine at batch 1, a step that verifies ``d`` drafted tokens timed for each
+``d`` from 0 (a plain decode step, replayed from its CUDA graph) to ``k``."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.bundled import DEFAULT_DIR
+from engine.shapes import write_shape
+
+
+class Drafts:
+    """Always drafts ``d`` tokens (random ones: a random-weight model keeps almost none, which
+    is what is wanted here: the step's cost, not its output)."""
+
+    def __init__(self, d: int, vocab: int) -> None:
+        self.d, self.vocab = d, vocab
+
+    def propose(self, seq, limit: int) -> list[int]:
+        return torch.randint(0, self.vocab, (min(self.d, max(limit, 0)),)).tolist()
+
+
+def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, float]:
+    """Median wall time (ms, host included, synchronised) of a decode step verifying ``d``
+    drafts, for ``d`` in 0..k."""
+    tok = Path(os.environ.get("TANDEM_TOKENIZER_DIR", str(DEFAULT_DIR)))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape(shape, Path(tmp) / shape, tok)
+        engine = LLMEngine(
+            EngineConfig(
+                model_dir=str(folder),
+                load_format="dummy",
+                max_num_seqs=1,
+                max_num_batched_tokens=context + 64,
+                max_model_len=context + steps * (k + 1) + 64,
+                num_kv_blocks=-(-(context + steps * (k + 1) + 64) // 16) + 8,
+                speculative_config={"method": "ngram", "num_speculative_tokens": k},
+            )
+        )
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (context,)).tolist()
+    out = {}
+    for d in range(k + 1):
+        engine.proposer = Drafts(d, vocab)  # type: ignore[assignment]
+        engine.add_request(
+            f"d{d}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+        )
+        engine.step()  # the prefill
+        times = []
+        while engine.has_unfinished():
+            _sync()
+            t0 = time.perf_counter()
+            engine.step()
+            _sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[d] = statistics.median(times[2:])
+        print(f"verify {d} drafts: {out[d]:.3f} ms", flush=True)
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

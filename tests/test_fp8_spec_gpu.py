@@ -1,0 +1,236 @@
+"""CUDA only (``pytest -m gpu``): the FP8 kernels against their references, and the engine on
+CUDA with an FP8 KV cache, FP8 weights and n-gram speculative decoding, on the SmolLM2 shape
+with shared random weights (``tests/smol_shape.py``).
+
+Set ``TANDEM_GPU_REPORT`` to a file to collect the agreement figures as JSON lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu_report import agreement, fp8_capable, generate, report, require_cuda_triton
+
+pytestmark = pytest.mark.gpu
+require_cuda_triton()
+
+import kernels  # noqa: E402
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.fp8_gemm import scaled_mm_linear  # noqa: E402
+from kernels.reference import FP8, quantize_fp8_rows, to_fp8  # noqa: E402
+from kernels.triton_cache import write_kv  # noqa: E402
+from kernels.triton_decode import decode_attention  # noqa: E402
+from kernels.triton_gemv import linear as gemv  # noqa: E402
+from kernels.triton_prefill import prefill_attention  # noqa: E402
+from kernels.triton_rope import rotary_embedding  # noqa: E402
+from tests.handoff_cases import check_handoff_matches_colocated  # noqa: E402
+from tests.kernel_cases import make_paged_batch, reference_attention, rel_err  # noqa: E402
+from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts  # noqa: E402
+
+FP8_OK = fp8_capable()
+needs_fp8 = pytest.mark.skipif(not FP8_OK, reason="FP8 needs compute capability 8.9+")
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+
+
+# -- kernels -----------------------------------------------------------------------------------
+@needs_fp8
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_fp8_gemv_matches_dequantized_reference(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+    w = quantize_fp8_rows(torch.randn(1536, 4096, device="cuda", generator=g) * 0.02)
+    bias = torch.randn(1536, device="cuda", generator=g).bfloat16()
+    out = gemv(x, w.weight, bias, scale=w.scale)
+    assert rel_err(out, reference.linear(x.float(), w, bias.float())) < 1e-2
+
+
+@needs_fp8
+@pytest.mark.parametrize("rows", [9, 64, 300])
+def test_fp8_scaled_mm_matches_reference(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16()
+    w = quantize_fp8_rows(torch.randn(1024, 2048, device="cuda", generator=g) * 0.02)
+    out = scaled_mm_linear(x, w)
+    # The activations are quantized too (e4m3 per row): a few percent, not bf16's 1e-3.
+    assert rel_err(out, reference.linear(x.float(), w)) < 4e-2
+    assert rel_err(kernels.linear(x, w), reference.linear(x.float(), w)) < 4e-2
+
+
+@needs_fp8
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
+def test_fp8_write_kv_matches_reference(scales):
+    q, kv, meta = make_paged_batch(
+        [40, 300], [40, 300], block_size=16, num_heads=8, num_kv_heads=2, head_dim=128
+    )
+    t = meta.slot_blocks.shape[0]
+    k = torch.randn(t, 2, 128, device="cuda").bfloat16() * 4
+    v = torch.randn(t, 2, 128, device="cuda").bfloat16() * 4
+    ours = torch.zeros(kv.shape, dtype=torch.uint8, device="cuda").view(FP8)
+    write_kv(ours, 1, k, v, meta.slot_blocks, meta.slot_offsets, *scales)
+    ref = torch.zeros(kv.shape, dtype=torch.uint8).view(FP8)  # the reference on the CPU
+    cpu = dataclasses.replace(meta, slot_blocks=meta.slot_blocks.cpu(),
+                              slot_offsets=meta.slot_offsets.cpu())  # fmt: skip
+    reference.write_kv(ref, 1, k.cpu(), v.cpu(), cpu, *scales)
+    ours = ours.cpu()
+    same = (ours.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
+    assert same > 0.999  # both round to nearest; any tie broken otherwise is one e4m3 step
+    assert rel_err(ours.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=needs_fp8)])
+def test_rope_write_kv_is_the_unfused_pair_bit_for_bit(fp8):
+    """The fused kernel against the Triton RoPE then the Triton KV write (same rounding, so
+    exact), with a padding row; the unfused pair is checked against the references elsewhere."""
+    q, kv, meta = make_paged_batch(
+        [300, 5], [300, 5], block_size=16, num_heads=32, num_kv_heads=8, head_dim=128
+    )
+    t = q.shape[0]
+    qkv = torch.randn(t, 48 * 128, device="cuda").bfloat16()
+    qq, k, v = (x.view(t, -1, 128) for x in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+    ang = torch.rand(t, 64, device="cuda") * 1000
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+    meta.slot_blocks[7] = -1  # a padding row of a graph: rotated, but writes nothing
+    cache = torch.zeros(kv.shape, dtype=torch.uint8, device="cuda").view(FP8) if fp8 else kv
+    fused, unfused = cache.clone(), cache.clone()
+    got = kernels.rope_write_kv(qq, k, v, cos, sin, fused, 1, meta, 0.5, 2.0)
+    rq, rk = rotary_embedding(qq, k, cos, sin)
+    write_kv(unfused, 1, rk, v, meta.slot_blocks, meta.slot_offsets, 0.5, 2.0)
+    assert torch.equal(got, rq)
+    assert torch.equal(fused.view(torch.uint8), unfused.view(torch.uint8))
+
+
+def fp8_cache(kv: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """The pool in FP8 (made on the CPU, whose FP8 support the reference uses anyway)."""
+    kv = kv.float().cpu()
+    parts = [to_fp8(kv[:, :, :1], k_scale), to_fp8(kv[:, :, 1:], v_scale)]
+    return torch.cat([p.view(torch.uint8) for p in parts], dim=2).cuda().view(FP8)
+
+
+@needs_fp8
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.25, 2.0)])
+def test_fp8_decode_and_prefill_attention_match_reference(scales):
+    ks, vs = scales
+    q, kv, meta = make_paged_batch(
+        [1, 17, 1000, 4097], [1] * 4, block_size=16, num_heads=32, num_kv_heads=8, head_dim=128
+    )
+    cache = fp8_cache(kv.float(), ks, vs)
+    ref = reference_attention(q, cache, 1, meta, 0.088, ks, vs)
+    out = decode_attention(q, cache, 1, meta.block_tables, meta.seq_lens, 0.088, k_scale=ks,
+                           v_scale=vs)  # fmt: skip
+    assert rel_err(out, ref) < 1e-2
+    q, kv, meta = make_paged_batch(
+        [1500, 37], [700, 5], block_size=16, num_heads=32, num_kv_heads=8, head_dim=128
+    )
+    cache = fp8_cache(kv.float(), ks, vs)
+    out = prefill_attention(
+        q, cache, 0, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+        0.088, k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    assert rel_err(out, reference_attention(q, cache, 0, meta, 0.088, ks, vs)) < 1e-2
+
+
+# -- engine ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_shape_dir(tmp_path_factory) -> Path:
+    return make_smol_shape_dir(tmp_path_factory.mktemp("smol_shape") / "model", seed=0)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Random prompts made of a repeated random phrase: n-gram drafts find matches."""
+    out = []
+    for i, p in enumerate(random_prompts(n, SMOL_CONFIG["vocab_size"], seed=seed, hi=40)):
+        out.append((p * (1 + 160 // max(len(p), 1)))[: 60 + 5 * i])
+    return out
+
+
+def test_speculative_greedy_is_token_exact_on_cuda_fp32(smol_shape_dir):
+    """fp32 on CUDA: verification (prefill kernel, several rows) and plain decode (decode
+    kernel, CUDA graphs) agree to float32 rounding, so greedy outputs are identical."""
+    prompts = repetitive_prompts(12, seed=3)
+    base = generate(smol_shape_dir, prompts, dtype="float32")
+    spec = generate(smol_shape_dir, prompts, dtype="float32", speculative_config=SPEC)
+    rate = agreement(base, spec)
+    report("spec_vs_plain_cuda_fp32", match_rate=rate)
+    assert rate == 1.0
+
+
+def test_speculative_greedy_on_cuda_bf16_and_acceptance(smol_shape_dir):
+    prompts = repetitive_prompts(12, seed=4)
+    base = generate(smol_shape_dir, prompts)
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(smol_shape_dir), num_kv_blocks=2048, speculative_config=SPEC)
+    )
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    spec = [finals[f"s{i}"] for i in range(len(prompts))]
+    s = engine.stats().spec
+    rate = agreement(base, spec)
+    report("spec_vs_plain_cuda_bf16", match_rate=rate, drafts=s.drafts,
+           draft_tokens=s.draft_tokens, accepted=s.accepted_tokens)  # fmt: skip
+    assert s.drafts > 0
+    assert rate >= 0.75  # bf16: the verify pass rounds differently from a decode step
+
+
+@needs_fp8
+def test_fp8_kv_engine_on_cuda(smol_shape_dir):
+    prompts = random_prompts(12, SMOL_CONFIG["vocab_size"], seed=5, hi=200)
+    base = generate(smol_shape_dir, prompts)
+    fp8 = generate(smol_shape_dir, prompts, kv_cache_dtype="fp8")
+    report("fp8_kv_vs_bf16_cuda", match_rate=agreement(base, fp8))
+    first = [first_difference(a, b) for a, b in zip(base, fp8, strict=True)]
+    report("fp8_kv_vs_bf16_cuda_first_divergence", positions=first)
+    assert sum(first) / len(first) >= 4  # random weights: near-ties flip early, not at once
+    eager = generate(smol_shape_dir, prompts, kv_cache_dtype="fp8", enforce_eager=True)
+    assert agreement(fp8, eager) >= 0.9  # CUDA graphs read the FP8 cache like eager steps
+
+
+@needs_fp8
+def test_fp8_weights_engine_on_cuda(smol_shape_dir):
+    prompts = random_prompts(12, SMOL_CONFIG["vocab_size"], seed=6, hi=200)
+    base = generate(smol_shape_dir, prompts)
+    w8 = generate(smol_shape_dir, prompts, quantization="fp8")
+    report("fp8_weights_vs_bf16_cuda", match_rate=agreement(base, w8))
+    assert all(len(o) == 24 for o in w8)
+    llm = LLM(smol_shape_dir, num_kv_blocks=64, quantization="fp8", kv_cache_dtype="fp8")
+    assert llm.engine.runner.model.w.layers[0].qkv.weight.dtype == FP8
+    assert llm.engine.runner.kv_cache.dtype == FP8
+
+
+@needs_fp8
+def test_fp8_kv_handoff_on_cuda_is_token_exact_against_fp8_colocated(smol_shape_dir):
+    """The disaggregated path on CUDA with FP8 caches (prefill graph-free, decode with CUDA
+    graphs on both sides): the decode engine continues exactly like one FP8 engine, and each
+    hand-off moves half the bytes of a bf16 one."""
+    prompts = random_prompts(4, SMOL_CONFIG["vocab_size"], seed=7, lo=20, hi=200)
+
+    def make(**kw) -> LLMEngine:
+        opts = {"num_kv_blocks": 256, "max_num_batched_tokens": 256, **kw}
+        return LLMEngine(EngineConfig(model_dir=str(smol_shape_dir), **opts))
+
+    moved = check_handoff_matches_colocated(lambda: make(kv_cache_dtype="fp8"), prompts, 16)
+    bf16 = make(num_kv_blocks=16)
+    blocks = [-(-len(p) // bf16.config.block_size) for p in prompts]
+    report(
+        "fp8_kv_handoff_cuda", bytes=moved, bf16_bytes=[n * bf16.runner.block_bytes for n in blocks]
+    )
+    assert moved == [n * bf16.runner.block_bytes // 2 for n in blocks]
