@@ -196,7 +196,7 @@ def set_mode(fuse: bool, split: int) -> None:
 def roofline(run: Run) -> list[dict]:
     bench, ceil = bench_for(run), run.ceil or measure_ceilings(small=run.dry)
     ctx = 1024 if not run.dry else 64
-    fused_ok = kernels.FUSE_DECODE
+    fused_ok = "fusion_off" not in run.res  # fusion is off by default; timed unless a check failed
     rows = []
     for mode, (fuse, split) in MODES.items():
         if (fuse and not fused_ok) or (split > 1 and not run.splitk_ok):

@@ -211,7 +211,13 @@ def test_fp8_weights_engine_on_cuda(smol_shape_dir):
     w8 = generate(smol_shape_dir, prompts, quantization="fp8")
     report("fp8_weights_vs_bf16_cuda", match_rate=agreement(base, w8))
     assert all(len(o) == 24 for o in w8)
-    llm = LLM(smol_shape_dir, num_kv_blocks=64, quantization="fp8", kv_cache_dtype="fp8")
+    llm = LLM(
+        smol_shape_dir,
+        num_kv_blocks=64,
+        max_model_len=512,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+    )
     assert llm.engine.runner.model.w.layers[0].qkv.weight.dtype == FP8
     assert llm.engine.runner.kv_cache.dtype == FP8
 
@@ -224,11 +230,11 @@ def test_fp8_kv_handoff_on_cuda_is_token_exact_against_fp8_colocated(smol_shape_
     prompts = random_prompts(4, SMOL_CONFIG["vocab_size"], seed=7, lo=20, hi=200)
 
     def make(**kw) -> LLMEngine:
-        opts = {"num_kv_blocks": 256, "max_num_batched_tokens": 256, **kw}
+        opts = {"num_kv_blocks": 256, "max_model_len": 256, "max_num_batched_tokens": 256, **kw}
         return LLMEngine(EngineConfig(model_dir=str(smol_shape_dir), **opts))
 
     moved = check_handoff_matches_colocated(lambda: make(kv_cache_dtype="fp8"), prompts, 16)
-    bf16 = make(num_kv_blocks=16)
+    bf16 = make(num_kv_blocks=32)
     blocks = [-(-len(p) // bf16.config.block_size) for p in prompts]
     report(
         "fp8_kv_handoff_cuda", bytes=moved, bf16_bytes=[n * bf16.runner.block_bytes for n in blocks]

@@ -38,6 +38,10 @@ def test_two_workers_share_one_gpu_at_045_under_load(tmp_path_factory):
 
         return await asyncio.gather(*(one(i) for i in range(48)))
 
+    # What this process (earlier GPU tests of the session) already holds is not the stack's.
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    before = total - free
     with Stack(cfg) as stack:
         assert asyncio.run(load(stack)) == [32] * 48
         for name in ("prefill-0", "decode-0"):
@@ -47,4 +51,4 @@ def test_two_workers_share_one_gpu_at_045_under_load(tmp_path_factory):
         assert sample(m, "tandem_kv_transfers_total", transport="cuda-ipc") > 0
         assert sample(m, "tandem_kv_handoff_recomputed_total") == 0
         free, total = torch.cuda.mem_get_info()
-        assert total - free < 0.95 * total
+        assert total - free - before < 0.95 * total  # two shares of 0.45, with some slack

@@ -81,7 +81,7 @@ def test_engine_lora_on_cuda_matches_cpu(tmp_path):
     for device in ("cpu", "cuda"):
         llm = LLM(
             model, device=device, dtype="float32", enable_lora=True, max_loras=2,
-            max_lora_rank=16, num_kv_blocks=512, enforce_eager=True,
+            max_lora_rank=16, num_kv_blocks=512, max_model_len=1024, enforce_eager=True,
         )  # fmt: skip
         if device == "cpu":
             a, b = ["q_proj", "v_proj", "down_proj"], ["o_proj", "gate_proj", "up_proj"]
