@@ -117,12 +117,19 @@ def test_router_collector_reads_decisions_and_members():
     class Watcher:
         members = {"p0": _Member("prefill"), "d0": _Member("decode"), "d1": _Member("decode")}
 
+    class OtherModel:  # a second base model's core: its counts add to the router's
+        class stats:  # noqa: N801
+            decisions = Counter({("kv", "kv-hit"): 1})
+            retries = 0
+            migrations = 1
+            live_moves = 0
+
     reg = CollectorRegistry()
-    reg.register(RouterCollector(Core(), Watcher()))
-    assert value(reg, "tandem_router_decisions_total", policy="kv", reason="kv-hit") == 3
+    reg.register(RouterCollector([Core(), OtherModel()], Watcher()))
+    assert value(reg, "tandem_router_decisions_total", policy="kv", reason="kv-hit") == 4
     assert value(reg, "tandem_router_decisions_total", reason="decode_only") == 2
     assert value(reg, "tandem_router_retries_total") == 4
-    assert value(reg, "tandem_router_migrations_total") == 5
+    assert value(reg, "tandem_router_migrations_total") == 6
     assert value(reg, "tandem_router_live_moves_total") == 2
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0

@@ -170,7 +170,6 @@ async def serve(config: RouterConfig) -> None:
         )
         for name, folder in config.models.items()
     }
-    core = routes[config.model_name][0]
     servicer = RouterServicer(routes, config.api_keys)
     server = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
@@ -180,7 +179,7 @@ async def serve(config: RouterConfig) -> None:
         tls=config.security.tls,
         ready=False,
     )
-    obs.metrics.register(RouterCollector(core, watcher))
+    obs.metrics.register(RouterCollector([c for c, _ in routes.values()], watcher))
 
     def can_route() -> dict[str, bool]:
         decode = watcher.members_by_role("decode")
@@ -204,7 +203,8 @@ async def serve(config: RouterConfig) -> None:
         # GOAWAY: new calls go to another router; streams in flight run to the end (or timeout).
         await server.stop(grace=config.drain_timeout)
         await health.stop()
-        await core.close()
+        for core, _ in routes.values():
+            await core.close()
         await clients.close()
         await watcher.stop()
         if index is not None:

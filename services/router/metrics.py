@@ -24,39 +24,40 @@ def decision_labels(key: Any) -> tuple[str, str]:
 class RouterCollector(Collector):
     """``tandem_router_decisions_total{policy,reason}``, ``tandem_router_retries_total``,
     ``tandem_router_migrations_total``, ``tandem_router_live_moves_total`` and
-    ``tandem_router_members{role}`` of one router."""
+    ``tandem_router_members{role}`` of one router, summed over its cores (one per base model)."""
 
-    def __init__(self, core: Any, watcher: Any) -> None:
-        self.core = core
+    def __init__(self, cores: Any, watcher: Any) -> None:
+        self.cores = list(cores)
         self.watcher = watcher
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.core.stats
+        every = [core.stats for core in self.cores]
         decisions = CounterMetricFamily(
             "tandem_router_decisions",
             "Routing decisions by policy and reason (e.g. kv-hit, load, decode-only).",
             labels=["policy", "reason"],
         )
         totals: Counter[tuple[str, str]] = Counter()
-        for key, n in dict.copy(stats.decisions).items():  # dict.copy: atomic under the GIL
-            totals[decision_labels(key)] += n
+        for stats in every:
+            for key, n in dict.copy(stats.decisions).items():  # dict.copy: atomic under the GIL
+                totals[decision_labels(key)] += n
         for (policy, reason), n in sorted(totals.items()):
             decisions.add_metric([policy, reason], n)
         yield decisions
         yield CounterMetricFamily(
             "tandem_router_retries",
             "Requests retried on another worker after a failure before their first token.",
-            value=stats.retries,
+            value=sum(stats.retries for stats in every),
         )
         yield CounterMetricFamily(
             "tandem_router_migrations",
             "Streams moved to another decode worker after their worker failed mid-stream.",
-            value=stats.migrations,
+            value=sum(stats.migrations for stats in every),
         )
         yield CounterMetricFamily(
             "tandem_router_live_moves",
             "Of those, streams a draining decode worker handed over with their KV.",
-            value=stats.live_moves,
+            value=sum(stats.live_moves for stats in every),
         )
         members = GaugeMetricFamily(
             "tandem_router_members", "Live members in this router's view, by role.",
