@@ -5,6 +5,7 @@ next ``make serve`` just works."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,6 +80,20 @@ def test_kill_9_of_serve_leaves_no_child_and_frees_the_port(smol_dir, tmp_path) 
         for pid in kids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    with socket.socket() as s:  # the next `tandem serve` can listen here
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))
+    # The next `tandem serve` can listen here. Once in a full suite run the bind failed right
+    # after every child was gone (the dead gateway's connections, or another test's process
+    # taking the freed port as its ephemeral one): a few seconds of grace, and `ss` if it stays.
+    t0 = time.monotonic()
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                if time.monotonic() - t0 > 10:
+                    ss = ["ss", "-tanp"] if shutil.which("ss") else ["true"]
+                    held = subprocess.run(ss, capture_output=True, text=True).stdout
+                    lines = [x for x in held.splitlines() if f":{port} " in x]
+                    raise AssertionError(f"port {port} still in use: {lines}") from None
+        time.sleep(0.5)
