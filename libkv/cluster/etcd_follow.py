@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import aetcd
 
@@ -130,6 +130,31 @@ async def poll_until(predicate: Callable[[], bool], timeout: float) -> bool:
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+class Followed:
+    """Start, readiness, polling and stop of a view that a `PrefixFollower` keeps current
+    (``self.follower``, made by the subclass's ``__init__(endpoints, timeout)``)."""
+
+    follower: PrefixFollower
+
+    @classmethod
+    async def start(cls, endpoints: Endpoints, timeout: float = 2.0) -> Self:
+        """Read the whole prefix (if etcd answers) and follow changes in a task."""
+        self = cls(endpoints, timeout)  # type: ignore[call-arg]  # the subclass's __init__
+        await self.follower.start()
+        return self
+
+    @property
+    def synced(self) -> bool:
+        return self.follower.synced
+
+    async def wait_for(self, predicate: Callable[[Self], bool], timeout: float) -> bool:
+        """Poll ``predicate(self)`` until it holds; False if it still does not after timeout."""
+        return await poll_until(lambda: predicate(self), timeout)
+
+    async def stop(self) -> None:
+        await self.follower.stop()
 
 
 class FollowerSink(Protocol):

@@ -11,9 +11,9 @@ worker incarnation that published any of its prefixes, the depth (in blocks) of 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from libkv.cluster.etcd_follow import Endpoints, PrefixFollower, poll_until
+from libkv.cluster.etcd_follow import Endpoints, Followed, PrefixFollower
 from libkv.cluster.locations import LOCATIONS_PREFIX, parse_location_key
 from libkv.hashing import BlockHash
 
@@ -81,27 +81,9 @@ class PrefixIndex:
         return set(self._by_hash.get(block_hash, ()))
 
 
-class LocationIndex(PrefixIndex):
+class LocationIndex(Followed, PrefixIndex):
     """A `PrefixIndex` kept current from etcd by a `PrefixFollower`."""
 
     def __init__(self, endpoints: Endpoints, timeout: float = 2.0) -> None:
         super().__init__()
         self.follower = PrefixFollower(endpoints, LOCATIONS_PREFIX.encode(), self, timeout)
-
-    @classmethod
-    async def start(cls, endpoints: Endpoints, timeout: float = 2.0) -> LocationIndex:
-        """Read all locations (if etcd answers) and follow changes in a task."""
-        self = cls(endpoints, timeout)
-        await self.follower.start()
-        return self
-
-    @property
-    def synced(self) -> bool:
-        return self.follower.synced
-
-    async def wait_for(self, predicate: Callable[[LocationIndex], bool], timeout: float) -> bool:
-        """Poll ``predicate(self)`` until it holds; False if it still does not after timeout."""
-        return await poll_until(lambda: predicate(self), timeout)
-
-    async def stop(self) -> None:
-        await self.follower.stop()

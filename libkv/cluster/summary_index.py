@@ -19,13 +19,13 @@ import heapq
 import math
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import compress
 from typing import Any
 
-from libkv.cluster.etcd_follow import Endpoints, PrefixFollower, poll_until
+from libkv.cluster.etcd_follow import Endpoints, Followed, PrefixFollower
 from libkv.cluster.location_summary import (
     LOCATIONS_PREFIX,
     Summary,
@@ -282,27 +282,9 @@ class SummaryIndex:
         return len(self._by_entry)
 
 
-class LocationIndex(SummaryIndex):
+class LocationIndex(Followed, SummaryIndex):
     """A `SummaryIndex` kept current from etcd by a `PrefixFollower`."""
 
     def __init__(self, endpoints: Endpoints, timeout: float = 2.0) -> None:
         super().__init__()
         self.follower = PrefixFollower(endpoints, LOCATIONS_PREFIX.encode(), self, timeout)
-
-    @classmethod
-    async def start(cls, endpoints: Endpoints, timeout: float = 2.0) -> LocationIndex:
-        """Read all summaries (if etcd answers) and follow changes in a task."""
-        self = cls(endpoints, timeout)
-        await self.follower.start()
-        return self
-
-    @property
-    def synced(self) -> bool:
-        return self.follower.synced
-
-    async def wait_for(self, predicate: Callable[[LocationIndex], bool], timeout: float) -> bool:
-        """Poll ``predicate(self)`` until it holds; False if it still does not after timeout."""
-        return await poll_until(lambda: predicate(self), timeout)
-
-    async def stop(self) -> None:
-        await self.follower.stop()
