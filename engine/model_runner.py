@@ -235,9 +235,14 @@ class ModelRunner:
     # -- commands: what every rank runs (rank 0 sends each to the others first) ---------------
     def _command(self, op: str, *args):
         with self._turn:
-            if self.peers is not None:
-                self.peers.send(op, args)
-            return self._ops()[op](*args)
+            if self.peers is None:
+                return self._ops()[op](*args)
+            self.peers.send(op, args)
+            try:
+                return self._ops()[op](*args)
+            except Exception:
+                self.peers.step_failed()  # a dead rank ends the process (RANK_DIED) here
+                raise
 
     def follow(self, op: str, args: tuple) -> None:
         """Run a command rank 0 sent (ranks 1..N-1)."""

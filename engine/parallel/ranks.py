@@ -70,6 +70,7 @@ class RankGroup:
         self._commands: list[Connection] = []
         self.rpc: dict[int, RpcClient] = {}
         self._closing = False
+        self._dying = threading.Lock()
         self.store: Any = None
         self.comm: TPComm | None = None  # rank 0's place in the group, once joined
 
@@ -148,17 +149,36 @@ class RankGroup:
         while sentinels:
             for s in wait(list(sentinels)):
                 proc = sentinels.pop(s)  # type: ignore[arg-type]
-                if self._closing:
-                    continue
-                proc.join(1.0)  # reaped, so that its exit status is known
-                log.critical(
-                    "tensor-parallel rank %s (pid %s) exited with %s: stopping the engine's "
-                    "other ranks and this process (a collective with it would never return)",
-                    proc.name, proc.pid, proc.exitcode,
-                )  # fmt: skip
-                self.kill()
-                logging.shutdown()
-                os._exit(RANK_DIED)
+                if not self._closing:
+                    self._died(proc)
+
+    def _died(self, proc: multiprocessing.process.BaseProcess) -> None:
+        with self._dying:  # the watchdog and a failed step may both get here: one reports
+            proc.join(1.0)  # reaped, so that its exit status is known
+            log.critical(
+                "tensor-parallel rank %s (pid %s) exited with %s: stopping the engine's "
+                "other ranks and this process (a collective with it would never return)",
+                proc.name, proc.pid, proc.exitcode,
+            )  # fmt: skip
+            self.kill()
+            logging.shutdown()
+            os._exit(RANK_DIED)
+
+    def step_failed(self, wait_s: float = 2.0) -> None:
+        """Called by rank 0 when its part of a step raised. A collective whose peer died can
+        raise before the watchdog sees the death (gloo: connection reset): if a rank is gone,
+        or goes within ``wait_s``, end the process as the watchdog would (``RANK_DIED``) rather
+        than let the step's error pass for an ordinary one. Returns when every rank lives."""
+        if self._closing:
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            for p in self.procs:
+                if not p.is_alive():
+                    self._died(p)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def kill(self) -> None:
         for p in self.procs:
