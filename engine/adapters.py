@@ -34,7 +34,7 @@ class AdapterMixin:
         with self._lock:
             if name in self._unloading:
                 raise InvalidAdapterError(f"adapter {name!r} is still being unloaded; retry")
-            return manager.add(name, path)
+            return self.runner.add_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter. New requests for it fail at once; requests already using it
@@ -71,5 +71,5 @@ class AdapterMixin:
             return
         used = {req.parent.lora for req in self._requests.values()}
         for name in sorted(self._unloading - used):
-            self.runner.lora.remove(name)
+            self.runner.remove_lora(name)
             self._unloading.discard(name)

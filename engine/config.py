@@ -241,8 +241,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(
                 f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', not {self.kv_cache_dtype!r}"

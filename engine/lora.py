@@ -7,6 +7,11 @@ Every slot holds, per layer and per projection (q/k/v/o, gate/up/down), ``A`` ze
 adapter does not target stays zero in its slot. Before each step the adapters the step needs
 are placed in slots (``LoRAManager.prepare``); a slot the step does not need is reused least
 recently used first. The scheduler puts at most ``max_loras`` adapters in one step.
+
+Under tensor parallelism each rank keeps its part of every adapter, split as the base layer is
+(``engine.parallel.shard.lora_slice``): rows of B for the column-parallel projections, columns
+of A for the row-parallel ones. Every rank has the same adapters and makes the same slot
+choices, since rank 0 sends it each load, unload and step in order (``ModelRunner``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import kernels
 from engine.config import ModelConfig
 from engine.errors import AdapterNotFoundError, InvalidAdapterError
 from engine.lora_config import LORA_MODULES, LoRASpec, module_shape, read_spec
+from engine.parallel.shard import ModelShard, lora_slice
 
 
 @dataclass(slots=True)
@@ -49,11 +55,15 @@ class LoRAManager:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        shard: ModelShard | None = None,
     ) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.device, self.dtype = device, dtype
+        self.shard = shard or ModelShard.of(model, 1, 0)
+        # module -> ("in" or "out", lo, hi): this rank's columns of A or rows of B.
+        self.slices = {m: lora_slice(self.shard, m, model.head_dim) for m in LORA_MODULES}
         self.specs: dict[str, LoRASpec] = {}
         self._host: dict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
@@ -64,6 +74,8 @@ class LoRAManager:
         self.b: dict[str, torch.Tensor] = {}
         for m in LORA_MODULES:
             fan_in, fan_out = module_shape(model, m)
+            side, lo, hi = self.slices[m]
+            fan_in, fan_out = (hi - lo, fan_out) if side == "in" else (fan_in, hi - lo)
             self.a[m] = torch.zeros((L, max_loras, max_rank, fan_in), device=device, dtype=dtype)
             self.b[m] = torch.zeros((L, max_loras, fan_out, max_rank), device=device, dtype=dtype)
 
@@ -77,10 +89,11 @@ class LoRAManager:
         f = f"{spec.path}/adapter_model.safetensors"
         with safe_open(f, framework="pt") as st:
             for target, (a_name, b_name) in spec.tensor_names.items():
-                weights[target] = (
-                    st.get_tensor(a_name).to(self.dtype),
-                    st.get_tensor(b_name).to(self.dtype),
-                )
+                side, lo, hi = self.slices[target[1]]
+                a, b = st.get_slice(a_name), st.get_slice(b_name)
+                a = a[:, lo:hi] if side == "in" else a[:]
+                b = b[lo:hi] if side == "out" else b[:]
+                weights[target] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
         self.specs[name], self._host[name] = spec, weights
         return spec
 

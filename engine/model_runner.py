@@ -26,6 +26,7 @@ from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.kv_checksum import BlockChecksums
 from engine.loader import dummy_weights, load_weights
 from engine.lora import LoRABatch, LoRAManager
+from engine.lora_config import LoRASpec
 from engine.model import DecoderModel
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import rank_device
@@ -75,7 +76,7 @@ class StepPlan:
     block_tables: list[list[int]]
     max_query_len: int
     sample_rows: list[int]
-    loras: list[str] = field(default_factory=list)  # the step's LoRA adapters (TP 1 only)
+    loras: list[str] = field(default_factory=list)  # the step's LoRA adapters
     token_loras: list[str] = field(default_factory=list)  # each token's adapter ("": none)
     hidden: bool = False  # return the sample rows' final hidden states instead of logits
 
@@ -126,8 +127,9 @@ class ModelRunner:
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager(
-                model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype
-            )
+                model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype,
+                shard,
+            )  # fmt: skip
         self.sampler = Sampler()
         c = model_config
         self.layout = KVLayout(
@@ -244,6 +246,30 @@ class ModelRunner:
                 self.peers.step_failed()  # a dead rank ends the process (RANK_DIED) here
                 raise
 
+    def add_lora(self, name: str, path: str) -> LoRASpec:
+        """Check and read an adapter here (InvalidAdapterError says why not), then have every
+        other rank read its part, in order with the steps (so all make the same slot choices)."""
+        assert self.lora is not None
+        with self._turn:
+            spec = self.lora.add(name, path)
+            if self.peers is not None:
+                self.peers.send("lora_add", (name, path))
+            return spec
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter on every rank (no running sequence uses it any more)."""
+        assert self.lora is not None
+        self._command("lora_remove", name)
+
+    def _lora_add(self, name: str, path: str) -> None:
+        """Another rank's part of ``add_lora`` (rank 0 checked the folder already)."""
+        assert self.lora is not None
+        self.lora.add(name, path)
+
+    def _lora_remove(self, name: str) -> None:
+        assert self.lora is not None
+        self.lora.remove(name)
+
     def follow(self, op: str, args: tuple) -> None:
         """Run a command rank 0 sent (ranks 1..N-1)."""
         self.bind_thread()
@@ -254,6 +280,8 @@ class ModelRunner:
             "copy": self._copy,
             "forward": self._forward,
             "graph": self._graph,
+            "lora_add": self._lora_add,
+            "lora_remove": self._lora_remove,
             "read": self._read,
             "write": self._write,
         }

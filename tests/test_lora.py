@@ -190,3 +190,30 @@ def test_bad_adapters_are_refused_with_the_reason(smol_dir, adapters, tmp_path, 
     (dora / "adapter_model.safetensors").unlink()
     with pytest.raises(InvalidAdapterError, match="adapter_model.safetensors not found"):
         read_spec("d", dora, model, 64)
+
+
+def test_tensor_parallel_mixed_batch_matches_peft(smol_dir, adapters, peft_reference):
+    """TP=2 on CPU (gloo): base and two adapters in one batch, token for token as TP=1 and as
+    peft. SmolLM2's 9 heads and 3 KV heads split 3+6 and 1+2, so each rank's slices of B (q/k/v,
+    gate/up rows) and of A (o, down columns) are uneven. One slot forces evictions, so both
+    ranks must make the same slot choices; an unload and a reload reach every rank."""
+    texts = PROMPTS[:4]
+    mix = MIX[:4]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    with make_llm(smol_dir, adapters, tensor_parallel_size=2, max_loras=1) as llm:
+        ids = [llm.tokenizer.encode(t) for t in texts]
+        outs = [o.token_ids for o in llm.generate(ids, params, lora=mix)]
+        shard = llm.engine.runner.lora.shard
+        assert (shard.size, shard.num_heads) == (2, 3)
+        assert llm.engine.runner.lora.b["q_proj"].shape[2] == 3 * 64  # rank 0's rows of B
+        assert llm.engine.runner.lora.a["down_proj"].shape[3] == 1536 // 2  # its columns of A
+        llm.engine.remove_lora("a")
+        llm.engine.add_lora("a", str(adapters["a"]))
+        again = llm.generate(ids[:2], params, lora=["a", "a"])
+        llm.engine.check_integrity()
+    for text, name, out in zip(texts, mix, outs, strict=True):
+        assert out == peft_reference[(text, name)], (text, name)
+    assert [o.token_ids for o in again] == [peft_reference[(t, "a")] for t in texts[:2]]
+    with make_llm(smol_dir, adapters, max_loras=1) as one:
+        ref = [o.token_ids for o in one.generate(ids, params, lora=mix)]
+    assert outs == ref

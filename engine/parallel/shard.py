@@ -73,6 +73,32 @@ class ModelShard:
         )
 
 
+# LoRA under tensor parallelism, split as the base layer is: a column-parallel projection's
+# rank computes rows of its output, so it keeps those rows of B ("out") and all of A; a
+# row-parallel one (O, down) multiplies its columns of the input, so it keeps those columns of A
+# ("in") and all of B, and its partial delta joins the layer's partial sum before the all-reduce.
+LORA_SPLIT = {
+    "q_proj": "out", "k_proj": "out", "v_proj": "out", "gate_proj": "out", "up_proj": "out",
+    "o_proj": "in", "down_proj": "in",
+}  # fmt: skip
+
+
+def lora_slice(shard: ModelShard, module: str, head_dim: int) -> tuple[str, int, int]:
+    """(``"in"`` or ``"out"``, lo, hi): the part of one projection's LoRA this rank holds,
+    columns of A (``in``) or rows of B (``out``), half-open."""
+    heads, kv, inter = shard.heads, shard.kv_heads, shard.intermediate
+    lo, hi = {
+        "q_proj": (heads[0] * head_dim, heads[1] * head_dim),
+        "k_proj": (kv[0] * head_dim, kv[1] * head_dim),
+        "v_proj": (kv[0] * head_dim, kv[1] * head_dim),
+        "o_proj": (heads[0] * head_dim, heads[1] * head_dim),
+        "gate_proj": inter,
+        "up_proj": inter,
+        "down_proj": inter,
+    }[module]
+    return LORA_SPLIT[module], lo, hi
+
+
 def check_tp(config: ModelConfig, size: int) -> None:
     """Refuse a TP size the model cannot be split into (every rank needs a query head)."""
     c = config

@@ -247,8 +247,6 @@ def parse_config(
         parse_lora_modules(config.lora_modules)
         if config.max_loras < 1 or config.max_lora_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")
-        if (config.enable_lora or config.lora_modules) and config.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1 yet")
     except ValueError as e:
         opts.error(str(e))
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
