@@ -84,7 +84,7 @@ def test_ready_only_once_a_decode_worker_is_live(stack) -> None:
     while httpx.get(stack.url + "/health", timeout=10).status_code != 200:
         assert time.monotonic() - t0 < 5, "not ready 5 s after a decode worker registered"
         time.sleep(0.1)
-    assert httpx.get(stack.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(stack.url + "/health").json() == {"status": "ok", "models": {MODEL: "ready"}}
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
     complete(client, "Hello")
     assert maps_torch(stack.children["decode-0"].pid)  # the check above can see torch

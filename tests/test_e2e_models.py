@@ -1,11 +1,16 @@
 """Two base models behind one endpoint: real etcd and the services as processes on loopback,
 SmolLM2-135M and a small random Llama, each with its own prefill and decode worker, one router
 and one gateway serving both. Each model's greedy output equals its own engine's, its prompts
-reach only its own workers, and /v1/models lists both."""
+reach only its own workers, and /v1/models lists both. The gateway keeps each model's context,
+admission and readiness apart: a prompt too long for one only, one model's in-flight bound
+reached, and one model's decode worker gone."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import signal
+import time
 
 import httpx
 import pytest
@@ -14,12 +19,13 @@ from engine import LLM, SamplingParams
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.conftest import make_random_model_dir
-from tests.stack_probe import worker_stats
+from tests.stack_probe import metrics_of, worker_stats
 from tests.test_e2e_stack import MODEL
 
 OTHER = "tiny"
 PROMPTS = ["The capital of France is a city that", "def fibonacci(n):\n    # the n-th one"]
 MAX_NEW = 8
+INFLIGHT = 1100  # the gateway's bound of tokens in flight, per base model
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,7 @@ def stack(smol_dir, other_dir, tmp_path_factory):
         decode_only_threshold=4,  # prompts go prefill -> hand-off -> decode
         member_ttl=3,
         member_refresh=1.0,
+        gateway_args=(f"--max-inflight-tokens={INFLIGHT}",),
     )
     assert config.worker_models() == {
         "prefill-0": MODEL, "decode-0": MODEL, "prefill-1": OTHER, "decode-1": OTHER,
@@ -97,3 +104,64 @@ def test_embeddings_and_unknown_model(stack, expected):
         assert len(r.json()["data"][0]["embedding"]) == expected[model]["hidden"]
     r = complete(stack, "nope", [1, 2, 3])
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_context_length_is_each_models_own(stack):
+    """SmolLM2's context is 8192 tokens, the tiny model's 1024: a 1030-token prompt runs on the
+    first and gets the OpenAI 400 on the second."""
+    prompt = [(7 * i) % 40000 + 10 for i in range(1030)]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(f"{stack.url}/v1/completions", json={**body, "model": OTHER}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "is 1024 tokens" in err["message"]
+    r = httpx.post(f"{stack.url}/v1/completions", json={**body, "model": MODEL}, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 1030
+
+
+def test_one_models_overload_does_not_refuse_another(stack):
+    """A long generation holds 1010 of the tiny model's 1100 tokens in flight: its next request
+    gets 429, while SmolLM2's (which would not fit a shared bound) runs."""
+    hog = {
+        "model": OTHER, "prompt": list(range(10, 20)), "max_tokens": 1000, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    gateway = stack.scrape_targets()["gateway"]
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=hog, timeout=300) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is running
+        more = {"prompt": list(range(10, 20)), "max_tokens": 100, "temperature": 0}
+        refused = httpx.post(
+            f"{stack.url}/v1/completions", json={**more, "model": OTHER}, timeout=60
+        )
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        assert f"model {OTHER}" in refused.json()["error"]["message"]
+        small = {"prompt": list(range(10, 105)), "max_tokens": 5, "temperature": 0}
+        ok = httpx.post(f"{stack.url}/v1/completions", json={**small, "model": MODEL}, timeout=300)
+        assert ok.status_code == 200, ok.text
+        # The hog was in flight the whole time (its 1010 tokens still booked).
+        assert metrics_of(gateway)["tandem_admission_pending_tokens"] >= 1010
+        finished = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert finished[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_health_is_per_model(stack):
+    """Ready only while every model has a live decode worker; the body names the one that has
+    none, and the other model keeps serving."""
+    r = httpx.get(f"{stack.url}/health", timeout=10)
+    assert r.status_code == 200 and r.json()["models"] == {MODEL: "ready", OTHER: "ready"}
+    stack.kill("decode-1", signal.SIGKILL)  # the tiny model's only decode worker
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{stack.url}/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, "still ready 30 s after the worker died"
+        time.sleep(0.2)
+    assert r.status_code == 503
+    models = r.json()["models"]
+    assert models[MODEL] == "ready"
+    assert f"no live decode worker for model {OTHER}" in models[OTHER]
+    assert complete(stack, MODEL, [10, 11, 12]).status_code == 200
+    stack.restart("decode-1")
+    stack.wait_http_ok("/health", time.monotonic() + 60)

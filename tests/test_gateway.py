@@ -61,6 +61,7 @@ class FakeBackend:
         self.fail: APIError | None = None
         self.hang_after: int | None = None  # hang forever after this many events
         self.is_healthy = True
+        self.unready: set[str] = set()  # base models with no live decode worker
         self.reply = REPLY
         self.loras: dict[str, str] = {}
         self.embedded: list[tuple[str, list[list[int]]]] = []
@@ -98,7 +99,9 @@ class FakeBackend:
         self.aborted.append(request_id)
         self.abort_called.set()
 
-    async def readiness(self) -> str | None:
+    async def readiness(self, model: str = "") -> str | None:
+        if model in self.unready:
+            return f"no live decode worker for model {model}"
         return None if self.is_healthy else "no live decode worker"
 
     async def adapters(self) -> dict[str, str]:
@@ -335,12 +338,13 @@ def test_models_and_health(gw: Gateway) -> None:
     assert [m.id for m in models.data] == [MODEL]
     assert gw.client.models.retrieve(MODEL).id == MODEL
     r = httpx.get(f"{gw.url}/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "models": {MODEL: "ready"}}
     assert r.headers["x-request-id"]
     gw.fake.is_healthy = False
     r = httpx.get(f"{gw.url}/health")
     assert r.status_code == 503
-    assert r.json() == {"status": "unavailable", "reason": "no live decode worker"}
+    why = "no live decode worker"
+    assert r.json() == {"status": "unavailable", "reason": why, "models": {MODEL: why}}
     assert httpx.get(f"{gw.url}/livez").status_code == 200  # alive all the same
 
 
@@ -565,3 +569,24 @@ def test_session_key_from_user_field_or_header(gw: Gateway) -> None:
     assert gw.post("/v1/chat/completions", both, headers={"X-Session-Id": "s-9"}).status_code == 200
     assert gw.post("/v1/chat/completions", chat_body()).status_code == 200
     assert [req.session for req in gw.fake.requests] == ["u1", "s-9", "u2", ""]
+
+
+def test_max_model_len_caps_every_model(tmp_path) -> None:
+    """--max-model-len caps each base model at its own context, as its workers do; one above
+    every model's context is refused."""
+    from services.gateway.__main__ import parse_config
+    from services.gateway.config import model_configs
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    cfg = json.loads((DEFAULT_DIR / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 1024}))
+    base = ["--model-dir", str(DEFAULT_DIR), "--router", "a:1", f"--extra-model=tiny={tiny}"]
+    lens = [c.max_model_len for c in model_configs(parse_config(base, env={}))]
+    assert lens == [8192, 1024]  # each its own context
+    lens = [c.max_model_len for c in model_configs(parse_config([*base, "--max-model-len=2048"]))]
+    assert lens == [2048, 1024]
+    lens = [c.max_model_len for c in model_configs(parse_config([*base, "--max-model-len=512"]))]
+    assert lens == [512, 512]
+    with pytest.raises(SystemExit):
+        parse_config([*base, "--max-model-len=9000"])

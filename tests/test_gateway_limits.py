@@ -228,3 +228,20 @@ async def test_deadline_passes_as_grpc_deadline_and_gives_504(router) -> None:  
     assert time.monotonic() - t0 < 3
     await fake.cancelled.wait()  # the router side saw the call end
     await backend.close()
+
+
+def test_gateway_admission_is_per_base_model() -> None:
+    """Each base model has its own ledger: one model at its bound refuses its own requests
+    (named in the 429) and not another's; settling returns the tokens to the right one."""
+    lim = Limits({}, 100, 0.5, clock=Clock(), models=("a", "b"))
+    hog = lim.admit(req("hog", 10, 80), "a")  # 90 of a's 100
+    with pytest.raises(APIError) as e:
+        lim.admit(req("a2", 10, 10), "a")
+    assert (e.value.status, e.value.code) == (429, "server_overloaded")
+    assert "model a" in e.value.message
+    lim.admit(req("b1", 10, 80), "b").settle(3)  # b is empty: admitted
+    assert lim.ledgers["b"].pending_tokens == 0 and lim.ledgers["a"].pending_tokens == 90
+    lim.admit(req("first", 1, 1))  # no model named: the first one's ledger
+    assert lim.ledgers["a"].pending_tokens == 92
+    hog.settle(5)
+    lim.admit(req("a3", 10, 10), "a")

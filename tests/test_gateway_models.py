@@ -118,3 +118,38 @@ def test_embeddings_spend_the_tenants_token_budget(tok):
         r = gw.post(EMB, body)
         assert assert_error(r, 429)["code"] == "rate_limit_exceeded"
         assert len(fake.embedded) == 2
+
+
+OTHER = "other"
+
+
+@pytest.fixture
+def two_gw(tok) -> Iterator[Gateway]:
+    """Two base models (the second with a context of 64 tokens) over one scripted backend."""
+    other = dataclasses.replace(CONFIG, served_model_name=OTHER, max_model_len=64)
+    fake = FakeBackend(tok)
+    with serving(create_app(CONFIG, fake, tok, extra_models=[(other, tok)])) as port:
+        url = f"http://127.0.0.1:{port}"
+        with openai_client(url) as client:
+            yield Gateway(url, fake, client)
+
+
+def test_two_models_health_context_and_admission_are_per_model(two_gw: Gateway):
+    import httpx
+
+    r = httpx.get(f"{two_gw.url}/health")
+    assert r.status_code == 200
+    assert r.json()["models"] == {MODEL: "ready", OTHER: "ready"}
+    two_gw.fake.unready = {OTHER}
+    r = httpx.get(f"{two_gw.url}/health")
+    why = f"no live decode worker for model {OTHER}"
+    assert r.status_code == 503
+    assert r.json() == {"status": "unavailable", "reason": why,
+                        "models": {MODEL: "ready", OTHER: why}}  # fmt: skip
+    # A prompt of 100 tokens fits the first model's 512, not the other's 64.
+    body = {"prompt": list(range(1, 101)), "max_tokens": 4}
+    assert two_gw.post("/v1/completions", {**body, "model": MODEL}).status_code == 200
+    r = two_gw.post("/v1/completions", {**body, "model": OTHER})
+    err = assert_error(r, 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "is 64 tokens" in err["message"]
+    assert [q.model for q in two_gw.fake.requests] == [MODEL]

@@ -55,7 +55,7 @@ async def serve(config: GatewayConfig) -> None:
     app = create_app(
         config, backend, tokenizer, lifespan=lifespan, metrics=metrics, extra_models=extra
     )
-    obs.metrics.register(AdmissionCollector(app.state.limits.ledger))
+    obs.metrics.register(AdmissionCollector(*app.state.limits.ledgers.values()))
     server = uvicorn.Server(
         uvicorn.Config(
             app,

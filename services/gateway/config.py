@@ -47,7 +47,11 @@ class GatewayConfig:
         flag="--extra-model",
         metavar="[NAME=]DIR",
     )
-    max_model_len: int = option(0, "context length (default: the model's)")
+    max_model_len: int = option(
+        0,
+        "context length (default: the model's); with several base models it caps each one, "
+        "whose own context is used where it is shorter",
+    )
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "HTTP port")
     routers: tuple[str, ...] = option(
@@ -109,6 +113,10 @@ class GatewayConfig:
         "the workers' hosts; off: 403, as vLLM keeps them off unless asked)",
     )
 
+    # Not a flag: --max-model-len as given (0: none), which caps every base model; set by
+    # parse_config, which resolves max_model_len to the first model's.
+    max_model_len_cap: int = 0
+
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.default_max_tokens < 1:
             raise ValueError("max_body_bytes >= 1 and default_max_tokens >= 1")
@@ -147,34 +155,42 @@ def parse_config(
     if not config.routers:
         opts.error("no router: pass --router HOST:PORT or set TANDEM_ROUTER")
     model_dir = Path(config.model_dir)
-    context = ModelConfig.from_dir(model_dir).max_position_embeddings
-    max_model_len = config.max_model_len or context
-    if not 1 < max_model_len <= context:
-        opts.error(f"--max-model-len must be in [2, {context}] for this model")
+    context = _context(config.model_dir)
+    cap = config.max_model_len
     config = replace(
         config,
         served_model_name=config.served_model_name or model_dir.resolve().name,
-        max_model_len=max_model_len,
+        max_model_len=min(cap, context) if cap else context,
+        max_model_len_cap=cap,
         api_keys=keys,
     )
     try:
-        model_configs(config)
+        models = model_configs(config)
     except (OSError, ValueError) as e:
         opts.error(f"--extra-model: {e}")
+    longest = max(_context(c.model_dir) for c in models)
+    if cap and not 1 < cap <= longest:
+        opts.error(f"--max-model-len must be in [2, {longest}] for the served models")
     return config
+
+
+def _context(model_dir: str) -> int:
+    return ModelConfig.from_dir(model_dir).max_position_embeddings
 
 
 def model_configs(config: GatewayConfig) -> list[GatewayConfig]:
     """The config of each served base model: ``config`` itself, then one per
-    ``--extra-model`` (its folder, name and own context; every other setting shared)."""
+    ``--extra-model`` (its folder, name and context length: its own, capped by
+    ``--max-model-len`` when given, as its workers cap it; every other setting shared)."""
     out = [config]
     for name, folder in parse_models(config.extra_models).items():
         if name in (c.served_model_name for c in out):
             raise ValueError(f"model {name!r} is named twice")
-        context = ModelConfig.from_dir(folder).max_position_embeddings
+        context = _context(folder)
+        length = min(config.max_model_len_cap, context) if config.max_model_len_cap else context
         out.append(
             replace(
-                config, model_dir=folder, served_model_name=name, max_model_len=context,
+                config, model_dir=folder, served_model_name=name, max_model_len=length,
                 extra_models=(),
             )
         )  # fmt: skip

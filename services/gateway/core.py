@@ -118,8 +118,9 @@ class Backend(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def readiness(self) -> str | None:
-        """None when a request could be served now, else the reason it could not."""
+    async def readiness(self, model: str = "") -> str | None:
+        """None when a request for base model ``model`` (default: the first served) could be
+        served now, else the reason it could not."""
         ...
 
     async def adapters(self) -> dict[str, str]:

@@ -38,11 +38,16 @@ class Exchange:
 
     @classmethod
     def open(
-        cls, limits: Limits, backend: Backend, req: BackendRequest, metrics: GatewayMetrics | None
+        cls,
+        limits: Limits,
+        backend: Backend,
+        req: BackendRequest,
+        metrics: GatewayMetrics | None,
+        model: str = "",
     ) -> Exchange:
-        """Admit ``req`` (APIError 429 when a limit says no) and start nothing yet: the backend
-        is called on the first event asked for."""
-        return cls(backend, req, limits.admit(req), metrics)
+        """Admit ``req`` on base model ``model`` (APIError 429 when a limit says no) and start
+        nothing yet: the backend is called on the first event asked for."""
+        return cls(backend, req, limits.admit(req, model), metrics)
 
     @property
     def headers(self) -> dict[str, str]:

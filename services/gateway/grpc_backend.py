@@ -144,10 +144,11 @@ class GrpcBackend:
         reply = await self._unary("Embed", codec.embed_request(request_id, model, inputs))
         return codec.embeddings_of(reply)
 
-    async def readiness(self) -> str | None:
-        """None when some router can route to a live decode worker of ``model`` (its
-        grpc.health.v1 ``model:NAME`` is SERVING), else why none can."""
-        service = model_service(self._model)
+    async def readiness(self, model: str = "") -> str | None:
+        """None when some router can route to a live decode worker of ``model`` (default: the
+        first served model; its grpc.health.v1 ``model:NAME`` is SERVING), else why none can."""
+        model = model or self._model
+        service = model_service(model)
         checks = [
             codec.health_check(ch, service, HEALTH_TIMEOUT_S) for ch in self._channels.values()
         ]
@@ -155,8 +156,8 @@ class GrpcBackend:
         if any(why is None for why in found.values()):
             return None
         why = {
-            "not serving": f"no live decode worker for model {self._model}",
-            "unknown": f"serves another model than {self._model}",
+            "not serving": f"no live decode worker for model {model}",
+            "unknown": f"serves another model than {model}",
             "unreachable": "unreachable",
         }
         return "; ".join(f"router {a}: {why[w]}" for a, w in found.items())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.admission import TokenLedger
@@ -98,7 +98,11 @@ class Ticket:
 
 
 class Limits:
-    """Admission (tokens in flight at this gateway) and per-tenant rate limits."""
+    """Admission (tokens in flight at this gateway) and per-tenant rate limits.
+
+    Admission is per base model: each of ``models`` has a ledger of its own bounded by
+    ``max_inflight_tokens``, since its requests load only its own workers (one model's overload
+    never refuses another's requests). Tenants' budgets span every model."""
 
     def __init__(
         self,
@@ -106,20 +110,39 @@ class Limits:
         max_inflight_tokens: int = 0,
         batch_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        models: Sequence[str] = ("",),
     ) -> None:
+        if not models:
+            raise ValueError("at least one model")
         self.tenant_limits = tenant_limits
-        self.ledger = TokenLedger(max_inflight_tokens, batch_fraction, name="the gateway")
+        one = len(models) == 1
+        self.ledgers = {
+            m: TokenLedger(
+                max_inflight_tokens, batch_fraction,
+                name="the gateway" if one else f"the gateway (model {m})",
+            )
+            for m in models
+        }  # fmt: skip
         self.clock = clock
         self._buckets: dict[tuple[str, str], Bucket] = {}
 
+    @property
+    def ledger(self) -> TokenLedger:
+        """The first model's admission ledger."""
+        return next(iter(self.ledgers.values()))
+
     @classmethod
-    def from_config(cls, config: GatewayConfig) -> Limits:
-        """Limits per tenant from the API keys (the first key of a tenant that has any)."""
+    def from_config(cls, config: GatewayConfig, models: Sequence[str] = ("",)) -> Limits:
+        """Limits per tenant from the API keys (the first key of a tenant that has any), and
+        admission for each of ``models``."""
         per_tenant: dict[str, TenantLimits] = {}
         for key in config.api_keys:
             if key.limits.limited:
                 per_tenant.setdefault(key.tenant, key.limits)
-        return cls(per_tenant, config.max_inflight_tokens, config.batch_admission_fraction)
+        return cls(
+            per_tenant, config.max_inflight_tokens, config.batch_admission_fraction,
+            models=models,
+        )  # fmt: skip
 
     def _bucket(self, tenant: str, kind: str, size: int, window: float) -> Bucket:
         b = self._buckets.get((tenant, kind))
@@ -128,8 +151,10 @@ class Limits:
         b.refill(self.clock())
         return b
 
-    def admit(self, req: BackendRequest) -> Ticket:
-        """Reserve for ``req`` or raise APIError 429 (rate limit, or the gateway is full)."""
+    def admit(self, req: BackendRequest, model: str = "") -> Ticket:
+        """Reserve for ``req`` on base model ``model`` (default: the first) or raise APIError
+        429 (rate limit, or the gateway is full for that model)."""
+        ledger = self.ledgers[model] if model else self.ledger
         estimate = len(req.token_ids) + req.sampling.n * req.sampling.max_tokens
         lim = self.tenant_limits.get(req.tenant, TenantLimits())
         ticket = Ticket(req.request_id, len(req.token_ids), 0)
@@ -154,13 +179,13 @@ class Limits:
             if kind == "tokens":
                 ticket.buckets, ticket.reserved = (b,), int(amount)
         try:
-            self.ledger.admit(req.request_id, estimate, req.priority)
+            ledger.admit(req.request_id, estimate, req.priority)
         except ResourceExhausted as e:
             for bucket, n in taken:
                 bucket.level += n
             raise overloaded(str(e), e.retry_after_ms) from e
         ticket.headers = headers
-        ticket.on_settle = lambda: self.ledger.release(req.request_id)
+        ticket.on_settle = lambda: ledger.release(req.request_id)
         return ticket
 
 

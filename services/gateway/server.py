@@ -91,12 +91,12 @@ def create_app(
     app.add_middleware(EdgeMiddleware, config=config)
     app.add_middleware(ObserveMiddleware, metrics=metrics)  # outermost: sees every answer
     app.state.metrics = metrics
-    app.state.limits = Limits.from_config(config)
+    served = [Served.of(c, t, backend) for c, t in [(config, tokenizer), *extra_models]]
+    by_name = {m.name: m for m in served}
+    app.state.limits = Limits.from_config(config, list(by_name))
     _add_error_handlers(app)
     install_openapi(app, config.served_model_name)
     started = int(time.time())
-    served = [Served.of(c, t, backend) for c, t in [(config, tokenizer), *extra_models]]
-    by_name = {m.name: m for m in served}
 
     async def pick(model: str) -> tuple[Served, bool]:
         """(the base model ``model`` runs on, whether it names an adapter of it); the first
@@ -116,7 +116,7 @@ def create_app(
         base = body.model_copy(update={"model": m.name}) if adapter else body
         prep = prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools
         p = await run_in_threadpool(*prep)
-        return await _respond(request, backend, _for_model(p, body.model), m.text_of)
+        return await _respond(request, backend, _for_model(p, body.model), m)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -126,7 +126,7 @@ def create_app(
         base = body.model_copy(update={"model": m.name}) if adapter else body
         prep = prepare_completion, m.config, m.tokenizer, base, rid, tenant
         p = await run_in_threadpool(*prep)
-        return await _respond(request, backend, _for_model(p, body.model), m.text_of)
+        return await _respond(request, backend, _for_model(p, body.model), m)
 
     def model_card(m: Served, name: str) -> dict[str, Any]:
         """OpenAI's model object; an adapter's names its base model as ``parent`` (vLLM)."""
@@ -172,7 +172,7 @@ def create_app(
         # Metered like a prompt: the tenant's token budget and the gateway's admission.
         flat = tuple(t for ids in inputs for t in ids)
         metered = BackendRequest(rid, flat, SamplingParams(max_tokens=1), tenant, body.model)
-        ticket = request.app.state.limits.admit(metered)
+        ticket = request.app.state.limits.admit(metered, m.name)
         try:
             vectors, tokens = await backend.embed(rid, body.model, inputs)
         except BaseException:
@@ -208,18 +208,27 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """Readiness: 200 once a router can route to a live decode worker of this model, else
-        503 with the reason (load balancers and Kubernetes send traffic only on 200)."""
-        reason: str | None = "no answer from the routers in time"
-        with anyio.move_on_after(HEALTH_TIMEOUT_S):
-            try:
-                reason = await backend.readiness()
-            except Exception as e:
-                log.warning("backend health check failed", exc_info=True)
-                reason = f"health check failed: {type(e).__name__}"
-        if reason is None:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        """Readiness: 200 once, for every served base model, a router can route to a live
+        decode worker of it, else 503 with the reasons (load balancers and Kubernetes send
+        traffic only on 200). ``models`` says, per model, ``ready`` or why not."""
+
+        async def one(model: str) -> str | None:
+            with anyio.move_on_after(HEALTH_TIMEOUT_S):
+                try:
+                    return await backend.readiness(model)
+                except Exception as e:
+                    log.warning("backend health check of %s failed", model, exc_info=True)
+                    return f"health check failed: {type(e).__name__}"
+            return "no answer from the routers in time"
+
+        names = list(by_name)
+        found = dict(zip(names, await asyncio.gather(*map(one, names)), strict=True))
+        models = {name: why or "ready" for name, why in found.items()}
+        reasons = [why for why in found.values() if why is not None]
+        if not reasons:
+            return JSONResponse({"status": "ok", "models": models})
+        body = {"status": "unavailable", "reason": "; ".join(reasons), "models": models}
+        return JSONResponse(body, status_code=503)
 
     @app.get("/livez")
     async def livez() -> Response:
@@ -232,8 +241,9 @@ def create_app(
 # --- Running a request ------------------------------------------------------------------------
 
 
-async def _respond(request: Request, backend: Backend, p: Prepared, text_of: TokenText) -> Response:
-    """Run ``p`` on the backend and answer, top to bottom: admit (429 past a limit), then a
+async def _respond(request: Request, backend: Backend, p: Prepared, m: Served) -> Response:
+    """Run ``p`` on the backend for base model ``m`` and answer, top to bottom: admit (429 past
+    a limit: the tenant's, or ``m``'s share of the gateway's tokens in flight), then a
     JSON body once every event is in, or an SSE stream once the first event is (so a failure to
     start gets a real HTTP status instead of an error inside a 200). The exchange is closed, and
     so settled, however this ends; the backend is aborted if the client leaves at any point.
@@ -241,7 +251,8 @@ async def _respond(request: Request, backend: Backend, p: Prepared, text_of: Tok
     ``user``."""
     req = _with_session(p.backend_request, request.headers.get(SESSION_HEADER, ""))
     app = request.app.state
-    exchange = Exchange.open(app.limits, backend, req, app.metrics)
+    exchange = Exchange.open(app.limits, backend, req, app.metrics, m.name)
+    text_of = m.text_of
     if not p.stream:
         try:
             gens = await _unless_disconnected(request, collect(exchange.events, req.sampling.n))

@@ -189,30 +189,34 @@ class KVTransferMetrics:
 
 
 class AdmissionCollector(Collector):
-    """A `services.common.admission.TokenLedger` at scrape time: tokens admitted and in flight,
-    the bound (0: none) and requests refused (429 / RESOURCE_EXHAUSTED) by priority."""
+    """`services.common.admission.TokenLedger`s at scrape time, summed (the gateway keeps one
+    per base model): tokens admitted and in flight, the bound (0: none) and requests refused
+    (429 / RESOURCE_EXHAUSTED) by priority."""
 
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
+    def __init__(self, *ledgers: Any) -> None:
+        self.ledgers = ledgers
 
     def collect(self) -> Iterator[Metric]:
-        led = self.ledger
         yield GaugeMetricFamily(
             "tandem_admission_pending_tokens",
             "Tokens (prompt + max_tokens; prefill: prompt) of the requests admitted and running.",
-            value=led.pending_tokens,
+            value=sum(led.pending_tokens for led in self.ledgers),
         )
         yield GaugeMetricFamily(
             "tandem_admission_limit_tokens",
             "The admission bound in tokens (0: unbounded).",
-            value=led.max_tokens,
+            value=sum(led.max_tokens for led in self.ledgers),
         )
         refused = CounterMetricFamily(
             "tandem_admission_refused",
             "Requests refused at the admission bound, by priority.",
             labels=["priority"],
         )
-        for priority, n in sorted(dict.copy(led.refused).items()):
+        totals: dict[str, int] = {}
+        for led in self.ledgers:
+            for priority, n in dict.copy(led.refused).items():
+                totals[priority] = totals.get(priority, 0) + n
+        for priority, n in sorted(totals.items()):
             refused.add_metric([priority], n)
         yield refused
 
