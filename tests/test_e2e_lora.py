@@ -3,19 +3,24 @@ decode worker, every prompt handed off between them), SmolLM2 with peft-made ada
 
 Greedy output through the stack equals the engine's with the same adapter (which equals
 transformers+peft, tests/test_lora.py), for base and adapter requests running together; adapters
-load and unload at run time through the gateway (vLLM's endpoints); bad input gets 400/404.
+load and unload at run time through the gateway (vLLM's endpoints), and are recorded in etcd,
+so workers the supervisor restarts load them again (and not once unloaded); bad input gets
+400/404.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from libkv.cluster.adapters import AdapterRecords
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.lora_adapters import ALL_TARGETS, make_adapter
@@ -171,3 +176,69 @@ def test_embeddings_of_base_and_adapter(stack, expected):
         assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() > 0.9999
     base = client.embeddings.create(model=MODEL, input=PROMPTS[0]).data[0].embedding
     assert base != client.embeddings.create(model="a", input=PROMPTS[0]).data[0].embedding
+
+
+def recorded(stack: Stack) -> dict[str, str]:
+    """The run-time adapters etcd records for the model (``libkv.cluster.adapters``)."""
+
+    async def read() -> dict[str, str]:
+        records = AdapterRecords(stack.etcd.endpoint)
+        try:
+            return await records.list(MODEL)
+        finally:
+            await records.close()
+
+    return asyncio.run(read())
+
+
+def crash_and_heal(stack: Stack, names: tuple[str, ...]) -> None:
+    """kill -9 the workers ``names``; the supervisor starts them again; wait until each
+    printed READY."""
+    said: list[str] = []
+    sup = stack.supervisor(say=said.append)
+    for name in names:
+        stack.kill(name)
+    deadline = time.monotonic() + 180
+    while not all(f"{n} is serving again" in " ".join(said) for n in names):
+        assert time.monotonic() < deadline, said
+        sup.poll()
+        time.sleep(0.2)
+
+
+def wait_listed(stack: Stack, want: set[str]) -> None:
+    deadline = time.monotonic() + 30
+    while set(models(stack)) != want:
+        assert time.monotonic() < deadline, models(stack)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_run_time_adapters_survive_worker_restarts(stack, expected, adapters):
+    """A run-time load is recorded in etcd: both workers killed with -9 and restarted by the
+    supervisor load it before they register, so it still answers token for token as before and
+    is listed; once unloaded, its record is gone and a restarted worker does not load it."""
+    assert recorded(stack) == {}  # the loads refused earlier left no record
+    r = post(stack, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])})
+    assert r.status_code == 200, r.text
+    assert recorded(stack) == {"b": str(adapters["b"])}
+    prompt = expected["ids"][PROMPTS[1]]
+    before = tokens_of(complete(stack, "b", prompt))
+    prefilled = worker_stats(stack)["prefill-0"].prompt_tokens
+
+    crash_and_heal(stack, ("prefill-0", "decode-0"))
+    wait_listed(stack, {MODEL, "a", "b"})
+    assert tokens_of(complete(stack, "b", prompt)) == before
+    # The restarted prefill worker holds b too: it prefilled the prompt (not decode-only).
+    assert worker_stats(stack)["prefill-0"].prompt_tokens == len(prompt) < prefilled
+    run_mixed(stack, expected, [None, "a", "b"])
+
+    r = post(stack, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert r.status_code == 200, r.text
+    assert recorded(stack) == {}
+    crash_and_heal(stack, ("decode-0",))
+    wait_listed(stack, {MODEL, "a"})  # a comes from --lora-modules
+    r = complete(stack, "b", prompt)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    log = stack.children["decode-0"].log_path.read_text()
+    assert "loaded recorded LoRA adapter b" in log  # the first restart's
+    assert "loaded recorded LoRA adapter b" not in log.rsplit("restarted by the supervisor", 1)[1]

@@ -54,3 +54,53 @@ def test_models_and_adapters_resolve_to_their_base(servicer):
     assert servicer._base("tiny/fr") == "tiny"
     with pytest.raises(InvalidRequestError, match="BASE/NAME"):
         servicer._base("fr")
+
+
+class Records:
+    """In-memory stand-in for the etcd adapter records (``libkv.cluster.adapters``)."""
+
+    def __init__(self) -> None:
+        self.data: dict[tuple[str, str], str] = {}
+        self.log: list[tuple[str, str]] = []
+
+    async def put(self, model: str, name: str, path: str) -> None:
+        self.log.append(("put", name))
+        self.data[(model, name)] = path
+
+    async def delete(self, model: str, name: str) -> None:
+        self.log.append(("delete", name))
+        self.data.pop((model, name), None)
+
+    async def list(self, model: str) -> dict[str, str]:
+        return {n: p for (m, n), p in self.data.items() if m == model}
+
+
+class AdapterClients:
+    """Workers whose decode worker refuses every folder."""
+
+    def __init__(self) -> None:
+        self.unloaded: list[str] = []
+
+    async def load_lora(self, worker: Member, name: str, path: str) -> None:
+        if worker.role == "decode":
+            raise InvalidRequestError("bad folder")
+
+    async def unload_lora(self, worker: Member, name: str) -> None:
+        self.unloaded.append(worker.worker_id)
+
+
+async def test_adapter_records_follow_loads_and_unloads():
+    """A load is recorded before the workers are asked and forgotten when one refuses it (the
+    others unload it again); an unload forgets a record even when no live worker holds it."""
+    records, clients = Records(), AdapterClients()
+    core = RouterCore(ModelDirectory(Directory(MEMBERS), "tiny"), clients, records=records,
+                      model="tiny")  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="bad folder"):
+        await core.load_lora("tiny/x", "/adapters/x")
+    assert records.log == [("put", "tiny/x"), ("delete", "tiny/x")] and records.data == {}
+    assert clients.unloaded == ["p1"]
+    records.data[("tiny", "tiny/old")] = "/adapters/old"  # loaded while no worker was live
+    assert await core.unload_lora("tiny/old") == []
+    assert records.data == {}
+    with pytest.raises(AdapterNotFoundError):
+        await core.unload_lora("tiny/none")

@@ -15,6 +15,7 @@ from pathlib import Path
 from tandem.v1 import router_pb2_grpc
 
 from engine.tokenizer import Tokenizer
+from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
 from libkv.cluster.registry import Member, MemberWatcher, ModelDirectory, Registration
 from libkv.cluster.summary_index import LocationIndex
@@ -157,6 +158,7 @@ async def serve(config: RouterConfig) -> None:
         lookup = HintedIndex(index, RecentRoutes(ttl=config.kv_recent_ttl))
     # One core per base model, each over its own workers; tokenizers read text prompts of
     # internal callers only.
+    records = AdapterRecords(list(config.etcd))  # run-time adapter loads, for later workers
     routes = {
         name: (
             RouterCore(
@@ -165,6 +167,8 @@ async def serve(config: RouterConfig) -> None:
                 policy=policy,
                 index=lookup,
                 max_migrations=config.max_migrations,
+                records=records,
+                model=name,
             ),
             Tokenizer(folder),
         )
@@ -206,6 +210,7 @@ async def serve(config: RouterConfig) -> None:
         for core, _ in routes.values():
             await core.close()
         await clients.close()
+        await records.close()
         await watcher.stop()
         if index is not None:
             await index.stop()

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
+from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import Event, Moved
 from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
@@ -44,10 +45,14 @@ class RouterCore:
         policy: PolicyConfig | None = None,
         index: LocationLookup | None = None,
         max_migrations: int = 2,
+        records: AdapterRecords | None = None,
+        model: str = "",
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
         ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
-        decode worker at most ``max_migrations`` times."""
+        decode worker at most ``max_migrations`` times. ``records`` (with the base ``model``):
+        where run-time adapter loads are kept for workers that start later
+        (``libkv.cluster.adapters``)."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
@@ -57,6 +62,7 @@ class RouterCore:
         self.max_migrations = max_migrations
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
+        self.records, self.model = records, model
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
@@ -332,6 +338,8 @@ class RouterCore:
         targets = [m for m in workers if name not in m.loras]
         if not targets:
             raise InvalidRequestError(f"the adapter `{name}` is already loaded")
+        if self.records is not None:  # before the workers: one starting now finds it
+            await self.records.put(self.model, name, path)
         results = await asyncio.gather(
             *(self.clients.load_lora(m, name, path) for m in targets), return_exceptions=True
         )
@@ -340,6 +348,8 @@ class RouterCore:
             m for m, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)
         ]
         if errors:
+            if self.records is not None:
+                await self.records.delete(self.model, name)
             await asyncio.gather(
                 *(self.clients.unload_lora(m, name) for m in done), return_exceptions=True
             )
@@ -350,10 +360,15 @@ class RouterCore:
 
     async def unload_lora(self, name: str) -> list[str]:
         """Unload an adapter from every live worker holding it (their requests using it
-        finish first); AdapterNotFoundError when none holds it."""
+        finish first) and forget its record; AdapterNotFoundError when neither exists."""
         holders = [m for m in self.workers() if name in m.loras]
-        if not holders:
+        recorded = self.records is not None and name in await self.records.list(self.model)
+        if not holders and not recorded:
             raise AdapterNotFoundError(f"the adapter `{name}` is not loaded")
+        if self.records is not None and recorded:  # before the workers: none loads it again
+            await self.records.delete(self.model, name)
+        if not holders:
+            return []
         results = await asyncio.gather(
             *(self.clients.unload_lora(m, name) for m in holders), return_exceptions=True
         )

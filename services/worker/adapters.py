@@ -1,6 +1,7 @@
-"""A worker's LoRA adapters: loaded at start (``--lora-modules NAME=PATH``) and at run time
-(the ``tandem.v1.Adapters`` service the router fans out to), listed in the member record
-(``Member.loras``) so routers send an adapter's requests only to workers that hold it."""
+"""A worker's LoRA adapters: loaded at start (``--lora-modules NAME=PATH``, then those loaded
+at run time before this worker started, as etcd records them: ``libkv.cluster.adapters``) and at
+run time (the ``tandem.v1.Adapters`` service the router fans out to), listed in the member
+record (``Member.loras``) so routers send an adapter's requests only to workers that hold it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 from engine.errors import InvalidAdapterError
+from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import LORAS
 
 if TYPE_CHECKING:
@@ -28,6 +30,39 @@ class Adapters:
         self.engine = engine
         self.set_extra: Callable[[str, str], None] | None = None  # set once registered
         self.publish: Callable[[], Awaitable[None]] | None = None
+        self.recorded: set[str] = set()  # loaded from the cluster's records (load_recorded)
+
+    async def load_recorded(self, records: AdapterRecords, model: str) -> None:
+        """Match the run-time adapters the cluster records for ``model``
+        (``libkv.cluster.adapters``): load each one not loaded (before registering, and once
+        more right after), unload those loaded from a record that is gone. A record whose
+        folder no longer serves is skipped with a warning, not fatal."""
+        try:
+            wanted = await records.list(model)
+        except Exception as e:  # etcd unreachable: serve what the flags load
+            log.warning("reading the recorded LoRA adapters failed: %r", e)
+            return
+        loaded = set(self.engine.engine.list_loras())
+        changed = False
+        for name, path in wanted.items():
+            if name in loaded:
+                continue
+            try:
+                await self.engine.run(self.engine.engine.add_lora, name, path)
+            except InvalidAdapterError as e:
+                log.warning("recorded LoRA adapter %s (%s) not loaded: %s", name, path, e)
+                continue
+            log.info("loaded recorded LoRA adapter %s from %s", name, path)
+            self.recorded.add(name)
+            changed = True
+        for name in sorted(self.recorded - set(wanted)):
+            self.recorded.discard(name)
+            if name in loaded:
+                await self.engine.run(self.engine.engine.remove_lora, name)
+                log.info("unloading LoRA adapter %s (its record is gone)", name)
+                changed = True
+        if changed:
+            await self._announce()
 
     def load_at_start(self, modules: Sequence[tuple[str, str]]) -> None:
         """``--lora-modules``: a bad adapter stops the worker with the reason."""

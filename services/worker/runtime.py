@@ -18,6 +18,7 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.errors import InsufficientMemoryError, UnsupportedConfigError, UnsupportedModelError
 from engine.llm_engine import LLMEngine
+from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import LORAS, Registration
 from libkv.transfer.pool import PoolStore
 from libkv.transfer.setup import KVSide, confine_kv_network
@@ -136,6 +137,10 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     adapters = lora.Adapters(engine)
     adapters.load_at_start(parse_lora_modules(config.lora_modules))
+    with_lora = engine.engine.config.enable_lora
+    records = AdapterRecords(list(config.etcd)) if config.etcd and with_lora else None
+    if records is not None:  # run-time loads made before this worker started
+        await adapters.load_recorded(records, config.model_name)
     role = await wire(worker)
     server = await start_server(
         [*role.servicers, (lora.add_to_server, lora.AdaptersServicer(adapters, config.worker_id))],
@@ -153,6 +158,9 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
         role.kv.publish = presence.registration.set_extra
         adapters.set_extra = presence.registration.set_extra
         adapters.publish = presence.registration.publish
+    if records is not None:  # a load that listed the live workers just before this one
+        await adapters.load_recorded(records, config.model_name)
+        await records.close()
     for collector in (
         AdmissionCollector(worker.ledger),
         KVPathCollector(role.kv),
