@@ -242,3 +242,27 @@ def test_run_time_adapters_survive_worker_restarts(stack, expected, adapters):
     log = stack.children["decode-0"].log_path.read_text()
     assert "loaded recorded LoRA adapter b" in log  # the first restart's
     assert "loaded recorded LoRA adapter b" not in log.rsplit("restarted by the supervisor", 1)[1]
+
+
+@pytest.mark.slow
+def test_adapters_on_tensor_parallel_workers(smol_dir, adapters, expected, tmp_path):
+    """Prefill at TP=1 hands off to decode at TP=2, both with a start-time adapter and one
+    loaded at run time (reaching rank 1 of the decode worker too): base and both adapters
+    mixed answer as the TP=1 engine does."""
+    config = StackConfig(
+        model_dir=str(smol_dir),
+        run_dir=str(tmp_path / "tp"),
+        port=free_port(),
+        decode_tp=2,
+        decode_only_threshold=4,
+        member_ttl=3,
+        member_refresh=1.0,
+        start_timeout=300.0,
+        worker_args=(f"--lora-modules=a={adapters['a']}", *LORA_FLAGS),
+        gateway_args=("--allow-runtime-lora-updating",),
+    )
+    with Stack(config) as s:
+        r = post(s, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])})
+        assert r.status_code == 200, r.text
+        run_mixed(s, expected, [None, "a", "b"])
+        assert worker_stats(s)["decode-0"].prompt_tokens == 0  # every prompt was handed off
