@@ -9,7 +9,7 @@ import pytest
 
 from libkv.cluster.location_index import PrefixIndex
 from libkv.cluster.locations import location_key
-from libkv.cluster.registry import LORAS, Member, MemberLoad
+from libkv.cluster.registry import LORAS, Member, MemberChange, MemberLoad
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
 from libkv.kv_layout import LAYOUT_KEY, KVLayout
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
@@ -67,13 +67,92 @@ def test_kv_spills_over_when_the_holder_is_much_busier():
     publish(index, STACK[1], PROMPT, 32)
     busy = [member("p0", "prefill"), member("p1", "prefill", running=1), *STACK[2:]]
     assert chooser(busy, index=index).plan(req(), set()).prefill.worker_id == "p1"
-    busier = [member("p0", "prefill"), member("p1", "prefill", queue=3, running=2), *STACK[2:]]
+    # The load weighs the blocks p1 would compute (8 of 40): 8 * (1 + 0.5 * 10) > 40.
+    busier = [member("p0", "prefill"), member("p1", "prefill", queue=6, running=4), *STACK[2:]]
     plan = chooser(busier, index=index).plan(req(), set())
     assert plan.prefill.worker_id == "p0" and plan.reason == "load"
     # The router's own in-flight count weighs too (it is more current than etcd's report).
-    inflight = Counter({"p1": 5})
+    inflight = Counter({"p1": 10})
     assert chooser(STACK, index=index, inflight=inflight).plan(req(), set()).prefill.worker_id \
         == "p0"  # fmt: skip
+
+
+def test_a_stale_load_report_does_not_count_this_routers_finished_requests():
+    """A worker's load report is up to one member refresh old: in a conversation it still
+    counts the previous turn, which just finished on the worker that caches it. The router
+    knows its own requests: it weighs the report less what it had in flight when the report
+    arrived (other routers' requests), plus what it has in flight now."""
+    index = PrefixIndex()
+    turn = PROMPT[: 20 * BS]
+    publish(index, STACK[2], turn, 8)  # d0 caches the previous turn (8 of 20 blocks)
+    inflight: Counter[str] = Counter({"d0": 2})  # the previous turn and another one
+    c = chooser(STACK, index=index, inflight=inflight)
+    reporting = member("d0", "decode", running=2)  # d0's report, while they ran
+    c.observe(MemberChange("put", "d0", reporting))
+    inflight["d0"] -= 2  # both finished; the report stays until d0's next refresh
+    c.directory = Directory([*STACK[:2], reporting, STACK[3]])
+    assert c.load(reporting) == 0
+    plan = c.plan(req(turn), set())
+    assert (plan.decode.worker_id, plan.reason, plan.cached_blocks) == ("d0", "decode-only", 8)
+    # Without the listener the report counts as it is, and the load beats the cached part.
+    blind = chooser([*STACK[:2], reporting, STACK[3]], index=index, inflight=Counter())
+    assert blind.load(reporting) == 2 and blind.plan(req(turn), set()).decode.worker_id == "d1"
+    # Other routers' requests in the report still count: 3 reported while this router had 1
+    # there, and 2 of its own now: 2 + (3 - 1).
+    busy = member("d0", "decode", running=3)
+    inflight["d0"] = 1
+    c.observe(MemberChange("put", "d0", busy))
+    inflight["d0"] = 2
+    assert c.load(busy) == 4
+    # A report that arrived unobserved (another object) counts as it is.
+    assert c.load(member("d0", "decode", running=3)) == 3
+    c.observe(MemberChange("delete", "d0", busy))
+    assert c.load(busy) == 3
+
+
+def test_the_load_weighs_the_blocks_a_worker_computes_not_a_large_cached_prefix():
+    """Requests in flight delay what a worker computes for this request: on the worker that
+    caches 28 of 40 blocks, the 12 left. Two requests there no longer send the conversation's
+    next turn to an idle worker that would compute all 40 (nor, over the threshold, to a cold
+    prefill worker); five do."""
+    index = PrefixIndex()
+    publish(index, STACK[2], PROMPT, 28)
+    plan = chooser(STACK, index=index, inflight=Counter({"d0": 2})).plan(req(), set())
+    assert (plan.decode.worker_id, plan.reason, plan.cached_blocks) == ("d0", "decode-only", 28)
+    plan = chooser(STACK, index=index, inflight=Counter({"d0": 5})).plan(req(), set())
+    assert plan.decode.worker_id == "d1" and plan.prefill is not None  # 12 * 3.5 > 40
+    # A decode worker that receives the KV decodes the whole request: there the load weighs
+    # the whole prompt, so hand-offs still spread by load.
+    index = PrefixIndex()
+    publish(index, STACK[2], PROMPT, 32)
+    c = chooser(STACK, index=index, threshold=1, inflight=Counter({"d0": 1}))
+    assert c.plan(req(), set()).decode.worker_id == "d1"  # 0.25 * 8 + 0.5 * 40 > 0.25 * 40
+
+
+def test_free_blocks_count_what_this_routers_requests_freed_since_the_report():
+    """A worker reported few free KV blocks while this router's requests ran there; they have
+    ended since (their blocks are free again), so it is not avoided as full."""
+    index = PrefixIndex()
+    publish(index, STACK[2], PROMPT, 28)
+    c = chooser(STACK, index=index)
+    d0 = member("d0", "decode", running=2, free=5)
+    ctx = c.working(d0, 40 * BS), c.working(d0, 30 * BS)
+    for w in ctx:
+        w.__enter__()
+    c.observe(MemberChange("put", "d0", d0))  # reported while both ran
+    for w in ctx:
+        w.__exit__(None, None, None)
+    assert c.free_blocks(d0) == 5 + 70 and c.load(d0) == 0
+    c.directory = Directory([*STACK[:2], d0, STACK[3]])
+    plan = c.plan(req(), set())
+    assert (plan.decode.worker_id, plan.reason) == ("d0", "decode-only")
+    # Requests started since the report take blocks: 5 + 70 - 72 is too few for 13.
+    with c.working(d0, 72 * BS):
+        assert c.free_blocks(d0) == 3
+        assert c.plan(req(), set()).decode.worker_id == "d1"
+    # The report as it is (not observed arriving): 5 free, too few.
+    blind = chooser([*STACK[:2], d0, STACK[3]], index=index)
+    assert blind.free_blocks(d0) == 5 and blind.plan(req(), set()).decode.worker_id == "d1"
 
 
 def test_a_worker_without_room_is_avoided():

@@ -174,6 +174,8 @@ async def serve(config: RouterConfig) -> None:
         )
         for name, folder in config.models.items()
     }
+    for core, _ in routes.values():  # load reports less this router's own requests
+        watcher.add_listener(core.chooser.observe)
     servicer = RouterServicer(routes, config.api_keys)
     server = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],

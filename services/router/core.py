@@ -276,29 +276,25 @@ class RouterCore:
             raise BookingFailed(str(e)) from e
 
     async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
-        self.inflight[worker.worker_id] += 1
-        try:
-            return await self.clients.prefill(worker, job)
-        except RETRYABLE:
-            failed.add(worker.worker_id)
-            raise
-        finally:
-            self.inflight[worker.worker_id] -= 1
+        with self.chooser.working(worker, job.cost):
+            try:
+                return await self.clients.prefill(worker, job)
+            except RETRYABLE:
+                failed.add(worker.worker_id)
+                raise
 
     async def _decode(self, worker: Member, call: DecodeCall, failed: set[str], started):
-        self.inflight[worker.worker_id] += 1
-        try:
-            async for ev in self.clients.decode(worker, call):
-                if ev.moved is not None:  # draining: not to be picked again for this request
-                    failed.add(worker.worker_id)
-                    raise HandedOver(ev.moved)
-                started[0] = True
-                yield ev
-        except RETRYABLE:
-            failed.add(worker.worker_id)
-            raise
-        finally:
-            self.inflight[worker.worker_id] -= 1
+        with self.chooser.working(worker, call.job.cost):
+            try:
+                async for ev in self.clients.decode(worker, call):
+                    if ev.moved is not None:  # draining: not to be picked again for this one
+                        failed.add(worker.worker_id)
+                        raise HandedOver(ev.moved)
+                    started[0] = True
+                    yield ev
+            except RETRYABLE:
+                failed.add(worker.worker_id)
+                raise
 
     async def embed(
         self, request_id: str, inputs: list[list[int]], lora: str = ""
@@ -310,15 +306,13 @@ class RouterCore:
             worker = self.chooser.pick_embedder(lora, failed)
             if worker is None:
                 raise NoWorker("no live worker to embed on")
-            self.inflight[worker.worker_id] += 1
-            try:
-                return await self.clients.embed(worker, request_id, inputs, lora)
-            except RETRYABLE:
-                failed.add(worker.worker_id)
-                if len(failed) > 1:
-                    raise
-            finally:
-                self.inflight[worker.worker_id] -= 1
+            with self.chooser.working(worker, sum(map(len, inputs))):
+                try:
+                    return await self.clients.embed(worker, request_id, inputs, lora)
+                except RETRYABLE:
+                    failed.add(worker.worker_id)
+                    if len(failed) > 1:
+                        raise
 
     # -- LoRA adapters ---------------------------------------------------------------------------
     def workers(self) -> list[Member]:

@@ -6,16 +6,24 @@ the prefill choice and the decode choice, with conditional disaggregation on the
 part: when the best decode worker would have to compute fewer than ``decode_only_threshold``
 prompt tokens itself, the request goes decode-only to it. Costs are in prompt blocks::
 
-    cost(w) = miss_weight * (prompt blocks w does not cache)
-            + load_weight * load(w) * (prompt blocks)         load = requests queued + running
-            + a penalty when w reports too few free KV blocks for the request
+    cost(w) = miss_weight * miss(w)              miss = prompt blocks w does not cache
+            + load_weight * load(w) * work(w)      load = requests queued + running
+            + a penalty when w has too few free KV blocks for the request (as w last
+              reported them, corrected by this router's requests that ended or started since)
 
 ``miss_weight`` is 1 where the worker computes the missing part (prefill, decode-only) and
 ``TRANSFER_WEIGHT`` for a disaggregated decode worker, which only receives the blocks it lacks.
-``load(w)`` is the larger of the requests this router has in flight on w (current) and those
-w last reported in etcd (every router's, up to one member refresh old). Ties go to the lower
-worker id, so replicas with the same etcd view choose alike (under load each one also weighs
-the requests it has in flight itself, which the others learn at w's next load report).
+``work(w)`` is what the load delays: where w computes, the blocks it computes (``miss``, at
+least 1), so a few requests in flight never outweigh a large cached prefix (a worker holding
+28 of 40 blocks loses to an idle one at 5 requests in flight; it did at 2 when the load
+weighed the whole prompt); on a disaggregated decode worker, the whole prompt (it decodes the
+whole request, and hand-offs spread by load).
+``load(w)`` is the requests this router has in flight on w now plus those of other routers as
+w last reported them in etcd (the report, up to one member refresh old, less this router's own
+in flight when it arrived: a stale report would otherwise still count a conversation's previous
+turn against the worker that caches it). Ties go to the lower worker id, so replicas with the
+same etcd view choose alike (under load each one also weighs the requests it has in flight
+itself, which the others learn at w's next load report).
 
 ``least-loaded``: fewest requests, then least KV in use. ``round-robin``: each role in turn.
 ``session``: the same session key (OpenAI ``user``) always lands on the same workers while
@@ -26,16 +34,17 @@ length alone. Every plan carries a reason (``kv-hit``, ``load``, ``decode-only``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from libkv.cluster.registry import Member, MemberDirectory
+from libkv.cluster.registry import Member, MemberChange, MemberDirectory, MemberLoad
 from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
 from libkv.kv_layout import pair_refusal
 from libkv.transfer import handoff_path
@@ -145,6 +154,9 @@ class Chooser:
         self.index = index
         self.inflight: Counter[str] = inflight if inflight is not None else Counter()
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.inflight_blocks: Counter[str] = Counter()  # KV blocks of those requests
+        # worker -> (its last load report, this router's requests and their blocks on it then)
+        self._own_at_report: dict[str, tuple[MemberLoad, int, int]] = {}
 
     def live(self, role: str, exclude: set[str], lora: str = "") -> list[Member]:
         """Members of ``role`` that take work, not in ``exclude``; with ``lora``, only those
@@ -166,8 +178,56 @@ class Chooser:
         candidates = self.live("prefill", exclude, lora) or self.live("decode", exclude, lora)
         return min(candidates, key=self._least_loaded) if candidates else None
 
+    @contextlib.contextmanager
+    def working(self, m: Member, tokens: int) -> Iterator[None]:
+        """Count a request on ``m`` while a call to it runs (``load``), and the KV blocks its
+        ``tokens`` take (``free_blocks``)."""
+        blocks = -(-tokens // (m.block_size or DEFAULT_BLOCK_SIZE))
+        self.inflight[m.worker_id] += 1
+        self.inflight_blocks[m.worker_id] += blocks
+        try:
+            yield
+        finally:
+            self.inflight[m.worker_id] -= 1
+            self.inflight_blocks[m.worker_id] -= blocks
+
+    def observe(self, change: MemberChange) -> None:
+        """A `MemberWatcher` listener: note this router's own requests in flight on a worker
+        when its load report arrives, so `load` and `free_blocks` can tell what changed since
+        from what other routers' requests hold."""
+        w = change.worker_id
+        if change.kind == "put" and change.member is not None:
+            self._own_at_report[w] = (change.member.load, self.inflight[w],
+                                      self.inflight_blocks[w])  # fmt: skip
+        else:
+            self._own_at_report.pop(w, None)
+
+    def _observed(self, m: Member) -> tuple[MemberLoad, int, int] | None:
+        seen = self._own_at_report.get(m.worker_id)
+        return seen if seen is not None and seen[0] is m.load else None
+
     def load(self, m: Member) -> int:
-        return max(self.inflight[m.worker_id], m.load.queue_length + m.load.running)
+        """Requests queued or running on ``m``: this router's in flight now, plus those of
+        other routers as ``m`` last reported them (its report less this router's own in flight
+        when it arrived). A report is up to one member refresh old: it still counts requests
+        that finished since (in a conversation, the previous turn of the one being routed, on
+        the worker that caches it), which this router's own count does not. A report that
+        arrived unobserved (no `observe` listener) counts as it is, the larger of the two."""
+        own = self.inflight[m.worker_id]
+        reported = m.load.queue_length + m.load.running
+        seen = self._observed(m)
+        if seen is None:
+            return max(own, reported)
+        return own + max(reported - seen[1], 0)
+
+    def free_blocks(self, m: Member) -> int:
+        """KV blocks free on ``m`` as last reported, corrected (when the report was observed)
+        by the blocks of this router's requests that ended since (their blocks are free again,
+        if still cached) and that started since."""
+        seen = self._observed(m)
+        if seen is None:
+            return m.load.kv_blocks_free
+        return m.load.kv_blocks_free + seen[2] - self.inflight_blocks[m.worker_id]
 
     # -- plans ----------------------------------------------------------------------------------
     def plan(self, req: RouteRequest, exclude: set[str]) -> Plan | None:
@@ -198,14 +258,14 @@ class Chooser:
             return None
         if self.config.name == "kv":
             chain = _Chain(req, self.index)
-            best = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
+            best = min(candidates, key=lambda m: self._cost(req, chain, m))
             chain.remember(best)
             return best
         return self._pick(req, candidates, "prefill")
 
     def _plan_kv(self, req: RouteRequest, decoders: list[Member], exclude: set[str]) -> Plan:
         chain = _Chain(req, self.index)
-        decode = min(decoders, key=lambda m: self._cost(req, chain, m, 1.0))
+        decode = min(decoders, key=lambda m: self._cost(req, chain, m))
         hit = chain.cached_blocks(decode)
         bs = decode.block_size or DEFAULT_BLOCK_SIZE
         uncached = len(req.prompt) - hit * bs
@@ -213,27 +273,32 @@ class Chooser:
         if uncached >= self.config.decode_only_threshold:
             candidates = self.prefill_for(decoders, exclude, req.lora)
             if candidates:
-                prefill = min(candidates, key=lambda m: self._cost(req, chain, m, 1.0))
+                prefill = min(candidates, key=lambda m: self._cost(req, chain, m))
         if prefill is None:
             chain.remember(decode)
             return Plan(decode, None, "decode-only", hit)
         paired_decoders = [d for d in decoders if paired(prefill, d)]
-        decode = min(paired_decoders, key=lambda m: self._cost(req, chain, m, TRANSFER_WEIGHT))
+        decode = min(paired_decoders, key=lambda m: self._cost(req, chain, m, receives=True))
         hit = chain.cached_blocks(prefill)
         chain.remember(prefill, decode)  # the decode worker caches the blocks it receives
         return Plan(decode, prefill, "kv-hit" if hit else "load", hit)
 
     # -- scoring ----------------------------------------------------------------------------------
     def _cost(
-        self, req: RouteRequest, chain: _Chain, m: Member, miss_weight: float
+        self, req: RouteRequest, chain: _Chain, m: Member, receives: bool = False
     ) -> tuple[float, str]:
+        """The module docstring's cost of ``m`` computing the request's uncached part (or,
+        ``receives``, decoding it from KV handed over)."""
         bs = m.block_size or DEFAULT_BLOCK_SIZE
         blocks = -(-len(req.prompt) // bs)
         miss = blocks - min(chain.cached_blocks(m), blocks)
-        cost = miss_weight * miss + self.config.load_weight * self.load(m) * blocks
+        # The load delays what w has to do for this request: the blocks it computes (at least
+        # one: the last token is always computed), or, receiving the KV, the whole request.
+        miss_weight, work = (TRANSFER_WEIGHT, blocks) if receives else (1.0, max(miss, 1))
+        cost = miss_weight * miss + self.config.load_weight * self.load(m) * work
         need = miss + -(-req.max_tokens // bs)
         reported = m.load.kv_blocks_free + m.load.kv_blocks_used > 0  # a load report arrived
-        if reported and m.load.kv_blocks_free < need:
+        if reported and self.free_blocks(m) < need:
             cost += FULL_PENALTY * blocks
         return (cost, m.worker_id)
 
