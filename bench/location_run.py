@@ -272,6 +272,16 @@ class Sim:
             await self.index.stop()
 
 
+async def run_closing(sim: Sim) -> Row:
+    """Run ``sim``, then close it and its etcd connections, whatever happens."""
+    try:
+        return await sim.run()
+    finally:
+        await sim.close()
+        for c in sim.conns:
+            await c.close()
+
+
 def _rate(c, before: dict) -> float:
     prompt = c.prompt_tokens - before["prompt_tokens"]
     return (c.hit_tokens - before["hit_tokens"]) / prompt if prompt else float("nan")

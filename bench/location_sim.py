@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench.etcd_ceiling import Ceiling, ceilings
 from bench.location_report import Row, render
-from bench.location_run import DESIGNS, Sim, SimConfig
+from bench.location_run import DESIGNS, Sim, SimConfig, run_closing
 from libkv.cluster.etcd_follow import EtcdConnection
 from services.launcher.etcd import EtcdServer
 
@@ -48,13 +48,7 @@ async def run_all(args: argparse.Namespace) -> tuple[list[Row], list]:
                     print(*(f"etcd ceiling: {c}" for c in ceiling), sep="\n", flush=True)
                 cfg = SimConfig(n, design, args.rate, args.capacity, args.warmup, args.measure,
                                 args.think, args.budget, args.interval)  # fmt: skip
-                sim = Sim(cfg, etcd.endpoint, conns)
-                try:
-                    row = await sim.run()
-                finally:
-                    await sim.close()
-                    for c in conns:
-                        await c.close()
+                row = await run_closing(Sim(cfg, etcd.endpoint, conns))
             print(row, flush=True)
             rows.append(row)
     return rows, ceiling
