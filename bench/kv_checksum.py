@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_checksum import BlockChecksums
+from engine.kv_checksum import ALGORITHMS, BlockChecksums
 
 # (layers, kv heads, head dim) of the model shapes the benches use.
 SHAPES = {"smollm2-135m": (30, 3, 64), "llama-3.1-8b": (32, 8, 128)}
@@ -32,8 +32,8 @@ BLOCK_SIZE = 16
 
 
 def pool(shape: str, blocks: int, device: str, dtype: torch.dtype) -> torch.Tensor:
-    layers, heads, dim = SHAPES[shape]
-    return torch.randn(blocks, layers, 2, BLOCK_SIZE, heads, dim, device=device).to(dtype)
+    layers, heads, dim = SHAPES[shape]  # head-major, as the engine's pools (engine.kv_pool)
+    return torch.randn(blocks, heads, layers, 2, BLOCK_SIZE, dim, device=device).to(dtype)
 
 
 def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
@@ -50,7 +50,9 @@ def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
     return statistics.median(times[1:])  # the first run warms up
 
 
-def measure(shape: str, tokens: int, device: str, dtype: torch.dtype, repeat: int) -> dict:
+def measure(
+    shape: str, tokens: int, device: str, dtype: torch.dtype, repeat: int, algorithm: str | None
+) -> dict:
     n = -(-tokens // BLOCK_SIZE)
     src = pool(shape, 2 * n, device, dtype)
     dst_device = "cuda:1" if device == "cuda" and torch.cuda.device_count() > 1 else device
@@ -72,7 +74,7 @@ def measure(shape: str, tokens: int, device: str, dtype: torch.dtype, repeat: in
         def handoff() -> None:
             dst.index_copy_(0, di, src.index_select(0, si).to(dst_device, non_blocking=True))
 
-    send, receive = BlockChecksums(src), BlockChecksums(dst)
+    send, receive = BlockChecksums(src, algorithm), BlockChecksums(dst, algorithm)
     handoff()
     assert send(src_ids) == receive(dst_ids)  # the copy is exact, and so are the checksums
     t_handoff = timed(handoff, device, repeat)
@@ -80,7 +82,8 @@ def measure(shape: str, tokens: int, device: str, dtype: torch.dtype, repeat: in
     t_receive = timed(lambda: receive(dst_ids), device, repeat)
     block_bytes = src[0].numel() * src.element_size()
     return {
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "device": device,
+        "algorithm": send.algorithm, "shape": shape,
+        "dtype": str(dtype).removeprefix("torch."), "device": device,
         "dst_device": dst_device, "tokens": tokens, "blocks": n, "block_bytes": block_bytes,
         "handoff_ms": round(t_handoff * 1e3, 3), "checksum_send_ms": round(t_send * 1e3, 3),
         "checksum_receive_ms": round(t_receive * 1e3, 3),
@@ -94,10 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default=None,
+        help="the block checksum (default: the device's own, as workers send it)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    rows = [measure(args.shape, t, args.device, dtype, args.repeat) for t in args.tokens]
+    rows = [
+        measure(args.shape, t, args.device, dtype, args.repeat, args.algorithm) for t in args.tokens
+    ]
+    print(f"checksum: {rows[0]['algorithm']}")
     print(f"{'tokens':>7} {'blocks':>6} {'hand-off ms':>12} {'send ms':>8} {'recv ms':>8} "
           f"{'overhead':>9}")  # fmt: skip
     for r in rows:
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['overhead']:>9.1%}")  # fmt: skip
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"kv_checksum_{args.device}.json"
+        path = args.out / f"kv_checksum_{args.device}_{rows[0]['algorithm']}.json"
         path.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

@@ -286,10 +286,11 @@ class HandoffMixin:
                 tuple(seq.output_token_ids), state,
             )  # fmt: skip
 
-    def block_checksums(self, block_ids: list[int]) -> list[int]:
-        """Checksums of whole blocks (``engine.kv_checksum``), on the pool's device."""
+    def block_checksums(self, block_ids: list[int], algorithm: str | None = None) -> list[int]:
+        """Checksums of whole blocks (``engine.kv_checksum``) by ``algorithm`` (None: the
+        pool's own, ``runner.checksum_algorithm``), on the pool's device."""
         with self._lock:
-            return self.runner.block_checksums(block_ids)
+            return self.runner.block_checksums(block_ids, algorithm)
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""

@@ -1,19 +1,31 @@
 """Checksums of whole KV blocks, computed where the pool lives: on the GPU for a GPU pool (no
 block crosses to the host, one 8-byte sum per block comes back), over the bytes in place for a
-host pool.
+host pool. The handle of a hand-off names the function (``KVHandle.checksum_algorithm``), so
+sender and receiver always compute the same one.
 
-- GPU pool: a block's bytes are read as 64-bit words ``x_i`` and summed as
-  ``sum((2i + 1) * x_i)`` modulo 2^64 (integer wrap-around, so the order of the reduction never
-  matters). Every weight is odd, hence invertible modulo 2^64: a change to any one word always
-  changes the sum, and a block left zero or stale by an incomplete transfer, or words moved
-  within it, are caught unless the changes cancel exactly.
-- host pool: CRC-32 of the block's bytes (zlib, reading the pool in place, no copy), which
-  catches every burst error of up to 32 bits and a changed block otherwise with probability
-  1 - 2^-32; the weighted sum costs several times a copy on a CPU.
+Every function is defined on the *canonical* block (every KV head in order, ``libkv.kv_layout``)
+and is a sum modulo 2^64 of per-head terms, so a tensor-parallel rank computes the part of its
+heads (``partial``) and the ranks' parts add up to the canonical block's checksum: the same
+value whatever the TP size of either side (a head replicated over several ranks counts once).
+
+- ``xxh3-64-heads`` (host pools): ``sum((2h + 1) * xxh3_64(head h's bytes))`` over the block's
+  KV heads ``h``. XXH3 reads each head's bytes once, in place (no copy), at memory speed (about
+  4x CRC-32 on the 2-core test machine, ``bench/results/kv_checksum_cpu.md``); a changed head
+  changes its digest except with probability 2^-64, and every weight is odd, hence invertible
+  modulo 2^64, so a changed or moved head always changes the sum then.
+- ``wsum64`` (GPU pools): the block's bytes read as 64-bit words ``x_i`` and summed as
+  ``sum((2i + 1) * x_i)``, one reduction on the device (integer wrap-around, so the order of
+  the reduction never matters). Every weight is odd: a change to any one word always changes
+  the sum, and a block left zero or stale by an incomplete transfer, or words moved within it,
+  are caught unless the changes cancel exactly. A rank's heads start at word ``o`` of the
+  canonical block; it weights its words from ``2o + 1`` on.
+- ``crc32`` (legacy): CRC-32 of a TP=1 host block, what a sender that names no function
+  (an older worker) computed; checked, never sent.
 
 Sender and receiver of a hand-off hold pools of one kind (block size, layout and dtype must
-match; a CPU pool and a GPU pool never meet in one stack), so they compute the same function.
-These checksums guard against transport faults, not against an adversary.
+match; a CPU pool and a GPU pool never meet in one stack). A function other than the pool's
+own still works (``xxh3-64-heads`` of a GPU pool copies the blocks to the host). These
+checksums guard against transport faults, not against an adversary.
 """
 
 from __future__ import annotations
@@ -22,36 +34,87 @@ import zlib
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 MASK = (1 << 64) - 1
+XXH3_HEADS = "xxh3-64-heads"
+WSUM64 = "wsum64"
+CRC32 = "crc32"
+ALGORITHMS = (XXH3_HEADS, WSUM64, CRC32)
+
+
+def default_algorithm(device: torch.device) -> str:
+    """What a pool on ``device`` computes for the blocks it sends."""
+    return XXH3_HEADS if device.type == "cpu" else WSUM64
+
+
+def legacy_algorithm(device: torch.device) -> str:
+    """What a sender that named no function computed (older workers: by its pool's device)."""
+    return CRC32 if device.type == "cpu" else WSUM64
 
 
 class BlockChecksums:
-    """Per-block checksums of one pool ``cache`` (``[num_blocks, ...]``, contiguous)."""
+    """Per-block checksums of one head-major pool ``cache`` (``[num_blocks, heads, ...]``,
+    contiguous: one rank's heads, ``first_head`` the canonical index of its first; ``counted``
+    False for a rank whose heads an earlier rank also holds, which then adds nothing)."""
 
-    def __init__(self, cache: torch.Tensor, weighted: bool | None = None) -> None:
-        """``weighted``: the weighted sum (True) or CRC-32 (False); None: by the device."""
-        block_bytes = cache[0].numel() * cache.element_size()
-        if block_bytes % 8:
-            raise ValueError(f"blocks of {block_bytes} bytes are not whole 64-bit words")
+    def __init__(
+        self,
+        cache: torch.Tensor,
+        algorithm: str | None = None,
+        first_head: int = 0,
+        counted: bool = True,
+    ) -> None:
+        self.algorithm = algorithm or default_algorithm(cache.device)
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown KV checksum {self.algorithm!r} (known: {ALGORITHMS})")
+        if self.algorithm == CRC32 and (first_head or not counted):
+            raise ValueError("crc32 covers whole blocks of a TP=1 pool only")
+        head_bytes = cache[0, 0].numel() * cache.element_size()
+        if head_bytes % 8:
+            raise ValueError(f"heads of {head_bytes} bytes are not whole 64-bit words")
         self.cache = cache.view(torch.uint8)  # as bytes: any element type, FP8 pools included
-        if weighted is None:
-            weighted = cache.device.type != "cpu"
-        words = block_bytes // 8
-        self.weights = (
-            torch.arange(words, dtype=torch.int64, device=cache.device) * 2 + 1
-            if weighted
-            else None
-        )
+        self.heads = cache.shape[1]
+        self.first_head = first_head
+        self.counted = counted
+        self.weights: torch.Tensor | None = None
+        if self.algorithm == WSUM64:
+            words = self.heads * head_bytes // 8
+            offset = first_head * head_bytes // 8  # where this rank's words start, canonically
+            self.weights = (
+                torch.arange(words, dtype=torch.int64, device=cache.device) + offset
+            ) * 2 + 1
 
     def __call__(self, block_ids: Sequence[int]) -> list[int]:
-        """The checksum of each block, as unsigned 64-bit integers, in order."""
+        """This pool's part of each block's checksum (the whole checksum at TP=1), as unsigned
+        64-bit integers, in order; the parts of every rank add up modulo 2^64 (``combine``)."""
         if not block_ids:
             return []
-        if self.weights is None:
-            flat = self.cache.view(self.cache.shape[0], -1)
+        if not self.counted:
+            return [0] * len(block_ids)
+        if self.algorithm == WSUM64:
+            assert self.weights is not None
+            idx = torch.tensor(list(block_ids), device=self.cache.device)
+            words = self.cache.index_select(0, idx).reshape(len(block_ids), -1).view(torch.int64)
+            sums = (words * self.weights).sum(dim=1)
+            return [s & MASK for s in sums.tolist()]
+        if self.cache.device.type == "cpu":
+            host = self.cache
+        else:  # a host function over a device pool: only the named blocks cross
+            host = self.cache[torch.tensor(list(block_ids), device=self.cache.device)].cpu()
+            block_ids = range(len(block_ids))
+        if self.algorithm == CRC32:
+            flat = host.view(host.shape[0], -1)
             return [zlib.crc32(flat[i].numpy().data) for i in block_ids]
-        idx = torch.tensor(list(block_ids), device=self.cache.device)
-        words = self.cache.index_select(0, idx).reshape(len(block_ids), -1).view(torch.int64)
-        sums = (words * self.weights).sum(dim=1)
-        return [s & MASK for s in sums.tolist()]
+        heads = host.view(host.shape[0], self.heads, -1)
+        weights = [2 * (self.first_head + h) + 1 for h in range(self.heads)]
+        digest = xxhash.xxh3_64_intdigest
+        return [
+            sum(w * digest(heads[i, h].numpy().data) for h, w in enumerate(weights)) & MASK
+            for i in block_ids
+        ]
+
+
+def combine(parts: Sequence[Sequence[int]]) -> list[int]:
+    """Each block's checksum from every rank's part of it (``BlockChecksums.__call__``)."""
+    return [sum(column) & MASK for column in zip(*parts, strict=True)]

@@ -23,7 +23,7 @@ import kernels
 from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
-from engine.kv_checksum import BlockChecksums
+from engine.kv_checksum import ALGORITHMS, CRC32, BlockChecksums, combine, default_algorithm
 from engine.loader import dummy_weights, load_weights
 from engine.lora import LoRABatch, LoRAManager
 from engine.lora_config import LoRASpec
@@ -161,7 +161,7 @@ class ModelRunner:
         )
         self.kv_cache = kv_pool.kernel_view(self.kv_pool)
         self.graphs: DecodeGraphs | None = None
-        self._checksums: BlockChecksums | None = None
+        self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
@@ -283,6 +283,7 @@ class ModelRunner:
             "lora_add": self._lora_add,
             "lora_remove": self._lora_remove,
             "read": self._read,
+            "checksum": self._checksum,
             "write": self._write,
         }
 
@@ -327,15 +328,35 @@ class ModelRunner:
             seq_lens=[p + 1 for p in positions],
         )
 
-    def block_checksums(self, block_ids: list[int]) -> list[int]:
-        """Checksums of whole blocks, computed on the pool's device (``engine.kv_checksum``);
-        [] under tensor parallelism (each rank holds only its heads: not checked)."""
-        if self.comm.size > 1:
+    @property
+    def checksum_algorithm(self) -> str:
+        """The block checksum this pool sends (``engine.kv_checksum``)."""
+        return default_algorithm(self.device)
+
+    def block_checksums(self, block_ids: list[int], algorithm: str | None = None) -> list[int]:
+        """Checksums of whole canonical blocks (``engine.kv_checksum``), computed on the
+        pool's device by ``algorithm`` (None: ``checksum_algorithm``); under tensor
+        parallelism each rank sums its heads and rank 0 adds the parts up."""
+        algorithm = algorithm or self.checksum_algorithm
+        if algorithm not in ALGORITHMS or (algorithm == CRC32 and self.comm.size > 1):
+            raise ValueError(f"KV checksum {algorithm!r} is not computed by this worker")
+        if not block_ids:
             return []
         self.bind_thread()
-        if self._checksums is None:
-            self._checksums = BlockChecksums(self.kv_pool)
-        return self._checksums(block_ids)
+        return self._command("checksum", list(block_ids), algorithm)
+
+    def _checksum(self, block_ids: list[int], algorithm: str) -> list[int]:
+        fn = self._checksums.get(algorithm)
+        if fn is None:
+            rank = self.comm.rank
+            lo, _ = self.layout.heads(rank)
+            fn = BlockChecksums(self.kv_pool, algorithm, lo, self.layout.first_holder(rank))
+            self._checksums[algorithm] = fn
+        mine = fn(block_ids)
+        if self.comm.size == 1:
+            return mine
+        parts = self.comm.gather_to_first(mine)
+        return [] if parts is None else combine(parts)  # type: ignore[arg-type]
 
     # -- block bytes (the gRPC block stream): canonical blocks, every KV head ------------------
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:

@@ -90,6 +90,11 @@ class KVLayout:
     def heads(self, rank: int) -> tuple[int, int]:
         return kv_heads_of_rank(self.num_kv_heads, self.tp, rank)
 
+    def first_holder(self, rank: int) -> bool:
+        """Whether no lower rank holds rank ``rank``'s heads too (replicated heads, more ranks
+        than KV heads): the rank whose copy counts once in a block's checksum."""
+        return rank == 0 or self.heads(rank - 1)[0] != self.heads(rank)[0]
+
     def shard_block_bytes(self, rank: int) -> int:
         lo, hi = self.heads(rank)
         return (hi - lo) * self.head_bytes

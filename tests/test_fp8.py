@@ -189,12 +189,12 @@ def test_fp8_kv_through_the_stack_is_token_exact_with_fp8_blocks(smol_dir, tmp_p
     assert offline.runner.block_bytes * 4 == make(smol_dir, num_kv_blocks=4).runner.block_bytes
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-def test_block_checksums_of_an_fp8_pool(weighted):
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3-64-heads", "crc32"])
+def test_block_checksums_of_an_fp8_pool(algorithm):
     """Checked hand-offs sum a pool's blocks as bytes: an FP8 pool like any other."""
     from engine.kv_checksum import BlockChecksums
 
     pool = to_fp8(torch.randn(6, 2, 4, 2, 16, 8))
     pool[3] = pool[1]
-    sums = BlockChecksums(pool, weighted=weighted)([0, 1, 3])
+    sums = BlockChecksums(pool, algorithm)([0, 1, 3])
     assert sums[1] == sums[2] != sums[0]

@@ -1,7 +1,8 @@
 """Checked KV: every block a prefill worker hands off carries a checksum computed where the
 pool lives; the decode worker checks what arrived and recomputes the prompt on a mismatch,
-counting the corrupt blocks, so corrupt KV is never served. Unit tests of the checksum and one
-stack whose decode worker damages every transfer (the test-only ``--kv-fault corrupt``)."""
+counting the corrupt blocks, so corrupt KV is never served. Unit tests of the checksums, and
+stacks (TP 1, and TP 2 on both sides) whose decode worker damages every transfer (the
+test-only ``--kv-fault corrupt``)."""
 
 from __future__ import annotations
 
@@ -12,25 +13,29 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.kv_checksum import MASK, BlockChecksums
+from engine.kv_checksum import MASK, BlockChecksums, combine
+from libkv.transfer.nixl_agent import nixl_available
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.test_e2e_stack import LONG, MODEL, assert_all_free, offline_greedy
 
+ALGORITHMS = ["xxh3-64-heads", "wsum64", "crc32"]
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["crc32", "weighted-sum"])
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_any_changed_word_changes_the_checksum(dtype, weighted) -> None:
-    """Both functions (CRC-32 for host pools, the odd-weighted sum for GPU pools)."""
+def test_any_changed_word_changes_the_checksum(dtype, algorithm) -> None:
+    """Every function (XXH3 per head for host pools, the odd-weighted sum for GPU pools,
+    CRC-32 of older senders) over a head-major pool ``[blocks, heads, layers, 2, bs, dim]``."""
     torch.manual_seed(0)
-    cache = torch.randn(6, 2, 2, 16, 2, 8).to(dtype)
-    sums = BlockChecksums(cache, weighted)
+    cache = torch.randn(6, 2, 2, 2, 16, 8).to(dtype)
+    sums = BlockChecksums(cache, algorithm)
     cache[3] = cache[1]  # same bytes in another block: same checksum
     base = sums([0, 1, 2, 3])
     assert base[1] == base[3] and len(set(base[:3])) == 3
     assert all(0 <= s <= MASK for s in base)
     words = cache.view(-1).view(torch.int64).view(6, -1)
-    for pos in (0, 7, words.shape[1] - 1):  # one flipped bit anywhere, the top one included
+    for pos in (0, 7, words.shape[1] // 2, words.shape[1] - 1):  # in either head, top bit too
         for bit in (0, 63):
             saved = int(words[2, pos])
             words[2, pos] ^= -(1 << 63) if bit == 63 else 1
@@ -40,16 +45,61 @@ def test_any_changed_word_changes_the_checksum(dtype, weighted) -> None:
     swapped = words[2].clone()
     words[2, 0], words[2, 1] = swapped[1], swapped[0]  # two words trade places
     assert sums([2]) != [base[2]] or bool(swapped[0] == swapped[1])
+    words[2] = swapped
+    heads = cache[2].clone()
+    cache[2, 0], cache[2, 1] = heads[1], heads[0]  # the two heads trade places
+    assert sums([2]) != [base[2]]
     before = sums([5])
     cache[5].zero_()  # what an incomplete transfer leaves
     assert sums([5]) != before
 
 
-@pytest.fixture(scope="module")
-def stack(smol_dir, tmp_path_factory):
+@pytest.mark.parametrize("algorithm", ["xxh3-64-heads", "wsum64"])
+@pytest.mark.parametrize(("heads", "tp"), [(4, 2), (3, 2), (4, 4), (2, 4)])
+def test_ranks_parts_add_up_to_the_canonical_checksum(algorithm, heads, tp) -> None:
+    """Under tensor parallelism each rank sums its heads of a block (a replicated head once)
+    and the parts add up to the canonical block's checksum: sender and receiver agree at any
+    two TP sizes, as KV moves between them."""
+    from engine.kv_pool import allocate
+    from libkv.kv_layout import KVLayout
+
+    torch.manual_seed(1)
+    canon = KVLayout(2, heads, 8, 16, "float32", 4)
+    whole = torch.randn(5, heads, 2, 2, 16, 8)
+    expected = BlockChecksums(whole, algorithm)([0, 2, 4])
+    layout = KVLayout(2, heads, 8, 16, "float32", 4, tp=tp)
+    parts = []
+    for rank in range(tp):
+        lo, hi = layout.heads(rank)
+        shard = allocate(layout, rank, 5, torch.float32, torch.device("cpu"))
+        shard.copy_(whole[:, lo:hi])
+        parts.append(BlockChecksums(shard, algorithm, lo, layout.first_holder(rank))([0, 2, 4]))
+    assert combine(parts) == expected
+    assert canon.block_bytes == whole[0].numel() * 4
+
+
+def test_an_unknown_checksum_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown KV checksum"):
+        BlockChecksums(torch.zeros(2, 1, 8), "md5")
+
+
+# (prefill TP, decode TP, transport). At TP 2 on both sides each rank sums its KV heads and
+# rank 0 adds the parts up, on the sender and on the receiver: a wrong combination on either
+# side would make every block mismatch, not just the damaged one. Over NIXL where importable
+# (each decode rank READs its heads from the prefill ranks, `libkv.transfer.sharded`).
+TP_TRANSPORT = "nixl" if nixl_available() else "grpc"
+SHAPES = [
+    pytest.param((1, 1, "grpc"), id="tp1-grpc"),
+]
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def stack(smol_dir, tmp_path_factory, request):
+    prefill_tp, decode_tp, transport = request.param
     config = StackConfig(
         model_dir=str(smol_dir), run_dir=str(tmp_path_factory.mktemp("checked")),
-        port=free_port(), num_prefill=1, num_decode=1, kv_transport="grpc",
+        port=free_port(), num_prefill=1, num_decode=1, kv_transport=transport,
+        prefill_tp=prefill_tp, decode_tp=decode_tp, start_timeout=300.0,
         worker_args=("--kv-fault", "corrupt"),  # decode damages every transfer's first block
     )  # fmt: skip
     with Stack(config) as s:
@@ -73,6 +123,7 @@ def test_a_block_corrupted_in_transit_is_detected_and_recomputed(stack, smol_dir
     before = decode_metric(stack, "tandem_kv_transfer_corrupt_blocks_total")
     out = client.completions.create(model=MODEL, prompt=LONG, max_tokens=16, temperature=0)
     assert out.choices[0].text == ref.text  # the damaged KV was never used
+    # Exactly the damaged block: the others, checked too, match the sender's sums.
     assert decode_metric(stack, "tandem_kv_transfer_corrupt_blocks_total") == before + 1
     assert decode_metric(stack, "tandem_kv_handoff_recomputed_total") >= 1
     log = stack.children["decode-0"].log_path.read_text()

@@ -53,6 +53,7 @@ class KVHandle:
     dtype: str
     lease_expires_unix_ms: int
     block_checksums: tuple[int, ...] = ()  # per block, from the sender; () = unchecked
+    checksum_algorithm: str = ""  # what computed them (engine.kv_checksum); "" = older sender
 
 
 @dataclass(slots=True)
@@ -232,6 +233,7 @@ def handle_to_pb(h: KVHandle) -> common_pb2.KVHandle:
         dtype=h.dtype,
         lease_expires_unix_ms=h.lease_expires_unix_ms,
         block_checksums=list(h.block_checksums),
+        checksum_algorithm=h.checksum_algorithm,
     )
 
 
@@ -247,4 +249,5 @@ def handle_from_pb(msg: common_pb2.KVHandle) -> KVHandle:
         dtype=msg.dtype,
         lease_expires_unix_ms=msg.lease_expires_unix_ms,
         block_checksums=tuple(msg.block_checksums),
+        checksum_algorithm=msg.checksum_algorithm,
     )

@@ -3,6 +3,7 @@ batch, stream outputs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from engine.async_engine import AsyncEngine
 from engine.errors import KVCapacityError
 from engine.handoff import FirstToken, HeldKV
+from engine.kv_checksum import legacy_algorithm
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.transfer import KVTransferError, KVTransport
@@ -21,6 +23,11 @@ from services.decode.handover import Handover
 from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 @dataclass(slots=True)
@@ -268,8 +275,11 @@ class DecodeCore:
         expected = job.kv.block_checksums[skip:]
         if not expected or not dst:
             return 0
-        got = await self.engine.run(eng.block_checksums, dst)
-        if not got:  # a tensor-parallel worker checks nothing
+        algorithm = job.kv.checksum_algorithm or legacy_algorithm(eng.runner.device)
+        try:
+            got = await self.engine.run(eng.block_checksums, dst, algorithm)
+        except ValueError as e:  # a function this worker does not compute: unchecked
+            _warn_once(f"KV from {job.kv.worker_id} is not checked: {e}")
             return 0
         return sum(a != b for a, b in zip(got, expected, strict=True))
 

@@ -62,10 +62,11 @@ class Handover:
             block_ids=held.block_ids,
             num_tokens=held.num_tokens,
             block_size=eng.config.block_size,
-            block_bytes=eng.runner.block_bytes,
+            block_bytes=eng.runner.layout.block_bytes,  # canonical: every KV head
             dtype=str(eng.runner.dtype).removeprefix("torch."),
             lease_expires_unix_ms=int((time.time() + LEASE_S) * 1000),
             block_checksums=tuple(sums),
+            checksum_algorithm=eng.runner.checksum_algorithm if sums else "",
         )
         return Moved(handle, held.generator_state)
 

@@ -108,6 +108,7 @@ class PrefillCore:
             dtype=str(eng.runner.dtype).removeprefix("torch."),
             lease_expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
             block_checksums=tuple(sums),
+            checksum_algorithm=eng.runner.checksum_algorithm if sums else "",
         )
         states = [eng.generator_state(request_id, i) for i in range(params.n)]
         return PrefillResult(outs, handle, states)
