@@ -111,6 +111,8 @@ def test_handoff_between_tp_sizes_matches_colocated(stack, offline):
     )
     decode_log = stack.children["decode-0"].log_path.read_text()
     assert "did not arrive" not in decode_log
+    # Checked at both TP sizes: the sums of the prefill ranks match the decode ranks'.
+    assert "arrived corrupt" not in decode_log
     stats = worker_stats(stack)
     assert all(s.integrity_ok for s in stats.values())
     moved = transfers(stack, "decode-0")

@@ -90,6 +90,8 @@ def test_an_unknown_checksum_is_refused() -> None:
 TP_TRANSPORT = "nixl" if nixl_available() else "grpc"
 SHAPES = [
     pytest.param((1, 1, "grpc"), id="tp1-grpc"),
+    # Four engine processes on this 2-core machine: about 90 s with its stack.
+    pytest.param((2, 2, TP_TRANSPORT), id=f"p2-d2-{TP_TRANSPORT}", marks=pytest.mark.slow),
 ]
 
 

@@ -271,7 +271,8 @@ class DecodeCore:
         assert job.kv is not None
         eng = self.engine.engine
         if self.fault == "corrupt" and dst:
-            await self.engine.run(eng.write_blocks, dst[:1], [b"\xa5" * eng.runner.block_bytes])
+            damaged = b"\xa5" * eng.runner.layout.block_bytes  # a canonical block: every head
+            await self.engine.run(eng.write_blocks, dst[:1], [damaged])
         expected = job.kv.block_checksums[skip:]
         if not expected or not dst:
             return 0
