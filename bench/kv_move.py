@@ -2,22 +2,28 @@
 decode worker, from the moment it leaves the first worker's batch to its next token there.
 
 - move: the request leaves engine A's batch with its KV held (``hold_for_move``), its blocks
-  are read out and written into engine B's pool (the gRPC-stream transport's byte work, no
-  network), B joins it to its batch and samples the next token;
+  reach engine B's pool, B joins it to its batch and samples the next token. ``--transport
+  bytes`` (default): read out of A and written into B (the gRPC-stream transport's byte work,
+  no network); ``--transport nixl``: B's NIXL agent READs them from A's (two agents over the
+  two pools, as a decode worker taking over a draining one's requests does; both engines run
+  in this process, so UCX copies within it);
 - re-prefill: B takes the same request from its prompt plus the tokens already produced (what
   a migration does when the KV is lost) and computes all of it before the next token (another
   tenant, so B's prefix cache does not help).
 
     python -m bench.kv_move --model ~/.cache/tandem/models/SmolLM2-135M-Instruct
+    python -m bench.kv_move --transport nixl
 
-Prints a table; ``--out DIR`` also writes ``kv_move.json`` there.
+Prints a table; ``--out DIR`` also writes ``kv_move_<transport>.json`` there.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -30,7 +36,42 @@ def next_token(engine: LLMEngine, rid: str) -> None:
         pass
 
 
-def one(a: LLMEngine, b: LLMEngine, prompt: list[int], produced: int, tag: str) -> dict:
+Move = Callable[[list[int], list[int]], None]  # (B's blocks, A's blocks)
+
+
+def copy_bytes(a: LLMEngine, b: LLMEngine) -> Move:
+    def move(dst: list[int], src: list[int]) -> None:
+        b.write_blocks(dst, a.read_blocks(src))
+
+    return move
+
+
+def nixl_read(a: LLMEngine, b: LLMEngine, loop: asyncio.AbstractEventLoop) -> Move:
+    """B's agent READs from A's, both over their whole pools (as workers register them)."""
+    from libkv.transfer.nixl_agent import NixlEndpoint
+    from libkv.transfer.pool import PoolStore
+
+    def region(e: LLMEngine):
+        return PoolStore(e.runner.kv_pool, e.runner.block_bytes, e).region
+
+    async def start() -> tuple[NixlEndpoint, NixlEndpoint]:
+        ea = await NixlEndpoint.start("bench-move-a", region(a))
+        eb = await NixlEndpoint.start("bench-move-b", region(b))
+        assert ea.info is not None
+        await eb.connect(ea.info)
+        for ep in (ea, eb):  # both progress UCX while a transfer runs, as workers' pumps do
+            ep.start_pump(lambda peer, message: None, busy=lambda: True)
+        return ea, eb
+
+    ea, eb = loop.run_until_complete(start())
+
+    def move(dst: list[int], src: list[int]) -> None:
+        loop.run_until_complete(eb.transfer("READ", ea.name, dst, src, b"rel", 60.0))
+
+    return move
+
+
+def one(a: LLMEngine, b: LLMEngine, move: Move, prompt: list[int], produced: int, tag: str) -> dict:
     params = SamplingParams(max_tokens=produced + 8, temperature=0, ignore_eos=True)
     rid = f"run-{tag}"
     a.add_request(rid, prompt, params)
@@ -43,7 +84,7 @@ def one(a: LLMEngine, b: LLMEngine, prompt: list[int], produced: int, tag: str) 
     done = list(held.output_token_ids)
     dst, cached = b.reserve(rid, prompt + done[:-1])
     skip = cached // b.config.block_size
-    b.write_blocks(dst[skip:], a.read_blocks(list(held.block_ids)[skip:]))
+    move(dst[skip:], list(held.block_ids)[skip:])
     a.release(rid)
     first = FirstToken(0, done[-1], None, held.generator_state, tuple(done[:-1]))
     b.add_prefilled(rid, prompt, None, params, firsts=[first])
@@ -69,15 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=DEFAULT_DIR)
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--produced", type=int, default=32)
+    p.add_argument("--transport", choices=("bytes", "nixl"), default="bytes")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     config = EngineConfig(model_dir=str(args.model), kv_cache_bytes=256 * 1024**2)
     a, b = LLMEngine(config), LLMEngine(config)
+    loop = asyncio.new_event_loop()
+    move = nixl_read(a, b, loop) if args.transport == "nixl" else copy_bytes(a, b)
     rows = []
     for n in args.prompt_tokens:
         ids = a.tokenizer.encode(" ".join(f"line {i} of the log;" for i in range(n)))[:n]
-        one(a, b, ids, args.produced, f"warm{n}")  # first use of these shapes
-        rows.append(one(a, b, ids, args.produced, str(n)))
+        one(a, b, move, ids, args.produced, f"warm{n}")  # first use of these shapes
+        rows.append({"transport": args.transport, **one(a, b, move, ids, args.produced, str(n))})
     print(f"{'prompt':>7} {'produced':>8} {'blocks':>6} {'move ms':>8} {'re-prefill ms':>13} "
           f"{'speedup':>7}")  # fmt: skip
     for r in rows:
@@ -85,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['reprefill_ms']:>13} {r['speedup']:>7}")  # fmt: skip
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kv_move.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (args.out / f"kv_move_{args.transport}.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 

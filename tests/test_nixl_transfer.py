@@ -240,3 +240,39 @@ def test_byte_ranges_of_blocks_move_to_their_offsets(peers):
         for so, do, n in parts:
             want[d, do : do + n] = expected[s, so : so + n]
     assert decode.pool.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_decode_side_serves_its_held_blocks_to_another(mode):
+    """Live KV migration: a draining decode worker's transport serves the blocks it holds for
+    a moved request (``serve``) over its own agent, while it still pulls as a decode side; the
+    worker taking over READs them (or has them pushed) and they are freed on the notification."""
+    from tests.nixl_peer import FakeHolder
+
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, (8, 4096), dtype=np.uint8)
+    dst = np.zeros((8, 4096), dtype=np.uint8)
+
+    async def main() -> list[str]:
+        a_ep = await NixlEndpoint.start(agent_name("decode-0", "inc-a"), region_of(src))
+        b_ep = await NixlEndpoint.start(agent_name("decode-1", "inc-b"), region_of(dst))
+        assert a_ep.info is not None
+        draining = NixlTransport(a_ep, StaticPeers(), "read")
+        holder = FakeHolder("inc-a", {"moved": [2, 5, 6]})
+        draining.serve(holder, busy=lambda: bool(holder.held))
+        taker = NixlTransport(b_ep, StaticPeers({"decode-0": a_ep.info}), mode, probe_interval=0.1)
+        try:
+            handle = Source("decode-0", "inc-a", (2, 5, 6), 4096)
+            path = await taker.fetch("moved", handle, [2, 5, 6], [0, 3, 4], timeout=10)
+            assert path == f"nixl-{mode}"
+            await taker.release("moved", handle)
+            deadline = time.monotonic() + 3
+            while "moved" not in holder.released and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return holder.released
+        finally:
+            await taker.close()
+            await draining.close()
+
+    assert "moved" in asyncio.run(main())
+    assert np.array_equal(dst[[0, 3, 4]], src[[2, 5, 6]])

@@ -66,7 +66,10 @@ class NixlTransport:
     """Decode side: obtains a request's blocks by READ or by asking prefill to WRITE them.
 
     Peers without a NIXL agent in their member record are served by ``fallback`` (the gRPC
-    stream), so mixed deployments keep working."""
+    stream), so mixed deployments keep working. A decode worker also *serves* blocks over the
+    same agent once ``serve`` is called (live KV migration: a draining decode worker's held
+    blocks, READ by the worker taking its requests over), with a `NixlBlockServer` that gets
+    this agent's notifications of that kind."""
 
     def __init__(
         self,
@@ -93,7 +96,20 @@ class NixlTransport:
         self._agents: dict[str, str] = {}  # worker id -> agent name of its incarnation in use
         self._waiting: dict[tuple[str, str], asyncio.Future[dict]] = {}
         self._released: set[str] = set()  # requests whose release rode on the transfer
-        endpoint.start_pump(self._on_notif, busy=lambda: bool(self._waiting))
+        self.server: NixlBlockServer | None = None  # set by ``serve``
+        endpoint.start_pump(self._on_notif, busy=self._busy)
+
+    def serve(
+        self, holder: BlockHolder, busy: Callable[[], bool], whole_blocks: bool = True
+    ) -> NixlBlockServer:
+        """Serve ``holder``'s held blocks to peers over this agent (frees them on ``rel``,
+        pushes them on ``push``); ``busy``: whether any are held; ``whole_blocks`` False for
+        a tensor-parallel worker (peers READ rank by rank; no push)."""
+        self.server = NixlBlockServer(self.endpoint, holder, busy, whole_blocks, pump=False)
+        return self.server
+
+    def _busy(self) -> bool:
+        return bool(self._waiting) or (self.server is not None and self.server.busy())
 
     async def _peer(self, source: KVSource, timeout: float) -> AgentInfo | None:
         info = await self.peers.agent_info(source.worker_id, source.incarnation, timeout)
@@ -207,6 +223,9 @@ class NixlTransport:
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
         msg = _parse(peer, raw)
+        if msg.get("t") in SERVED and self.server is not None:
+            self.server.handle(peer, msg)
+            return
         fut = self._waiting.get((peer, msg.get("rid", "")))
         if fut is not None and not fut.done() and msg.get("t") in ("done", "fail"):
             fut.set_result(msg)
@@ -224,13 +243,20 @@ class NixlTransport:
             await self.fallback.release(request_id, source)
 
     async def close(self) -> None:
+        if self.server is not None:
+            self.server.cancel()
         await self.endpoint.close()
         if self.fallback is not None:
             await self.fallback.close()
 
 
+SERVED = ("rel", "push", "cancel")  # the notifications a block server answers
+
+
 class NixlBlockServer:
-    """Prefill side: frees blocks on ``rel``, serves ``push`` by WRITE, honours ``cancel``."""
+    """Serving side (a prefill worker, or a draining decode worker's moved requests): frees
+    blocks on ``rel``, serves ``push`` by WRITE, honours ``cancel``. With ``pump`` False the
+    owner of the endpoint's notification pump hands these to ``handle`` (`NixlTransport`)."""
 
     def __init__(
         self,
@@ -238,6 +264,7 @@ class NixlBlockServer:
         holder: BlockHolder,
         busy: Callable[[], bool],
         whole_blocks: bool = True,
+        pump: bool = True,
     ) -> None:
         self.endpoint = endpoint
         self.holder = holder
@@ -247,10 +274,19 @@ class NixlBlockServer:
         self.stats = TransferStats()
         self._cancelled: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
-        endpoint.start_pump(self._on_notif, busy=lambda: busy() or bool(self._tasks))
+        self._held_busy = busy
+        if pump:
+            endpoint.start_pump(self._on_notif, busy=self.busy)
+
+    def busy(self) -> bool:
+        """Blocks are held for peers, or a push is under way: notifications are due soon."""
+        return self._held_busy() or bool(self._tasks)
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
-        msg = _parse(peer, raw)
+        self.handle(peer, _parse(peer, raw))
+
+    def handle(self, peer: str, msg: dict) -> None:
+        """Answer one (parsed) notification."""
         kind, rid = msg.get("t"), msg.get("rid", "")
         if kind == "rel":
             self.holder.release(rid)
@@ -290,7 +326,11 @@ class NixlBlockServer:
             if held:  # decode either has the blocks or will not come back for them
                 self.holder.release(rid)
 
-    async def close(self) -> None:
+    def cancel(self) -> None:
+        """Stop the pushes under way (at shutdown)."""
         for task in list(self._tasks):
             task.cancel()
+
+    async def close(self) -> None:
+        self.cancel()
         await self.endpoint.close()

@@ -21,7 +21,8 @@ from libkv.transfer.sharded import ShardedReader
 
 
 class EtcdPeers:
-    """PeerDirectory over a live view of the prefill members in etcd."""
+    """PeerDirectory over a live view of the members in etcd (prefill workers, and decode
+    workers whose moved KV is taken over)."""
 
     def __init__(self, watcher: MemberWatcher) -> None:
         self.watcher = watcher
@@ -43,10 +44,10 @@ class EtcdPeers:
             await self.watcher.wait_for(live, min(timeout, 1.0))
             member = self.watcher.members.get(worker_id)
         if member is None:
-            raise KVTransferError(f"prefill worker {worker_id} is not registered (gone?)")
+            raise KVTransferError(f"worker {worker_id} is not registered (gone?)")
         if member.incarnation != incarnation:
             raise StalePeerError(
-                f"prefill worker {worker_id} restarted: the handle names incarnation "
+                f"worker {worker_id} restarted: the handle names incarnation "
                 f"{incarnation}, the live one is {member.incarnation}"
             )
         return member.extra

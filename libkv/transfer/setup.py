@@ -79,6 +79,16 @@ class KVSide:
     slow_transfers: int = 0
     # Set by the wiring once registered: republishes a member-record field.
     publish: Callable[[str, str], None] | None = None
+    nixl: NixlTransport | None = None  # a decode worker's NIXL side, when it runs an agent
+    whole_blocks: bool = True  # False: tensor-parallel, each rank's agent holds its heads
+
+    def serve_held(self, holder: BlockHolder, busy: Callable[[], bool]) -> bool:
+        """Serve ``holder``'s held blocks to peers over this worker's NIXL agent (a decode
+        worker's moved KV); False without one (peers then pull over the gRPC stream)."""
+        if self.nixl is None:
+            return False
+        self.nixl.serve(holder, busy, self.whole_blocks)
+        return True
 
     async def close(self) -> None:
         for close in reversed(self.closers):
@@ -162,7 +172,7 @@ async def decode_side(
     `libkv.transfer.handoff_path`."""
     grpc = GrpcStreamTransport(pool, channel)
     endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd, ranks)
-    side = KVSide()
+    side = KVSide(whole_blocks=ranks is None)
     if pool.on_gpu:
         _gpu_side(side, pool, kind, endpoint is not None, export=False)
         if not cuda_ipc:
@@ -171,7 +181,8 @@ async def decode_side(
     if not etcd or (endpoint is None and not (pool.on_gpu and cuda_ipc)):
         side.transport, side.closers = grpc, [grpc.close]
         return side
-    watcher = await MemberWatcher.start(list(etcd), MEMBERS_PREFIX + "prefill/")
+    # Every member, decode workers too: a draining decode worker's moved KV is READ from it.
+    watcher = await MemberWatcher.start(list(etcd), MEMBERS_PREFIX)
     peers = EtcdPeers(watcher)
     network: KVTransport = grpc
     sharded = None
@@ -179,7 +190,9 @@ async def decode_side(
         assert endpoint.info is not None
         side.extra.update(endpoint.info.to_extra())
         mode = nixl_mode_for(mode, pool.device_type)
-        network = NixlTransport(endpoint, peers, mode, fallback=grpc, on_slow=side.network_slow)
+        network = side.nixl = NixlTransport(
+            endpoint, peers, mode, fallback=grpc, on_slow=side.network_slow
+        )
         log.info("KV transport: NIXL %s (agent %s), gRPC fallback", mode.upper(), endpoint.name)
         if layout is not None:
             await _rank_agents(side, endpoint, worker_id, incarnation, ranks)

@@ -45,6 +45,9 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         checksums=c.kv_checksums,
     )
 
+    # Moved KV (a drain's live migration) is READ over NIXL where this worker runs an agent.
+    kv.serve_held(core.handover, busy=lambda: core.handover.num_held > 0)
+
     def bound(address: str) -> None:
         core.handover.address = address  # moved requests' KV handles name it
 

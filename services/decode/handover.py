@@ -2,14 +2,17 @@
 single-choice request leaves the batch between two steps with its KV held, as a prefill's is;
 its stream ends with a `Moved` event naming those blocks, and the router continues it on another
 decode worker, which pulls the blocks (prompt and every output token but the last) and decodes
-on, without computing anything again. The blocks are served over the gRPC block stream
-(``tandem.v1.KVTransport``) and freed once read, or when the worker exits."""
+on, without computing anything again. The blocks are READ over NIXL where both workers run an
+agent (the taker's READ carries the ``rel`` notification on which they are freed), else served
+over the gRPC block stream (``tandem.v1.KVTransport``) and freed once read; in any case freed
+when the worker exits."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.async_engine import AsyncEngine
 from engine.handoff import HeldKV
@@ -33,6 +36,7 @@ class Handover:
         self.address = ""  # set once the server is bound
         self.moved_out = 0  # requests handed over with their KV
         self._held: dict[str, tuple[int, ...]] = {}  # request id -> blocks held for a peer
+        self._releasing: set[asyncio.Task] = set()
 
     async def move_out(self, request_ids: Iterable[str]) -> int:
         """Take each request out of the batch with its KV held; those that could not move now
@@ -76,15 +80,30 @@ class Handover:
         """The gRPC block stream's read (`libkv.transfer.grpc_stream.BlockReader`): the bytes
         of blocks held for a move. The handle is good for one read: the blocks are freed after
         it (the taker reads every block it does not cache, in one call)."""
-        held = self._held.get(request_id)
-        if incarnation != self.incarnation or held is None or not set(block_ids) <= set(held):
-            raise FailedPrecondition(f"no moved KV of {request_id} with blocks {block_ids}")
+        self.held_blocks(request_id, incarnation, block_ids)
         eng = self.engine.engine
         try:
             return await self.engine.run(eng.read_blocks, block_ids)
         finally:
-            del self._held[request_id]
-            await self.engine.run(eng.release, request_id)
+            if self._held.pop(request_id, None) is not None:
+                await self.engine.run(eng.release, request_id)
+
+    def held_blocks(self, request_id: str, incarnation: str, block_ids: Sequence[int]) -> None:
+        """Raise unless this incarnation holds ``block_ids`` for a moved request (the
+        `libkv.transfer.BlockHolder` a NIXL block server asks before a push)."""
+        held = self._held.get(request_id)
+        if incarnation != self.incarnation or held is None or not set(block_ids) <= set(held):
+            raise FailedPrecondition(f"no moved KV of {request_id} with blocks {block_ids}")
+
+    def release(self, request_id: str) -> bool:
+        """Free a moved request's blocks (its taker READ them over NIXL, or gave up); called on
+        the event loop, so the engine's release runs in a thread."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        task = asyncio.create_task(self.engine.run(self.engine.engine.release, request_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        return True
 
     @property
     def num_held(self) -> int:
