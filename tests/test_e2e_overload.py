@@ -35,8 +35,10 @@ class Outcome:
     done: bool = False
 
 
-async def stream_one(client: httpx.AsyncClient, url: str) -> Outcome:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+async def stream_one(
+    client: httpx.AsyncClient, url: str, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS
+) -> Outcome:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     out = Outcome()
     t0 = time.monotonic()
@@ -56,10 +58,10 @@ async def stream_one(client: httpx.AsyncClient, url: str) -> Outcome:
     return out
 
 
-async def overload(url: str) -> list[Outcome]:
-    limits = httpx.Limits(max_connections=CONCURRENT + 4)
-    async with httpx.AsyncClient(timeout=180, limits=limits) as client:
-        return await asyncio.gather(*(stream_one(client, url) for _ in range(CONCURRENT)))
+async def overload(url: str, n: int = CONCURRENT, **body) -> list[Outcome]:
+    limits = httpx.Limits(max_connections=n + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        return await asyncio.gather(*(stream_one(client, url, **body) for _ in range(n)))
 
 
 def p90(values: list[float]) -> float:
@@ -79,9 +81,9 @@ def stack(smol_dir, tmp_path_factory):
         yield s
 
 
-@pytest.mark.timeout(400)
-def test_overload_gets_fast_429s_and_every_started_stream_finishes(stack):
-    outcomes = asyncio.run(overload(f"{stack.url}/v1/completions"))
+def check(stack: Stack, outcomes: list[Outcome], p90_bound: float) -> dict:
+    """No 5xx, every 200 followed by its whole answer, 429s with Retry-After within
+    ``p90_bound`` seconds at p90; the figures (also appended to ``OVERLOAD_OUT``)."""
     by_status: dict[int, int] = {}
     for o in outcomes:
         by_status[o.status] = by_status.get(o.status, 0) + 1
@@ -98,12 +100,47 @@ def test_overload_gets_fast_429s_and_every_started_stream_finishes(stack):
     for o in refused:
         assert int(o.headers["retry-after"]) >= 1 and int(o.headers["retry-after-ms"]) >= 100
     latency = p90([o.seconds for o in refused])
-    figures = {"concurrent": CONCURRENT, "served": len(served), "refused": len(refused),
+    figures = {"concurrent": len(outcomes), "served": len(served), "refused": len(refused),
                "p90_429_s": round(latency, 3),
-               "max_429_s": round(max(o.seconds for o in refused), 3)}  # fmt: skip
+               "max_429_s": round(max(o.seconds for o in refused), 3),
+               "p90_200_s": round(p90([o.seconds for o in served]), 3)}  # fmt: skip
     print(figures)
     if os.environ.get("OVERLOAD_OUT"):
         with open(os.environ["OVERLOAD_OUT"], "a") as f:
             f.write(json.dumps(figures) + "\n")
-    assert latency < 1.0, figures  # fast: refused before any prefill or decode work
+    assert latency <= p90_bound, figures  # fast: refused before any prefill or decode work
     assert_all_free(stack, within=10)
+    return figures
+
+
+@pytest.mark.timeout(400)
+def test_overload_gets_fast_429s_and_every_started_stream_finishes(stack):
+    check(stack, asyncio.run(overload(f"{stack.url}/v1/completions")), 1.0)
+
+
+# Issue 18's scenario: 160 concurrent streams of ~450 prompt tokens against `make serve`'s stack
+# (one prefill and one decode worker, their default admission bounds: twice their pools), with
+# 16 output tokens instead of 256 so the run stays within minutes on a CPU.
+SCENARIO_STREAMS = 160
+SCENARIO_PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 36
+
+
+@pytest.fixture(scope="module")
+def serve_stack(smol_dir, tmp_path_factory):
+    config = StackConfig(
+        model_dir=str(smol_dir), run_dir=str(tmp_path_factory.mktemp("overload160")),
+        port=free_port(), num_prefill=1, num_decode=1, kv_transport="grpc",
+    )  # fmt: skip
+    with Stack(config) as s:
+        yield s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_issue_scenario_160_streams(serve_stack):
+    """No mid-stream error, no 5xx, every admitted request finishes, 429 p90 <= 250 ms."""
+    outcomes = asyncio.run(
+        overload(f"{serve_stack.url}/v1/completions", SCENARIO_STREAMS,
+                 prompt=SCENARIO_PROMPT, max_tokens=16)
+    )  # fmt: skip
+    check(serve_stack, outcomes, 0.25)
