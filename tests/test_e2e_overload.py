@@ -35,6 +35,15 @@ class Outcome:
     done: bool = False
 
 
+def take_line(out: Outcome, line: str) -> None:
+    """One SSE line of a streamed answer into ``out``."""
+    if line == "data: [DONE]":
+        out.done = True
+    elif line.startswith("data: "):
+        chunk = json.loads(line[6:])
+        (out.errors if "error" in chunk else out.chunks).append(chunk)
+
+
 async def stream_one(
     client: httpx.AsyncClient, url: str, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS
 ) -> Outcome:
@@ -49,11 +58,7 @@ async def stream_one(
             out.seconds = time.monotonic() - t0
             return out
         async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                out.done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                (out.errors if "error" in chunk else out.chunks).append(chunk)
+            take_line(out, line)
     out.seconds = time.monotonic() - t0
     return out
 
@@ -153,12 +158,7 @@ async def stream_one_lean(session, url: str, prompt: str, max_tokens: int) -> Ou
             out.seconds = time.monotonic() - t0
             return out
         async for raw in r.content:
-            line = raw.decode().rstrip("\r\n")
-            if line == "data: [DONE]":
-                out.done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                (out.errors if "error" in chunk else out.chunks).append(chunk)
+            take_line(out, raw.decode().rstrip("\r\n"))
     out.seconds = time.monotonic() - t0
     return out
 
