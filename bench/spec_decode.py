@@ -116,33 +116,68 @@ def run_once(llm: LLM, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
+def spec_configs(args) -> dict[str, dict]:
+    """The speculative configs to compare with plain decoding, by method."""
+    out: dict[str, dict] = {}
+    for method in args.methods.split(","):
+        if method == "ngram":
+            out[method] = SPEC
+        elif method == "draft_model":
+            draft = args.draft or str(draft_folder(args))
+            out[method] = {
+                "method": "draft_model",
+                "model": draft,
+                "num_speculative_tokens": args.draft_k,
+            }
+        else:
+            raise SystemExit(f"--methods: unknown method {method!r} (ngram, draft_model)")
+    return out
+
+
+def draft_folder(args) -> Path:
+    """Without --draft: the bundled model's layers --draft-layers, written once."""
+    from bench.draft_model import parse_layers, truncate_model
+
+    dst = Path(args.out) / ".drafts" / f"smol-{args.draft_layers.replace(',', '_')}"
+    if not (dst / "model.safetensors").is_file():
+        truncate_model(args.model, dst, parse_layers(args.draft_layers))
+    return dst
+
+
 def measure(args) -> dict:
     opts = dict(kv_cache_bytes=256 * 1024**2, max_num_batched_tokens=1024, seed=0)
     if args.device:
         opts["device"] = args.device
     base = LLM(args.model, **opts)
-    spec = LLM(args.model, **opts, speculative_config=SPEC)
+    configs = spec_configs(args)
+    engines = {m: LLM(args.model, **opts, speculative_config=c) for m, c in configs.items()}
     rows = []
     for name, prompt in workloads(base).items():
-        runs: dict[str, list[dict]] = {"base": [], "spec": []}
+        runs: dict[str, list[dict]] = {"base": [], **{m: [] for m in engines}}
         run_once(base, prompt, 8)  # warm-up (and CUDA graph capture is done at start)
-        run_once(spec, prompt, 8)
-        for _ in range(args.repeats):
+        for llm in engines.values():
+            run_once(llm, prompt, 8)
+        for _ in range(args.repeats):  # the modes interleaved, so load drifts hit all alike
             runs["base"].append(run_once(base, prompt, args.max_tokens))
-            runs["spec"].append(run_once(spec, prompt, args.max_tokens))
-        rows.append(summarise(name, len(prompt), runs))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "trace"}), flush=True)
-    return {"mode": "measure", "rows": rows, "speculative_config": SPEC}
+            for m, llm in engines.items():
+                runs[m].append(run_once(llm, prompt, args.max_tokens))
+        for m in engines:
+            rows.append(summarise(name, m, len(prompt), runs["base"], runs[m]))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "trace"}), flush=True)
+    return {"mode": "measure", "rows": rows, "speculative_configs": configs}
 
 
-def summarise(name: str, prompt_len: int, runs: dict[str, list[dict]]) -> dict:
-    med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
-    dec = {m: statistics.median(r["decode_tokens_per_s"] for r in rs) for m, rs in runs.items()}
-    s = runs["spec"][-1]
-    exact = all(r["token_ids"] == runs["base"][0]["token_ids"] for r in runs["spec"])
+def summarise(name: str, method: str, prompt_len: int, base: list[dict], spec: list[dict]) -> dict:
+    med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in (("base", base),
+           ("spec", spec))}  # fmt: skip
+    dec = {m: statistics.median(r["decode_tokens_per_s"] for r in rs) for m, rs in (
+           ("base", base), ("spec", spec))}  # fmt: skip
+    s = spec[-1]
+    exact = all(r["token_ids"] == base[0]["token_ids"] for r in spec)
     drafts = max(s["drafts"], 1)
     return {
         "workload": name,
+        "method": method,
         "prompt_tokens": prompt_len,
         "output_tokens": s["tokens"],
         "base_tok_s": med["base"],
@@ -168,6 +203,8 @@ def replay(args) -> dict:
     times = step_times(args.shape, k, args.context, args.steps)
     rows = []
     for r in trace_src["rows"]:
+        if r.get("method", "ngram") != "ngram":  # a draft model's cost is not in these times
+            continue
         steps = r["trace"]  # per decode step of the measured run: (drafted, emitted)
         tokens = sum(e for _, e in steps)
         spec_ms = sum(times[d] for d, _ in steps)
@@ -184,12 +221,33 @@ def replay(args) -> dict:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    return {"mode": "replay", "shape": args.shape, "step_ms": times, "rows": rows}
+    out = {"mode": "replay", "shape": args.shape, "step_ms": times, "rows": rows}
+    if args.draft_shape:
+        out["draft"] = draft_projection(args, times)
+    return out
+
+
+def draft_projection(args, times: dict[int, float]) -> dict:
+    """Draft-model steps timed on random weights (draft + verify of k tokens), and the speedup
+    they would give at acceptance rates ``alpha`` (each draft token kept with probability
+    ``alpha`` while the ones before it were): tokens per step (1 - a^(k+1)) / (1 - a)."""
+    from bench.spec_replay import draft_step_time
+
+    k = args.draft_k
+    spec_ms = draft_step_time(args.shape, args.draft_shape, k, args.context, args.steps)
+    rows = []
+    for a in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9):
+        per_step = (1 - a ** (k + 1)) / (1 - a)
+        rows.append({"alpha": a, "tokens_per_step": per_step,
+                     "projected_speedup": per_step * times[0] / spec_ms})  # fmt: skip
+    return {"draft_shape": args.draft_shape, "k": k, "step_ms_draft_and_verify": spec_ms,
+            "draft_ms": spec_ms - times.get(k, float("nan")), "rows": rows}  # fmt: skip
 
 
 COLS = {
     "measure": [
-        "workload", "prompt_tokens", "output_tokens", "base_tok_s", "spec_tok_s", "speedup",
+        "workload", "method", "prompt_tokens", "output_tokens", "base_tok_s", "spec_tok_s",
+        "speedup",
         "decode_speedup", "token_exact", "acceptance", "kept_per_draft", "tokens_per_step",
         "accepted_per_pos",
     ],
@@ -220,11 +278,26 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("measure", "replay"), default="measure")
     p.add_argument("--model", default=str(DEFAULT_DIR))
+    p.add_argument("--methods", default="ngram", help="ngram, draft_model or both (comma)")
+    p.add_argument(
+        "--draft",
+        default="",
+        help="draft_model: the draft folder (default: "
+        "the bundled model's --draft-layers, written under --out/.drafts)",
+    )
+    p.add_argument("--draft-layers", default="0-3,12-29", help="layers the default draft keeps")
+    p.add_argument("--draft-k", type=int, default=3, help="draft_model: num_speculative_tokens")
     p.add_argument("--device", default="", help="cpu or cuda (default: the engine's choice)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: default)")
     p.add_argument("--shape", default="llama-3.1-8b", help="replay: engine.shapes name")
+    p.add_argument(
+        "--draft-shape",
+        default="",
+        help="replay: also time a draft model of "
+        "this engine.shapes name (random weights) and project its speedup",
+    )
     p.add_argument("--context", type=int, default=1024, help="replay: tokens in the KV cache")
     p.add_argument("--steps", type=int, default=40, help="replay: timed steps per draft length")
     p.add_argument("--trace", default=str(REPO / "bench/results/spec_decode_cpu.json"))
@@ -255,14 +328,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(res: dict) -> str:
     head = [
-        f"# N-gram speculative decoding, batch 1 ({res['mode']})",
+        f"# Speculative decoding, batch 1 ({res['mode']})",
         "",
         f"- device: {res['device']}; torch {res['torch']}",
         f"- date: {res['date']}",
         f"- command: `{res['command']}`",
     ]
     if res["mode"] == "measure":
-        head.append(f"- speculative config: `{json.dumps(res['speculative_config'])}`; greedy")
+        for method, cfg in res["speculative_configs"].items():
+            head.append(f"- {method}: `{json.dumps(cfg)}`; greedy")
     else:
         head.append(
             f"- shape {res['shape']} (random weights); measured step times (ms) by drafts "
@@ -270,7 +344,20 @@ def report(res: dict) -> str:
             "projection: one plain step per token against the measured trace's steps, each "
             "charged the time of a step verifying as many drafts as it had"
         )
-    return "\n".join([*head, "", table(res["rows"], COLS[res["mode"]])]) + "\n"
+    body = [*head, "", table(res["rows"], COLS[res["mode"]])]
+    if "draft" in res:
+        d = res["draft"]
+        body += [
+            "",
+            f"Draft model {d['draft_shape']} (random weights), k={d['k']}: a step drafting and "
+            f"verifying {d['k']} tokens took {d['step_ms_draft_and_verify']:.3f} ms (draft part "
+            f"~{d['draft_ms']:.3f} ms), a plain step {res['step_ms'][0]:.3f} ms. Random weights "
+            "keep no drafts, so the speedup below is projected at given acceptance rates, not "
+            "measured:",
+            "",
+            table(d["rows"], ["alpha", "tokens_per_step", "projected_speedup"]),
+        ]
+    return "\n".join(body) + "\n"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@ class Drafts:
     def propose(self, seq, limit: int) -> list[int]:
         return torch.randint(0, self.vocab, (min(self.d, max(limit, 0)),)).tolist()
 
+    def propose_all(self, seqs, limits) -> list[list[int]]:
+        return [self.propose(s, n) for s, n in zip(seqs, limits, strict=True)]
+
+    def retain(self, running) -> None:
+        pass
+
 
 def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, float]:
     """Median wall time (ms, host included, synchronised) of a decode step verifying ``d``
@@ -64,6 +70,48 @@ def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, f
         out[d] = statistics.median(times[2:])
         print(f"verify {d} drafts: {out[d]:.3f} ms", flush=True)
     return out
+
+
+def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: int = 40) -> float:
+    """Median wall time (ms) of a whole draft-model step at batch 1: the draft (random weights
+    of ``draft_shape``) proposes ``k`` tokens in ``k`` passes, then the target verifies them.
+    Random weights keep almost no draft token, so every step drafts ``k``: its cost, not its
+    gain."""
+    tok = Path(os.environ.get("TANDEM_TOKENIZER_DIR", str(DEFAULT_DIR)))
+    total = context + steps + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape(shape, Path(tmp) / shape, tok)
+        draft = write_shape(draft_shape, Path(tmp) / draft_shape, tok)
+        engine = LLMEngine(
+            EngineConfig(
+                model_dir=str(folder),
+                load_format="dummy",
+                max_num_seqs=1,
+                max_num_batched_tokens=context + 64,
+                max_model_len=total + k,
+                num_kv_blocks=-(-(total + k) // 16) + 8,
+                speculative_config={
+                    "method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+                },
+            )
+        )  # fmt: skip
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (context,)).tolist()
+    engine.add_request(
+        "draft", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    )
+    engine.step()  # the prefill
+    times = []
+    while engine.has_unfinished():
+        _sync()
+        t0 = time.perf_counter()
+        engine.step()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    s = engine.stats().spec
+    print(f"draft {draft_shape} k={k} + verify: {statistics.median(times[2:]):.3f} ms "
+          f"({s.accepted_tokens}/{s.draft_tokens} kept)", flush=True)  # fmt: skip
+    return statistics.median(times[2:])
 
 
 def _sync() -> None:

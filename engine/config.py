@@ -12,7 +12,7 @@ from engine.errors import UnsupportedModelError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,16 +124,22 @@ def _eos_ids(cfg: dict[str, Any], model_dir: Path | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding, with vLLM's names. ``ngram`` (prompt lookup): the drafts are the
-    ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its
-    own history, prompt and output. As in vLLM, an unset bound takes the other's value, and both
-    default to 5."""
+    """Speculative decoding, with vLLM's names.
+
+    - ``ngram`` (prompt lookup): the drafts are the ``num_speculative_tokens`` tokens that
+      followed the latest earlier occurrence of the sequence's last n tokens (n from
+      ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own history, prompt and
+      output. As in vLLM, an unset bound takes the other's value, and both default to 5.
+    - ``draft_model``: a smaller model (the folder ``model``, sharing the target's tokenizer)
+      proposes ``num_speculative_tokens`` tokens greedily (``engine.draft_model``). As in vLLM,
+      a config that names a ``model`` and no ``method`` means this one.
+    """
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         method = "ngram" if self.method == "[ngram]" else self.method
@@ -145,6 +151,12 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, not {k!r}")
+        object.__setattr__(self, "method", method)
+        if method == "draft_model":
+            self._check_draft()
+            return
+        if self.model is not None:
+            raise ValueError("speculative method 'ngram' takes no 'model'")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -152,9 +164,19 @@ class SpeculativeConfig:
         assert lo is not None and hi is not None
         if lo < 1 or hi < lo:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
-        object.__setattr__(self, "method", method)
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    def _check_draft(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative method 'draft_model' needs 'model': the draft's folder")
+        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("prompt_lookup_min/max belong to method 'ngram', not 'draft_model'")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(
+                f"speculative draft model {self.model!r}: no config.json there (a local Hugging "
+                "Face folder is expected)"
+            )
 
     @classmethod
     def parse(
@@ -173,10 +195,13 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative config is not valid JSON: {e}") from e
         if not isinstance(value, dict):
             raise ValueError("speculative config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                 "prompt_lookup_min"}  # fmt: skip
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value and value.get("model") is not None:
+            value = {**value, "method": "draft_model"}
         return cls(**value)
 
 
@@ -239,6 +264,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, not {self.kv_cache_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative method 'draft_model' is not supported with tensor_parallel_size > 1 "
+                "yet"
+            )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

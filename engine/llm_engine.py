@@ -19,6 +19,7 @@ from engine.adapters import AdapterMixin
 from engine.choices import Choice, Request, fork_sequence
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_model import DraftProposer
 from engine.emit import EmitMixin
 from engine.errors import (
     InvalidRequestError,
@@ -27,7 +28,7 @@ from engine.errors import (
 )
 from engine.handoff import HandoffMixin
 from engine.model_runner import ModelRunner
-from engine.ngram import NgramProposer
+from engine.ngram import NgramProposer, Proposer
 from engine.parallel.ranks import RankGroup, start_ranks
 from engine.pooling import PoolingConfig, PoolingMixin
 from engine.sampling_params import SamplingParams, TokenLogprob
@@ -95,9 +96,12 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         self.ranks: RankGroup | None = None  # tensor parallelism: ranks 1..N-1
         if config.tensor_parallel_size > 1:
             self.ranks = start_ranks(config, mc, self.max_model_len)
+        spec = config.speculative_config
+        draft_dir = spec.model if spec is not None and spec.method == "draft_model" else None
         try:
             comm = self.ranks.comm if self.ranks else None
-            self.runner = ModelRunner(config, mc, self.max_model_len, comm, self.ranks)
+            draft = ModelConfig.from_dir(draft_dir) if draft_dir else None
+            self.runner = ModelRunner(config, mc, self.max_model_len, comm, self.ranks, draft)
         except BaseException:
             self.close()
             raise
@@ -118,8 +122,13 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
         self._prompt_tokens = 0
-        spec = config.speculative_config
-        self.proposer = None if spec is None else NgramProposer.of(spec)
+        self.proposer: Proposer | None = None
+        if spec is not None and draft_dir:
+            self.proposer = DraftProposer(
+                config, mc, self.tokenizer, self.max_model_len, self.runner.num_blocks
+            )
+        elif spec is not None:
+            self.proposer = NgramProposer.of(spec)
         self._spec = SpecStats(accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
         self.on_step: StepObserver | None = None  # called with each step's StepStats
         eos = set(mc.eos_token_ids)
@@ -240,6 +249,8 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
                 self.scheduler.abort(choice.seq)
                 outs.append(self._output(choice, [], "", []))
             self._drop_unused_loras()
+            if self.proposer is not None:
+                self.proposer.retain(self.scheduler.running)
             return outs[0] if outs else None
 
     def has_unfinished(self) -> bool:
@@ -264,6 +275,8 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             self._join_forks(sched.scheduled)
             outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
             self._drop_unused_loras()
+            if self.proposer is not None:
+                self.proposer.retain(self.scheduler.running)
             if info is not None and self.on_step is not None:
                 info.seconds = time.perf_counter() - t0
                 self.on_step(info)
@@ -286,18 +299,26 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             due.extend(s.forks)
         return due
 
-    def _propose(self, proposer: NgramProposer) -> None:
+    def _propose(self, proposer: Proposer) -> None:
         """Set the draft of every decoding sequence for the next step: never past its
         ``max_tokens`` or the context limit (a step emits the kept drafts plus one token), and
         none for a grammar-constrained sequence (its matcher cannot take tokens back)."""
+        seqs: list[Sequence] = []
+        limits: list[int] = []
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
             if seq.output_token_ids and seq.num_uncomputed == 1 and seq.matcher is None:
-                limit = min(
-                    seq.params.max_tokens - len(seq.output_token_ids),
-                    self.max_model_len - seq.num_tokens,
+                seqs.append(seq)
+                limits.append(
+                    min(
+                        seq.params.max_tokens - len(seq.output_token_ids),
+                        self.max_model_len - seq.num_tokens,
+                    )
+                    - 1
                 )
-                seq.draft_token_ids = proposer.propose(seq, limit - 1)
+        if seqs:
+            for seq, draft in zip(seqs, proposer.propose_all(seqs, limits), strict=True):
+                seq.draft_token_ids = draft
 
     def _count_drafts(
         self, scheduled: list[ScheduledSeq], due: list[Sequence], accepted: list[int]
@@ -349,6 +370,8 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
     def check_integrity(self) -> None:
         with self._lock:
             self.kv.check_integrity()
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.check_integrity()
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do at TP=1); the engine is unusable after."""

@@ -33,6 +33,7 @@ import kernels
 from engine import fp8
 from engine.errors import InsufficientMemoryError
 from engine.parallel.shard import ModelShard
+from libkv.kv_layout import KVLayout
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
@@ -66,6 +67,35 @@ class DeviceMemory:
     activation_peak: int
     graphs: int  # estimated for the CUDA graphs' pool
     other: int  # non-PyTorch memory this process took since the start
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Room an engine's share keeps for a draft model loaded after it: the draft's weights and
+    its KV bytes per block (its pool has as many blocks as the target's)."""
+
+    weight_bytes: int = 0
+    block_bytes: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        draft: ModelConfig,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        block_size: int,
+        quantize: bool,
+    ) -> Reserve:
+        layout = KVLayout(
+            num_layers=draft.num_layers,
+            num_kv_heads=draft.num_kv_heads,
+            head_dim=draft.head_dim,
+            block_size=block_size,
+            dtype=str(kv_dtype).removeprefix("torch."),
+            element_size=kv_dtype.itemsize,
+        )
+        weights = weight_bytes(draft, dtype.itemsize, None, 1 if quantize else None)
+        return cls(weights, layout.block_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +238,13 @@ def plan_for_cuda(
     block_bytes: int,
     max_len: int,
     graph_sizes: list[int],
+    later_weights: int = 0,
 ) -> KVPlan:
     """Measure the loaded weights, the activation peak and other CUDA memory of this process,
-    then size the pool to the engine's share of the device."""
+    then size the pool to the engine's share of the device. ``later_weights``: weights loaded
+    after this plan that the share must hold too (a draft model's)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    weights = torch.cuda.memory_allocated(device)
+    weights = torch.cuda.memory_allocated(device) + later_weights
     tokens = config.max_num_batched_tokens
     kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, model.w.embed.dtype, device)
     peak = profile_activations(

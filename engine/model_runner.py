@@ -36,6 +36,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
 from libkv.kv_layout import KVLayout
+from libkv.kv_manager import CopyOp
 
 if TYPE_CHECKING:
     from engine.parallel.ranks import RankGroup
@@ -94,7 +95,13 @@ class ModelRunner:
         max_len: int,
         comm: TPComm | None = None,
         peers: RankGroup | None = None,
+        draft: ModelConfig | None = None,
+        num_blocks: int | None = None,
     ) -> None:
+        """``draft``: the shape of a draft model built after this runner; this pool leaves
+        room in the same memory share (``kv_cache_bytes`` on CPU) for its weights and a pool of
+        as many blocks as this one. ``num_blocks``: a pool of exactly that many blocks, sized by
+        the caller (a draft's); no memory planning of its own."""
         self.config = config
         self.model_config = model_config
         self.comm = comm or TPComm(ModelShard.of(model_config, 1, 0))
@@ -104,16 +111,24 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         quantize = config.quantization == "fp8"
+        reserve = memory.Reserve()
+        if draft is not None:
+            reserve = memory.Reserve.of(
+                draft, self.dtype, self.kv_dtype, config.block_size, quantize
+            )
         if quantize:
             fp8.check_device(self.device, "--quantization fp8")
         on_cuda = self.device.type == "cuda"
         shard = self.comm.shard
+        planned = num_blocks is None
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
             torch.cuda.set_device(self.device)
             start = memory.CudaStart.now(self.device)
             size = self.dtype.itemsize
             need = memory.weight_bytes(model_config, size, shard, 1 if quantize else None)
-            memory.check_weights_fit(start, need, config.gpu_memory_utilization)
+            if planned:
+                need += reserve.weight_bytes
+                memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
             weights = dummy_weights(
                 model_config, self.device, self.dtype, config.seed, shard, quantize
@@ -144,13 +159,18 @@ class ModelRunner:
         sizes: list[int] = []
         if on_cuda and not config.enforce_eager:
             sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_num_seqs)
-        if on_cuda:
+        plan_bytes = self.block_bytes + reserve.block_bytes
+        if num_blocks is not None:
+            self.kv_plan = memory.KVPlan(
+                num_blocks, self.block_bytes, num_blocks * self.block_bytes
+            )
+        elif on_cuda:
             self.kv_plan = memory.plan_for_cuda(
-                start, self.model, config, self.block_bytes, max_len, sizes
+                start, self.model, config, plan_bytes, max_len, sizes, reserve.weight_bytes
             )
         else:
             self.kv_plan = memory.plan_fixed(
-                self.block_bytes, config.num_kv_blocks, config.kv_cache_bytes,
+                plan_bytes, config.num_kv_blocks, config.kv_cache_bytes,
                 DEFAULT_CPU_KV_CACHE_BYTES,
             )  # fmt: skip
         # Every rank must have the same blocks: the smallest rank's pool sets the size.
@@ -235,6 +255,14 @@ class ModelRunner:
         return self._command("forward", self._plan(sched))
 
     # -- commands: what every rank runs (rank 0 sends each to the others first) ---------------
+    def run_plan(self, plan: StepPlan, copies: list[CopyOp]) -> torch.Tensor | None:
+        """Copy blocks, then one forward pass over ``plan``: the logits of its sample rows (a
+        draft model's step, planned by ``engine.draft_model``)."""
+        self.bind_thread()
+        if copies:
+            self._command("copy", [c.src for c in copies], [c.dst for c in copies])
+        return self._command("forward", plan)
+
     def _command(self, op: str, *args):
         with self._turn:
             if self.peers is None:

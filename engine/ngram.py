@@ -14,6 +14,8 @@ over tokens. A buffer lives as long as its sequence (weak keys).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -65,6 +67,18 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
+class Proposer(Protocol):
+    """What the engine asks of a speculative method (n-gram here, ``engine.draft_model``)."""
+
+    def propose_all(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Per decoding sequence, at most ``min(k, limit)`` draft tokens (possibly none)."""
+        ...
+
+    def retain(self, running: Iterable[Sequence]) -> None:
+        """Forget the state of sequences no longer running."""
+        ...
+
+
 class NgramProposer:
     """Proposes drafts per sequence from its own history."""
 
@@ -88,3 +102,9 @@ class NgramProposer:
         if hist is None:
             hist = self._histories[seq] = _History()
         return lookup(hist.sync(seq), self.min_n, self.max_n, k)
+
+    def propose_all(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self.propose(s, n) for s, n in zip(seqs, limits, strict=True)]
+
+    def retain(self, running: Iterable[Sequence]) -> None:
+        """Nothing to do: histories go with their sequences (weak keys)."""

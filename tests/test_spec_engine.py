@@ -94,7 +94,17 @@ def test_smol_greedy_is_token_exact_on_more_prompts_and_under_preemption(smol_di
     assert tiny.scheduler.num_preemptions > 0 and tiny.stats().spec.accepted_tokens > 0
 
 
-class Oracle:
+class PerSequence:
+    """The engine's proposer interface over a per-sequence ``propose`` (test proposers)."""
+
+    def propose_all(self, seqs, limits) -> list[list[int]]:
+        return [self.propose(s, n) for s, n in zip(seqs, limits, strict=True)]  # type: ignore[attr-defined]
+
+    def retain(self, running) -> None:
+        pass
+
+
+class Oracle(PerSequence):
     """Drafts each sequence's reference continuation, with a wrong last token every other
     time: long drafts kept in full, and rejections at every position."""
 
@@ -215,7 +225,7 @@ def drain(engine: LLMEngine) -> list:
     return outs
 
 
-class FixedDraft:
+class FixedDraft(PerSequence):
     """A proposer that always drafts the same tokens (to test verification on its own)."""
 
     def __init__(self, tokens: list[int]) -> None:
@@ -235,18 +245,27 @@ def test_sampling_distribution_is_kept_through_the_engine(qwen2_dir):
     probe = run_one(base, prompt, SamplingParams(max_tokens=2, temperature=0))
     spec.proposer = FixedDraft([probe.token_ids[1]])  # type: ignore[assignment]
 
-    def joint(engine: LLMEngine) -> dict[tuple[int, int], int]:
-        for i, p in enumerate(params):
-            engine.add_request(f"d{i}", prompt, p)
-        counts: dict[tuple[int, int], int] = {}
-        for out in drain(engine):
-            if out.finished:
-                key = (out.token_ids[1], out.token_ids[2])
-                counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    a, b = joint(base), joint(spec)
+    a, b = joint_counts(base, prompt, params), joint_counts(spec, prompt, params)
     assert spec.stats().spec.accepted_tokens > 50
+    assert_same_distribution(a, b)
+
+
+def joint_counts(engine: LLMEngine, prompt, params, at=(1, 2)) -> dict[tuple[int, ...], int]:
+    """How often each tuple of the output tokens at positions ``at`` came out, one request per
+    params."""
+    for i, p in enumerate(params):
+        engine.add_request(f"d{i}", prompt, p)
+    counts: dict[tuple[int, ...], int] = {}
+    for out in drain(engine):
+        if out.finished:
+            key = tuple(out.token_ids[j] for j in at)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def assert_same_distribution(a: dict, b: dict) -> None:
+    """Chi-square two-sample test at 0.1% on two empirical distributions (counts by outcome),
+    over the outcomes with at least 5 expected counts."""
     keys = sorted(set(a) | set(b))
     ca, cb = np.array([a.get(k, 0) for k in keys]), np.array([b.get(k, 0) for k in keys])
     pooled = (ca + cb) / (ca.sum() + cb.sum())

@@ -16,6 +16,7 @@ from engine.config import SpeculativeConfig
 from engine.llm_engine import EngineStats
 from engine.step_stats import SpecStats
 from services.launcher.etcd import free_port
+from services.launcher.stack import Stack, StackConfig
 from services.observability.engine import EngineCollector
 from services.worker.config import parse_config
 from tests.stack_probe import metrics_of
@@ -37,7 +38,7 @@ def test_speculative_config_flag_and_variable(capsys):
     spec = parse([], env).engine_config().speculative_config
     assert spec is not None and spec.num_speculative_tokens == 2 and spec.prompt_lookup_max == 5
     with pytest.raises(SystemExit):
-        parse(["--speculative-config", '{"num_speculative_tokens": 2, "model": "m"}'])
+        parse(["--speculative-config", '{"num_speculative_tokens": 2, "speculative_model": "m"}'])
     assert "--speculative-config: unknown speculative config keys" in capsys.readouterr().err
 
 
@@ -78,8 +79,6 @@ def test_engine_reports_every_draft_position_from_the_start(smol_dir):
 
 @pytest.mark.slow
 def test_disaggregated_request_speculates_on_the_decode_worker(smol_dir, tmp_path):
-    from services.launcher.stack import Stack, StackConfig
-
     prompt_text = "Repeat the list twice. " + ", ".join(f"item {i} of {i * 3}" for i in range(40))
     config = StackConfig(
         model_dir=str(smol_dir),
@@ -116,3 +115,37 @@ def _drain(engine: LLMEngine) -> list:
     while engine.has_unfinished():
         outs.extend(engine.step())
     return outs
+
+
+@pytest.mark.slow
+def test_disaggregated_request_drafts_with_a_draft_model_on_the_decode_worker(smol_dir, tmp_path):
+    """The decode worker runs a draft model (here the target's own folder, so drafts are kept
+    and every step speculates): it builds the draft's KV from prompt + first token after the
+    hand-off (only the target's KV moved), and the output equals the offline engine's."""
+    draft = {"method": "draft_model", "model": str(smol_dir), "num_speculative_tokens": 3}
+    prompt_text = "Count on: " + ", ".join(f"{i} and {i + 1}" for i in range(60))
+    config = StackConfig(
+        model_dir=str(smol_dir),
+        run_dir=str(tmp_path),
+        port=free_port(),
+        num_prefill=1,
+        num_decode=1,
+        worker_args=("--speculative-config", json.dumps(draft)),
+    )
+    offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
+    prompt = offline.tokenizer.encode(prompt_text)
+    assert len(prompt) > 256  # long enough for the router to prefill it on the prefill worker
+    offline.add_request("ref", prompt, SamplingParams(max_tokens=40, temperature=0))
+    ref = [o for o in _drain(offline) if o.finished][0].text
+    with Stack(config) as stack:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt_text, "max_tokens": 40,
+                "temperature": 0}  # fmt: skip
+        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref
+        decode = metrics_of(stack.scrape_targets()["decode-0"])
+        prefill = metrics_of(stack.scrape_targets()["prefill-0"])
+    assert prefill["tandem_engine_prompt_tokens_total"] >= len(prompt)  # prefilled there
+    drafted = decode["tandem_engine_spec_decode_draft_tokens_total"]
+    assert decode["tandem_engine_spec_decode_accepted_tokens_total"] >= 0.9 * drafted > 0
+    assert prefill["tandem_engine_spec_decode_drafts_total"] == 0

@@ -150,9 +150,12 @@ class WorkerConfig:
     max_lora_rank: int = option(64, "highest LoRA rank accepted (sizes the slots)")
     speculative_config: SpeculativeConfig | None = option(
         None,
-        "speculative decoding as a JSON object with vLLM's names (method, num_speculative_tokens, "
-        "prompt_lookup_max, prompt_lookup_min), e.g. "
+        "speculative decoding as a JSON object with vLLM's names: method ngram "
+        "(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min), e.g. "
         + json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+        + ", or method draft_model (model: a draft folder sharing the tokenizer, "
+        "num_speculative_tokens), e.g. "
+        + json.dumps({"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4})
         + " (default: off)",
         convert=SpeculativeConfig.parse,
         raw="str",
