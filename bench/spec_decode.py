@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         help="draft_model: the draft folder (default: "
         "the bundled model's --draft-layers, written under --out/.drafts)",
     )
-    p.add_argument("--draft-layers", default="0-3,12-29", help="layers the default draft keeps")
+    p.add_argument("--draft-layers", default="0-3,8-29", help="layers the default draft keeps")
     p.add_argument("--draft-k", type=int, default=3, help="draft_model: num_speculative_tokens")
     p.add_argument("--device", default="", help="cpu or cuda (default: the engine's choice)")
     p.add_argument("--max-tokens", type=int, default=256)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from bench.draft_model import truncate_model
+from bench.draft_model import parse_layers, truncate_model
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.draft_model import DraftProposer
 from engine.errors import UnsupportedConfigError
@@ -46,8 +46,10 @@ def assert_all_freed(engine: LLMEngine) -> None:
 
 @pytest.fixture(scope="module")
 def smol_draft_dir(tmp_path_factory, smol_dir):
-    """SmolLM2-135M's first 6 and last 2 layers (of 30): real weights, a partial acceptance."""
-    return truncate_model(smol_dir, tmp_path_factory.mktemp("draft") / "smol-8l", 6, 2)
+    """SmolLM2-135M without its layers 4-7 (26 of 30): real weights, a partial acceptance
+    (layer subsets much smaller than this keep almost no draft token of this model)."""
+    dst = tmp_path_factory.mktemp("draft") / "smol-26l"
+    return truncate_model(smol_dir, dst, parse_layers("0-3,8-29"))
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,7 @@ def smol_base(smol_dir):
     return make_engine(smol_dir, None)
 
 
+@pytest.mark.slow
 def test_truncated_smol_draft_is_token_exact_and_partly_accepted(
     smol_dir, smol_draft_dir, smol_base
 ):
@@ -101,9 +104,11 @@ def test_self_draft_is_accepted_in_full(qwen2_dir):
 def test_small_random_draft_for_a_larger_target_is_token_exact(wide_llama_dir, qwen2_dir):
     base = make_engine(wide_llama_dir, None, max_num_batched_tokens=48)
     spec = make_engine(wide_llama_dir, draft_spec(qwen2_dir, 5), max_num_batched_tokens=48)
-    prompts = prompts_for(base)
-    params = SamplingParams(max_tokens=32, temperature=0)
-    assert outputs(spec, prompts, params) == outputs(base, prompts, params)
+    prompts = prompts_for(base)[:3]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    assert outputs(spec, prompts, params, waves=(2, 1)) == outputs(
+        base, prompts, params, waves=(2, 1)
+    )
     assert spec.stats().spec.draft_tokens > 0
     assert_all_freed(spec)
 
@@ -120,16 +125,16 @@ def test_preemption_with_a_draft_keeps_outputs(qwen2_dir):
     assert_all_freed(tiny)
 
 
-def test_handoff_decode_engine_prefills_the_draft_over_the_history(
-    smol_dir, smol_draft_dir, smol_base
-):
+def test_handoff_decode_engine_prefills_the_draft_over_the_history(qwen2_dir):
     """A request prefilled by one engine and decoded by another: only the target's KV moves;
-    the decode engine runs the draft over prompt + first token before its first draft."""
-    prefill = make_engine(smol_dir, None)
-    decode = make_engine(smol_dir, draft_spec(smol_draft_dir))
-    prompt = smol_base.tokenizer.encode(prompts_text())
+    the decode engine runs the draft (the target's own folder: drafts are kept) over prompt +
+    first token before its first draft, then drafts every step."""
+    base = make_engine(qwen2_dir, None)
+    prefill = make_engine(qwen2_dir, None)
+    decode = make_engine(qwen2_dir, draft_spec(qwen2_dir))
+    prompt = list(range(200, 290))
     params = SamplingParams(max_tokens=32, temperature=0)
-    (ref,) = outputs(smol_base, [prompt], params, waves=(1,))
+    (ref,) = outputs(base, [prompt], params, waves=(1,))
     prefill.add_request("h", prompt, params, hold_kv=True)
     (first,) = [o for o in drain(prefill) if o.request_id == "h"]
     reserved, _ = decode.reserve("h", prompt)
@@ -139,12 +144,9 @@ def test_handoff_decode_engine_prefills_the_draft_over_the_history(
     final = [o for o in drain(decode) if o.finished][-1]
     assert final.token_ids == ref
     assert drafter(decode).prefill_tokens >= len(prompt)  # the history, in the draft
-    assert decode.stats().spec.accepted_tokens > 0
+    s = decode.stats().spec
+    assert s.accepted_tokens >= 0.9 * s.draft_tokens > 0
     assert_all_freed(decode)
-
-
-def prompts_text() -> str:
-    return "Repeat the list twice. " + ", ".join(f"item {i} of {i * 3}" for i in range(12))
 
 
 def test_sampling_distribution_is_kept_with_a_draft_model(qwen2_dir):
