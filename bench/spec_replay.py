@@ -4,6 +4,7 @@ replay``): one engine at batch 1, a step that verifies ``d`` drafted tokens time
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import tempfile
@@ -77,6 +78,9 @@ def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: i
     of ``draft_shape``) proposes ``k`` tokens in ``k`` passes, then the target verifies them.
     Random weights keep almost no draft token, so every step drafts ``k``: its cost, not its
     gain."""
+    gc.collect()  # the engines of step_times: their memory back to the device first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     tok = Path(os.environ.get("TANDEM_TOKENIZER_DIR", str(DEFAULT_DIR)))
     total = context + steps + 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,6 +94,7 @@ def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: i
                 max_num_batched_tokens=context + 64,
                 max_model_len=total + k,
                 num_kv_blocks=-(-(total + k) // 16) + 8,
+                gpu_memory_utilization=0.5,  # both models and the small pools fit in half
                 speculative_config={
                     "method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
                 },
