@@ -177,3 +177,15 @@ def test_serve_heals_a_killed_decode_worker_router_and_etcd(smol_dir, tmp_path) 
         for pid in kids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice():
+    """A port handed to a child is picked where no outgoing connection can take it before the
+    child binds it, and one process never hands the same port out twice."""
+    from services.launcher.etcd import _ephemeral_low
+
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    if low > 11000:
+        assert all(10000 <= p < low for p in ports), ports

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -64,8 +65,38 @@ def find_etcd_binary() -> str:
     raise EtcdNotFoundError(f"etcd server binary not found; {INSTALL_HINT}")
 
 
+_handed: set[int] = set()  # ports this process handed out (never twice)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel picks for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to port 0, read it back, release it)."""
+    """A port that was free a moment ago, for a child to bind later.
+
+    Picked below the kernel's ephemeral range: a port bound to 0 and released comes from that
+    range, where any outgoing connection (gRPC, etcd, HTTP clients) may take it before the
+    child binds it (seen: a gateway's metrics port taken, `Address already in use`). Below it
+    only an explicit bind competes. Falls back to port 0 when nothing there binds."""
+    low = _ephemeral_low()
+    if low > 11000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10000, low)
+            if port in _handed:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
