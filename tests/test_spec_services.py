@@ -80,27 +80,7 @@ def test_engine_reports_every_draft_position_from_the_start(smol_dir):
 @pytest.mark.slow
 def test_disaggregated_request_speculates_on_the_decode_worker(smol_dir, tmp_path):
     prompt_text = "Repeat the list twice. " + ", ".join(f"item {i} of {i * 3}" for i in range(40))
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(tmp_path),
-        port=free_port(),
-        num_prefill=1,
-        num_decode=1,
-        worker_args=("--speculative-config", SPEC_JSON),
-    )
-    offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
-    prompt = offline.tokenizer.encode(prompt_text)
-    assert len(prompt) > 256  # long enough for the router to prefill it on the prefill worker
-    offline.add_request("ref", prompt, SamplingParams(max_tokens=48, temperature=0))
-    ref = [o for o in _drain(offline) if o.finished][0].text
-    with Stack(config) as stack:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt_text, "max_tokens": 48,
-                "temperature": 0}  # fmt: skip
-        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == ref
-        decode = metrics_of(stack.scrape_targets()["decode-0"])
-        prefill = metrics_of(stack.scrape_targets()["prefill-0"])
+    prompt, decode, prefill = _through_stack(smol_dir, tmp_path, SPEC_JSON, prompt_text, 48)
     assert prefill["tandem_engine_prompt_tokens_total"] >= len(prompt)  # prefilled there
     assert decode["tandem_engine_spec_decode_accepted_tokens_total"] > 0
     assert (
@@ -108,6 +88,36 @@ def test_disaggregated_request_speculates_on_the_decode_worker(smol_dir, tmp_pat
         >= (decode["tandem_engine_spec_decode_accepted_tokens_total"])
     )
     assert prefill["tandem_engine_spec_decode_drafts_total"] == 0  # it only prefills
+
+
+def _through_stack(
+    smol_dir, tmp_path, spec_json: str, prompt_text: str, max_tokens: int
+) -> tuple[list[int], dict, dict]:
+    """``prompt_text`` greedily through a 1p1d stack whose workers take ``spec_json``, its
+    answer asserted equal to the offline engine's (no speculation); the prompt's tokens and
+    the decode and prefill workers' metrics."""
+    config = StackConfig(
+        model_dir=str(smol_dir),
+        run_dir=str(tmp_path),
+        port=free_port(),
+        num_prefill=1,
+        num_decode=1,
+        worker_args=("--speculative-config", spec_json),
+    )
+    offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
+    prompt = offline.tokenizer.encode(prompt_text)
+    assert len(prompt) > 256  # long enough for the router to prefill it on the prefill worker
+    offline.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    ref = [o for o in _drain(offline) if o.finished][0].text
+    with Stack(config) as stack:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt_text,
+                "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref
+        decode = metrics_of(stack.scrape_targets()["decode-0"])
+        prefill = metrics_of(stack.scrape_targets()["prefill-0"])
+    return prompt, decode, prefill
 
 
 def _drain(engine: LLMEngine) -> list:
@@ -124,27 +134,7 @@ def test_disaggregated_request_drafts_with_a_draft_model_on_the_decode_worker(sm
     hand-off (only the target's KV moved), and the output equals the offline engine's."""
     draft = {"method": "draft_model", "model": str(smol_dir), "num_speculative_tokens": 3}
     prompt_text = "Count on: " + ", ".join(f"{i} and {i + 1}" for i in range(60))
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(tmp_path),
-        port=free_port(),
-        num_prefill=1,
-        num_decode=1,
-        worker_args=("--speculative-config", json.dumps(draft)),
-    )
-    offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
-    prompt = offline.tokenizer.encode(prompt_text)
-    assert len(prompt) > 256  # long enough for the router to prefill it on the prefill worker
-    offline.add_request("ref", prompt, SamplingParams(max_tokens=40, temperature=0))
-    ref = [o for o in _drain(offline) if o.finished][0].text
-    with Stack(config) as stack:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt_text, "max_tokens": 40,
-                "temperature": 0}  # fmt: skip
-        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == ref
-        decode = metrics_of(stack.scrape_targets()["decode-0"])
-        prefill = metrics_of(stack.scrape_targets()["prefill-0"])
+    prompt, decode, prefill = _through_stack(smol_dir, tmp_path, json.dumps(draft), prompt_text, 40)
     assert prefill["tandem_engine_prompt_tokens_total"] >= len(prompt)  # prefilled there
     drafted = decode["tandem_engine_spec_decode_draft_tokens_total"]
     assert decode["tandem_engine_spec_decode_accepted_tokens_total"] >= 0.9 * drafted > 0
