@@ -19,7 +19,7 @@ from engine.errors import UnsupportedConfigError
 from tests.conftest import make_random_model_dir
 from tests.test_spec_engine import (
     assert_same_distribution,
-    drain,
+    handoff,
     joint_counts,
     make_engine,
     outputs,
@@ -135,13 +135,7 @@ def test_handoff_decode_engine_prefills_the_draft_over_the_history(qwen2_dir):
     prompt = list(range(200, 290))
     params = SamplingParams(max_tokens=32, temperature=0)
     (ref,) = outputs(base, [prompt], params, waves=(1,))
-    prefill.add_request("h", prompt, params, hold_kv=True)
-    (first,) = [o for o in drain(prefill) if o.request_id == "h"]
-    reserved, _ = decode.reserve("h", prompt)
-    decode.write_blocks(reserved, prefill.read_blocks(prefill.held_block_ids("h")))
-    prefill.release("h")
-    decode.add_prefilled("h", prompt, first.token_ids[0], params)
-    final = [o for o in drain(decode) if o.finished][-1]
+    final = handoff(prefill, decode, prompt, params)
     assert final.token_ids == ref
     assert drafter(decode).prefill_tokens >= len(prompt)  # the history, in the draft
     s = decode.stats().spec

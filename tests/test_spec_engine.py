@@ -195,6 +195,18 @@ def test_streamed_deltas_carry_several_tokens(smol_pair):
     assert "".join(d.new_text for d in deltas) == deltas[-1].text
 
 
+def handoff(prefill, decode, prompt: list[int], params: SamplingParams):
+    """Prefill ``prompt`` on ``prefill`` holding its KV, move the blocks into ``decode`` (a
+    disaggregated hand-off without the network) and decode there; the final output."""
+    prefill.add_request("h", prompt, params, hold_kv=True)
+    (first,) = [o for o in drain(prefill) if o.request_id == "h"]
+    reserved, _ = decode.reserve("h", prompt)
+    decode.write_blocks(reserved, prefill.read_blocks(prefill.held_block_ids("h")))
+    prefill.release("h")
+    decode.add_prefilled("h", prompt, first.token_ids[0], params)
+    return [o for o in drain(decode) if o.finished][-1]
+
+
 def test_handoff_decode_worker_drafts_from_the_whole_history(smol_dir, smol_pair):
     """The decode engine (speculating) continues a request prefilled elsewhere; its drafts come
     from prompt + first token, and the output equals the offline non-speculative one."""
@@ -204,13 +216,7 @@ def test_handoff_decode_worker_drafts_from_the_whole_history(smol_dir, smol_pair
     prompt = base.tokenizer.encode(REPETITIVE[1])
     params = SamplingParams(max_tokens=32, temperature=0)
     (ref,) = outputs(base, [prompt], params, waves=(1,))
-    prefill.add_request("h", prompt, params, hold_kv=True)
-    (first,) = [o for o in drain(prefill) if o.request_id == "h"]
-    reserved, _ = decode.reserve("h", prompt)
-    decode.write_blocks(reserved, prefill.read_blocks(prefill.held_block_ids("h")))
-    prefill.release("h")
-    decode.add_prefilled("h", prompt, first.token_ids[0], params)
-    final = [o for o in drain(decode) if o.finished][-1]
+    final = handoff(prefill, decode, prompt, params)
     assert final.token_ids == ref
     assert decode.stats().spec.accepted_tokens > 0
     for e in (prefill, decode):
