@@ -43,7 +43,7 @@ def inputs(rows: int, n: int, k: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("shape", ["qkv", "smol"])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_linear_matches_norm_then_linear(rows, shape, with_residual):
+def test_norm_linear_matches_norm_then_linear(rows, shape, with_residual, monkeypatch):
     n, k = SHAPES[shape]
     x, res, norm, w, bias = inputs(rows, n, k, seed=rows)
     r = res if with_residual else None
@@ -51,14 +51,17 @@ def test_norm_linear_matches_norm_then_linear(rows, shape, with_residual):
     h, want_res = reference.rms_norm(x, norm, 1e-5, r)
     assert rel_err(out, reference.linear(h.float(), w.float(), bias.float())) < TOL
     assert torch.equal(res_out, want_res)  # x + residual, rounded as the norm kernel rounds
-    # The public dispatch takes the fused kernel within GEMV_MAX_ROWS, the pair above it.
-    got, got_res = kernels.norm_linear(x, r, norm, 1e-5, w, bias)
+    # The public dispatch takes the fused kernel within GEMV_MAX_ROWS when FUSE_DECODE is on,
+    # the pair otherwise; both switch settings are checked.
     h, pair_res = rms_norm(x, norm, 1e-5, r)
-    assert torch.equal(got_res, pair_res)
-    if rows > kernels.GEMV_MAX_ROWS:
-        assert torch.equal(got, kernels.linear(h, w, bias))
-    else:
-        assert torch.equal(got, out)
+    for fuse in (False, True):
+        monkeypatch.setattr(kernels, "FUSE_DECODE", fuse)
+        got, got_res = kernels.norm_linear(x, r, norm, 1e-5, w, bias)
+        assert torch.equal(got_res, pair_res)
+        if fuse and rows <= kernels.GEMV_MAX_ROWS:
+            assert torch.equal(got, out)
+        else:
+            assert torch.equal(got, kernels.linear(h, w, bias))
 
 
 @pytest.mark.parametrize("rows", [1, 8, 16])
