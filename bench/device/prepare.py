@@ -41,7 +41,7 @@ NEEDED = (
     "opentelemetry-exporter-otlp-common", "opentelemetry-exporter-otlp-proto-common",
     "opentelemetry-proto", "googleapis-common-protos", "pytest", "pytest-asyncio",
     "pytest-timeout", "pluggy", "iniconfig", "llguidance", "jsonschema",
-    "jsonschema-specifications", "referencing", "rpds-py",
+    "jsonschema-specifications", "referencing", "rpds-py", "httptools",
 )  # fmt: skip
 NIXL = "nixl-cu13==1.5.1"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",

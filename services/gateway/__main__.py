@@ -9,6 +9,7 @@ values there. With no API keys, authentication is off. Keys are kept only as SHA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
@@ -83,7 +84,14 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging("gateway", config.log_level)
-    asyncio.run(serve(config))
+    # uvloop (libuv) carries the HTTP side's many short connections at about half asyncio's
+    # cost per request (bench/results/overload_cpu.md); uvicorn picks httptools by itself.
+    run = asyncio.run
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        run = uvloop.run
+    run(serve(config))
     return 0
 
 
