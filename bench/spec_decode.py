@@ -200,7 +200,7 @@ def replay(args) -> dict:
 
     trace_src = json.loads(Path(args.trace).read_text())
     k = SPEC["num_speculative_tokens"]
-    times = step_times(args.shape, k, args.context, args.steps)
+    times, graph_rows = step_times(args.shape, k, args.context, args.steps)
     rows = []
     for r in trace_src["rows"]:
         if r.get("method", "ngram") != "ngram":  # a draft model's cost is not in these times
@@ -221,7 +221,8 @@ def replay(args) -> dict:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    out = {"mode": "replay", "shape": args.shape, "step_ms": times, "rows": rows}
+    out = {"mode": "replay", "shape": args.shape, "step_ms": times, "rows": rows,
+           "graph_rows_per_step": graph_rows}  # fmt: skip
     if args.draft_shape:
         out["draft"] = draft_projection(args, times)
     return out
@@ -338,9 +339,11 @@ def report(res: dict) -> str:
         for method, cfg in res["speculative_configs"].items():
             head.append(f"- {method}: `{json.dumps(cfg)}`; greedy")
     else:
+        graph_rows = {d: round(r, 2) for d, r in res.get("graph_rows_per_step", {}).items()}
         head.append(
             f"- shape {res['shape']} (random weights); measured step times (ms) by drafts "
-            f"verified: {json.dumps({d: round(t, 3) for d, t in res['step_ms'].items()})}; "
+            f"verified: {json.dumps({d: round(t, 3) for d, t in res['step_ms'].items()})} "
+            f"(rows per step replayed from CUDA graphs: {json.dumps(graph_rows)}); "
             "projection: one plain step per token against the measured trace's steps, each "
             "charged the time of a step verifying as many drafts as it had"
         )

@@ -1,6 +1,6 @@
 """Step times of speculative decoding on a random-weight shape (``bench.spec_decode --mode
 replay``): one engine at batch 1, a step that verifies ``d`` drafted tokens timed for each
-``d`` from 0 (a plain decode step, replayed from its CUDA graph) to ``k``."""
+``d`` from 0 (a plain decode step) to ``k``; each replays a CUDA graph of ``d + 1`` rows."""
 
 from __future__ import annotations
 
@@ -35,9 +35,12 @@ class Drafts:
         pass
 
 
-def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, float]:
+def step_times(
+    shape: str, k: int, context: int, steps: int = 40
+) -> tuple[dict[int, float], dict[int, float]]:
     """Median wall time (ms, host included, synchronised) of a decode step verifying ``d``
-    drafts, for ``d`` in 0..k."""
+    drafts, for ``d`` in 0..k; and the mean rows per step that replayed a CUDA graph (``d + 1``
+    when verify steps go through the graphs, 0 when they run eagerly)."""
     tok = Path(os.environ.get("TANDEM_TOKENIZER_DIR", str(DEFAULT_DIR)))
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape(shape, Path(tmp) / shape, tok)
@@ -54,13 +57,15 @@ def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, f
         )
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (context,)).tolist()
-    out = {}
+    out, graph_rows = {}, {}
+    graphs = engine.runner.graphs
     for d in range(k + 1):
         engine.proposer = Drafts(d, vocab)  # type: ignore[assignment]
         engine.add_request(
             f"d{d}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
         )
         engine.step()  # the prefill
+        rows0 = graphs.rows if graphs is not None else 0
         times = []
         while engine.has_unfinished():
             _sync()
@@ -69,8 +74,10 @@ def step_times(shape: str, k: int, context: int, steps: int = 40) -> dict[int, f
             _sync()
             times.append((time.perf_counter() - t0) * 1e3)
         out[d] = statistics.median(times[2:])
-        print(f"verify {d} drafts: {out[d]:.3f} ms", flush=True)
-    return out
+        graph_rows[d] = ((graphs.rows if graphs is not None else 0) - rows0) / len(times)
+        print(f"verify {d} drafts: {out[d]:.3f} ms ({graph_rows[d]:.2f} graph rows/step)",
+              flush=True)  # fmt: skip
+    return out, graph_rows
 
 
 def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: int = 40) -> float:
@@ -114,8 +121,11 @@ def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: i
         _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     s = engine.stats().spec
+    graphs = engine.proposer.runner.graphs  # type: ignore[union-attr]
+    graph_runs = (graphs.runs if graphs is not None else 0) / len(times)
     print(f"draft {draft_shape} k={k} + verify: {statistics.median(times[2:]):.3f} ms "
-          f"({s.accepted_tokens}/{s.draft_tokens} kept)", flush=True)  # fmt: skip
+          f"({s.accepted_tokens}/{s.draft_tokens} kept; {graph_runs:.2f} of the draft's passes "
+          "per step replayed its CUDA graphs)", flush=True)  # fmt: skip
     return statistics.median(times[2:])
 
 

@@ -249,6 +249,20 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
 
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows of the largest decode step (CUDA graphs are captured up to it): a token per
+        sequence, each followed by its draft when speculating."""
+        spec = self.speculative_config
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+
+    @property
+    def max_draft_rows(self) -> int:
+        """Rows of the largest decode step of a draft model (``engine.draft_model``): its first
+        pass feeds a caught-up sequence at most two tokens (its last draft token, kept, and the
+        token after it), the later passes one."""
+        return 2 * self.max_num_seqs
+
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
         object.__setattr__(self, "speculative_config", spec)

@@ -5,11 +5,19 @@ every time; captured once per batch size and replayed, it costs one launch. Inpu
 static device buffers that each step refills (one host-to-device copy for the per-token
 vectors, one for the block tables); a batch is padded up to the next captured size with rows
 that write no KV (slot block -1) and attend to nothing (sequence length 0).
+
+A row is one token of one sequence, not one sequence: a few new tokens of a sequence (a verify
+step: its newest token and the draft after it) are that many rows sharing its block table,
+row ``i`` at position ``p + i`` attending over ``p + i + 1`` tokens. Every layer writes all
+rows' K/V before any row attends, so the rows see each other causally, as in a prefill chunk.
+
+Off CUDA (the CPU tests) nothing is captured: ``run`` fills the same buffers and runs the step
+eagerly, so the batch a graph would replay is checked on any machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,25 +30,39 @@ _PADDING = (0, 0, -1, 0, 0)
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Host-side inputs of one pure-decode step: one new token per sequence."""
+    """Host-side inputs of one decode step: one row per new token (see the module's note)."""
 
-    token_ids: list[int]
-    positions: list[int]
-    slot_blocks: list[int]
-    slot_offsets: list[int]
-    block_tables: list[list[int]]
-    seq_lens: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_blocks: list[int] = field(default_factory=list)
+    slot_offsets: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    num_seqs: int = 0  # sequences the rows came from (``add``); rows - num_seqs: draft rows
+
+    def add(self, tokens: list[int], start: int, table: list[int], block_size: int) -> None:
+        """Append one sequence's new ``tokens``, at positions ``start ..``, a row each."""
+        for i, t in enumerate(tokens):
+            p = start + i
+            self.token_ids.append(t)
+            self.positions.append(p)
+            self.slot_blocks.append(table[p // block_size])
+            self.slot_offsets.append(p % block_size)
+            self.block_tables.append(table)
+            self.seq_lens.append(p + 1)
+        self.num_seqs += 1
 
 
-def graph_batch_sizes(candidates: tuple[int, ...], max_num_seqs: int) -> list[int]:
-    """The candidates up to and including the first one that holds ``max_num_seqs``."""
+def graph_batch_sizes(candidates: tuple[int, ...], max_rows: int) -> list[int]:
+    """The candidates up to and including the first one that holds ``max_rows``."""
     sizes = sorted(set(candidates))
-    cover = next((s for s in sizes if s >= max_num_seqs), sizes[-1] if sizes else 0)
+    cover = next((s for s in sizes if s >= max_rows), sizes[-1] if sizes else 0)
     return [s for s in sizes if s <= cover]
 
 
 class DecodeGraphs:
-    """Forward pass plus logits of a decode step, captured at several batch sizes."""
+    """Forward pass plus logits of a decode step, captured at several batch sizes (row counts);
+    off CUDA run eagerly on the same inputs."""
 
     def __init__(
         self,
@@ -57,21 +79,27 @@ class DecodeGraphs:
         self.sizes = sorted(batch_sizes)
         self.block_size = block_size
         dev = kv_cache.device
+        self.captured = dev.type == "cuda"
         n, width = self.sizes[-1], max_blocks_per_seq
-        self._host = torch.zeros((5, n), dtype=torch.long).pin_memory()
+        self._host = torch.zeros((5, n), dtype=torch.long)
         self._vec = torch.zeros((5, n), dtype=torch.long, device=dev)
-        self._host_tables = torch.zeros(n * width, dtype=torch.int32).pin_memory()
+        self._host_tables = torch.zeros(n * width, dtype=torch.int32)
         self._tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self._query_start = torch.arange(n + 1, dtype=torch.long, device=dev)
-        self._copied = torch.cuda.Event()
+        self._copied: torch.cuda.Event | None = None
+        if self.captured:
+            self._host, self._host_tables = self._host.pin_memory(), self._host_tables.pin_memory()
+            self._copied = torch.cuda.Event()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self.runs = 0  # steps run (replayed or, off CUDA, eager)
+        self.rows = 0  # rows of those steps, padding not counted
 
     def padded_size(self, n: int) -> int | None:
         """The smallest captured size that holds ``n`` rows, or None."""
         return next((s for s in self.sizes if s >= n), None)
 
-    def _meta(self, n: int) -> AttentionMetadata:
+    def _meta(self, n: int, max_seq_len: int | None = None) -> AttentionMetadata:
         v = self._vec
         return AttentionMetadata(
             slot_blocks=v[_SLOT_BLOCK, :n],
@@ -80,19 +108,21 @@ class DecodeGraphs:
             seq_lens=v[_SEQ_LEN, :n],
             query_start_loc=self._query_start[: n + 1],
             max_query_len=1,
-            max_seq_len=self._tables.shape[1] * self.block_size,
+            max_seq_len=max_seq_len or self._tables.shape[1] * self.block_size,
             block_size=self.block_size,
         )
 
-    def _step(self, n: int) -> torch.Tensor:
+    def _step(self, n: int, max_seq_len: int | None = None) -> torch.Tensor:
         hidden = self.model.forward(
-            self._vec[_IDS, :n], self._vec[_POS, :n], self.kv_cache, self._meta(n)
+            self._vec[_IDS, :n], self._vec[_POS, :n], self.kv_cache, self._meta(n, max_seq_len)
         )
         return self.model.logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, sharing one memory pool."""
+        """Capture every size, largest first, sharing one memory pool (off CUDA: nothing)."""
+        if not self.captured:
+            return
         for row, value in enumerate(_PADDING):
             self._vec[row].fill_(value)
         pool = None
@@ -111,13 +141,15 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Replay the graph of the batch's padded size; returns float32 logits ``[n, V]``."""
+        """Replay the graph of the batch's padded size; returns float32 logits ``[n, V]``, a
+        row per batch row (a view of the graph's output, valid until the next run)."""
         n = len(batch.token_ids)
         size = self.padded_size(n)
         if size is None:
             raise ValueError(f"batch of {n} exceeds the largest captured size {self.sizes[-1]}")
         width = max(len(t) for t in batch.block_tables)
-        self._copied.synchronize()  # the pinned buffers are free again
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffers are free again
         h = self._host
         rows = (
             batch.token_ids,
@@ -130,11 +162,15 @@ class DecodeGraphs:
             h[r, :n] = torch.tensor(values, dtype=torch.long)
             h[r, n:size] = pad
         tables = self._host_tables[: n * width].view(n, width)
-        tables.zero_()
-        for i, t in enumerate(batch.block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        padded = [t + [0] * (width - len(t)) for t in batch.block_tables]
+        tables.copy_(torch.tensor(padded, dtype=torch.int32))  # one tensor for all rows
         self._vec.copy_(h, non_blocking=True)
         self._tables[:n, :width].copy_(tables.to(self._tables.device, non_blocking=True))
+        self.runs += 1
+        self.rows += n
+        if self._copied is None:
+            # Eager, unpadded: the reference kernels would write padding's slot block -1.
+            return self._step(n, max(batch.seq_lens))
         self._copied.record()
         self._graphs[size].replay()
         return self._logits[size][:n]

@@ -33,7 +33,10 @@ import dataclasses
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeBatch
 from engine.errors import UnsupportedConfigError
 from engine.model_runner import ModelRunner, StepPlan
 from engine.sequence import Sequence
@@ -109,10 +112,12 @@ class DraftProposer:
             model_dir=spec.model,
             speculative_config=None,
             enable_lora=False,
-            enforce_eager=True,  # its pool is planned by the target; graphs would need room
             num_kv_blocks=num_blocks,
         )
-        self.runner = ModelRunner(dconf, draft_mc, max_len, num_blocks=num_blocks)
+        # Its pool and the room for its graphs are planned by the target (``memory.Reserve``).
+        self.runner = ModelRunner(
+            dconf, draft_mc, max_len, num_blocks=num_blocks, graph_rows=config.max_draft_rows
+        )
         self.model_config = draft_mc
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
@@ -215,6 +220,33 @@ class DraftProposer:
     def _run(self, rows: list[_Row], copies: list[CopyOp]) -> list[int]:
         """One draft forward pass; the argmax of each sampling row. Marks the rows' tokens as
         computed and caches the draft blocks full of confirmed tokens."""
+        logits = self._forward(rows, copies)
+        for r in rows:
+            st = r.state
+            st.computed = r.start + len(r.tokens)
+            if r.history:
+                st.base = st.computed
+                self.kv.commit(st.seq.key, st.seq.all_token_ids, st.base)
+            else:
+                st.fed.extend(r.tokens)
+        return [] if logits is None else logits.argmax(dim=-1).tolist()
+
+    def _forward(self, rows: list[_Row], copies: list[CopyOp]):
+        """The logits of the sampling rows: through the draft's CUDA graphs, a row per token
+        (``engine.cuda_graphs``), when the pass fits them; else one eager varlen pass."""
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.padded_size(sum(len(r.tokens) for r in rows)):
+            batch = DecodeBatch()
+            last: list[int] = []
+            for r in rows:
+                batch.add(r.tokens, r.start, self.kv.block_ids(r.state.seq.key), self.block_size)
+                if r.samples:
+                    last.append(len(batch.token_ids) - 1)
+            out = self.runner.run_rows(batch, copies)
+            return out[torch.tensor(last, device=out.device)] if last else None
+        return self.runner.run_plan(self._plan(rows), copies)
+
+    def _plan(self, rows: list[_Row]) -> StepPlan:
         bs = self.block_size
         plan = StepPlan([], [], [], [0], [], [], max(len(r.tokens) for r in rows), [])
         for r in rows:
@@ -228,16 +260,7 @@ class DraftProposer:
             plan.block_tables.append(table)
             if r.samples:
                 plan.sample_rows.append(plan.query_start[-1] - 1)
-        logits = self.runner.run_plan(plan, copies)
-        for r in rows:
-            st = r.state
-            st.computed = r.start + len(r.tokens)
-            if r.history:
-                st.base = st.computed
-                self.kv.commit(st.seq.key, st.seq.all_token_ids, st.base)
-            else:
-                st.fed.extend(r.tokens)
-        return [] if logits is None else logits.argmax(dim=-1).tolist()
+        return plan
 
     def _drop(self, key: Hashable) -> None:
         self._states.pop(key, None)

@@ -71,11 +71,13 @@ class DeviceMemory:
 
 @dataclass(frozen=True, slots=True)
 class Reserve:
-    """Room an engine's share keeps for a draft model loaded after it: the draft's weights and
-    its KV bytes per block (its pool has as many blocks as the target's)."""
+    """Room an engine's share keeps for a draft model loaded after it: the draft's weights, the
+    pool of its CUDA graphs (``graph_bytes``) and its KV bytes per block (its pool has as many
+    blocks as the target's)."""
 
     weight_bytes: int = 0
     block_bytes: int = 0
+    graph_bytes: int = 0
 
     @classmethod
     def of(
@@ -85,6 +87,7 @@ class Reserve:
         kv_dtype: torch.dtype,
         block_size: int,
         quantize: bool,
+        graph_sizes: list[int] | None = None,
     ) -> Reserve:
         layout = KVLayout(
             num_layers=draft.num_layers,
@@ -95,7 +98,11 @@ class Reserve:
             element_size=kv_dtype.itemsize,
         )
         weights = weight_bytes(draft, dtype.itemsize, None, 1 if quantize else None)
-        return cls(weights, layout.block_bytes)
+        # A decode row's intermediates (float32 at most): the residual stream and a few
+        # hidden-sized copies, QKV, gate/up; the logits are counted by the estimate.
+        row = 4 * (4 * draft.hidden_size + 3 * draft.intermediate_size)
+        graphs = graph_pool_estimate(graph_sizes or [], draft.vocab_size, row)
+        return cls(weights, layout.block_bytes, graphs)
 
 
 @dataclass(frozen=True, slots=True)

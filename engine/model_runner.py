@@ -97,11 +97,13 @@ class ModelRunner:
         peers: RankGroup | None = None,
         draft: ModelConfig | None = None,
         num_blocks: int | None = None,
+        graph_rows: int | None = None,
     ) -> None:
         """``draft``: the shape of a draft model built after this runner; this pool leaves
-        room in the same memory share (``kv_cache_bytes`` on CPU) for its weights and a pool of
-        as many blocks as this one. ``num_blocks``: a pool of exactly that many blocks, sized by
-        the caller (a draft's); no memory planning of its own."""
+        room in the same memory share (``kv_cache_bytes`` on CPU) for its weights, its CUDA
+        graphs and a pool of as many blocks as this one. ``num_blocks``: a pool of exactly that
+        many blocks, sized by the caller (a draft's); no memory planning of its own.
+        ``graph_rows``: CUDA graphs up to that many rows (default ``max_decode_rows``)."""
         self.config = config
         self.model_config = model_config
         self.comm = comm or TPComm(ModelShard.of(model_config, 1, 0))
@@ -111,14 +113,20 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         quantize = config.quantization == "fp8"
-        reserve = memory.Reserve()
-        if draft is not None:
-            reserve = memory.Reserve.of(
-                draft, self.dtype, self.kv_dtype, config.block_size, quantize
-            )
         if quantize:
             fp8.check_device(self.device, "--quantization fp8")
         on_cuda = self.device.type == "cuda"
+        graphed = on_cuda and not config.enforce_eager
+        reserve = memory.Reserve()
+        if draft is not None:
+            draft_sizes = []
+            if graphed:
+                draft_sizes = graph_batch_sizes(
+                    config.cuda_graph_batch_sizes, config.max_draft_rows
+                )
+            reserve = memory.Reserve.of(
+                draft, self.dtype, self.kv_dtype, config.block_size, quantize, draft_sizes
+            )
         shard = self.comm.shard
         planned = num_blocks is None
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
@@ -127,7 +135,7 @@ class ModelRunner:
             size = self.dtype.itemsize
             need = memory.weight_bytes(model_config, size, shard, 1 if quantize else None)
             if planned:
-                need += reserve.weight_bytes
+                need += reserve.weight_bytes + reserve.graph_bytes
                 memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
             weights = dummy_weights(
@@ -157,8 +165,9 @@ class ModelRunner:
             tp=self.comm.size,
         )
         sizes: list[int] = []
-        if on_cuda and not config.enforce_eager:
-            sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_num_seqs)
+        if graphed:
+            rows = config.max_decode_rows if graph_rows is None else graph_rows
+            sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, rows)
         plan_bytes = self.block_bytes + reserve.block_bytes
         if num_blocks is not None:
             self.kv_plan = memory.KVPlan(
@@ -166,8 +175,9 @@ class ModelRunner:
             )
         elif on_cuda:
             self.kv_plan = memory.plan_for_cuda(
-                start, self.model, config, plan_bytes, max_len, sizes, reserve.weight_bytes
-            )
+                start, self.model, config, plan_bytes, max_len, sizes,
+                reserve.weight_bytes + reserve.graph_bytes,
+            )  # fmt: skip
         else:
             self.kv_plan = memory.plan_fixed(
                 plan_bytes, config.num_kv_blocks, config.kv_cache_bytes,
@@ -263,6 +273,14 @@ class ModelRunner:
             self._command("copy", [c.src for c in copies], [c.dst for c in copies])
         return self._command("forward", plan)
 
+    def run_rows(self, batch: DecodeBatch, copies: list[CopyOp]) -> torch.Tensor:
+        """Copy blocks, then one decode step of ``batch``'s rows through the CUDA graphs: the
+        logits of every row (a draft model's step, ``engine.draft_model``)."""
+        self.bind_thread()
+        if copies:
+            self._command("copy", [c.src for c in copies], [c.dst for c in copies])
+        return self._command("graph", batch)
+
     def _command(self, op: str, *args):
         with self._turn:
             if self.peers is None:
@@ -337,24 +355,24 @@ class ModelRunner:
         return self.graphs.run(batch)
 
     def _decode_batch(self, sched: SchedulerOutput) -> DecodeBatch | None:
-        """The step as a captured graph's input when it is pure decode and fits one."""
+        """The step as a captured graph's input, when every scheduled sequence samples from its
+        newest token: that token and the draft after it (a verify step) are a row each
+        (``engine.cuda_graphs``), and the graph's logits have a row per row, as ``_plan``'s
+        sample rows."""
         graphs = self.graphs
         scheduled = sched.scheduled
-        if graphs is None or graphs.padded_size(len(scheduled)) is None or sched.loras:
+        if graphs is None or sched.loras:
             return None  # (graphs are captured without adapters)
-        if not all(s.num_new == 1 and s.samples for s in scheduled):
+        if not all(s.samples and s.num_new == 1 + len(s.draft) for s in scheduled):
+            return None
+        if graphs.padded_size(sched.num_tokens) is None:
             return None
         bs = self.config.block_size
-        positions = [s.seq.num_computed for s in scheduled]
-        blocks = [s.block_ids[p // bs] for s, p in zip(scheduled, positions, strict=True)]
-        return DecodeBatch(
-            token_ids=[_token_at(s.seq, p) for s, p in zip(scheduled, positions, strict=True)],
-            positions=positions,
-            slot_blocks=blocks,
-            slot_offsets=[p % bs for p in positions],
-            block_tables=[s.block_ids for s in scheduled],
-            seq_lens=[p + 1 for p in positions],
-        )
+        batch = DecodeBatch()
+        for s in scheduled:
+            p = s.seq.num_computed
+            batch.add([_token_at(s.seq, p), *s.draft], p, s.block_ids, bs)
+        return batch
 
     @property
     def checksum_algorithm(self) -> str:

@@ -158,14 +158,103 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_speculative_greedy_is_token_exact_on_cuda_fp32(smol_shape_dir):
-    """fp32 on CUDA: verification (prefill kernel, several rows) and plain decode (decode
-    kernel, CUDA graphs) agree to float32 rounding, so greedy outputs are identical."""
+    """fp32 on CUDA: verification (decode rows in the CUDA graphs, or the prefill kernel in a
+    step that also prefills) and plain decode agree to float32 rounding, so greedy outputs are
+    identical."""
     prompts = repetitive_prompts(12, seed=3)
     base = generate(smol_shape_dir, prompts, dtype="float32")
     spec = generate(smol_shape_dir, prompts, dtype="float32", speculative_config=SPEC)
     rate = agreement(base, spec)
     report("spec_vs_plain_cuda_fp32", match_rate=rate)
     assert rate == 1.0
+
+
+def run_engine(engine: LLMEngine, prompts, one_at_a_time: bool) -> list[list[int]]:
+    """Greedy tokens (``ignore_eos``, 24 each) of ``prompts``, all at once or one at a time."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    finals: dict[str, list[int]] = {}
+    waves = [[i] for i in range(len(prompts))] if one_at_a_time else [range(len(prompts))]
+    for wave in waves:
+        for i in wave:
+            engine.add_request(f"s{i}", prompts[i], params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+    engine.check_integrity()
+    return [finals[f"s{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False])
+def test_verify_steps_replay_the_decode_graphs_on_cuda_fp32(smol_shape_dir, one_at_a_time):
+    """A verify step is a decode step of one row per token (the newest and each draft), so it
+    replays the captured graphs: at batch 1 every drafted token goes through them, and greedy
+    output is the non-speculative output."""
+    prompts = repetitive_prompts(8, seed=6)
+    base = generate(smol_shape_dir, prompts, dtype="float32")
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(smol_shape_dir), dtype="float32", num_kv_blocks=2048,
+                     max_num_seqs=8, speculative_config=SPEC)
+    )  # fmt: skip
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.captured and graphs.sizes[-1] >= 8 * 5
+    spec = run_engine(engine, prompts, one_at_a_time)
+    s = engine.stats().spec
+    report(f"spec_graphs_vs_plain_cuda_fp32_{'b1' if one_at_a_time else 'b8'}",
+           match_rate=agreement(base, spec), draft_tokens=s.draft_tokens,
+           graph_rows=graphs.rows, graph_runs=graphs.runs)  # fmt: skip
+    assert spec == base
+    assert s.draft_tokens > 0 and graphs.rows > graphs.runs
+    if one_at_a_time:  # one sequence per run: its extra rows are its drafts, all verified there
+        assert graphs.rows - graphs.runs == s.draft_tokens
+    del engine
+    torch.cuda.empty_cache()
+
+
+def test_draft_model_steps_replay_their_graphs_on_cuda_fp32(smol_shape_dir):
+    """The target as its own draft (fp32): the draft's passes replay its own CUDA graphs and
+    the target's verify steps its graphs; output is the non-speculative output and the drafts
+    (the target's own greedy tokens) are kept."""
+    prompts = repetitive_prompts(4, seed=8)
+    base = generate(smol_shape_dir, prompts, dtype="float32")
+    spec_config = {"method": "draft_model", "model": str(smol_shape_dir),
+                   "num_speculative_tokens": 3}  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(smol_shape_dir), dtype="float32", num_kv_blocks=1024,
+                     max_num_seqs=4, gpu_memory_utilization=0.5, speculative_config=spec_config)
+    )  # fmt: skip
+    target, draft = engine.runner.graphs, engine.proposer.runner.graphs  # type: ignore[union-attr]
+    assert target is not None and draft is not None and draft.captured
+    spec = run_engine(engine, prompts, one_at_a_time=False)
+    s = engine.stats().spec
+    report("draft_model_graphs_vs_plain_cuda_fp32", match_rate=agreement(base, spec),
+           draft_tokens=s.draft_tokens, accepted=s.accepted_tokens, draft_graph_runs=draft.runs,
+           target_graph_runs=target.runs)  # fmt: skip
+    assert spec == base
+    assert s.draft_tokens > 0 and s.accepted_tokens >= 0.9 * s.draft_tokens
+    assert target.rows > target.runs > 0 and draft.runs >= 2 * target.runs
+    del engine
+    torch.cuda.empty_cache()
+
+
+@needs_fp8
+def test_verify_rows_with_an_fp8_kv_cache_on_cuda(smol_shape_dir):
+    prompts = repetitive_prompts(8, seed=7)
+    base = generate(smol_shape_dir, prompts, kv_cache_dtype="fp8")
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(smol_shape_dir), num_kv_blocks=2048, kv_cache_dtype="fp8",
+                     max_num_seqs=8, speculative_config=SPEC)
+    )  # fmt: skip
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    spec = run_engine(engine, prompts, one_at_a_time=False)
+    rate = agreement(base, spec)
+    report("spec_graphs_vs_plain_cuda_fp8_kv", match_rate=rate, graph_rows=graphs.rows,
+           graph_runs=graphs.runs)  # fmt: skip
+    assert graphs.rows > graphs.runs and engine.stats().spec.draft_tokens > 0
+    assert rate >= 0.75  # bf16 and e4m3 round differently when rows are batched differently
+    del engine
+    torch.cuda.empty_cache()
 
 
 def test_speculative_greedy_on_cuda_bf16_and_acceptance(smol_shape_dir):
