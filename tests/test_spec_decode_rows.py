@@ -8,8 +8,10 @@ warm prefix cache. On CUDA the same batches replay captured graphs
 from __future__ import annotations
 
 import pytest
+import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, memory
+from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.draft_model import DraftProposer
 from tests.test_spec_engine import SPEC, Oracle, make_engine, outputs, prompts_for
@@ -40,10 +42,10 @@ def test_batch_rows_share_the_table_and_see_each_other_causally():
 
 
 def test_graphs_are_captured_for_every_row_of_a_verify_step(smol_dir):
-    engine = make_engine(smol_dir, SPEC, max_num_seqs=16)
-    assert engine.config.max_decode_rows == 16 * 5
-    assert graph_batch_sizes(engine.config.cuda_graph_batch_sizes, 80)[-1] == 128
-    assert make_engine(smol_dir, None, max_num_seqs=16).config.max_decode_rows == 16
+    config = EngineConfig(model_dir=str(smol_dir), speculative_config=SPEC, max_num_seqs=16)
+    assert config.max_decode_rows == 16 * 5 and config.max_draft_rows == 32
+    assert graph_batch_sizes(config.cuda_graph_batch_sizes, 80)[-1] == 128
+    assert EngineConfig(model_dir=str(smol_dir), max_num_seqs=16).max_decode_rows == 16
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -129,3 +131,12 @@ def test_preemption_with_a_draft_through_rows_keeps_outputs(qwen2_dir):
 def _common_prefix(a: list[int], b: list[int]) -> int:
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def test_the_target_sets_room_aside_for_the_draft_graphs(smol_dir):
+    draft = ModelConfig.from_dir(smol_dir)
+    eager = memory.Reserve.of(draft, torch.bfloat16, torch.bfloat16, 16, False)
+    graphed = memory.Reserve.of(draft, torch.bfloat16, torch.bfloat16, 16, False, [1, 2, 4])
+    assert eager.graph_bytes == 0 and eager.weight_bytes == graphed.weight_bytes
+    # Each size keeps its float32 logits: 7 rows of the vocabulary at least.
+    assert graphed.graph_bytes > 7 * draft.vocab_size * 4

@@ -34,7 +34,10 @@ def prompts() -> list[list[int]]:
     return random_prompts(12, SMOL_CONFIG["vocab_size"], seed=1, hi=200)
 
 
-def greedy(model_dir: Path, prompts, tp: int, eager: bool) -> tuple[list[list[int]], bool]:
+def greedy(
+    model_dir: Path, prompts, tp: int, eager: bool, **options
+) -> tuple[list[list[int]], tuple[int, int] | None]:
+    """Greedy tokens, and the graphs' (runs, rows) when decode steps ran from graphs."""
     with LLM(
         model_dir,
         tensor_parallel_size=tp,
@@ -42,11 +45,13 @@ def greedy(model_dir: Path, prompts, tp: int, eager: bool) -> tuple[list[list[in
         enforce_eager=eager,
         num_kv_blocks=512,
         max_num_seqs=16,
+        **options,
     ) as llm:
         outs = [o.token_ids for o in llm.generate(prompts, PARAMS)]
-        graphs = llm.engine.runner.graphs is not None
+        graphs = llm.engine.runner.graphs
+        counts = None if graphs is None else (graphs.runs, graphs.rows)
     torch.cuda.empty_cache()
-    return outs, graphs
+    return outs, counts
 
 
 def test_tp2_with_graphs_matches_tp1(model_dir, prompts):
@@ -56,3 +61,15 @@ def test_tp2_with_graphs_matches_tp1(model_dir, prompts):
     assert two == ref
     eager, graphs = greedy(model_dir, prompts, 2, eager=True)
     assert not graphs and eager == ref
+
+
+def test_tp2_verify_steps_replay_the_graphs_and_match_tp1(model_dir):
+    """n-gram drafts verified as decode rows in the TP graphs (every rank replays the batch)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}  # fmt: skip
+    phrases = random_prompts(6, SMOL_CONFIG["vocab_size"], seed=2, hi=30)
+    prompts = [(p * (1 + 80 // max(len(p), 1)))[:80] for p in phrases]
+    ref, _ = greedy(model_dir, prompts, 1, eager=True)
+    two, counts = greedy(model_dir, prompts, 2, eager=False, speculative_config=spec)
+    assert counts is not None and counts[1] > counts[0] > 0  # some runs verified drafts
+    assert two == ref
