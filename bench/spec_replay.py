@@ -74,7 +74,7 @@ def step_times(
             _sync()
             times.append((time.perf_counter() - t0) * 1e3)
         out[d] = statistics.median(times[2:])
-        graph_rows[d] = ((graphs.rows if graphs is not None else 0) - rows0) / len(times)
+        graph_rows[d] = ((graphs.rows if graphs is not None else 0) - rows0) / max(len(times), 1)
         print(f"verify {d} drafts: {out[d]:.3f} ms ({graph_rows[d]:.2f} graph rows/step)",
               flush=True)  # fmt: skip
     return out, graph_rows
@@ -122,7 +122,7 @@ def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: i
         times.append((time.perf_counter() - t0) * 1e3)
     s = engine.stats().spec
     graphs = engine.proposer.runner.graphs  # type: ignore[union-attr]
-    graph_runs = (graphs.runs if graphs is not None else 0) / len(times)
+    graph_runs = (graphs.runs if graphs is not None else 0) / max(len(times), 1)
     print(f"draft {draft_shape} k={k} + verify: {statistics.median(times[2:]):.3f} ms "
           f"({s.accepted_tokens}/{s.draft_tokens} kept; {graph_runs:.2f} of the draft's passes "
           "per step replayed its CUDA graphs)", flush=True)  # fmt: skip
