@@ -232,7 +232,7 @@ def test_draft_model_steps_replay_their_graphs_on_cuda_fp32(smol_shape_dir):
            target_graph_runs=target.runs)  # fmt: skip
     assert spec == base
     assert s.draft_tokens > 0 and s.accepted_tokens >= 0.9 * s.draft_tokens
-    assert target.rows > target.runs > 0 and draft.runs >= 2 * target.runs
+    assert target.rows > target.runs > 0 and draft.runs >= target.runs  # k passes a step
     del engine
     torch.cuda.empty_cache()
 
