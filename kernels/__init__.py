@@ -24,6 +24,9 @@ from kernels.reference import (
 # Up to this many rows, a bf16/fp16 matrix product on CUDA takes the Triton skinny kernel
 # (decode of small batches); above it, cuBLAS. Benchmarks set it to 0 to compare.
 GEMV_MAX_ROWS = 8
+# Which skinny kernel: "skinny" (``triton_skinny``: wide weight loads, small row tiles and
+# split-K, measured plans) or "gemv" (``triton_gemv``, the first one; benchmarks compare).
+SKINNY_KERNEL = "skinny"
 # Within that range, fold RMSNorm into the QKV and gate/up products and SiLU-and-multiply into
 # the down product (`norm_linear`, `silu_mul_linear`): three fewer launches per layer. Off: on
 # an H100 the fused decode step of the 8B shape took 32 ms against 6.2 ms unfused
@@ -63,10 +66,18 @@ def linear(
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, bias)
     if _skinny(x, w):
+        return _skinny_module().linear(x, w, bias)
+    return reference.linear(x, w, bias)
+
+
+def _skinny_module():  # noqa: ANN202 - a Triton module, imported on first use
+    if SKINNY_KERNEL == "gemv":
         from kernels import triton_gemv
 
-        return triton_gemv.linear(x, w, bias)
-    return reference.linear(x, w, bias)
+        return triton_gemv
+    from kernels import triton_skinny
+
+    return triton_skinny
 
 
 def lora_add(
@@ -105,11 +116,10 @@ def norm_linear(
     """``(linear(rms_norm(x + residual) * norm, w, bias), x + residual)``: `rms_norm` then
     `linear`; in one launch where the product takes the skinny kernel (``FUSE_DECODE``)."""
     if FUSE_DECODE and _skinny(x, w) and norm.dtype == x.dtype:
-        from kernels import triton_gemv
-
+        mod = _skinny_module()
         if isinstance(w, Fp8Weight):
-            return triton_gemv.norm_linear(x, residual, norm, eps, w.weight, bias, scale=w.scale)
-        return triton_gemv.norm_linear(x, residual, norm, eps, w, bias)
+            return mod.norm_linear(x, residual, norm, eps, w.weight, bias, scale=w.scale)
+        return mod.norm_linear(x, residual, norm, eps, w, bias)
     h, residual_out = rms_norm(x, norm, eps, residual)
     return linear(h, w, bias), residual_out
 
@@ -118,20 +128,17 @@ def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tenso
     """``linear(silu_and_mul(x), w)`` for the fused gate/up output ``x``; in one launch where
     the product takes the skinny kernel (``FUSE_DECODE``)."""
     if FUSE_DECODE and _skinny(x, w):
-        from kernels import triton_gemv
-
+        mod = _skinny_module()
         if isinstance(w, Fp8Weight):
-            return triton_gemv.silu_mul_linear(x, w.weight, scale=w.scale)
-        return triton_gemv.silu_mul_linear(x, w)
+            return mod.silu_mul_linear(x, w.weight, scale=w.scale)
+        return mod.silu_mul_linear(x, w)
     return linear(silu_and_mul(x), w)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if use_triton(x) and x.stride(-1) == 1:
         if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            from kernels import triton_gemv
-
-            return triton_gemv.linear(x, w.weight, bias, scale=w.scale)
+            return _skinny_module().linear(x, w.weight, bias, scale=w.scale)
         n, k = w.shape
         if x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
             from kernels import fp8_gemm

@@ -1,0 +1,362 @@
+"""Triton skinny products for decode, bf16/fp16 or FP8 (e4m3) weights: ``x @ w.T`` for at most
+eight rows of ``x``, one pass over the weight.
+
+The product is bound by reading ``w`` (``[N, K]``, K contiguous), so everything here is about
+the loads:
+
+- each program streams a ``[BLOCK_N, BLOCK_K]`` tile per step along the contiguous axis: 16
+  bytes per thread per load (8 bf16 or 16 FP8 weights), with no mask on the weight where ``K``
+  divides into ``BLOCK_K`` (``EVEN_K``) and out-of-range rows clamped to row 0 instead of masked
+  (the old kernel's ``k < min(K, ...)`` mask could cost the wide loads);
+- ``BLOCK_N`` goes down to 4 rows, so a 4096-row product has 512-1024 programs: every SM holds
+  several and the loads in flight cover the memory latency; split-K (``SkinnyPlan.split_k``)
+  where that is not enough;
+- FP8 weights are converted in registers and multiplied in float32; the per-output-channel
+  scale (and bias) is applied once in the epilogue.
+
+Two ways to multiply, per plan: ``dot=False`` multiplies on the CUDA cores (one row: a
+``[BLOCK_N, BLOCK_K]`` float32 accumulator reduced once at the end; more rows: one reduction per
+row and step), ``dot=True`` on the tensor cores (``tl.dot`` of the weight tile, as the left
+operand in its natural layout, with the ``x`` tile padded to 16 rows).
+
+Prologues, as in ``triton_gemv``: 1 = RMSNorm of ``x + residual`` (the norm's ``1/rms``
+factors out of each output row: the epilogue applies it; the first program also stores
+``x + residual``), 2 = SiLU-and-multiply of ``[gate | up]`` rounded as ``silu_and_mul``
+rounds. The prologue works on the few rows of ``x`` only, once per program and step.
+
+Plans: ``plan_for`` picks one per (rows, N, K, weight dtype, prologue): a measured table
+(``set_plan``, filled by ``bench.skinny_gpu`` and kept in ``kernels/skinny_plans.json`` per
+device name) or else a heuristic. Nothing is tuned at run time, so nothing tunes inside a
+CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8
+_MAX_TILES = 1 << 17
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+PLANS_FILE = Path(__file__).with_name("skinny_plans.json")
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyPlan:
+    """``block_n`` weight rows per program, ``block_k`` weights per row and step, ``split_k``
+    programs along K per row tile, tensor cores or not (``dot``)."""
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    dot: bool = False
+
+    def label(self) -> str:
+        kind = "dot" if self.dot else "fma"
+        return (f"{kind}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+                f"_sk{self.split_k}")  # fmt: skip
+
+
+@triton.jit
+def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, row0, offs_k, M, K, stride_xm, stride_rm,
+            stride_rom, store_res, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+            ROWS: tl.constexpr):  # fmt: skip
+    """Rows ``row0 .. row0 + ROWS`` of the product's left side over columns ``offs_k``, after
+    the prologue (rounded to the input dtype, as the unfused kernels round), and their sums of
+    squares (the norm's)."""
+    rows = row0 + tl.arange(0, ROWS)
+    mask = (rows < M)[:, None] & (offs_k < K)[None, :]
+    xp = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+    ssq = tl.zeros([ROWS], tl.float32)
+    if PROLOGUE == 2:
+        gate = tl.load(xp, mask=mask, other=0.0)
+        up = tl.load(xp + K, mask=mask, other=0.0).to(tl.float32)
+        gf = gate.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
+        x = (act.to(tl.float32) * up).to(gate.dtype)
+    else:
+        xv = tl.load(xp, mask=mask, other=0.0)
+        if PROLOGUE == 1:
+            if HAS_RES:
+                r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], mask=mask,
+                            other=0.0)  # fmt: skip
+                xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+                ro = res_out_ptr + rows[:, None] * stride_rom + offs_k[None, :]
+                tl.store(ro, xv, mask=mask & store_res)
+            xf = xv.to(tl.float32)
+            ssq = tl.sum(xf * xf, axis=1)
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            xv = (xf * g[None, :]).to(xv.dtype)
+        x = xv
+    return x, ssq
+
+
+@triton.jit
+def _epilogue(acc, ssq, offs_m, offs_n, M, N, K, eps, scale_ptr, bias_ptr, out_ptr, stride_om,
+              PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
+              HAS_BIAS: tl.constexpr):  # fmt: skip
+    """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows)."""
+    n_mask = offs_n < N
+    if PROLOGUE == 1:  # the norm's 1/rms, per row
+        acc *= tl.rsqrt(ssq / K + eps)[None, :]
+    if HAS_SCALE:  # per output channel (FP8 weights)
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    o = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, part_ptr, lock_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N read row 0 (no mask on the loads); their sums are never stored.
+    w_rows = offs_n if EVEN_N else tl.where(offs_n < N, offs_n, 0)
+    w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn
+    offs_kb = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_start = pid_k * K_SPLIT
+    store_res = (pid_n == 0) & (pid_k == 0)  # one program writes x + residual
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    ssq = tl.zeros([BLOCK_M], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row on the CUDA cores
+    for i in range(0, K_SPLIT // BLOCK_K):  # past K: masked (not EVEN_K)
+        k0 = k_start + i * BLOCK_K
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + offs_kb, 16), BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_base + offs_k[None, :])
+        else:
+            w = tl.load(w_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+        if DOT:
+            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, 0, offs_k, M, K, stride_xm,
+                            stride_rm, stride_rom, store_res, PROLOGUE, HAS_RES,
+                            BLOCK_M)  # fmt: skip
+            ssq += sq
+            acc += tl.dot(w.to(x.dtype), tl.trans(x))
+        elif BLOCK_M == 1:
+            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, 0, offs_k, M, K, stride_xm,
+                            stride_rm, stride_rom, store_res, PROLOGUE, HAS_RES, 1)  # fmt: skip
+            ssq += sq
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            wf = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, m, offs_k, M, K, stride_xm,
+                                stride_rm, stride_rom, store_res, PROLOGUE, HAS_RES,
+                                1)  # fmt: skip
+                s = tl.sum(wf * x.to(tl.float32), axis=1)
+                acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
+                ssq += tl.where(offs_m == m, sq, 0.0)
+    if not DOT and BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[:, None]
+    if SPLIT_K == 1:
+        _epilogue(acc, ssq, offs_m, offs_n, M, N, K, eps, scale_ptr, bias_ptr, out_ptr,
+                  stride_om, PROLOGUE, HAS_SCALE, HAS_BIAS)  # fmt: skip
+    else:
+        # This part's sums; the last program of the row tile adds the parts in a fixed order.
+        n_mask = offs_n < N
+        p_mask = n_mask[:, None] & (offs_m < M)[None, :]
+        p_ptrs = part_ptr + (pid_k * N + offs_n[:, None]) * BLOCK_M + offs_m[None, :]
+        tl.store(p_ptrs, acc, mask=p_mask)
+        tl.debug_barrier()  # every thread's stores before the release below
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                q_ptrs = part_ptr + (s * N + offs_n[:, None]) * BLOCK_M + offs_m[None, :]
+                acc += tl.load(q_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, ssq, offs_m, offs_n, M, N, K, eps, scale_ptr, bias_ptr, out_ptr,
+                      stride_om, PROLOGUE, HAS_SCALE, HAS_BIAS)  # fmt: skip
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    plan: SkinnyPlan | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (* scale) + bias`` for ``x`` ``[M <= 8, K]`` and ``w`` ``[N, K]`` (bf16/fp16,
+    or float8_e4m3fn with a float32 ``scale`` ``[N]``: weight-only FP8)."""
+    return _launch(x, w, bias, scale, plan, 0, None, 1e-6, None)[0]
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    plan: SkinnyPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(rms_norm(x + residual) * norm, w)`` and ``x + residual`` in one launch."""
+    if norm.shape != (w.shape[1],):
+        raise ValueError("the norm's weight must be [K]")
+    return _launch(x, w, bias, scale, plan, 1, norm, eps, residual)
+
+
+def silu_mul_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    plan: SkinnyPlan | None = None,
+) -> torch.Tensor:
+    """``linear(silu(x[:, :K]) * x[:, K:], w)`` for the gate/up output ``x`` ``[M, 2K]``."""
+    return _launch(x, w, bias, scale, plan, 2, None, 1e-6, None)[0]
+
+
+def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001, ANN202
+    m = x.shape[0]
+    n, k = w.shape
+    kx = 2 * k if prologue == 2 else k
+    if x.dim() != 2 or m > MAX_ROWS or x.shape[1] != kx or x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"x {list(x.shape)} / w {list(w.shape)}: need M <= 8, unit strides")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if w.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("an FP8 weight needs its per-channel scale")
+    elif w.dtype != x.dtype:
+        raise ValueError(f"w is {w.dtype}, x is {x.dtype}")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
+        raise ValueError("scale must be float32 [N]")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError("bias must be [N]")
+    if res is not None and (res.shape != x.shape or res.stride(-1) != 1):
+        raise ValueError("residual must match x")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if res is not None else x
+    if m == 0:
+        return out, res_out
+    plan = plan or plan_for(m, n, k, w.dtype, prologue)
+    split = plan.split_k if prologue != 1 else 1  # the norm needs each row's whole K
+    block_m = 16 if plan.dot else triton.next_power_of_2(m)
+    block_k = plan.block_k
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_split)
+    tiles = triton.cdiv(n, plan.block_n)
+    part = locks = x
+    if split > 1:
+        if tiles > _MAX_TILES:
+            raise ValueError(f"split-K takes at most {_MAX_TILES} row tiles")
+        part = torch.empty((split, n, block_m), dtype=torch.float32, device=x.device)
+        locks = _locks(x.device)
+    _skinny_kernel[(tiles, split)](
+        x, w, scale if scale is not None else x, bias if bias is not None else x, out,
+        res if res is not None else x, res_out, norm if norm is not None else x, part, locks,
+        m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        res.stride(0) if res is not None else 0, res_out.stride(0), eps,
+        PROLOGUE=prologue, HAS_RES=res is not None, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=block_k, DOT=plan.dot, EVEN_K=k % block_k == 0 and k_split * split == k,
+        EVEN_N=n % plan.block_n == 0, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    return out, res_out
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """Row-tile counters of split-K (zeroed once; every call leaves them zero). Made by the
+    first split-K call, which must not be inside a CUDA graph capture (warm-ups run first)."""
+    if device not in _LOCKS:
+        _LOCKS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _LOCKS[device]
+
+
+# -- plans -------------------------------------------------------------------------------------
+PlanKey = tuple[int, int, int, int, int]  # (rows bucket, N, K, weight bytes, prologue)
+_TUNED: dict[PlanKey, SkinnyPlan] = {}
+_LOADED: set[str] = set()
+
+
+def rows_bucket(m: int) -> int:
+    return 1 if m <= 1 else triton.next_power_of_2(m)
+
+
+def plan_key(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) -> PlanKey:
+    return (rows_bucket(m), n, k, 1 if w_dtype == torch.float8_e4m3fn else 2, prologue)
+
+
+def set_plan(key: PlanKey, plan: SkinnyPlan | None) -> None:
+    """Install a measured plan (``None``: back to the heuristic)."""
+    if plan is None:
+        _TUNED.pop(key, None)
+    else:
+        _TUNED[key] = plan
+
+
+def plans_json(device_name: str) -> dict:
+    """The installed plans, as ``kernels/skinny_plans.json`` keeps them for one device."""
+    return {device_name: [[list(key), asdict(p)] for key, p in sorted(_TUNED.items())]}
+
+
+def _load_plans() -> None:
+    """Measured plans of this device from ``skinny_plans.json`` (once per process)."""
+    if not torch.cuda.is_available():
+        return
+    name = torch.cuda.get_device_name()
+    if name in _LOADED:
+        return
+    _LOADED.add(name)
+    if PLANS_FILE.exists():
+        for key, p in json.loads(PLANS_FILE.read_text()).get(name, []):
+            _TUNED.setdefault(tuple(key), SkinnyPlan(**p))  # type: ignore[arg-type]
+
+
+def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) -> SkinnyPlan:
+    """A measured plan where there is one, else the heuristic: one row on the CUDA cores with
+    1 KiB of each weight row per step, more rows on the tensor cores; rows per program so that
+    the product has about four programs per SM or more, split-K where it has fewer."""
+    _load_plans()
+    tuned = _TUNED.get(plan_key(m, n, k, w_dtype, prologue))
+    if tuned is None and prologue:  # the plain product's plan (the norm's takes no split-K)
+        tuned = _TUNED.get(plan_key(m, n, k, w_dtype, 0))
+    if tuned is not None:
+        return tuned
+    wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
+    if m <= 1:
+        block_k = min(1024 // wbytes, triton.next_power_of_2(k))
+        block_n = 4 if n <= 4096 else 8 if n <= 16384 else 16
+        return SkinnyPlan(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    block_k = min(512 if wbytes == 1 else 256, triton.next_power_of_2(k))
+    split = 2 if n <= 8192 and k >= 2048 and prologue != 1 else 1
+    return SkinnyPlan(block_n=16, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
+                      dot=True)  # fmt: skip
+
+
+def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPlan]:
+    """The plans ``bench.skinny_gpu`` measures for one product (a bounded set)."""
+    wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
+    kb = 1024 // wbytes  # 1 KiB of each weight row per step
+    splits = (1,) if prologue == 1 else (1, 2)
+    out = []
+    if m <= 1:
+        for bn in (4, 8, 16):
+            out.append(SkinnyPlan(block_n=bn, block_k=kb, num_warps=4, num_stages=3))
+        out.append(SkinnyPlan(block_n=8, block_k=2 * kb, num_warps=8, num_stages=3))
+        out += [SkinnyPlan(block_n=4, block_k=kb, num_warps=4, num_stages=3, split_k=s)
+                for s in splits[1:]]  # fmt: skip
+    else:
+        out += [SkinnyPlan(block_n=16, block_k=kb // 2, num_warps=4, num_stages=4, split_k=s,
+                           dot=True) for s in splits]  # fmt: skip
+        out.append(SkinnyPlan(block_n=32, block_k=kb // 2, num_warps=4, num_stages=4, dot=True))
+        out.append(SkinnyPlan(block_n=4, block_k=kb // 2, num_warps=4, num_stages=3))
+    return out

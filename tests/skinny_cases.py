@@ -1,0 +1,86 @@
+"""Cases of the skinny decode products (``kernels.triton_skinny``) against the references,
+shared by the GPU tests and the CPU interpreter check (``TRITON_INTERPRET=1``); each returns
+``(name, relative error)`` rows or raises on a hard mismatch."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.triton_skinny import SkinnyPlan, linear, norm_linear, silu_mul_linear
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def small_plans(dot_ok: bool = True) -> list[SkinnyPlan]:
+    """Plans that cover every path on small shapes: CUDA cores with one or more rows, tensor
+    cores, split-K (also uneven), weight rows and K not multiples of the tile."""
+    plans = [
+        SkinnyPlan(block_n=8, block_k=32),
+        SkinnyPlan(block_n=4, block_k=16, split_k=3),
+        SkinnyPlan(block_n=16, block_k=64, split_k=2),
+    ]
+    if dot_ok:
+        plans += [SkinnyPlan(block_n=16, block_k=32, dot=True),
+                  SkinnyPlan(block_n=16, block_k=32, dot=True, split_k=2)]  # fmt: skip
+    return plans
+
+
+def product_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
+                  shapes: tuple[tuple[int, int], ...] = ((40, 96), (64, 128)),
+                  rows: tuple[int, ...] = (1, 3, 8)) -> list[tuple[str, float]]:  # fmt: skip
+    """Plain products, bf16/fp16 and FP8 weights, with and without bias."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n, k in shapes:
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(device, dtype)
+            w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+            bias = torch.randn(n, generator=g).to(device, dtype)
+            fw = reference.quantize_fp8_rows(w)
+            for plan in plans:
+                for fp8 in (False, True):
+                    wt, sc = (fw.weight, fw.scale) if fp8 else (w, None)
+                    want = reference.linear(x.float(), fw if fp8 else w.float(), bias.float())
+                    got = linear(x, wt, bias, sc, plan)
+                    name = f"{'fp8' if fp8 else 'w16'}_n{n}_k{k}_m{m}_{plan.label()}"
+                    out.append((name, rel_err(got, want)))
+    return out
+
+
+def prologue_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
+                   rows: tuple[int, ...] = (1, 5, 8),
+                   exact: bool = True) -> list[tuple[str, float]]:  # fmt: skip
+    """RMSNorm (with and without a residual) and SiLU-and-multiply folded into the product;
+    ``x + residual`` must come back exactly (``exact``; the interpreter rounds float32 to
+    bfloat16 by truncation, so there it is only close)."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 48, 96
+    out = []
+    for m in rows:
+        x, res = (torch.randn(m, k, generator=g).to(device, dtype) for _ in range(2))
+        norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+        fw = reference.quantize_fp8_rows(w)
+        y = torch.randn(m, 2 * k, generator=g).to(device, dtype)
+        for plan in plans:
+            for fp8 in (False, True):
+                wt, sc = (fw.weight, fw.scale) if fp8 else (w, None)
+                wref = fw if fp8 else w.float()
+                tag = f"{'fp8' if fp8 else 'w16'}_m{m}_{plan.label()}"
+                for r in (None, res):
+                    got, r_out = norm_linear(x, r, norm, 1e-5, wt, None, sc, plan)
+                    h, want_res = reference.rms_norm(x.float(), norm.float(), 1e-5,
+                                                     None if r is None else r.float())  # fmt: skip
+                    same = (torch.equal(r_out, want_res.to(dtype)) if exact
+                            else rel_err(r_out, want_res) < 1e-2)  # fmt: skip
+                    if not same:
+                        raise AssertionError(f"norm_{tag}: x + residual differs")
+                    out.append((f"norm{'_res' if r is not None else ''}_{tag}",
+                                rel_err(got, reference.linear(h, wref))))  # fmt: skip
+                got = silu_mul_linear(y, wt, None, sc, plan)
+                act = reference.silu_and_mul(y.float()).to(dtype).float()
+                out.append((f"silu_{tag}", rel_err(got, reference.linear(act, wref))))
+    return out

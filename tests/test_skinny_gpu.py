@@ -1,0 +1,109 @@
+"""CUDA only (``pytest -m gpu``): the skinny decode products of ``kernels.triton_skinny``
+(bf16/fp16 and FP8 weight-only) against the references, every plan the benchmark measures,
+the fused prologues, split-K (deterministic, replayed in a CUDA graph), and the dispatch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from tests.gpu_report import fp8_capable, require_cuda_triton
+
+require_cuda_triton()
+
+import kernels  # noqa: E402
+from kernels import reference, triton_skinny  # noqa: E402
+from kernels.triton_skinny import SkinnyPlan, candidates, linear  # noqa: E402
+from tests.skinny_cases import product_cases, prologue_cases, rel_err, small_plans  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fp8_capable(), reason="FP8: sm 8.9+")]
+TOL = 1e-2  # bf16 outputs; the FP8 reference dequantizes the same e4m3 weights
+# [N, K] of the 8B shape's products, and SmolLM2's (K = 576: not a multiple of the tiles).
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 14336), "smol": (960, 576)}
+
+
+def _check(rows: list[tuple[str, float]]) -> None:
+    bad = [(n, e) for n, e in rows if not e < TOL]
+    assert rows and not bad, bad[:10]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_shapes_every_path(dtype):
+    _check(product_cases("cuda", dtype, small_plans()))
+    _check(prologue_cases("cuda", dtype, small_plans()))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_benchmark_plans_and_default_on_model_shapes(shape, rows):
+    """Every plan ``bench.skinny_gpu`` may pick, and the default, on the real shapes."""
+    n, k = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    q = reference.quantize_fp8_rows(w)
+    for wt, sc, ref in ((w, None, w.float()), (q.weight, q.scale, q)):
+        want = reference.linear(x.float(), ref)
+        for plan in [None, *candidates(rows, wt.dtype)]:
+            got = linear(x, wt, None, sc, plan)
+            assert rel_err(got, want) < TOL, (plan, wt.dtype)
+
+
+def test_prologues_on_model_shapes_bit_for_bit_where_unfused_is():
+    """SiLU-and-multiply folded in gives the unfused pair's result bit for bit (same plan);
+    the norm's ``x + residual`` comes back exactly."""
+    n, k = SHAPES["down"]
+    for rows in (1, 8):
+        y = torch.randn(rows, 2 * k, device="cuda").bfloat16()
+        w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        q = reference.quantize_fp8_rows(w)
+        for wt, sc in ((w, None), (q.weight, q.scale)):
+            got = triton_skinny.silu_mul_linear(y, wt, None, sc)
+            assert torch.equal(got, linear(kernels.silu_and_mul(y), wt, None, sc))
+    _check(prologue_cases("cuda", torch.bfloat16, [SkinnyPlan(), SkinnyPlan(block_n=16,
+                                                   block_k=256, dot=True)]))  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("dot", [False, True])
+def test_split_k_deterministic_and_replays_in_a_cuda_graph(split, dot):
+    n, k = SHAPES["o_proj"]
+    x = torch.randn(8, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+    q = reference.quantize_fp8_rows(w)
+    plan = SkinnyPlan(block_n=16, block_k=256, split_k=split, dot=dot)
+    eager = linear(x, q.weight, None, q.scale, plan)
+    assert torch.equal(eager, linear(x, q.weight, None, q.scale, plan))
+    assert rel_err(eager, reference.linear(x.float(), q)) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(x, q.weight, None, q.scale, plan)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, linear(x, q.weight, None, q.scale, plan))
+    torch.cuda.synchronize()
+    assert int(triton_skinny._locks(x.device).abs().sum()) == 0
+
+
+def test_dispatch_takes_the_new_kernel_and_measured_plans():
+    n, k = SHAPES["qkv"]
+    x = torch.randn(3, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+    q = kernels.quantize_fp8_rows(w)
+    assert torch.equal(kernels.linear(x, q), linear(x, q.weight, None, q.scale))
+    assert torch.equal(kernels.linear(x, w), linear(x, w))
+    key = triton_skinny.plan_key(3, n, k, q.weight.dtype)
+    plan = SkinnyPlan(block_n=4, block_k=512, split_k=2)
+    try:
+        triton_skinny.set_plan(key, plan)
+        assert triton_skinny.plan_for(3, n, k, q.weight.dtype) == plan
+        assert torch.equal(kernels.linear(x, q), linear(x, q.weight, None, q.scale, plan))
+        assert [list(key), asdict(plan)] in triton_skinny.plans_json("dev")["dev"]
+    finally:
+        triton_skinny.set_plan(key, None)
