@@ -182,14 +182,15 @@ def products(run: Run) -> dict:
                     row["default_frac"] = frac(timed[default])
                 if timed:
                     best = min(timed, key=timed.__getitem__)
-                    triton_skinny.set_plan(key, best)
+                    for b in (1,) if m == 1 else (2, 4, 8):  # batches 2-8 take the 8 rows' plan
+                        triton_skinny.set_plan(triton_skinny.plan_key(b, n, k, wdtype), best)
                     row.update(best_us=timed[best], best_frac=frac(timed[best]),
                                best_plan=best.label(), best=asdict(best))  # fmt: skip
                 row["bad_plans"] = "; ".join(bad)
                 rows_out.append(row)
                 print({c: row.get(c) for c in PROD_COLS}, flush=True)
                 if name in ("qkv", "down"):
-                    fused_out += fused_rows(name, m, ws, frac)
+                    fused_out += fused_rows(name, m, ws, frac, run.args.old_fused)
             del ws
             free()
     plans = triton_skinny.plans_json(run.name)
@@ -199,9 +200,11 @@ def products(run: Run) -> dict:
     return {"rows": rows_out, "fused": fused_out, "plans": plans}
 
 
-def fused_rows(name: str, m: int, ws: list, frac: Callable[[float], float]) -> list[dict]:
+def fused_rows(
+    name: str, m: int, ws: list, frac: Callable[[float], float], old: bool
+) -> list[dict]:
     """The prologue folded into the product against the unfused pair (norm or SiLU kernel, then
-    the product), for the new kernel (its installed plan) and the first one."""
+    the product), for the new kernel (its installed plan) and, with ``old``, the first one."""
     from kernels import triton_gemv, triton_skinny
     from kernels.triton_norm import rms_norm, silu_and_mul
 
@@ -211,7 +214,7 @@ def fused_rows(name: str, m: int, ws: list, frac: Callable[[float], float]) -> l
     g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
     out = []
-    for label, mod in (("new", triton_skinny), ("old", triton_gemv)):
+    for label, mod in (("new", triton_skinny), ("old", triton_gemv))[: 2 if old else 1]:
         if name == "qkv":
 
             def fused(w, s, mod=mod):  # noqa: ANN001, ANN202
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     p.add_argument("--plans", type=Path, default=None,
                    help="install the plans of an earlier run (its _plans.json)")  # fmt: skip
+    p.add_argument("--old-fused", action="store_true",
+                   help="products: also time the first kernel's fused prologues")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
     p.add_argument("--date", default=dt.date.today().isoformat())
     args = p.parse_args(argv)

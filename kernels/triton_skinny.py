@@ -57,24 +57,25 @@ class SkinnyPlan:
     num_stages: int = 3
     split_k: int = 1
     dot: bool = False
+    prefetch: bool = True  # CUDA cores: the next step's weight loads issued before this step's math
 
     def label(self) -> str:
-        kind = "dot" if self.dot else "fma"
+        kind = "dot" if self.dot else "fma" if self.prefetch else "fma_nopf"
         return (f"{kind}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
                 f"_sk{self.split_k}")  # fmt: skip
 
 
 @triton.jit
-def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, row0, offs_k, M, K, stride_xm, stride_rm,
-            stride_rom, store_res, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-            ROWS: tl.constexpr):  # fmt: skip
-    """Rows ``row0 .. row0 + ROWS`` of the product's left side over columns ``offs_k``, after
-    the prologue (rounded to the input dtype, as the unfused kernels round), and their sums of
-    squares (the norm's)."""
-    rows = row0 + tl.arange(0, ROWS)
+def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, rows, store_rows, offs_k, M, K, stride_xm,
+            stride_rm, stride_rom, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """Rows ``rows`` of the product's left side over columns ``offs_k`` (a tile shaped like the
+    weight's, so both share one register layout and nothing is shuffled through shared memory
+    per step), after the prologue, rounded to the input dtype as the unfused kernels round;
+    and the elementwise squares of ``x + residual`` (the norm's; zeros otherwise). Tile rows
+    in ``store_rows`` store ``x + residual``."""
     mask = (rows < M)[:, None] & (offs_k < K)[None, :]
     xp = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-    ssq = tl.zeros([ROWS], tl.float32)
+    sq = tl.zeros([rows.shape[0], offs_k.shape[0]], tl.float32)
     if PROLOGUE == 2:
         gate = tl.load(xp, mask=mask, other=0.0)
         up = tl.load(xp + K, mask=mask, other=0.0).to(tl.float32)
@@ -82,30 +83,26 @@ def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, row0, offs_k, M, K, stride_xm, s
         act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
         x = (act.to(tl.float32) * up).to(gate.dtype)
     else:
-        xv = tl.load(xp, mask=mask, other=0.0)
+        x = tl.load(xp, mask=mask, other=0.0)
         if PROLOGUE == 1:
             if HAS_RES:
                 r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], mask=mask,
                             other=0.0)  # fmt: skip
-                xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
                 ro = res_out_ptr + rows[:, None] * stride_rom + offs_k[None, :]
-                tl.store(ro, xv, mask=mask & store_res)
-            xf = xv.to(tl.float32)
-            ssq = tl.sum(xf * xf, axis=1)
+                tl.store(ro, x, mask=mask & store_rows[:, None])
+            xf = x.to(tl.float32)
+            sq = xf * xf
             g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            xv = (xf * g[None, :]).to(xv.dtype)
-        x = xv
-    return x, ssq
+            x = (xf * g[None, :]).to(x.dtype)
+    return x, sq
 
 
 @triton.jit
-def _epilogue(acc, ssq, offs_m, offs_n, M, N, K, eps, scale_ptr, bias_ptr, out_ptr, stride_om,
-              PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
-              HAS_BIAS: tl.constexpr):  # fmt: skip
+def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows)."""
     n_mask = offs_n < N
-    if PROLOGUE == 1:  # the norm's 1/rms, per row
-        acc *= tl.rsqrt(ssq / K + eps)[None, :]
     if HAS_SCALE:  # per output channel (FP8 weights)
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -121,6 +118,7 @@ def _skinny_kernel(
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    PREFETCH: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,41 +130,68 @@ def _skinny_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     k_start = pid_k * K_SPLIT
     store_res = (pid_n == 0) & (pid_k == 0)  # one program writes x + residual
+    # CUDA cores: x is loaded broadcast over the weight tile's rows, VEC = 8 weights per thread
+    # and load (16 bytes of x; 8 or 16 of the weight), so x and w share one register layout.
+    bcast = tl.zeros([BLOCK_N], tl.int32)  # every tile row reads x's row 0 (+ m)
+    first = (tl.arange(0, BLOCK_N) == 0) & store_res
+    every = offs_m >= 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row on the CUDA cores
-    for i in range(0, K_SPLIT // BLOCK_K):  # past K: masked (not EVEN_K)
-        k0 = k_start + i * BLOCK_K
-        offs_k = tl.max_contiguous(tl.multiple_of(k0 + offs_kb, 16), BLOCK_K)
+    sq2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # its norm's squares
+    n_iter = K_SPLIT // BLOCK_K  # steps past K are masked (not EVEN_K)
+    if PREFETCH:
+        offs_k = tl.max_contiguous(tl.multiple_of(k_start + offs_kb, 16), VEC)
         if EVEN_K:
+            w_next = tl.load(w_base + offs_k[None, :])
+        else:
+            w_next = tl.load(w_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    for i in range(0, n_iter):
+        offs_k = tl.max_contiguous(tl.multiple_of(k_start + i * BLOCK_K + offs_kb, 16), VEC)
+        if PREFETCH:  # the next step's weights are in flight while this step computes
+            w = w_next
+            nk = tl.max_contiguous(tl.multiple_of(offs_k + BLOCK_K, 16), VEC)
+            more = i + 1 < n_iter
+            if EVEN_K:
+                w_next = tl.load(w_base + nk[None, :], mask=more, other=0.0)
+            else:
+                w_next = tl.load(w_base + nk[None, :], mask=more & (nk < K)[None, :], other=0.0)
+        elif EVEN_K:
             w = tl.load(w_base + offs_k[None, :])
         else:
             w = tl.load(w_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
         if DOT:
-            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, 0, offs_k, M, K, stride_xm,
-                            stride_rm, stride_rom, store_res, PROLOGUE, HAS_RES,
-                            BLOCK_M)  # fmt: skip
-            ssq += sq
+            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, offs_m, every & store_res,
+                            offs_k, M, K, stride_xm, stride_rm, stride_rom, PROLOGUE,
+                            HAS_RES)  # fmt: skip
+            if PROLOGUE == 1:
+                ssq += tl.sum(sq, axis=1)
             acc += tl.dot(w.to(x.dtype), tl.trans(x))
         elif BLOCK_M == 1:
-            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, 0, offs_k, M, K, stride_xm,
-                            stride_rm, stride_rom, store_res, PROLOGUE, HAS_RES, 1)  # fmt: skip
-            ssq += sq
+            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
+                            stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
+            if PROLOGUE == 1:
+                sq2 += sq
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
             wf = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
-                x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, m, offs_k, M, K, stride_xm,
-                                stride_rm, stride_rom, store_res, PROLOGUE, HAS_RES,
-                                1)  # fmt: skip
+                x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast + m, first, offs_k,
+                                M, K, stride_xm, stride_rm, stride_rom, PROLOGUE,
+                                HAS_RES)  # fmt: skip
                 s = tl.sum(wf * x.to(tl.float32), axis=1)
                 acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
-                ssq += tl.where(offs_m == m, sq, 0.0)
+                if PROLOGUE == 1:
+                    ssq += tl.where(offs_m == m, tl.max(tl.sum(sq, axis=1), axis=0), 0.0)
     if not DOT and BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[:, None]
+        if PROLOGUE == 1:  # the norm's 1/rms (every tile row holds the same sum)
+            acc *= tl.rsqrt(tl.sum(sq2, axis=1) / K + eps)[:, None]
+    elif PROLOGUE == 1:
+        acc *= tl.rsqrt(ssq / K + eps)[None, :]
     if SPLIT_K == 1:
-        _epilogue(acc, ssq, offs_m, offs_n, M, N, K, eps, scale_ptr, bias_ptr, out_ptr,
-                  stride_om, PROLOGUE, HAS_SCALE, HAS_BIAS)  # fmt: skip
+        _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
+                  HAS_SCALE, HAS_BIAS)  # fmt: skip
     else:
         # This part's sums; the last program of the row tile adds the parts in a fixed order.
         n_mask = offs_n < N
@@ -180,8 +205,8 @@ def _skinny_kernel(
             for s in tl.static_range(SPLIT_K):
                 q_ptrs = part_ptr + (s * N + offs_n[:, None]) * BLOCK_M + offs_m[None, :]
                 acc += tl.load(q_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, ssq, offs_m, offs_n, M, N, K, eps, scale_ptr, bias_ptr, out_ptr,
-                      stride_om, PROLOGUE, HAS_SCALE, HAS_BIAS)  # fmt: skip
+            _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
+                      HAS_SCALE, HAS_BIAS)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
@@ -268,7 +293,10 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
         PROLOGUE=prologue, HAS_RES=res is not None, HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=plan.block_n,
         BLOCK_K=block_k, DOT=plan.dot, EVEN_K=k % block_k == 0 and k_split * split == k,
-        EVEN_N=n % plan.block_n == 0, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        EVEN_N=n % plan.block_n == 0, PREFETCH=plan.prefetch and not plan.dot,
+        VEC=block_k if plan.dot else 8,
+        num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too:
+        num_stages=min(plan.num_stages, 2) if prologue and plan.dot else plan.num_stages,
     )  # fmt: skip
     return out, res_out
 
@@ -332,31 +360,29 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
     if tuned is not None:
         return tuned
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
-    if m <= 1:
-        block_k = min(1024 // wbytes, triton.next_power_of_2(k))
-        block_n = 4 if n <= 4096 else 8 if n <= 16384 else 16
-        return SkinnyPlan(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
-    block_k = min(512 if wbytes == 1 else 256, triton.next_power_of_2(k))
+    if m <= 1:  # 4 rows of 1 KiB per step: 4-8 programs per SM at N = 4096
+        return SkinnyPlan(
+            block_n=4, block_k=max(16, min(1024 // wbytes, triton.next_power_of_2(k)))
+        )
+    block_k = max(16, min(512 if wbytes == 1 else 256, triton.next_power_of_2(k)))
     split = 2 if n <= 8192 and k >= 2048 and prologue != 1 else 1
     return SkinnyPlan(block_n=16, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
                       dot=True)  # fmt: skip
 
 
 def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPlan]:
-    """The plans ``bench.skinny_gpu`` measures for one product (a bounded set)."""
+    """The plans ``bench.skinny_gpu`` measures for one product (a bounded set: each is a
+    compile): for one row, the CUDA cores with 4-8 weight rows of 0.5-2 KiB per program and
+    step; for more rows, the tensor cores with 16-32 weight rows; split-K 2 where the
+    prologue allows it."""
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
     kb = 1024 // wbytes  # 1 KiB of each weight row per step
-    splits = (1,) if prologue == 1 else (1, 2)
-    out = []
+    split = 1 if prologue == 1 else 2
     if m <= 1:
-        for bn in (4, 8, 16):
-            out.append(SkinnyPlan(block_n=bn, block_k=kb, num_warps=4, num_stages=3))
-        out.append(SkinnyPlan(block_n=8, block_k=2 * kb, num_warps=8, num_stages=3))
-        out += [SkinnyPlan(block_n=4, block_k=kb, num_warps=4, num_stages=3, split_k=s)
-                for s in splits[1:]]  # fmt: skip
-    else:
-        out += [SkinnyPlan(block_n=16, block_k=kb // 2, num_warps=4, num_stages=4, split_k=s,
-                           dot=True) for s in splits]  # fmt: skip
-        out.append(SkinnyPlan(block_n=32, block_k=kb // 2, num_warps=4, num_stages=4, dot=True))
-        out.append(SkinnyPlan(block_n=4, block_k=kb // 2, num_warps=4, num_stages=3))
-    return out
+        return [SkinnyPlan(block_n=4, block_k=kb), SkinnyPlan(block_n=8, block_k=kb // 2),
+                SkinnyPlan(block_n=8, block_k=kb),
+                SkinnyPlan(block_n=8, block_k=2 * kb, num_warps=8),
+                SkinnyPlan(block_n=4, block_k=kb, split_k=split)]  # fmt: skip
+    return [SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, dot=True),
+            SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, split_k=split, dot=True),
+            SkinnyPlan(block_n=32, block_k=kb // 2, num_stages=4, dot=True)]  # fmt: skip

@@ -19,6 +19,7 @@ def small_plans(dot_ok: bool = True) -> list[SkinnyPlan]:
     cores, split-K (also uneven), weight rows and K not multiples of the tile."""
     plans = [
         SkinnyPlan(block_n=8, block_k=32),
+        SkinnyPlan(block_n=8, block_k=32, prefetch=False),
         SkinnyPlan(block_n=4, block_k=16, split_k=3),
         SkinnyPlan(block_n=16, block_k=64, split_k=2),
     ]
