@@ -189,6 +189,9 @@ def set_mode(fuse: bool, split: int) -> None:
     from kernels import triton_gemv  # noqa: F401 - only where Triton imports
 
     kernels.FUSE_DECODE = fuse
+    # The split-K modes are the first skinny kernel's (``triton_gemv``); the others run the
+    # default one (``triton_skinny``, whose plans carry their own split-K: bench.skinny_gpu).
+    kernels.SKINNY_KERNEL = "gemv" if split > 1 else "skinny"
     triton_gemv.SPLIT_K_TILES_PER_SM = 4 if split > 1 else 0
     triton_gemv.SPLIT_K = split
 
