@@ -194,6 +194,7 @@ def products(run: Run) -> dict:
             del ws
             free()
     plans = triton_skinny.plans_json(run.name)
+    run.args.out.mkdir(parents=True, exist_ok=True)
     run.stem.with_name(run.stem.name + "_plans.json").write_text(json.dumps(plans, indent=1))
     print(table(rows_out, PROD_COLS))
     print(table(fused_out, FUSE_COLS), flush=True)

@@ -14,10 +14,15 @@ the loads:
 - FP8 weights are converted in registers and multiplied in float32; the per-output-channel
   scale (and bias) is applied once in the epilogue.
 
-Two ways to multiply, per plan: ``dot=False`` multiplies on the CUDA cores (one row: a
-``[BLOCK_N, BLOCK_K]`` float32 accumulator reduced once at the end; more rows: one reduction per
-row and step), ``dot=True`` on the tensor cores (``tl.dot`` of the weight tile, as the left
-operand in its natural layout, with the ``x`` tile padded to 16 rows).
+Two ways to multiply, per plan: ``dot=False`` multiplies on the CUDA cores (one row: ``x`` is
+loaded as a tile shaped like the weight's, so both share one register layout and nothing goes
+through shared memory per step; each thread adds its 8 products per step in registers into a
+``[BLOCK_N, BLOCK_K / 8]`` float32 accumulator reduced once at the end, and the next step's
+weights are loaded before this step's math; more rows: one reduction per row and step),
+``dot=True`` on the tensor cores (``tl.dot`` of the weight tile, as the left operand in its
+natural layout, with the ``x`` tile padded to 16 rows; Triton pipelines those loads).
+The compiled code was checked off the GPU (``triton.compile`` for sm_90): 16-byte (bf16) or
+8-byte (FP8) weight loads, no layout conversion inside the loop, 36-108 registers.
 
 Prologues, as in ``triton_gemv``: 1 = RMSNorm of ``x + residual`` (the norm's ``1/rms``
 factors out of each output row: the epilogue applies it; the first program also stores
@@ -93,8 +98,9 @@ def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, rows, store_rows, offs_k, M, K, 
                 tl.store(ro, x, mask=mask & store_rows[:, None])
             xf = x.to(tl.float32)
             sq = xf * xf
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(x.dtype)
+            # The norm's weight as a tile like x's too (a [K] vector would be shuffled).
+            g = tl.load(g_ptr + rows[:, None] * 0 + offs_k[None, :], mask=mask, other=0.0)
+            x = (xf * g.to(tl.float32)).to(x.dtype)
     return x, sq
 
 
@@ -137,8 +143,10 @@ def _skinny_kernel(
     every = offs_m >= 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row on the CUDA cores
-    sq2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # its norm's squares
+    # One row on the CUDA cores: each thread sums its VEC products in registers, so the
+    # accumulator is VEC times smaller than the tile (registers for more programs per SM).
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    sq2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)  # its norm's squares
     n_iter = K_SPLIT // BLOCK_K  # steps past K are masked (not EVEN_K)
     if PREFETCH:
         offs_k = tl.max_contiguous(tl.multiple_of(k_start + offs_kb, 16), VEC)
@@ -171,8 +179,9 @@ def _skinny_kernel(
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
                             stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
             if PROLOGUE == 1:
-                sq2 += sq
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+                sq2 += tl.sum(tl.reshape(sq, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
+            prod = w.to(tl.float32) * x.to(tl.float32)
+            acc2 += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
         else:
             wf = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
