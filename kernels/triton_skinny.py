@@ -14,15 +14,17 @@ the loads:
 - FP8 weights are converted in registers and multiplied in float32; the per-output-channel
   scale (and bias) is applied once in the epilogue.
 
-Two ways to multiply, per plan: ``dot=False`` multiplies on the CUDA cores (one row: ``x`` is
-loaded as a tile shaped like the weight's, so both share one register layout and nothing goes
-through shared memory per step; each thread adds its 8 products per step in registers into a
+Two ways to multiply, per plan: ``dot=False`` multiplies on the CUDA cores (one row: ``x``
+shares the weight tile's register layout, so nothing goes through shared memory per step: where
+``BLOCK_K`` is a multiple of 256 x num_warps one row of ``x`` has that layout and is loaded and
+converted once per step, else it is loaded as a tile shaped like the weight's; each thread
+adds its 8 products per step in registers into a
 ``[BLOCK_N, BLOCK_K / 8]`` float32 accumulator reduced once at the end, and the next step's
 weights are loaded before this step's math; more rows: one reduction per row and step),
 ``dot=True`` on the tensor cores (``tl.dot`` of the weight tile, as the left operand in its
 natural layout, with the ``x`` tile padded to 16 rows; Triton pipelines those loads).
 The compiled code was checked off the GPU (``triton.compile`` for sm_90): 16-byte (bf16) or
-8-byte (FP8) weight loads, no layout conversion inside the loop, 36-108 registers.
+8-byte (FP8) weight loads, no layout conversion inside the loop, 31-116 registers.
 
 Prologues, as in ``triton_gemv``: 1 = RMSNorm of ``x + residual`` (the norm's ``1/rms``
 factors out of each output row: the epilogue applies it; the first program also stores
@@ -124,7 +126,7 @@ def _skinny_kernel(
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    PREFETCH: tl.constexpr, VEC: tl.constexpr,
+    PREFETCH: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -138,15 +140,18 @@ def _skinny_kernel(
     store_res = (pid_n == 0) & (pid_k == 0)  # one program writes x + residual
     # CUDA cores: x is loaded broadcast over the weight tile's rows, VEC = 8 weights per thread
     # and load (16 bytes of x; 8 or 16 of the weight), so x and w share one register layout.
-    bcast = tl.zeros([BLOCK_N], tl.int32)  # every tile row reads x's row 0 (+ m)
-    first = (tl.arange(0, BLOCK_N) == 0) & store_res
+    # x tile rows: XR = 1 where one row of x has the weight tile's register layout (BLOCK_K a
+    # multiple of 8 x 32 x num_warps: every thread holds whole rows' worth of its columns), so
+    # x is loaded and converted once and broadcast in registers; else XR = BLOCK_N copies.
+    bcast = tl.zeros([XR], tl.int32)  # every tile row reads x's row 0 (+ m)
+    first = (tl.arange(0, XR) == 0) & store_res
     every = offs_m >= 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
     # One row on the CUDA cores: each thread sums its VEC products in registers, so the
     # accumulator is VEC times smaller than the tile (registers for more programs per SM).
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
-    sq2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)  # its norm's squares
+    sq2 = tl.zeros([XR, BLOCK_K // VEC], tl.float32)  # its norm's squares
     n_iter = K_SPLIT // BLOCK_K  # steps past K are masked (not EVEN_K)
     if PREFETCH:
         offs_k = tl.max_contiguous(tl.multiple_of(k_start + offs_kb, 16), VEC)
@@ -179,7 +184,7 @@ def _skinny_kernel(
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
                             stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
             if PROLOGUE == 1:
-                sq2 += tl.sum(tl.reshape(sq, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
+                sq2 += tl.sum(tl.reshape(sq, [XR, BLOCK_K // VEC, VEC]), axis=2)
             prod = w.to(tl.float32) * x.to(tl.float32)
             acc2 += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
         else:
@@ -304,6 +309,7 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
         BLOCK_K=block_k, DOT=plan.dot, EVEN_K=k % block_k == 0 and k_split * split == k,
         EVEN_N=n % plan.block_n == 0, PREFETCH=plan.prefetch and not plan.dot,
         VEC=block_k if plan.dot else 8,
+        XR=1 if block_k % (256 * plan.num_warps) == 0 else plan.block_n,
         num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too:
         num_stages=min(plan.num_stages, 2) if prologue and plan.dot else plan.num_stages,
     )  # fmt: skip
@@ -369,10 +375,8 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
     if tuned is not None:
         return tuned
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
-    if m <= 1:  # 4 rows of 1 KiB per step: 4-8 programs per SM at N = 4096
-        return SkinnyPlan(
-            block_n=4, block_k=max(16, min(1024 // wbytes, triton.next_power_of_2(k)))
-        )
+    if m <= 1:  # 4 rows of 1024 weights per step: 1024 programs at N = 4096
+        return SkinnyPlan(block_n=4, block_k=max(16, min(1024, triton.next_power_of_2(k))))
     block_k = max(16, min(512 if wbytes == 1 else 256, triton.next_power_of_2(k)))
     split = 2 if n <= 8192 and k >= 2048 and prologue != 1 else 1
     return SkinnyPlan(block_n=16, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
@@ -381,17 +385,17 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
 
 def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPlan]:
     """The plans ``bench.skinny_gpu`` measures for one product (a bounded set: each is a
-    compile): for one row, the CUDA cores with 4-8 weight rows of 0.5-2 KiB per program and
-    step; for more rows, the tensor cores with 16-32 weight rows; split-K 2 where the
+    compile): for one row, the CUDA cores with 2-8 weight rows of 512-2048 weights per
+    program and step; for more rows, the tensor cores with 16-32 weight rows; split-K 2 where the
     prologue allows it."""
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
     kb = 1024 // wbytes  # 1 KiB of each weight row per step
     split = 1 if prologue == 1 else 2
-    if m <= 1:
-        return [SkinnyPlan(block_n=4, block_k=kb), SkinnyPlan(block_n=8, block_k=kb // 2),
-                SkinnyPlan(block_n=8, block_k=kb),
-                SkinnyPlan(block_n=8, block_k=2 * kb, num_warps=8),
-                SkinnyPlan(block_n=4, block_k=kb, split_k=split)]  # fmt: skip
+    if m <= 1:  # 1024 (4 warps) or 2048 (8 warps) columns: one row of x fits the weight's layout
+        return [SkinnyPlan(block_n=4, block_k=1024), SkinnyPlan(block_n=8, block_k=1024),
+                SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=8, block_k=kb // 2),
+                SkinnyPlan(block_n=4, block_k=2048, num_warps=8),
+                SkinnyPlan(block_n=4, block_k=1024, split_k=split)]  # fmt: skip
     return [SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, dot=True),
             SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, split_k=split, dot=True),
             SkinnyPlan(block_n=32, block_k=kb // 2, num_stages=4, dot=True)]  # fmt: skip

@@ -20,6 +20,7 @@ def small_plans(dot_ok: bool = True) -> list[SkinnyPlan]:
     plans = [
         SkinnyPlan(block_n=8, block_k=32),
         SkinnyPlan(block_n=8, block_k=32, prefetch=False),
+        SkinnyPlan(block_n=4, block_k=256, num_warps=1),  # one row of x for the tile (XR = 1)
         SkinnyPlan(block_n=4, block_k=16, split_k=3),
         SkinnyPlan(block_n=16, block_k=64, split_k=2),
     ]
