@@ -49,3 +49,58 @@ def test_interpreter_matches_references():
     assert len(rows) >= 46
     bad = [(n, e) for n, e in rows if not e < 1e-2]
     assert not bad, bad[:10]
+
+
+COMPILE = """
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_skinny as S
+
+fn = S._skinny_kernel
+PTRS = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16", "part_ptr": "*fp32",
+        "lock_ptr": "*i32"}
+out = []
+for wt in ("*bf16", "*fp8e4nv"):
+    for plan, prologue in ((S.SkinnyPlan(block_n=4, block_k=1024), 0),
+                           (S.SkinnyPlan(block_n=8, block_k=512), 1),
+                           (S.SkinnyPlan(block_n=4, block_k=1024), 2),
+                           (S.SkinnyPlan(block_n=16, block_k=256, dot=True, num_stages=4), 0)):
+        consts = dict(PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_SCALE=wt == "*fp8e4nv",
+                      HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16 if plan.dot else 1,
+                      BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT=plan.dot, EVEN_K=True,
+                      EVEN_N=True, PREFETCH=not plan.dot, VEC=plan.block_k if plan.dot else 8,
+                      XR=1 if plan.block_k % (256 * plan.num_warps) == 0 else plan.block_n)
+        sig = {n: "constexpr" if n in consts else PTRS.get(n, wt if n == "w_ptr" else
+               "fp32" if n == "eps" else "i32") for n in fn.arg_names}
+        div = [i for i, n in enumerate(fn.arg_names) if n not in consts and n not in ("M", "eps")]
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                        attrs={(i,): [["tt.divisibility", 16]] for i in div})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+        ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        loop = ttgir[ttgir.index("scf.for"):ttgir.rindex("scf.yield")]
+        out.append({"case": f"{wt} {plan.label()} prologue {prologue}",
+                    "loop_converts": loop.count("convert_layout"),
+                    "wide_loads": ptx.count("ld.global.v4.b32") + ptx.count("ld.global.v2.b32")
+                    + ptx.count("cp.async.cg.shared.global")})
+print(json.dumps(out))
+"""
+
+
+def test_compiled_for_hopper_without_shuffles_in_the_loop():
+    """The kernel compiled for sm_90 off the GPU (Triton's compiler and ptxas need no device):
+    the weight and x share one register layout in the loop (no ``convert_layout``, which goes
+    through shared memory every step: what the first version did), and loads are wide."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
+        pytest.skip("no ptxas in this Triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8
+    for r in rows:
+        assert r["loop_converts"] == 0 and r["wide_loads"] > 0, r
