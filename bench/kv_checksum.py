@@ -1,16 +1,25 @@
-"""What checked KV costs: the block checksums of a hand-off (sender and receiver,
-``engine.kv_checksum``) against the hand-off's own data movement, on the pool's device.
+"""What checked KV costs: the block checksums of a hand-off (``engine.kv_checksum``) against the
+hand-off's own data movement, on the pool's device.
 
 The hand-off is timed as the bytes it moves without any network: on CPU the gRPC-stream
 transport's work (the sender gathers the blocks into bytes, the receiver copies them into its
-pool); on a GPU a device-to-device copy of the blocks from one pool to another (what the CUDA
-IPC path does on one GPU; to a second GPU when there is one). A real hand-off also crosses a
-network or NVLink, so the share measured here is an upper bound.
+pool); on one GPU the CUDA IPC transport's copy (``kernels.copy_blocks_between``, one Triton
+launch that reads each block once and writes it once); to a second GPU, when there is one, a
+gather and a peer copy. Every real transport is at most that fast, so each share below is an
+upper bound. Two figures per prompt size:
+
+- ``all sums``: the checksum of every block on the sender *and* on the receiver, against the
+  copy: what checked KV costs in all (the sender's part now runs when blocks are sealed, spread
+  over the prefill's steps; on a GPU it is the kernel at ``sum GB/s``).
+- ``on path``: what checked KV adds to the hand-off itself now. Sender: the blocks the prefill's
+  last step sealed (``--chunk-tokens`` of them at most: the hand-off reads the sums after them),
+  reading every kept sum and summing a partial last block. Receiver: summing every block that
+  arrived and comparing (the verification, which has to read every byte once).
 
     python -m bench.kv_checksum                     # CPU, SmolLM2-135M shape, float32
     python -m bench.kv_checksum --shape llama-3.1-8b --device cuda   # bf16 on the GPU
 
-Prints a table; ``--out DIR`` also writes ``kv_checksum_<device>.json`` there.
+Prints a table; ``--out DIR`` also writes ``kv_checksum_<device>_<algorithm>.json`` there.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_checksum import ALGORITHMS, BlockChecksums
+import kernels
+from engine.kv_checksum import ALGORITHMS, WSUM64, BlockChecksums, SealedSums
 
 # (layers, kv heads, head dim) of the model shapes the benches use.
 SHAPES = {"smollm2-135m": (30, 3, 64), "llama-3.1-8b": (32, 8, 128)}
@@ -36,22 +46,71 @@ def pool(shape: str, blocks: int, device: str, dtype: torch.dtype) -> torch.Tens
     return torch.randn(blocks, heads, layers, 2, BLOCK_SIZE, dim, device=device).to(dtype)
 
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
-    """Median seconds of ``fn`` (synchronised on a GPU)."""
+    """Median wall seconds of ``fn``, waited for (launches and host round trips included)."""
     times = []
     for _ in range(repeat + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])  # the first run warms up
 
 
+def device_time(fn: Callable[[], object], device: str, repeat: int) -> float:
+    """Seconds of device time per call of ``fn`` (CUDA events around ``repeat`` calls in a row,
+    so launch latency hides behind the previous call); wall time on CPU."""
+    if not device.startswith("cuda"):
+        return timed(fn, device, repeat)
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
+def last_step_blocks(tokens: int, chunk: int) -> list[int]:
+    """Full blocks of a ``tokens`` prompt that its last prefill step (``chunk`` tokens a step)
+    completes: their seals run just before the hand-off reads the sums."""
+    last = tokens % chunk or chunk
+    return [i for i in range(tokens // BLOCK_SIZE) if (i + 1) * BLOCK_SIZE > tokens - last]
+
+
+def handoff_fn(src, dst, src_ids, dst_ids, device: str) -> Callable[[], None]:
+    si = torch.tensor(src_ids, device=src.device)
+    di = torch.tensor(dst_ids, device=dst.device)
+    if device == "cpu":
+
+        def handoff() -> None:
+            data = [b.numpy().tobytes() for b in src.index_select(0, si).view(torch.uint8)]
+            for i, raw in zip(dst_ids, data, strict=True):
+                dst[i].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(src.dtype)
+                             .view(dst.shape[1:]))  # fmt: skip
+
+        return handoff
+    if dst.device == src.device:  # what CudaIpcTransport runs (its source a mapped peer pool)
+        s8, d8 = src.view(src.shape[0], -1).view(torch.uint8), dst.view(dst.shape[0], -1)
+        return lambda: kernels.copy_blocks_between(d8.view(torch.uint8), s8, si, di)
+    return lambda: dst.index_copy_(0, di, src.index_select(0, si).to(dst.device))
+
+
 def measure(
-    shape: str, tokens: int, device: str, dtype: torch.dtype, repeat: int, algorithm: str | None
+    shape: str,
+    tokens: int,
+    device: str,
+    dtype: torch.dtype,
+    repeat: int,
+    algorithm: str | None,
+    chunk: int,
 ) -> dict:
     n = -(-tokens // BLOCK_SIZE)
     src = pool(shape, 2 * n, device, dtype)
@@ -59,44 +118,86 @@ def measure(
     dst = torch.zeros_like(src, device=dst_device)
     src_ids = list(range(0, 2 * n, 2))  # scattered, as a pool's free list hands them out
     dst_ids = list(range(1, 2 * n, 2))
-    si = torch.tensor(src_ids, device=device)
-    di = torch.tensor(dst_ids, device=dst_device)
-
-    if device == "cpu":
-
-        def handoff() -> None:
-            data = [b.numpy().tobytes() for b in src.index_select(0, si).view(torch.uint8)]
-            for i, raw in zip(dst_ids, data, strict=True):
-                dst[i].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-                             .view(dst.shape[1:]))  # fmt: skip
-    else:
-
-        def handoff() -> None:
-            dst.index_copy_(0, di, src.index_select(0, si).to(dst_device, non_blocking=True))
-
+    handoff = handoff_fn(src, dst, src_ids, dst_ids, device)
     send, receive = BlockChecksums(src, algorithm), BlockChecksums(dst, algorithm)
     handoff()
     assert send(src_ids) == receive(dst_ids)  # the copy is exact, and so are the checksums
+    sealed = SealedSums(send, src.shape[0])
+    full = [src_ids[i] for i in range(tokens // BLOCK_SIZE)]
+    mask = [i < len(full) for i in range(n)]
+    last = [src_ids[i] for i in last_step_blocks(tokens, chunk)]
+    sealed.seal(full)
+    assert sealed.read(src_ids, mask) == send(src_ids)  # kept sums and the partial block
+
+    def at_handoff() -> list[int]:  # the sender, once the prefill's last step is done
+        sealed.seal(last)
+        return sealed.read(src_ids, mask)
+
     t_handoff = timed(handoff, device, repeat)
     t_send = timed(lambda: send(src_ids), device, repeat)
     t_receive = timed(lambda: receive(dst_ids), device, repeat)
-    block_bytes = src[0].numel() * src.element_size()
-    return {
+    t_at_handoff = timed(at_handoff, device, repeat)
+    si = torch.tensor(src_ids, device=device)
+    d_copy = device_time(handoff, device, repeat)
+    d_sum = device_time(lambda: send.on_device(si), device, repeat)
+    row = {
         "algorithm": send.algorithm, "shape": shape,
         "dtype": str(dtype).removeprefix("torch."), "device": device,
-        "dst_device": dst_device, "tokens": tokens, "blocks": n, "block_bytes": block_bytes,
+        "dst_device": dst_device, "tokens": tokens, "blocks": n,
+        "block_bytes": src[0].numel() * src.element_size(), "chunk_tokens": chunk,
         "handoff_ms": round(t_handoff * 1e3, 3), "checksum_send_ms": round(t_send * 1e3, 3),
         "checksum_receive_ms": round(t_receive * 1e3, 3),
-        "overhead": round((t_send + t_receive) / t_handoff, 4),
+        "sender_at_handoff_ms": round(t_at_handoff * 1e3, 3),
+        "blocks_sealed_in_last_step": len(last), "partial_last_block": n > len(full),
+        "all_sums": round((t_send + t_receive) / t_handoff, 4),
+        "on_path": round((t_at_handoff + t_receive) / t_handoff, 4),
+        "device_copy_ms": round(d_copy * 1e3, 4), "device_sum_ms": round(d_sum * 1e3, 4),
+        "sum_gb_s": round(n * src[0].numel() * src.element_size() / d_sum / 1e9, 1),
     }  # fmt: skip
+    if send.algorithm == WSUM64 and device == "cuda":  # the torch version it replaced
+        words = src.view(src.shape[0], -1).view(torch.uint8).view(torch.int64)
+        d_ref = device_time(lambda: kernels.reference.block_wsum64(words, si), device, repeat)
+        row["device_torch_sum_ms"] = round(d_ref * 1e3, 4)
+    if send.algorithm == WSUM64 and dst.device == src.device != torch.device("cpu"):
+        row.update(fused(src, dst, src_ids, dst_ids, send(src_ids), t_handoff, repeat))
+        row["fused_on_path"] = round(
+            (row["fused_handoff_ms"] / 1e3 - t_handoff + t_at_handoff) / t_handoff, 4
+        )
+    return row
+
+
+def fused(src, dst, src_ids, dst_ids, expected, t_handoff, repeat) -> dict:
+    """The receiver's verification folded into the CUDA IPC copy (``kernels.
+    copy_sum_blocks_between``): the sums come from the words the copy moves, are compared with
+    the sender's on the device, and one count of mismatches comes back."""
+    dev = src.device
+    si, di = torch.tensor(src_ids, device=dev), torch.tensor(dst_ids, device=dev)
+    s8 = src.view(src.shape[0], -1).view(torch.uint8)
+    d8 = dst.view(dst.shape[0], -1).view(torch.uint8)
+    want = torch.tensor([v - (1 << 64) if v >> 63 else v for v in expected], device=dev)
+
+    def copy_and_check() -> int:
+        return int((kernels.copy_sum_blocks_between(d8, s8, si, di) != want).sum())
+
+    assert copy_and_check() == 0
+    t = timed(copy_and_check, "cuda", repeat)
+    d = device_time(lambda: kernels.copy_sum_blocks_between(d8, s8, si, di), "cuda", repeat)
+    return {"fused_handoff_ms": round(t * 1e3, 3), "device_fused_copy_ms": round(d * 1e3, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1000, 4096])
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=512,
+        help="tokens of one prefill step (the engine's --max-num-batched-tokens): the blocks "
+        "of the last step are sealed just before the hand-off",
+    )
     p.add_argument(
         "--algorithm",
         choices=ALGORITHMS,
@@ -107,20 +208,39 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     rows = [
-        measure(args.shape, t, args.device, dtype, args.repeat, args.algorithm) for t in args.tokens
+        measure(args.shape, t, args.device, dtype, args.repeat, args.algorithm, args.chunk_tokens)
+        for t in args.tokens
     ]
-    print(f"checksum: {rows[0]['algorithm']}")
+    print(f"checksum: {rows[0]['algorithm']}; hand-off: {describe(rows[0])}")
     print(f"{'tokens':>7} {'blocks':>6} {'hand-off ms':>12} {'send ms':>8} {'recv ms':>8} "
-          f"{'overhead':>9}")  # fmt: skip
+          f"{'all sums':>9} {'at hand-off ms':>15} {'on path':>8} {'sum GB/s':>9}")  # fmt: skip
     for r in rows:
         print(f"{r['tokens']:>7} {r['blocks']:>6} {r['handoff_ms']:>12.3f} "
               f"{r['checksum_send_ms']:>8.3f} {r['checksum_receive_ms']:>8.3f} "
-              f"{r['overhead']:>9.1%}")  # fmt: skip
+              f"{r['all_sums']:>9.1%} {r['sender_at_handoff_ms']:>15.3f} {r['on_path']:>8.1%} "
+              f"{r['sum_gb_s']:>9.1f}")  # fmt: skip
+    if "device_torch_sum_ms" in rows[0]:
+        print("device ms (CUDA events), copy / Triton sum / torch sum: " + "; ".join(
+            f"{r['tokens']}: {r['device_copy_ms']:.3f} / {r['device_sum_ms']:.3f} / "
+            f"{r['device_torch_sum_ms']:.3f}" for r in rows))  # fmt: skip
+    if "fused_on_path" in rows[0]:
+        print("verification fused into the copy (copy_sum_blocks_between): hand-off ms / on "
+              "path / device ms of the fused copy: " + "; ".join(
+            f"{r['tokens']}: {r['fused_handoff_ms']:.3f} / {r['fused_on_path']:.1%} / "
+            f"{r['device_fused_copy_ms']:.3f}" for r in rows))  # fmt: skip
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"kv_checksum_{args.device}_{rows[0]['algorithm']}.json"
         path.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def describe(row: dict) -> str:
+    if row["device"] == "cpu":
+        return "the gRPC stream's byte work (gather to bytes, copy into the pool)"
+    if row["dst_device"] == row["device"]:
+        return "the CUDA IPC transport's one-launch block copy on one GPU"
+    return f"a gather and a peer copy {row['device']} -> {row['dst_device']}"
 
 
 if __name__ == "__main__":

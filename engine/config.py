@@ -248,6 +248,9 @@ class EngineConfig:
     # stores it in e4m3; quantization "fp8" holds the layers' matrices in e4m3.
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # Checked KV (engine.kv_checksum): checksum each block once, when it is sealed (full and
+    # computed), and keep the sum, so a hand-off only reads it (prefill workers turn this on).
+    seal_checksums: bool = False
 
     @property
     def max_decode_rows(self) -> int:

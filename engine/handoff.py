@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
     from engine.structured import GrammarRuntime
+    from libkv.block_pool import BlockPool
     from libkv.kv_manager import KVCacheManager
 
 
@@ -78,6 +79,7 @@ class HandoffMixin:
     # Provided by LLMEngine.
     config: EngineConfig
     kv: KVCacheManager
+    pool: BlockPool
     runner: ModelRunner
     scheduler: Scheduler
     max_model_len: int
@@ -285,6 +287,23 @@ class HandoffMixin:
                 request_id, tuple(self.kv.block_ids(seq.key)), seq.num_computed,
                 tuple(seq.output_token_ids), state,
             )  # fmt: skip
+
+    def seal_pending(self) -> None:
+        """Checksum the blocks sealed since the last call (``config.seal_checksums``) and keep
+        the sums; a launch on a GPU, which waits for nothing."""
+        with self._lock:
+            sealed = self.kv.take_sealed()
+            if sealed:
+                self.runner.seal_checksums(sealed)
+
+    def handoff_checksums(self, block_ids: list[int]) -> list[int]:
+        """The checksums a hand-off of ``block_ids`` carries (the pool's own function): those
+        of sealed blocks as kept when they were sealed, the others (a last, partial block;
+        every block where seals are not tracked) computed now."""
+        with self._lock:
+            self.seal_pending()
+            sealed = [self.pool.blocks[i].sealed for i in block_ids]
+            return self.runner.handoff_checksums(block_ids, sealed)
 
     def block_checksums(self, block_ids: list[int], algorithm: str | None = None) -> list[int]:
         """Checksums of whole blocks (``engine.kv_checksum``) by ``algorithm`` (None: the

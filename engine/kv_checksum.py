@@ -36,6 +36,8 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
+import kernels
+
 MASK = (1 << 64) - 1
 XXH3_HEADS = "xxh3-64-heads"
 WSUM64 = "wsum64"
@@ -77,13 +79,20 @@ class BlockChecksums:
         self.heads = cache.shape[1]
         self.first_head = first_head
         self.counted = counted
-        self.weights: torch.Tensor | None = None
+        self.offset = first_head * head_bytes // 8  # where this rank's words start, canonically
+
+    def on_device(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """This pool's part of each block's checksum as int64 (the unsigned sum's bits) on the
+        pool's device, the blocks named by a tensor there: for ``wsum64`` one launch that
+        reads each block once in place (``kernels.block_wsum64``) and returns without waiting;
+        a host function computes on the host and puts the sums on the pool's device."""
+        if not self.counted:
+            return torch.zeros(block_ids.numel(), dtype=torch.int64, device=self.cache.device)
         if self.algorithm == WSUM64:
-            words = self.heads * head_bytes // 8
-            offset = first_head * head_bytes // 8  # where this rank's words start, canonically
-            self.weights = (
-                torch.arange(words, dtype=torch.int64, device=cache.device) + offset
-            ) * 2 + 1
+            words = self.cache.view(self.cache.shape[0], -1).view(torch.int64)
+            return kernels.block_wsum64(words, block_ids, self.offset)
+        sums = [s - (1 << 64) if s >> 63 else s for s in self(block_ids.tolist())]
+        return torch.tensor(sums, dtype=torch.int64, device=self.cache.device)
 
     def __call__(self, block_ids: Sequence[int]) -> list[int]:
         """This pool's part of each block's checksum (the whole checksum at TP=1), as unsigned
@@ -93,11 +102,8 @@ class BlockChecksums:
         if not self.counted:
             return [0] * len(block_ids)
         if self.algorithm == WSUM64:
-            assert self.weights is not None
             idx = torch.tensor(list(block_ids), device=self.cache.device)
-            words = self.cache.index_select(0, idx).reshape(len(block_ids), -1).view(torch.int64)
-            sums = (words * self.weights).sum(dim=1)
-            return [s & MASK for s in sums.tolist()]
+            return [s & MASK for s in self.on_device(idx).tolist()]
         if self.cache.device.type == "cpu":
             host = self.cache
         else:  # a host function over a device pool: only the named blocks cross
@@ -113,6 +119,37 @@ class BlockChecksums:
             sum(w * digest(heads[i, h].numpy().data) for h, w in enumerate(weights)) & MASK
             for i in block_ids
         ]
+
+
+class SealedSums:
+    """Each block's checksum (this pool's part), taken once when the block is sealed: full, its
+    KV computed, never written again until the pool hands it out anew (``libkv`` keeps that
+    flag, ``KVBlock.sealed``). Kept in one int64 per block on the pool's device, so sealing
+    is a launch with no host round trip and a hand-off only reads what is stored."""
+
+    def __init__(self, fn: BlockChecksums, num_blocks: int) -> None:
+        self.fn = fn
+        self.table = torch.zeros(num_blocks, dtype=torch.int64, device=fn.cache.device)
+
+    def seal(self, block_ids: Sequence[int]) -> None:
+        """Take and keep the checksums of ``block_ids`` (in stream order on a GPU: after the
+        step that completed them, without waiting for it)."""
+        if block_ids:
+            idx = torch.tensor(list(block_ids), device=self.table.device)
+            self.table.index_copy_(0, idx, self.fn.on_device(idx))
+
+    def read(self, block_ids: Sequence[int], sealed: Sequence[bool]) -> list[int]:
+        """The checksums of ``block_ids``: kept ones where ``sealed``, the others (a last,
+        partial block) computed now; one transfer of 8 bytes per block to the host."""
+        if not block_ids:
+            return []
+        dev = self.table.device
+        out = self.table.index_select(0, torch.tensor(list(block_ids), device=dev))
+        fresh = [i for i, done in enumerate(sealed) if not done]
+        if fresh:
+            ids = torch.tensor([block_ids[i] for i in fresh], device=dev)
+            out[torch.tensor(fresh, device=dev)] = self.fn.on_device(ids)
+        return [s & MASK for s in out.tolist()]
 
 
 def combine(parts: Sequence[Sequence[int]]) -> list[int]:

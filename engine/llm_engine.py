@@ -106,7 +106,9 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             self.close()
             raise
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
-        self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.pool, config.enable_prefix_caching, track_seals=config.seal_checksums
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -272,6 +274,7 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             sampled = self.runner.execute(sched, self.grammar)
             self._count_drafts(sched.scheduled, due, sampled.num_accepted)
             self.scheduler.advance(sched.scheduled)
+            self.seal_pending()
             self._join_forks(sched.scheduled)
             outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
             self._drop_unused_loras()

@@ -23,7 +23,14 @@ import kernels
 from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
-from engine.kv_checksum import ALGORITHMS, CRC32, BlockChecksums, combine, default_algorithm
+from engine.kv_checksum import (
+    ALGORITHMS,
+    CRC32,
+    BlockChecksums,
+    SealedSums,
+    combine,
+    default_algorithm,
+)
 from engine.loader import dummy_weights, load_weights
 from engine.lora import LoRABatch, LoRAManager
 from engine.lora_config import LoRASpec
@@ -192,6 +199,7 @@ class ModelRunner:
         self.kv_cache = kv_pool.kernel_view(self.kv_pool)
         self.graphs: DecodeGraphs | None = None
         self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
+        self._seals: SealedSums | None = None  # sums kept when blocks are sealed
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
@@ -330,6 +338,8 @@ class ModelRunner:
             "lora_remove": self._lora_remove,
             "read": self._read,
             "checksum": self._checksum,
+            "seal": self._seal,
+            "sealed": self._read_sealed,
             "write": self._write,
         }
 
@@ -391,14 +401,45 @@ class ModelRunner:
         self.bind_thread()
         return self._command("checksum", list(block_ids), algorithm)
 
-    def _checksum(self, block_ids: list[int], algorithm: str) -> list[int]:
+    def seal_checksums(self, block_ids: list[int]) -> None:
+        """Checksum sealed blocks and keep the sums on the pool's device (every rank its part);
+        ``handoff_checksums`` reads them."""
+        self.bind_thread()
+        self._command("seal", list(block_ids))
+
+    def handoff_checksums(self, block_ids: list[int], sealed: list[bool]) -> list[int]:
+        """The pool's own checksums of whole blocks: kept ones where ``sealed``, the rest
+        computed now (``engine.kv_checksum.SealedSums``)."""
+        if not block_ids:
+            return []
+        self.bind_thread()
+        return self._command("sealed", list(block_ids), list(sealed))
+
+    def _function(self, algorithm: str) -> BlockChecksums:
         fn = self._checksums.get(algorithm)
         if fn is None:
             rank = self.comm.rank
             lo, _ = self.layout.heads(rank)
             fn = BlockChecksums(self.kv_pool, algorithm, lo, self.layout.first_holder(rank))
             self._checksums[algorithm] = fn
-        mine = fn(block_ids)
+        return fn
+
+    def _sealed_sums(self) -> SealedSums:
+        if self._seals is None:
+            self._seals = SealedSums(self._function(self.checksum_algorithm), self.num_blocks)
+        return self._seals
+
+    def _seal(self, block_ids: list[int]) -> None:
+        self._sealed_sums().seal(block_ids)
+
+    def _read_sealed(self, block_ids: list[int], sealed: list[bool]) -> list[int]:
+        return self._combined(self._sealed_sums().read(block_ids, sealed))
+
+    def _checksum(self, block_ids: list[int], algorithm: str) -> list[int]:
+        return self._combined(self._function(algorithm)(block_ids))
+
+    def _combined(self, mine: list[int]) -> list[int]:
+        """Rank 0: every rank's parts added up (``engine.kv_checksum.combine``)."""
         if self.comm.size == 1:
             return mine
         parts = self.comm.gather_to_first(mine)

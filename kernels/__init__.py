@@ -38,8 +38,10 @@ __all__ = [
     "AttentionMetadata",
     "Fp8Weight",
     "LoRAMetadata",
+    "block_wsum64",
     "copy_blocks",
     "copy_blocks_between",
+    "copy_sum_blocks_between",
     "linear",
     "lora_add",
     "norm_linear",
@@ -158,6 +160,35 @@ def copy_blocks_between(
         triton_copy.copy_blocks_between(dst, src, src_idx, dst_idx)
         return
     reference.copy_blocks_between(dst, src, src_idx, dst_idx)
+
+
+def copy_sum_blocks_between(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    offset: int = 0,
+) -> torch.Tensor:
+    """``copy_blocks_between``, returning each moved block's ``wsum64`` (``block_wsum64`` of
+    what was written) as int64 on ``dst``'s device: on CUDA one launch, the checksum taken
+    from the words the copy reads (no second read of the blocks)."""
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        return triton_copy.copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset)
+    reference.copy_blocks_between(dst, src, src_idx, dst_idx)
+    return reference.block_wsum64(dst.view(torch.int64), dst_idx, offset)
+
+
+def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Per-block ``wsum64`` (``engine.kv_checksum``) of ``words[block_idx[b]]`` (a pool as
+    ``[num_blocks, words]`` int64), weights from ``2 * offset + 1`` on; one int64 per block, on
+    the pool's device (one read of each block in place on CUDA)."""
+    if use_triton(words):
+        from kernels import triton_checksum
+
+        return triton_checksum.block_wsum64(words, block_idx, offset)
+    return reference.block_wsum64(words, block_idx, offset)
 
 
 def rms_norm(

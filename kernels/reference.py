@@ -225,6 +225,15 @@ def copy_blocks_between(
     dst[dst_idx] = src[src_idx]
 
 
+def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """The odd-weighted 64-bit sum of whole blocks (``engine.kv_checksum``'s ``wsum64``):
+    ``sum_i (2(i + offset) + 1) * x_i`` modulo 2^64 over the int64 words ``x_i`` of each block
+    ``block_idx[b]`` of a ``[num_blocks, words]`` int64 pool; one int64 per block (the bits of
+    the unsigned sum). Gathers the blocks and multiplies in a temporary: several passes."""
+    weights = (torch.arange(words.shape[1], dtype=torch.int64, device=words.device) + offset) * 2
+    return (words.index_select(0, block_idx) * (weights + 1)).sum(dim=1)
+
+
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]`` (as
     bytes, so any element type, FP8 included, is copied alike)."""

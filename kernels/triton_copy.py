@@ -46,3 +46,48 @@ def copy_blocks_between(
         src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, words, CHUNK=CHUNK,
         num_warps=8,
     )  # fmt: skip
+
+
+@triton.jit
+def _copy_sum_blocks_kernel(src, dst, src_idx, dst_idx, sums, words, offset, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    s = tl.load(src_idx + i).to(tl.int64)
+    d = tl.load(dst_idx + i).to(tl.int64)
+    offs = j * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    mask = offs < words
+    v = tl.load(src + s * words + offs, mask=mask, other=0)
+    tl.store(dst + d * words + offs, v, mask=mask)
+    tl.atomic_add(sums + i, tl.sum(v * (2 * (offs + offset) + 1), axis=0))  # wraps mod 2^64
+
+
+def copy_sum_blocks_between(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    offset: int = 0,
+) -> torch.Tensor:
+    """``copy_blocks_between`` that also returns each moved block's ``wsum64``
+    (``engine.kv_checksum``, weights from ``2 * offset + 1`` on), taken over the words as they
+    pass through registers: the copy's one read serves the checksum too (int64, on the
+    device, not waited for)."""
+    if dst.dim() != 2 or src.dim() != 2 or dst.shape[1] != src.shape[1]:
+        raise ValueError(
+            f"pools must be [N, block_bytes] alike: {list(dst.shape)}, {list(src.shape)}"
+        )
+    if dst.shape[1] % 8 or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("pools must be contiguous with blocks of a multiple of 8 bytes")
+    if src_idx.shape != dst_idx.shape:
+        raise ValueError("src_idx and dst_idx differ in length")
+    n = src_idx.numel()
+    sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
+    if n == 0:
+        return sums
+    words = dst.shape[1] // 8
+    grid = (n, triton.cdiv(words, CHUNK))
+    _copy_sum_blocks_kernel[grid](
+        src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, sums, words, offset,
+        CHUNK=CHUNK, num_warps=8,
+    )  # fmt: skip
+    return sums

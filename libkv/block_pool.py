@@ -39,12 +39,15 @@ def require(condition: bool, message: str) -> None:
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
-    """One block of the pool. ``token_ids`` is kept with the hash to verify every hit."""
+    """One block of the pool. ``token_ids`` is kept with the hash to verify every hit.
+    ``sealed``: full, its KV computed and its checksum taken (the engine keeps the value); it is
+    never written again until ``allocate`` hands it out anew, which clears the flag."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
+    sealed: bool = False
     queue: int = NONE
     prev: KVBlock | None = None
     next: KVBlock | None = None
@@ -144,7 +147,7 @@ class BlockPool:
         out: list[KVBlock] = []
         for _ in range(n):
             block = self._fresh.popleft() if self._fresh.size else self._evict_one()
-            block.ref_cnt = 1
+            block.ref_cnt, block.sealed = 1, False  # new contents: any old checksum is stale
             out.append(block)
         return out
 

@@ -51,6 +51,7 @@ class BlockTable:
     extra: bytes
     blocks: list[KVBlock] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
+    num_sealed: int = 0  # leading blocks known sealed (``KVCacheManager.track_seals``)
 
     @property
     def block_ids(self) -> list[int]:
@@ -74,10 +75,16 @@ class CacheListener(Protocol):
 class KVCacheManager:
     """Owns the block pool and one ``BlockTable`` per live sequence."""
 
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, pool: BlockPool, enable_prefix_caching: bool = True, track_seals: bool = False
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Seal each full, computed block once (``KVBlock.sealed``) and list it for the engine
+        # to checksum (``take_sealed``): checked KV of a hand-off then reads the sums.
+        self.track_seals = track_seals
+        self._sealed: list[int] = []
         self._tables: dict[Hashable, BlockTable] = {}
         self._listener: CacheListener | None = None
 
@@ -168,6 +175,7 @@ class KVCacheManager:
             copies.append(CopyOp(old.block_id, new.block_id))
             table.blocks[write_idx] = new
             del table.hashes[write_idx:]
+            table.num_sealed = min(table.num_sealed, write_idx)
             self.pool.free([old])
         if need > 0:
             table.blocks.extend(self.pool.allocate(need))
@@ -183,7 +191,9 @@ class KVCacheManager:
             raise KeyError(f"sequence {dst!r} already has a block table")
         table = self._tables[src]
         self.pool.touch(table.blocks)
-        self._tables[dst] = BlockTable(table.extra, list(table.blocks), list(table.hashes))
+        self._tables[dst] = BlockTable(
+            table.extra, list(table.blocks), list(table.hashes), table.num_sealed
+        )
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Free the table's blocks past those covering ``num_tokens`` tokens: slots written for
@@ -196,16 +206,20 @@ class KVCacheManager:
         assert len(table.hashes) <= keep, "a cached block past the confirmed tokens"
         extra = table.blocks[keep:]
         del table.blocks[keep:]
+        table.num_sealed = min(table.num_sealed, keep)
         self.pool.free(reversed(extra))
 
     def _is_shared(self, block: KVBlock) -> bool:
         return block.ref_cnt > 1 or block.block_hash is not None
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
-        """Register every full block whose KV is now computed. Returns how many were added."""
+        """Register every full block whose KV is now computed (and seal it, when tracking
+        seals). Returns how many entered the prefix cache."""
+        table, bs = self._tables[seq_id], self.block_size
+        if self.track_seals:
+            self._seal(table, num_computed // bs)
         if not self.enable_prefix_caching:
             return 0
-        table, bs = self._tables[seq_id], self.block_size
         added = 0
         parent = table.hashes[-1] if table.hashes else ROOT_HASH
         for i in range(len(table.hashes), num_computed // bs):
@@ -217,6 +231,19 @@ class KVCacheManager:
                 self._listener.cached(i, h, parent)
             parent = h
         return added
+
+    def _seal(self, table: BlockTable, full: int) -> None:
+        for block in table.blocks[table.num_sealed : full]:
+            if not block.sealed:  # a prefix hit's blocks were sealed where first computed
+                block.sealed = True
+                self._sealed.append(block.block_id)
+        table.num_sealed = max(table.num_sealed, full)
+
+    def take_sealed(self) -> list[int]:
+        """Blocks sealed since the last call, for the engine to checksum before their next
+        use (no step writes them; a freed one keeps its bytes until allocated again)."""
+        sealed, self._sealed = self._sealed, []
+        return sealed
 
     def free(self, seq_id: Hashable) -> None:
         """Release every block of the sequence (leaves first, so they are evicted first)."""

@@ -240,3 +240,57 @@ def test_copy_blocks_between_pools(block_bytes, n):
     copy_blocks_between(dst, src, src_idx, dst_idx)
     torch.cuda.synchronize()
     assert torch.equal(dst, want)  # copied blocks exact, the others untouched
+
+
+@pytest.mark.parametrize(
+    ("words", "n", "offset"),
+    [(8, 3, 0), (1000, 5, 7), (262144, 17, 0), (262144 // 4, 9, 3 * 262144 // 4), (8197, 4, 2**40)],
+)
+def test_block_wsum64_equals_the_torch_reference(words, n, offset):
+    """The Triton ``wsum64`` equals the torch reference bit for bit (so sums keep their values
+    and tensor-parallel parts still add up): 2 MiB blocks of the 8B shape, a rank's quarter at
+    its canonical offset, odd sizes, block ids repeated and in any order."""
+    from kernels.triton_checksum import block_wsum64
+
+    torch.manual_seed(3)
+    pool = torch.randint(-(2**63), 2**63 - 1, (2 * n, words), dtype=torch.int64, device="cuda")
+    idx = torch.randperm(2 * n, device="cuda")[:n].to(torch.int32)
+    idx[-1] = idx[0]
+    want = reference.block_wsum64(pool, idx.long(), offset)
+    assert torch.equal(block_wsum64(pool, idx, offset), want)
+    assert torch.equal(kernels.block_wsum64(pool, idx.long(), offset), want)
+
+
+def test_sealed_sums_on_a_gpu_pool_match_a_fresh_checksum():
+    """Checked KV on a bf16 GPU pool: sums kept at sealing (on the device) and a partial block
+    summed at hand-off give what the sender computed before (``BlockChecksums``)."""
+    from engine.kv_checksum import BlockChecksums, SealedSums
+
+    torch.manual_seed(4)
+    cache = torch.randn(12, 8, 4, 2, 16, 128, device="cuda").to(torch.bfloat16)
+    fn = BlockChecksums(cache)
+    assert fn.algorithm == "wsum64"
+    sums = SealedSums(fn, 12)
+    sums.seal([3, 7, 1])
+    ids = [7, 3, 5, 1]
+    assert sums.read(ids, [True, True, False, True]) == fn(ids)
+    cache[7].zero_()  # written after sealing (never happens in the engine): the kept sum stays
+    assert sums.read([7], [True]) != fn([7])
+
+
+@pytest.mark.parametrize(("block_bytes", "n", "offset"), [(2 * 1024**2, 37, 0), (4096 + 8, 5, 9)])
+def test_copy_sum_blocks_between_copies_and_sums_what_it_moved(block_bytes, n, offset):
+    """The fused copy moves exactly what the plain one does and returns each block's
+    ``wsum64`` equal to the torch reference over the written block."""
+    from kernels.triton_copy import copy_sum_blocks_between
+
+    g = torch.Generator(device="cuda").manual_seed(block_bytes + n)
+    src = torch.randint(0, 256, (2 * n, block_bytes), dtype=torch.uint8, device="cuda", generator=g)
+    dst = torch.full((3 * n, block_bytes), 7, dtype=torch.uint8, device="cuda")
+    src_idx = torch.randperm(2 * n, device="cuda", generator=g)[:n]
+    dst_idx = torch.randperm(3 * n, device="cuda", generator=g)[:n]
+    want = dst.clone()
+    reference.copy_blocks_between(want, src, src_idx, dst_idx)
+    sums = copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset)
+    assert torch.equal(dst, want)
+    assert torch.equal(sums, reference.block_wsum64(want.view(torch.int64), dst_idx, offset))

@@ -6,13 +6,15 @@ test-only ``--kv-fault corrupt``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import urllib.request
 
 import openai
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_checksum import MASK, BlockChecksums, combine
 from libkv.transfer.nixl_agent import nixl_available
 from services.launcher.etcd import free_port
@@ -81,6 +83,59 @@ def test_ranks_parts_add_up_to_the_canonical_checksum(algorithm, heads, tp) -> N
 def test_an_unknown_checksum_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown KV checksum"):
         BlockChecksums(torch.zeros(2, 1, 8), "md5")
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="the Triton kernel on CPU needs triton and TRITON_INTERPRET=1 (CUDA: test_kernels_gpu)",
+)
+@pytest.mark.parametrize(("words", "offset"), [(8, 0), (1000, 7), (3 * 8192 + 5, 2**40 + 3)])
+def test_triton_wsum64_equals_the_torch_reference_interpreted(words, offset) -> None:
+    """The Triton ``wsum64`` (one read of each block in place, chunks added atomically) gives
+    the reference's value bit for bit, on block ids in any order, top bits set included."""
+    from kernels import reference
+    from kernels.triton_checksum import block_wsum64
+
+    torch.manual_seed(2)
+    pool = torch.randint(-(2**63), 2**63 - 1, (5, words), dtype=torch.int64)
+    idx = torch.tensor([4, 0, 2, 0], dtype=torch.int32)
+    want = reference.block_wsum64(pool, idx.long(), offset)
+    assert torch.equal(block_wsum64(pool, idx, offset), want)
+
+
+@pytest.fixture(scope="module")
+def sealing(smol_dir):
+    """A prefill-side engine that seals: 24-token chunks, so blocks seal across steps."""
+    return LLMEngine(
+        EngineConfig(
+            model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2, max_num_batched_tokens=24,
+            seal_checksums=True,
+        )
+    )  # fmt: skip
+
+
+def test_a_handoff_reads_the_sums_taken_when_its_blocks_were_sealed(sealing) -> None:
+    """Each full block is summed once, when sealed (the step that completed it); the hand-off
+    sends that kept sum and sums only the last, partial block then."""
+    eng = sealing
+    prompt = list(range(100, 140))  # 40 tokens: blocks of 16, 16 and 8
+    eng.add_request("s", prompt, SamplingParams(max_tokens=4), hold_kv=True)
+    while eng.has_unfinished():
+        eng.step()
+    ids = eng.held_block_ids("s")
+    assert [eng.pool.blocks[i].sealed for i in ids] == [True, True, False]
+    fresh = eng.block_checksums(ids)
+    assert eng.handoff_checksums(ids) == fresh
+    # Damage every block behind the engine's back: the sealed ones still send the sums taken
+    # at sealing (the bytes sent then would mismatch on arrival), the partial one is summed now.
+    damaged = [b"\x5a" * eng.runner.layout.block_bytes] * 3
+    eng.write_blocks(ids, damaged)
+    now = eng.block_checksums(ids)
+    sent = eng.handoff_checksums(ids)
+    assert sent[:2] == fresh[:2] and sent[2] == now[2] != fresh[2]
+    assert now[0] != fresh[0]
+    assert eng.release("s")
+    eng.check_integrity()
 
 
 # (prefill TP, decode TP, transport). At TP 2 on both sides each rank sums its KV heads and

@@ -320,3 +320,53 @@ def test_fork_shares_every_block_and_copies_the_partial_one_on_write() -> None:
         kv.free(key)
     kv.check_integrity()
     assert kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_full_computed_blocks_are_sealed_once_and_listed_for_their_checksum(
+    prefix_caching,
+) -> None:
+    """Checked KV: a block is sealed when it is full and computed (whether or not prefix
+    caching is on), listed once for the engine to checksum, and unsealed only when the pool
+    hands it out again (new contents)."""
+    pool = BlockPool(6, BLOCK_SIZE)
+    kv = KVCacheManager(pool, enable_prefix_caching=prefix_caching, track_seals=True)
+    prompt = tokens(10)  # blocks 0 and 1 full, block 2 holds 2 of 4 tokens
+    assert admit_prompt(kv, "a", prompt) is not None
+    kv.commit("a", prompt, 5)  # a first chunk: block 0 only is full
+    assert kv.take_sealed() == [0] and kv.take_sealed() == []
+    kv.commit("a", prompt, 10)
+    assert kv.take_sealed() == [1]  # the partial last block is never sealed
+    assert [b.sealed for b in pool.blocks[:3]] == [True, True, False]
+    kv.commit("a", prompt, 10)
+    assert kv.take_sealed() == []
+    kv.free("a")
+    assert pool.blocks[0].sealed and pool.blocks[1].sealed  # bytes kept until reallocated
+    others = tokens(24, start=100)  # needs every block: the sealed ones are handed out anew
+    assert admit_prompt(kv, "b", others) is not None
+    assert not any(b.sealed for b in pool.blocks)
+    kv.commit("b", others, 8)
+    assert sorted(kv.take_sealed()) == sorted(kv.block_ids("b")[:2])
+    kv.check_integrity()
+
+
+def test_a_prefix_hit_is_not_sealed_again_and_a_copy_on_write_is() -> None:
+    pool = BlockPool(8, BLOCK_SIZE)
+    kv = KVCacheManager(pool, track_seals=True)
+    prompt = tokens(8)  # two full blocks
+    assert prefill(kv, "a", prompt) == [0, 1]
+    assert kv.take_sealed() == [0, 1]
+    # The same prompt again: both blocks hit; the last is copied (its last token is recomputed
+    # for logits) into block 2, which is sealed once computed; block 0 is not listed again.
+    assert admit_prompt(kv, "b", prompt) == [CopyOp(1, 2)]
+    kv.commit("b", prompt, 8)
+    assert kv.block_ids("b") == [0, 2] and kv.take_sealed() == [2]
+    kv.free("a")
+    kv.free("b")
+    kv.check_integrity()
+
+
+def test_without_tracking_nothing_is_sealed() -> None:
+    kv, _ = make_kv()
+    prefill(kv, "a", tokens(8))
+    assert kv.take_sealed() == [] and not any(b.sealed for b in kv.pool.blocks)

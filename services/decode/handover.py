@@ -58,7 +58,7 @@ class Handover:
         """The last event of a request that moved out: where its KV is."""
         eng = self.engine.engine
         ids = list(held.block_ids)
-        sums = await self.engine.run(eng.block_checksums, ids) if self.checksums else []
+        sums = await self.engine.run(eng.handoff_checksums, ids) if self.checksums else []
         handle = KVHandle(
             worker_id=self.worker_id,
             incarnation=self.incarnation,

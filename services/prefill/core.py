@@ -95,8 +95,10 @@ class PrefillCore:
         expires = time.monotonic() + self.lease_seconds
         self._leases[request_id] = expires
         block_ids = eng.held_block_ids(request_id)
-        # Sealed: the prompt's KV is complete and no step writes these blocks while held.
-        sums = await self.engine.run(eng.block_checksums, block_ids) if self.checksums else []
+        # Each full block's sum was taken when the block was sealed (the engine's
+        # ``seal_checksums``); only a last, partial block is summed now. No step writes held
+        # blocks.
+        sums = await self.engine.run(eng.handoff_checksums, block_ids) if self.checksums else []
         handle = KVHandle(
             worker_id=self.worker_id,
             incarnation=self.incarnation,

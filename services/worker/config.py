@@ -101,8 +101,9 @@ class WorkerConfig:
     kv_transfer_timeout: float = option(10.0, "decode: seconds to obtain a request's KV")
     kv_checksums: bool = option(
         True,
-        "prefill: checksum each block of a handed-off prompt (on the pool's device); decode: "
-        "check what arrived and recompute the prompt on a mismatch",
+        "prefill: checksum each KV block once when it is full (on the pool's device) and send "
+        "the sums with a hand-off; decode: check what arrived and recompute the prompt on a "
+        "mismatch",
     )
     kv_fault: str = option(
         "",
@@ -226,6 +227,8 @@ class WorkerConfig:
             speculative_config=self.speculative_config,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization or None,
+            # A prefill worker sums each block once, when it is sealed; a hand-off reads them.
+            seal_checksums=self.kv_checksums and self.role == "prefill",
         )
 
 

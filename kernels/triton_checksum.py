@@ -1,0 +1,61 @@
+"""Triton ``wsum64`` of whole KV blocks (``engine.kv_checksum``): ``out[b] = sum_i (2(i + o) + 1)
+* x_i mod 2^64`` over the 64-bit words ``x_i`` of block ``block_idx[b]``, read once, in place.
+
+Each program sums one ``CHUNK`` of one block: the weights are made in registers, products and
+sums wrap around in 64 bits, and the chunk's sum is added to ``out[b]`` atomically (integer
+addition modulo 2^64 is associative and commutative, so the order of the chunks never matters
+and the result equals the reference bit for bit). No gather copy, no int64 temporary: one
+read of each block's bytes, one 8-byte word written per block, all on the device."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+TILE = 1024  # int64 words per inner step (8 KiB)
+CHUNK = 8 * TILE  # words per program (64 KiB): a 2 MiB block is 32 programs
+
+
+@triton.jit
+def _wsum64_kernel(
+    words_ptr, idx_ptr, out_ptr, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    block = tl.load(idx_ptr + b).to(tl.int64)
+    base = words_ptr + block * words
+    start = c.to(tl.int64) * (TILE * ITERS)
+    lane = tl.arange(0, TILE).to(tl.int64)
+    acc = tl.zeros((TILE,), dtype=tl.int64)
+    for k in range(ITERS):
+        i = start + k * TILE + lane
+        mask = i < words
+        x = tl.load(base + i, mask=mask, other=0)
+        acc += x * (2 * (i + offset) + 1)  # wraps modulo 2^64
+    tl.atomic_add(out_ptr + b, tl.sum(acc, axis=0))
+
+
+def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """``words``: a pool as ``[num_blocks, words_per_block]`` int64, contiguous; ``block_idx``:
+    block ids (int32 or int64) on the same device. Returns one int64 per block (the unsigned
+    sum's bits) on the device, without waiting for it."""
+    if words.dim() != 2 or words.dtype != torch.int64 or not words.is_contiguous():
+        raise ValueError(f"expected a contiguous [blocks, words] int64 pool, got {words.shape}")
+    if block_idx.dim() != 1 or block_idx.device != words.device:
+        raise ValueError("block_idx must be a 1-D tensor on the pool's device")
+    n, per_block = block_idx.numel(), words.shape[1]
+    out = torch.zeros(n, dtype=torch.int64, device=words.device)
+    if n == 0 or per_block == 0:
+        return out
+    iters = min(CHUNK // TILE, triton.cdiv(per_block, TILE))
+    grid = (n, triton.cdiv(per_block, TILE * iters))
+    # On the pool's device whatever the current one is (CPU tensors: TRITON_INTERPRET=1 tests).
+    guard = torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext()
+    with guard:
+        _wsum64_kernel[grid](
+            words, block_idx, out, per_block, offset, TILE=TILE, ITERS=iters, num_warps=8
+        )
+    return out
