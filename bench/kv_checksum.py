@@ -185,6 +185,53 @@ def fused(src, dst, src_ids, dst_ids, expected, t_handoff, repeat) -> dict:
     return {"fused_handoff_ms": round(t * 1e3, 3), "device_fused_copy_ms": round(d * 1e3, 4)}
 
 
+def measure_engine(model_dir: str, tokens: int, repeat: int, chunk: int) -> dict:
+    """The same figures inside real engines (a prefill engine that seals, as a prefill worker
+    runs it, and a decode engine): one prompt prefilled in steps of ``chunk`` tokens, then the
+    hand-off's byte work on the gRPC stream's path (``read_blocks`` on the sender,
+    ``write_blocks`` on the receiver) against the sender's checksums at hand-off
+    (``handoff_checksums``: kept sums, a partial last block summed) and the receiver's check."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    def engine(seal: bool) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model_dir=model_dir, max_num_batched_tokens=chunk, seal_checksums=seal,
+                num_kv_blocks=2 * -(-tokens // BLOCK_SIZE) + 8,
+            )
+        )  # fmt: skip
+
+    prefill, decode = engine(True), engine(False)
+    prompt = [(7 * i) % 1000 + 100 for i in range(tokens)]
+    prefill.add_request("b", prompt, SamplingParams(max_tokens=2), hold_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    src = prefill.held_block_ids("b")
+    dst, _ = decode.reserve("b", prompt)
+
+    def handoff() -> None:
+        decode.write_blocks(dst, prefill.read_blocks(src))
+
+    handoff()
+    full = [i for i in src if prefill.pool.blocks[i].sealed]
+    assert prefill.handoff_checksums(src) == decode.block_checksums(dst)
+    t_handoff = timed(handoff, "cpu", repeat)
+    t_at_handoff = timed(lambda: prefill.handoff_checksums(src), "cpu", repeat)
+    t_receive = timed(lambda: decode.block_checksums(dst), "cpu", repeat)
+    t_seal = timed(lambda: prefill.runner.seal_checksums(full), "cpu", repeat)
+    last = [src[i] for i in last_step_blocks(tokens, chunk)]  # sealed in the prefill's last step
+    t_last = timed(lambda: prefill.runner.seal_checksums(last), "cpu", repeat)
+    return {
+        "model_dir": model_dir, "tokens": tokens, "blocks": len(src), "sealed": len(full),
+        "algorithm": prefill.runner.checksum_algorithm, "chunk_tokens": chunk,
+        "handoff_ms": round(t_handoff * 1e3, 3),
+        "sender_at_handoff_ms": round(t_at_handoff * 1e3, 3),
+        "checksum_receive_ms": round(t_receive * 1e3, 3),
+        "seal_all_ms": round(t_seal * 1e3, 3), "seal_last_step_ms": round(t_last * 1e3, 3),
+        "on_path": round((t_last + t_at_handoff + t_receive) / t_handoff, 4),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -204,8 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the block checksum (default: the device's own, as workers send it)",
     )
+    p.add_argument(
+        "--engine",
+        metavar="MODEL_DIR",
+        default=None,
+        help="CPU: measure inside real engines of this model instead (bytes of the gRPC path)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.engine is not None:
+        return engine_main(args)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     rows = [
         measure(args.shape, t, args.device, dtype, args.repeat, args.algorithm, args.chunk_tokens)
@@ -231,6 +286,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"kv_checksum_{args.device}_{rows[0]['algorithm']}.json"
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def engine_main(args: argparse.Namespace) -> int:
+    rows = [measure_engine(args.engine, t, args.repeat, args.chunk_tokens) for t in args.tokens]
+    print(f"in engines, checksum: {rows[0]['algorithm']}; hand-off: read_blocks + write_blocks")
+    print(f"{'tokens':>7} {'blocks':>6} {'hand-off ms':>12} {'seal last ms':>13} "
+          f"{'at hand-off ms':>15} {'recv ms':>8} {'on path':>8} {'seal all ms':>12}")  # fmt: skip
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['blocks']:>6} {r['handoff_ms']:>12.3f} "
+              f"{r['seal_last_step_ms']:>13.3f} {r['sender_at_handoff_ms']:>15.3f} "
+              f"{r['checksum_receive_ms']:>8.3f} {r['on_path']:>8.1%} "
+              f"{r['seal_all_ms']:>12.3f}")  # fmt: skip
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kv_checksum_engine_{rows[0]['algorithm']}.json"
         path.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

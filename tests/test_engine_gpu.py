@@ -135,3 +135,27 @@ def test_transformers_bf16_on_cuda_matches_at_the_same_rate(smol_shape_dir, prom
     our_rate = _match_rate("cuda_bf16_vs_cpu_fp32_again", ours, cpu_fp32)
     _match_rate("cuda_bf16_vs_transformers_cuda_bf16", ours, hf)
     assert our_rate >= hf_rate - 0.15
+
+
+def test_a_prefill_on_cuda_hands_off_the_sums_taken_at_sealing(smol_shape_dir):
+    """Checked KV on a GPU pool: blocks are summed (Triton ``wsum64``) when sealed during the
+    chunked prefill, kept on the device, and the hand-off's sums equal a fresh checksum of the
+    blocks; a partial last block is summed at hand-off."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(smol_shape_dir), max_num_batched_tokens=64, num_kv_blocks=64,
+            seal_checksums=True, enforce_eager=True,
+        )
+    )  # fmt: skip
+    assert eng.runner.checksum_algorithm == "wsum64"
+    # 150 tokens: nine full blocks of 16 and a partial one
+    (prompt,) = random_prompts(1, SMOL_CONFIG["vocab_size"], seed=5, lo=150, hi=150)
+    eng.add_request("g", prompt, SamplingParams(max_tokens=4), hold_kv=True)
+    while eng.has_unfinished():
+        eng.step()
+    ids = eng.held_block_ids("g")
+    assert [eng.pool.blocks[i].sealed for i in ids] == [True] * 9 + [False]
+    assert eng.handoff_checksums(ids) == eng.block_checksums(ids)
+    assert eng.release("g")
