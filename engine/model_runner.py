@@ -200,6 +200,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
         self._seals: SealedSums | None = None  # sums kept when blocks are sealed
+        if on_cuda:  # compile the checksum kernel now, not in the first hand-off's path
+            self._function(self.checksum_algorithm).on_device(
+                torch.zeros(1, dtype=torch.int64, device=self.device)
+            )
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
