@@ -10,6 +10,7 @@ tensors on its own device and the ranks meet in the model's collectives.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -201,9 +202,10 @@ class ModelRunner:
         self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
         self._seals: SealedSums | None = None  # sums kept when blocks are sealed
         if on_cuda:  # compile the checksum kernel now, not in the first hand-off's path
-            self._function(self.checksum_algorithm).on_device(
-                torch.zeros(1, dtype=torch.int64, device=self.device)
-            )
+            with contextlib.suppress(ValueError):  # a pool it cannot sum says so when asked
+                self._function(self.checksum_algorithm).on_device(
+                    torch.zeros(1, dtype=torch.int64, device=self.device)
+                )
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
