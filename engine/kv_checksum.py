@@ -125,15 +125,15 @@ class SealedSums:
     """Each block's checksum (this pool's part), taken once when the block is sealed: full, its
     KV computed, never written again until the pool hands it out anew (``libkv`` keeps that
     flag, ``KVBlock.sealed``). Kept in one int64 per block on the pool's device, so sealing
-    is a launch with no host round trip and a hand-off only reads what is stored."""
+    brings nothing back to the host and a hand-off only reads what is stored."""
 
     def __init__(self, fn: BlockChecksums, num_blocks: int) -> None:
         self.fn = fn
         self.table = torch.zeros(num_blocks, dtype=torch.int64, device=fn.cache.device)
 
     def seal(self, block_ids: Sequence[int]) -> None:
-        """Take and keep the checksums of ``block_ids`` (in stream order on a GPU: after the
-        step that completed them, without waiting for it)."""
+        """Take and keep the checksums of ``block_ids`` (on a GPU in stream order, after the
+        step that completed them; the block ids go up, no sum comes back)."""
         if block_ids:
             idx = torch.tensor(list(block_ids), device=self.table.device)
             self.table.index_copy_(0, idx, self.fn.on_device(idx))
