@@ -5,13 +5,17 @@ ways, greedy, exactly ``--output`` tokens each:
 
 * ``base``: no adapter (the reference; CUDA graphs apply unless ``--enforce-eager``);
 * ``batched``: request i uses adapter i % ``--adapters``, all adapters in one batch (the
-  segmented LoRA kernel, ``kernels/triton_lora.py``);
-* ``one-at-a-time``: the same, with the scheduler held to one adapter per step (what an engine
-  without batched LoRA does: adapters take turns).
+  segmented LoRA kernel, ``kernels/triton_lora.py``), its decode steps replayed from the LoRA
+  variant of the decode CUDA graphs (``engine/cuda_graphs.py``);
+* ``batched-eager``: the same with the graphs set aside (each kernel launched from Python);
+* ``one-at-a-time``: ``batched`` with the scheduler held to one adapter per step (what an
+  engine without batched LoRA does: adapters take turns).
 
 Adapters are random PEFT folders (rank ``--rank`` on ``--targets``) written under ``--out``.
 Decode throughput is the output tokens generated after every request has its first token,
-over that time; the table gives each run's share of base.
+over that time; the table gives each run's share of base and how many of its steps replayed a
+graph. On CUDA a second table times one replay of the captured graph of ``--requests`` rows,
+base variant against LoRA variant (every row with an adapter, spread over the adapters).
 
     SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.lora --model /tmp/models/llama-3.1-8b \
         --load-format dummy --out "$OUT"
@@ -62,6 +66,8 @@ def write_adapter(
 
 def run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], output: int) -> dict:
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+    graphs = engine.runner.graphs
+    replayed = graphs.runs if graphs is not None else 0
     for i, (p, name) in enumerate(zip(prompts, loras, strict=True)):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params, lora=name)
     start = time.perf_counter()
@@ -87,10 +93,43 @@ def run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], ou
     return {
         "seconds": end - start,
         "steps": steps,
+        "graph_steps": (graphs.runs - replayed) if graphs is not None else 0,
         "decode_seconds": decode_s,
         "decode_tokens": tokens_after,
         "decode_tok_s": tokens_after / decode_s if decode_s > 0 else 0.0,
     }
+
+
+def replay_times(engine: LLMEngine, names: list[str], rows: int, context: int) -> dict:
+    """Milliseconds of one replay of the decode graph for ``rows`` rows at ``context`` tokens
+    each: the base variant, and the LoRA variant with row i on adapter i % len(names)."""
+    from engine.cuda_graphs import DecodeBatch
+
+    runner = engine.runner
+    graphs, lora = runner.graphs, runner.lora
+    assert graphs is not None and lora is not None
+    size = graphs.padded_size(rows)
+    if size is None:
+        return {}
+    bs = runner.config.block_size
+    per_seq = context // bs + 1
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(rows)]
+    batch = DecodeBatch()
+    for table in tables:
+        batch.add([1], context, table, bs)
+    token_slots = lora.token_slots([names[i % len(names)] for i in range(rows)], names)
+    out = {"rows": rows, "size": size}
+    for key, slots in (("base_ms", None), ("lora_ms", token_slots)):
+        graphs.run(batch, slots)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 20
+        start.record()
+        for _ in range(reps):
+            graphs.replay(size, slots is not None)
+        end.record()
+        end.synchronize()
+        out[key] = start.elapsed_time(end) / reps
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,12 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[(t + i) % vocab for t in prompts[0]] for i in range(args.requests)]
     spread = [names[i % len(names)] for i in range(args.requests)]
     run(engine, prompts[:2], [None, names[0]], 4)  # warm-up (kernels compile)
-    kinds = {"base": [None] * args.requests, "batched": spread, "one-at-a-time": spread}
+    kinds = {"base": [None] * args.requests, "batched": spread, "batched-eager": spread,
+             "one-at-a-time": spread}  # fmt: skip
+    graphs = engine.runner.graphs
+    if graphs is None:
+        del kinds["batched-eager"]  # the same as batched
     results: dict[str, dict] = {}
     for kind, loras in kinds.items():
         engine.scheduler.max_loras = 1 if kind == "one-at-a-time" else args.adapters
+        engine.runner.graphs = None if kind == "batched-eager" else graphs
         runs = [run(engine, prompts, loras, args.output) for _ in range(args.repeats)]
         results[kind] = max(runs, key=lambda r: r["decode_tok_s"])
+    engine.runner.graphs = graphs
+    replay = replay_times(engine, names, args.requests, args.input) if graphs else {}
     base = results["base"]["decode_tok_s"] or 1.0
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
     lines = [
@@ -137,19 +183,30 @@ def main(argv: list[str] | None = None) -> int:
         f"(rank {args.rank}, {'/'.join(t.removesuffix('_proj') for t in args.targets)}), "
         f"{args.input} in / {args.output} out, {args.model.name}, {device}",
         "",
-        "| run | decode tok/s | share of base | steps | total s |",
-        "|---|---|---|---|---|",
+        "| run | decode tok/s | share of base | steps | graph steps | total s |",
+        "|---|---|---|---|---|---|",
     ]
     for kind, r in results.items():
         lines.append(
             f"| {kind} | {r['decode_tok_s']:.0f} | {r['decode_tok_s'] / base:.2f} | "
-            f"{r['steps']} | {r['seconds']:.2f} |"
+            f"{r['steps']} | {r['graph_steps']} | {r['seconds']:.2f} |"
         )
+    if replay:
+        lines += [
+            "",
+            f"one graph replay, {replay['rows']} rows (captured size {replay['size']}):",
+            "",
+            "| variant | ms | vs base |",
+            "|---|---|---|",
+            f"| base | {replay['base_ms']:.3f} | 1.00 |",
+            f"| LoRA, {len(names)} adapters | {replay['lora_ms']:.3f} | "
+            f"{replay['lora_ms'] / replay['base_ms']:.2f} |",
+        ]
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
-              "command": " ".join(sys.argv), "results": results}  # fmt: skip
+              "command": " ".join(sys.argv), "results": results, "replay": replay}  # fmt: skip
     (args.out / "lora.json").write_text(json.dumps(record, indent=2))
     (args.out / "lora.md").write_text(table + "\n")
     return 0

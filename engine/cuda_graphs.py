@@ -3,13 +3,21 @@
 A pure-decode step (one new token per sequence) launches the same few hundred small kernels
 every time; captured once per batch size and replayed, it costs one launch. Inputs live in
 static device buffers that each step refills (one host-to-device copy for the per-token
-vectors, one for the block tables); a batch is padded up to the next captured size with rows
-that write no KV (slot block -1) and attend to nothing (sequence length 0).
+vectors, one for the block tables, one for the LoRA tile tables); a batch is padded up to the
+next captured size with rows that write no KV (slot block -1), attend to nothing (sequence
+length 0) and use no adapter.
 
 A row is one token of one sequence, not one sequence: a few new tokens of a sequence (a verify
 step: its newest token and the draft after it) are that many rows sharing its block table,
 row ``i`` at position ``p + i`` attending over ``p + i + 1`` tokens. Every layer writes all
 rows' K/V before any row attends, so the rows see each other causally, as in a prefill chunk.
+
+With multi-LoRA (``lora``) every size is captured twice, sharing one memory pool: once as the
+base model (a step without adapters pays nothing for them) and once with the LoRA deltas of
+every projection, which serves any mix of base rows and rows of up to ``max_loras`` adapters.
+Its inputs are fixed-size tile tables (``kernels.reference.lora_tile_table``: the rows with an
+adapter grouped by slot, then tiles padded with empty ones) and the slot buffers and scales of
+``engine.lora.LoRAManager``, which are static and filled in place before the replay.
 
 Off CUDA (the CPU tests) nothing is captured: ``run`` fills the same buffers and runs the step
 eagerly, so the batch a graph would replay is checked on any machine.
@@ -18,10 +26,15 @@ eagerly, so the batch a graph would replay is checked on any machine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import AttentionMetadata
+from kernels.reference import lora_tile_table, max_lora_tiles
+
+if TYPE_CHECKING:
+    from engine.lora import LoRABatch, LoRAManager
 
 # Rows of the packed per-token input buffer.
 _IDS, _POS, _SLOT_BLOCK, _SLOT_OFF, _SEQ_LEN = range(5)
@@ -30,7 +43,8 @@ _PADDING = (0, 0, -1, 0, 0)
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Host-side inputs of one decode step: one row per new token (see the module's note)."""
+    """Host-side inputs of one decode step: one row per new token (see the module's note);
+    with adapters, the step's adapter names and each row's ("" for the base model)."""
 
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -39,9 +53,14 @@ class DecodeBatch:
     block_tables: list[list[int]] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     num_seqs: int = 0  # sequences the rows came from (``add``); rows - num_seqs: draft rows
+    loras: list[str] = field(default_factory=list)
+    token_loras: list[str] = field(default_factory=list)
 
-    def add(self, tokens: list[int], start: int, table: list[int], block_size: int) -> None:
-        """Append one sequence's new ``tokens``, at positions ``start ..``, a row each."""
+    def add(
+        self, tokens: list[int], start: int, table: list[int], block_size: int, lora: str = ""
+    ) -> None:
+        """Append one sequence's new ``tokens``, at positions ``start ..``, a row each (with
+        the sequence's adapter ``lora``)."""
         for i, t in enumerate(tokens):
             p = start + i
             self.token_ids.append(t)
@@ -50,6 +69,7 @@ class DecodeBatch:
             self.slot_offsets.append(p % block_size)
             self.block_tables.append(table)
             self.seq_lens.append(p + 1)
+            self.token_loras.append(lora)
         self.num_seqs += 1
 
 
@@ -61,8 +81,9 @@ def graph_batch_sizes(candidates: tuple[int, ...], max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Forward pass plus logits of a decode step, captured at several batch sizes (row counts);
-    off CUDA run eagerly on the same inputs."""
+    """Forward pass plus logits of a decode step, captured at several batch sizes (row counts),
+    and with ``lora`` each size again with the LoRA deltas; off CUDA (or ``capture=False``)
+    run eagerly on the same inputs."""
 
     def __init__(
         self,
@@ -71,6 +92,8 @@ class DecodeGraphs:
         batch_sizes: list[int],
         max_blocks_per_seq: int,
         block_size: int,
+        lora: LoRAManager | None = None,
+        capture: bool = True,
     ) -> None:
         if not batch_sizes:
             raise ValueError("no batch sizes to capture")
@@ -78,22 +101,34 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.sizes = sorted(batch_sizes)
         self.block_size = block_size
+        self.lora = lora
         dev = kv_cache.device
-        self.captured = dev.type == "cuda"
+        self.captured = capture and dev.type == "cuda"
         n, width = self.sizes[-1], max_blocks_per_seq
         self._host = torch.zeros((5, n), dtype=torch.long)
         self._vec = torch.zeros((5, n), dtype=torch.long, device=dev)
         self._host_tables = torch.zeros(n * width, dtype=torch.int32)
         self._tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self._query_start = torch.arange(n + 1, dtype=torch.long, device=dev)
+        # LoRA tile tables: rows [n], then tile starts, lengths and slots [tiles] each.
+        self._tiles = max_lora_tiles(n, lora.max_loras) if lora is not None else 0
+        self._host_lora = torch.zeros(n + 3 * self._tiles, dtype=torch.int32)
+        self._lora_tab = torch.zeros(n + 3 * self._tiles, dtype=torch.int32, device=dev)
         self._copied: torch.cuda.Event | None = None
         if self.captured:
             self._host, self._host_tables = self._host.pin_memory(), self._host_tables.pin_memory()
+            self._host_lora = self._host_lora.pin_memory()
             self._copied = torch.cuda.Event()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.runs = 0  # steps run (replayed or, off CUDA, eager)
+        self.lora_runs = 0  # those of them with adapters (the LoRA variant)
         self.rows = 0  # rows of those steps, padding not counted
+
+    @property
+    def variants(self) -> list[bool]:
+        """Whether each capture of a size has the LoRA deltas: base, and LoRA where enabled."""
+        return [False, True] if self.lora is not None else [False]
 
     def padded_size(self, n: int) -> int | None:
         """The smallest captured size that holds ``n`` rows, or None."""
@@ -112,11 +147,27 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
 
-    def _step(self, n: int, max_seq_len: int | None = None) -> torch.Tensor:
+    def _lora_batch(self, n: int) -> LoRABatch:
+        """The LoRA inputs of ``n`` rows: views of the tile tables (a prefix of each part)."""
+        assert self.lora is not None
+        rows, t = self.sizes[-1], self._tiles
+        used = max_lora_tiles(n, self.lora.max_loras)
+        tab = self._lora_tab
+        parts = [tab[rows + i * t : rows + i * t + used] for i in range(3)]
+        return self.lora.graph_batch(tab[:n], *parts)
+
+    def _step(self, n: int, max_seq_len: int | None = None, with_lora: bool = False):
+        lora = self._lora_batch(n) if with_lora else None
+        meta = self._meta(n, max_seq_len)
         hidden = self.model.forward(
-            self._vec[_IDS, :n], self._vec[_POS, :n], self.kv_cache, self._meta(n, max_seq_len)
+            self._vec[_IDS, :n], self._vec[_POS, :n], self.kv_cache, meta, lora
         )
         return self.model.logits(hidden)
+
+    def _fill_lora(self, token_slots: list[int]) -> None:
+        """Write the tile tables of the rows' slots (-1: none) for the next copy."""
+        table = lora_tile_table(token_slots, self.sizes[-1], self._tiles)
+        self._host_lora.copy_(torch.tensor(table, dtype=torch.int32))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -125,28 +176,37 @@ class DecodeGraphs:
             return
         for row, value in enumerate(_PADDING):
             self._vec[row].fill_(value)
+        if self.lora is not None:  # no adapter rows: every tile is padding
+            self._fill_lora([])
+            self._lora_tab.copy_(self._host_lora)
         pool = None
         for n in reversed(self.sizes):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles
-                self._step(n)
-                self._step(n)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[n] = self._step(n)
-            pool = graph.pool()
-            self._graphs[n] = graph
+            for with_lora in self.variants:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles
+                    self._step(n, with_lora=with_lora)
+                    self._step(n, with_lora=with_lora)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._logits[n, with_lora] = self._step(n, with_lora=with_lora)
+                pool = graph.pool()
+                self._graphs[n, with_lora] = graph
         torch.cuda.synchronize()
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
+    def run(self, batch: DecodeBatch, token_slots: list[int] | None = None) -> torch.Tensor:
         """Replay the graph of the batch's padded size; returns float32 logits ``[n, V]``, a
-        row per batch row (a view of the graph's output, valid until the next run)."""
+        row per batch row (a view of the graph's output, valid until the next run).
+        ``token_slots``: each row's LoRA slot (-1: none; the caller placed the adapters), for
+        the LoRA variant; None: the base one."""
         n = len(batch.token_ids)
         size = self.padded_size(n)
         if size is None:
             raise ValueError(f"batch of {n} exceeds the largest captured size {self.sizes[-1]}")
+        with_lora = token_slots is not None
+        if with_lora and self.lora is None:
+            raise ValueError("these decode graphs were captured without LoRA")
         width = max(len(t) for t in batch.block_tables)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are free again
@@ -166,16 +226,21 @@ class DecodeGraphs:
         tables.copy_(torch.tensor(padded, dtype=torch.int32))  # one tensor for all rows
         self._vec.copy_(h, non_blocking=True)
         self._tables[:n, :width].copy_(tables.to(self._tables.device, non_blocking=True))
+        if token_slots is not None:
+            self._fill_lora(token_slots)
+            self._lora_tab.copy_(self._host_lora, non_blocking=True)
         self.runs += 1
+        self.lora_runs += with_lora
         self.rows += n
         if self._copied is None:
             # Eager, unpadded: the reference kernels would write padding's slot block -1.
-            return self._step(n, max(batch.seq_lens))
+            return self._step(n, max(batch.seq_lens), with_lora)
         self._copied.record()
-        self._graphs[size].replay()
-        return self._logits[size][:n]
+        self._graphs[size, with_lora].replay()
+        return self._logits[size, with_lora][:n]
 
-    def replay(self, n: int) -> torch.Tensor:
-        """Replay size ``n`` on the inputs of the last ``run`` (for benchmarks)."""
-        self._graphs[n].replay()
-        return self._logits[n]
+    def replay(self, n: int, with_lora: bool = False) -> torch.Tensor:
+        """Replay size ``n`` (its LoRA variant) on the inputs of the last ``run`` (for
+        benchmarks)."""
+        self._graphs[n, with_lora].replay()
+        return self._logits[n, with_lora]

@@ -69,6 +69,8 @@ class LoRAManager:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.ranks = [0] * max_loras
         self.scales = [0.0] * max_loras
+        # The same scales on the device, updated in place (what decode CUDA graphs read).
+        self.scales_t = torch.zeros(max_loras, dtype=torch.float32, device=device)
         L = model.num_layers  # noqa: N806
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
@@ -143,7 +145,14 @@ class LoRAManager:
             self.a[m][layer, slot, :r].copy_(a, non_blocking=True)
             self.b[m][layer, slot, :, :r].copy_(b, non_blocking=True)
         self.ranks[slot], self.scales[slot] = r, spec.scaling
+        self.scales_t[slot] = spec.scaling
         self._slot_of[name] = slot
+
+    def token_slots(self, token_adapters: list[str], names: list[str]) -> list[int]:
+        """Place the step's adapters ``names`` in slots (``prepare``); then each token's slot,
+        from its adapter name ("" or None: the base model, -1)."""
+        slots = self.prepare(set(names))
+        return [slots[n] if n else -1 for n in token_adapters]
 
     def batch(self, token_adapters: list[str], slots: dict[str, int]) -> LoRABatch | None:
         """The step's LoRABatch from each token's adapter name ("" for the base), or None when
@@ -154,3 +163,15 @@ class LoRAManager:
         meta = kernels.LoRAMetadata.build(token_slots, self.ranks, self.scales, self.device)
         modules = frozenset().union(*(self.specs[n].modules for n in slots))
         return LoRABatch(self.a, self.b, meta, modules)
+
+    def graph_batch(
+        self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor
+    ) -> LoRABatch:
+        """A LoRABatch over fixed-size tile tables (``kernels.reference.lora_tile_table``)
+        that the caller refills each step, and the slots' scales as they are at each use: what
+        a decode CUDA graph captures. Every projection takes its delta (a slot's untargeted
+        projections are zero, and add exact zeros)."""
+        meta = kernels.LoRAMetadata(
+            self.ranks, self.scales, [], rows, starts, lens, slots, self.scales_t
+        )
+        return LoRABatch(self.a, self.b, meta, frozenset(LORA_MODULES))

@@ -10,7 +10,8 @@ fit one GPU side by side whatever order they start in. Inside its share an engin
 - activation peak: one forward pass of ``max_num_batched_tokens`` tokens plus the logits and
   sampling of ``max_num_seqs`` rows, measured by running it (``profile_peak``);
 - CUDA graphs: the decode graphs' shared pool, estimated before capture (the captured logits
-  of every batch size plus one decode step's intermediates) and checked after it;
+  of every batch size, twice with LoRA, plus one decode step's intermediates) and checked
+  after it;
 - other CUDA memory: what the device lost to this process outside PyTorch's allocator since
   the engine started (cuBLAS and Triton modules), measured from ``cudaMemGetInfo``. The CUDA
   context itself (about 0.5 GiB) comes on top of F, as in vLLM.
@@ -229,12 +230,15 @@ def plan_fixed(
     return KVPlan(blocks, block_bytes, blocks * block_bytes)
 
 
-def graph_pool_estimate(graph_sizes: list[int], vocab_size: int, step_peak_per_token: float) -> int:
-    """Bytes the decode graphs' shared pool will hold: each size keeps its float32 logits
-    (``[n, vocab]``), and the pool also holds one step's intermediates at the largest size."""
+def graph_pool_estimate(
+    graph_sizes: list[int], vocab_size: int, step_peak_per_token: float, variants: int = 1
+) -> int:
+    """Bytes the decode graphs' shared pool will hold: each capture keeps its float32 logits
+    (``[n, vocab]``; ``variants`` captures per size: 2 with LoRA, base and adapters), and the
+    pool also holds one step's intermediates at the largest size."""
     if not graph_sizes:
         return 0
-    logits = sum(graph_sizes) * vocab_size * 4
+    logits = variants * sum(graph_sizes) * vocab_size * 4
     return int(logits + step_peak_per_token * max(graph_sizes)) + 128 * 1024**2
 
 
@@ -264,7 +268,9 @@ def plan_for_cuda(
         free_at_start=start.free,
         weights=weights,
         activation_peak=peak,
-        graphs=graph_pool_estimate(graph_sizes, model.config.vocab_size, peak / tokens),
+        graphs=graph_pool_estimate(
+            graph_sizes, model.config.vocab_size, peak / tokens, 2 if config.enable_lora else 1
+        ),
         other=max(0, (start.free - int(free_now)) - torch_grew),
     )
     return plan_cuda(

@@ -209,7 +209,9 @@ class ModelRunner:
         if sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, -(-max_len // bs), bs)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, sizes, -(-max_len // bs), bs, self.lora
+            )
             self.graphs.capture()
             memory.check_graphs(self.kv_plan, torch.cuda.memory_reserved(self.device) - before)
         log.info("%s", self.kv_plan.describe())
@@ -367,27 +369,34 @@ class ModelRunner:
         return self.model.logits(hidden[sample_idx])
 
     def _graph(self, batch: DecodeBatch) -> torch.Tensor:
+        """Replay a decode graph; with adapters, each rank first places them in its slots
+        (the same choices on every rank) and the LoRA variant reads each row's slot."""
         assert self.graphs is not None
-        return self.graphs.run(batch)
+        token_slots = None
+        if batch.loras:
+            assert self.lora is not None
+            token_slots = self.lora.token_slots(batch.token_loras, batch.loras)
+        return self.graphs.run(batch, token_slots)
 
     def _decode_batch(self, sched: SchedulerOutput) -> DecodeBatch | None:
         """The step as a captured graph's input, when every scheduled sequence samples from its
         newest token: that token and the draft after it (a verify step) are a row each
         (``engine.cuda_graphs``), and the graph's logits have a row per row, as ``_plan``'s
-        sample rows."""
+        sample rows. Steps with adapters take the graphs' LoRA variant (any mix of at most
+        ``max_loras`` adapters and base rows)."""
         graphs = self.graphs
         scheduled = sched.scheduled
-        if graphs is None or sched.loras:
-            return None  # (graphs are captured without adapters)
+        if graphs is None or (sched.loras and graphs.lora is None):
+            return None
         if not all(s.samples and s.num_new == 1 + len(s.draft) for s in scheduled):
             return None
         if graphs.padded_size(sched.num_tokens) is None:
             return None
         bs = self.config.block_size
-        batch = DecodeBatch()
+        batch = DecodeBatch(loras=sorted(sched.loras))
         for s in scheduled:
             p = s.seq.num_computed
-            batch.add([_token_at(s.seq, p), *s.draft], p, s.block_ids, bs)
+            batch.add([_token_at(s.seq, p), *s.draft], p, s.block_ids, bs, s.seq.lora or "")
         return batch
 
     @property

@@ -241,22 +241,67 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     raw[dst] = raw[src]
 
 
+LORA_TILE_M = 16  # rows of one LoRA tile (the Triton kernel's BLOCK_M)
+
+
+def lora_tiles(
+    token_slots: list[int], tile_m: int = LORA_TILE_M
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The tile form of a batch's slots: ``rows`` (the tokens with an adapter, grouped by slot
+    in ascending order, each slot's tokens in order) and one (start, length, slot) per tile of
+    at most ``tile_m`` rows of one slot, ``rows[start:start + length]``."""
+    by_slot: dict[int, list[int]] = {}
+    for t, s in enumerate(token_slots):
+        if s >= 0:
+            by_slot.setdefault(s, []).append(t)
+    rows: list[int] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    slots: list[int] = []
+    for s, r in sorted(by_slot.items()):
+        for i in range(0, len(r), tile_m):
+            starts.append(len(rows) + i)
+            lens.append(min(tile_m, len(r) - i))
+            slots.append(s)
+        rows.extend(r)
+    return rows, starts, lens, slots
+
+
+def max_lora_tiles(num_rows: int, max_slots: int, tile_m: int = LORA_TILE_M) -> int:
+    """Tiles enough for any mix of ``num_rows`` tokens over ``max_slots`` slots (each slot's
+    last tile may be partly empty; no tile is wholly empty)."""
+    return max(1, min(num_rows, -(-num_rows // tile_m) + max_slots))
+
+
+def lora_tile_table(
+    token_slots: list[int], num_rows: int, num_tiles: int, tile_m: int = LORA_TILE_M
+) -> list[int]:
+    """``lora_tiles`` padded to fixed sizes, as one list: ``rows`` (``num_rows``), then tile
+    starts, lengths and slots (``num_tiles`` each). Padding rows are 0 and padding tiles have
+    length 0 (the kernels skip them), so a captured CUDA graph serves any mix."""
+    rows, starts, lens, slots = lora_tiles(token_slots, tile_m)
+    if len(rows) > num_rows or len(starts) > num_tiles:
+        raise ValueError(f"{len(rows)} rows in {len(starts)} tiles exceed {num_rows}/{num_tiles}")
+    pad_t = [0] * (num_tiles - len(starts))
+    return rows + [0] * (num_rows - len(rows)) + starts + pad_t + lens + pad_t + slots + pad_t
+
+
 @dataclass(slots=True)
 class LoRAMetadata:
     """Which LoRA slot each token of a flattened batch uses, built once per step.
 
-    ``token_slots[t]`` is the slot of token ``t`` (-1: the base model alone). The reference
-    path walks ``groups`` (the rows of each slot present); the Triton path walks tiles of at
-    most ``tile_m`` tokens of one slot: ``rows[tile_start[i]:tile_start[i] + tile_len[i]]`` are
-    the token rows of tile ``i``, all of slot ``tile_slot[i]`` (a segmented product with a
-    gather, so a slot's tokens need not be contiguous). ``ranks[s]`` and ``scales[s]`` are the
-    rank and PEFT scale of the adapter in slot ``s``.
+    Two forms. The reference path walks ``groups`` (the rows of each slot present). The tile
+    form (what the Triton kernel walks) has tiles of at most ``LORA_TILE_M`` tokens of one slot:
+    ``rows[tile_start[i]:tile_start[i] + tile_len[i]]`` are the token rows of tile ``i``, all of
+    slot ``tile_slot[i]`` (a segmented product with a gather, so a slot's tokens need not be
+    contiguous); tiles of length 0 are padding (``lora_tile_table``: the fixed-size tables a
+    decode CUDA graph reads). ``ranks[s]`` and ``scales[s]`` are the rank and PEFT scale of the
+    adapter in slot ``s`` (``scales_t``: the same on the device).
     """
 
-    token_slots: list[int]
     ranks: list[int]
     scales: list[float]
-    groups: list[tuple[int, torch.Tensor]]
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     rows: torch.Tensor | None = None  # [T'] int32, tokens with an adapter, grouped by slot
     tile_start: torch.Tensor | None = None  # [tiles] int32
     tile_len: torch.Tensor | None = None
@@ -266,37 +311,44 @@ class LoRAMetadata:
     @classmethod
     def build(
         cls, token_slots: list[int], ranks: list[int], scales: list[float],
-        device: torch.device, tile_m: int = 16,
+        device: torch.device, tile_m: int = LORA_TILE_M,
     ) -> LoRAMetadata:  # fmt: skip
-        by_slot: dict[int, list[int]] = {}
-        for t, s in enumerate(token_slots):
-            if s >= 0:
-                by_slot.setdefault(s, []).append(t)
+        """The groups form off CUDA, the tile form (unpadded) on CUDA."""
+        rows, starts, lens, slots = lora_tiles(token_slots, tile_m)
         if device.type != "cuda":
-            groups = [(s, torch.tensor(r, device=device)) for s, r in sorted(by_slot.items())]
-            return cls(token_slots, ranks, scales, groups)
-        rows: list[int] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        slots: list[int] = []
-        for s, r in sorted(by_slot.items()):
-            for i in range(0, len(r), tile_m):
-                starts.append(len(rows) + i)
-                lens.append(min(tile_m, len(r) - i))
-                slots.append(s)
-            rows.extend(r)
+            return cls(ranks, scales, _groups(rows, starts, lens, slots, device))
 
         def i32(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.int32, device=device)
 
         return cls(
-            token_slots, ranks, scales, [], i32(rows), i32(starts), i32(lens), i32(slots),
+            ranks, scales, [], i32(rows), i32(starts), i32(lens), i32(slots),
             torch.tensor(scales, dtype=torch.float32, device=device),
         )  # fmt: skip
 
     @property
     def active(self) -> bool:
         return bool(self.groups) or (self.tile_slot is not None and self.tile_slot.numel() > 0)
+
+    def slot_groups(self) -> list[tuple[int, torch.Tensor]]:
+        """``groups``, or (tile form) the same groups read back from the tiles: the rows of a
+        slot's tiles in order, padding tiles skipped (host reads; for the reference path)."""
+        if self.groups or self.rows is None:
+            return self.groups
+        assert self.tile_start is not None and self.tile_len is not None
+        assert self.tile_slot is not None
+        starts, lens, slots = (t.tolist() for t in (self.tile_start, self.tile_len, self.tile_slot))
+        return _groups(self.rows.tolist(), starts, lens, slots, self.rows.device)
+
+
+def _groups(
+    rows: list[int], starts: list[int], lens: list[int], slots: list[int], device: torch.device
+) -> list[tuple[int, torch.Tensor]]:
+    by_slot: dict[int, list[int]] = {}
+    for start, n, s in zip(starts, lens, slots, strict=True):
+        if n > 0:
+            by_slot.setdefault(s, []).extend(rows[start : start + n])
+    return [(s, torch.tensor(r, device=device)) for s, r in sorted(by_slot.items())]
 
 
 def lora_add(
@@ -307,7 +359,7 @@ def lora_add(
     ``a``: [S, R, in] and ``b``: [S, out, R] hold every slot's matrices zero-padded to rank R;
     ``y`` ([T, out], may be a column slice of a fused projection) is updated in place. Computed
     as PEFT does (``lora_B(lora_A(x)) * scaling``) on the adapter's own rank."""
-    for s, rows in meta.groups:
+    for s, rows in meta.slot_groups():
         r = meta.ranks[s]
         delta = F.linear(F.linear(x[rows], a[s, :r]), b[s, :, :r].contiguous()) * meta.scales[s]
         y[rows] += delta

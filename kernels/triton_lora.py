@@ -4,14 +4,18 @@ Tokens of many adapters (and of none) share one step. ``LoRAMetadata`` groups th
 tokens by slot into tiles of at most ``BLOCK_M`` rows of one slot (a segmented product with a
 row gather, so a slot's tokens need not be contiguous). Two launches per projection:
 
-* shrink: one program per tile, ``tmp[tile rows] = x[rows] @ A[s].T`` over K in steps
-  (``[BLOCK_M, R]`` in float32, rounded to the weights' dtype for the second product);
-* expand: one program per (tile, BLOCK_N columns), ``y[rows, cols] += tmp @ B[s, cols].T *
-  scale[s]``.
+* shrink: one program per (tile, ``K_SPLIT`` slice of the input), ``part[split, tile rows] =
+  x[rows, slice] @ A[s, :, slice].T`` (``[BLOCK_M, R]`` in float32). Splitting K keeps a
+  decode batch's few tiles from running on a few SMs through all of K (the down projection's
+  K is 14,336 in the 8B shape);
+* expand: one program per (tile, BLOCK_N columns): the partial products summed in split order,
+  rounded to the weights' dtype, then ``y[rows, cols] += tmp @ B[s, cols].T * scale[s]``.
 
-Every token appears in one tile and every (tile, column block) is one program, so no two
-programs write the same element: deterministic, no atomics. Slots hold matrices padded to the
-buffer's rank R with zeros, so the padding adds exact zeros.
+Every token appears in one tile and every (tile, split) and (tile, column block) is one
+program, so no two programs write the same element and partial sums are added in a fixed
+order: deterministic, no atomics, the same result whatever else shares the batch. Tiles of
+length 0 are padding (the fixed-size tables a decode CUDA graph reads) and return at once.
+Slots hold matrices padded to the buffer's rank R with zeros, so the padding adds exact zeros.
 """
 
 from __future__ import annotations
@@ -21,64 +25,76 @@ import triton
 import triton.language as tl
 
 from kernels._triton import dot_precision, next_pow2
-from kernels.reference import LoRAMetadata
+from kernels.reference import LORA_TILE_M, LoRAMetadata
 
-BLOCK_M = 16  # tile rows; LoRAMetadata.build(tile_m=BLOCK_M)
+BLOCK_M = LORA_TILE_M  # tile rows
+BLOCK_K = 128
+K_SPLIT = 1024  # input columns per shrink program (a multiple of BLOCK_K)
+BLOCK_N = 128
 
 
 @triton.jit
 def _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M: tl.constexpr):
-    """This program's tile: its first position in the sorted rows, row mask, rows and slot."""
+    """This program's tile: its length (0: padding), first position in the sorted rows, slot,
+    row mask and token rows."""
     tile = tl.program_id(0)
+    n_rows = tl.load(len_ptr + tile)
     start = tl.load(start_ptr + tile)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < tl.load(len_ptr + tile)
-    rows = tl.load(rows_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return start, m_mask, rows, tl.load(slot_ptr + tile).to(tl.int64)
+    m_mask = tl.arange(0, BLOCK_M) < n_rows
+    rows = tl.load(rows_ptr + start + tl.arange(0, BLOCK_M), mask=m_mask, other=0).to(tl.int64)
+    return n_rows, start, tl.load(slot_ptr + tile).to(tl.int64), m_mask, rows
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, tmp_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, K, R,
-    stride_xm, stride_as, stride_ar, stride_tm,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    x_ptr, a_ptr, part_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, K, R,
+    stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    start, m_mask, rows, slot = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
+    n_rows, start, slot, m_mask, rows = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
+    if n_rows == 0:  # a padding tile
+        return
+    split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = split * K_SPLIT + tl.arange(0, BLOCK_K)
     r_mask = offs_r < R
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     a_ptrs = a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k_mask = (offs_k + k0) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(a), input_precision=PREC)
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-    t_ptrs = tmp_ptr + (start + offs_m)[:, None] * stride_tm + offs_r[None, :]
-    tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+    p_ptrs = part_ptr + split * stride_ps + (start + offs_m)[:, None] * stride_pm + offs_r[None, :]
+    tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(
-    tmp_ptr, b_ptr, y_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, scale_ptr, N, R,
-    stride_tm, stride_bs, stride_bn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    part_ptr, b_ptr, y_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, scale_ptr, N, R,
+    stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
-    start, m_mask, rows, slot = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
+    n_rows, start, slot, m_mask, rows = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
+    if n_rows == 0:  # a padding tile
+        return
     scale = tl.load(scale_ptr + slot)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = offs_r < R
     n_mask = offs_n < N
-    t = tl.load(
-        tmp_ptr + (start + offs_m)[:, None] * stride_tm + offs_r[None, :],
-        mask=m_mask[:, None] & r_mask[None, :], other=0.0,
-    )  # fmt: skip
+    t_mask = m_mask[:, None] & r_mask[None, :]
+    p_ptrs = part_ptr + (start + offs_m)[:, None] * stride_pm + offs_r[None, :]
+    t = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for s in tl.static_range(SPLITS):  # in split order: the same sum on every run
+        t += tl.load(p_ptrs + s * stride_ps, mask=t_mask, other=0.0)
     b = tl.load(
         b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
         mask=n_mask[:, None] & r_mask[None, :], other=0.0,
@@ -93,7 +109,9 @@ def _expand_kernel(
 def lora_add(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata
 ) -> None:
-    """Triton form of ``kernels.reference.lora_add`` (same arguments; ``meta`` built on CUDA)."""
+    """Triton form of ``kernels.reference.lora_add`` (same arguments; ``meta`` in the tile
+    form, on CUDA: built per step, or the fixed-size tables of a decode CUDA graph). Launches
+    depend on shapes only, never on the tables' contents, so they can be captured."""
     if meta.rows is None or meta.tile_slot is None or meta.tile_start is None:
         raise ValueError("LoRAMetadata was built for the reference path (not on CUDA)")
     if meta.tile_len is None or meta.scales_t is None:
@@ -111,15 +129,17 @@ def lora_add(
         raise ValueError("lora_add needs unit strides along the last dimension")
     prec = dot_precision(x.dtype)
     block_r = max(16, next_pow2(r))
-    tmp = torch.empty((meta.rows.numel(), block_r), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(tiles,)](
-        x, a, tmp, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, k, r,
-        x.stride(0), a.stride(0), a.stride(1), tmp.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=64, PREC=prec, num_warps=4,
+    splits = triton.cdiv(k, K_SPLIT)
+    part = torch.empty((splits, meta.rows.numel(), block_r), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(tiles, splits)](
+        x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, k, r,
+        x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, K_SPLIT=K_SPLIT, PREC=prec,
+        num_warps=4,
     )  # fmt: skip
-    block_n = 64
-    _expand_kernel[(tiles, triton.cdiv(n, block_n))](
-        tmp, b, y, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, meta.scales_t, n, r,
-        tmp.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=block_n, PREC=prec, num_warps=4,
+    _expand_kernel[(tiles, triton.cdiv(n, BLOCK_N))](
+        part, b, y, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, meta.scales_t,
+        n, r, part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, SPLITS=splits, PREC=prec,
+        num_warps=4,
     )  # fmt: skip

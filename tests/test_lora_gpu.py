@@ -1,8 +1,10 @@
-"""The Triton batched LoRA kernel against the PyTorch reference (CUDA only).
+"""The Triton batched LoRA kernel against the PyTorch reference, and decode CUDA graphs with
+adapters (CUDA only).
 
 Mixed batches: tokens of several slots interleaved with base tokens, ranks below the buffer's
 (zero padding), more tokens of one slot than a tile holds, output as a column slice of a fused
-projection, float32 and bfloat16.
+projection, float32 and bfloat16; the fixed-size tile tables of a decode graph give the same
+bits as the per-step tiles.
 """
 
 from __future__ import annotations
@@ -53,7 +55,18 @@ def test_lora_add_matches_reference(case, dtype):
     ref_y = want[:, 8 : 8 + n].float().cpu()
     reference.lora_add(ref_y, x.float().cpu(), a.float().cpu(), b.float().cpu(), cpu)
     meta = reference.LoRAMetadata.build(slots, ranks, scales, x.device)
+    fixed = fused.clone()
     lora_add(fused[:, 8 : 8 + n], x, a, b, meta)
+    # The graph form: tables padded to fixed sizes (empty tiles), the same bits.
+    rows, tiles = t + 5, reference.max_lora_tiles(t + 5, len(ranks))
+    table = reference.lora_tile_table(slots, rows, tiles)
+    tab = torch.tensor(table, dtype=torch.int32, device="cuda")
+    parts = [tab[rows + i * tiles : rows + (i + 1) * tiles] for i in range(3)]
+    padded = reference.LoRAMetadata(ranks, scales, [], tab[:rows], *parts, meta.scales_t)
+    x_pad = torch.cat([x, torch.zeros(5, x.shape[1], device="cuda", dtype=dtype)])
+    y_pad = torch.cat([fixed, torch.zeros(5, fixed.shape[1], device="cuda", dtype=dtype)])
+    lora_add(y_pad[:, 8 : 8 + n], x_pad, a, b, padded)
+    assert torch.equal(y_pad[:t], fused) and not y_pad[t:].any()
     got = fused[:, 8 : 8 + n].float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     err = (got - ref_y).norm() / ref_y.norm()
@@ -96,4 +109,66 @@ def test_engine_lora_on_cuda_matches_cpu(tmp_path):
     same = sum(x == y for x, y in zip(outs["cuda"], outs["cpu"], strict=True))
     assert same >= 0.8 * len(prompts)
     changed = sum(x != y for x, y in zip(outs["cuda"], outs["cuda-base"], strict=True))
+    assert changed >= 4  # the 8 adapter rows mostly differ from the base model's
+
+
+def test_mixed_adapter_batch_replays_a_graph(tmp_path):
+    """Decode steps of a batch of base rows and two adapters' rows replay the LoRA variant of
+    the captured graphs: its logits equal the same step's run uncaptured (base rows: the base
+    graph's; adapter rows differ from them); greedy tokens match the eager engine's on most
+    sequences (float32; padding to the captured size may split a near-tie of a random model,
+    as in tests/test_engine_gpu.py), and the adapters change the output."""
+    from bench.lora import write_adapter
+    from engine import LLM, SamplingParams
+    from engine.cuda_graphs import DecodeBatch, DecodeGraphs
+    from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
+
+    model = make_smol_shape_dir(tmp_path / "model", seed=0)
+    prompts = random_prompts(12, SMOL_CONFIG["vocab_size"], seed=3, hi=100)
+    mix = [None, "a", "b"] * 4
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(
+            model, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+            max_lora_rank=16, num_kv_blocks=512, max_model_len=1024, max_num_seqs=16,
+            enforce_eager=eager,
+        )  # fmt: skip
+        if not eager:
+            a, b = ["q_proj", "v_proj", "down_proj"], ["o_proj", "gate_proj", "up_proj"]
+            write_adapter(tmp_path / "a", llm.engine, 8, a, seed=1, std=0.1)
+            write_adapter(tmp_path / "b", llm.engine, 16, b, seed=2, std=0.1)
+        for name in ("a", "b"):
+            llm.engine.add_lora(name, str(tmp_path / name))
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, lora=mix)]
+        runner = llm.engine.runner
+        if not eager:
+            graphs = runner.graphs
+            assert graphs is not None and graphs.lora is runner.lora
+            assert graphs.lora_runs >= 6  # the decode steps after the last prefill
+            runs, lora_runs = graphs.runs, graphs.lora_runs
+            outs["base"] = [o.token_ids for o in llm.generate(prompts, params)]
+            assert graphs.runs - runs >= 6 and graphs.lora_runs == lora_runs
+            # One step of 5 rows: replayed (padded to 8) against the same step uncaptured.
+            n = 5
+            blocks = list(range(100, 100 + n))
+            batch = DecodeBatch(
+                token_ids=[p[0] for p in prompts[:n]], positions=[0] * n, slot_blocks=blocks,
+                slot_offsets=[0] * n, block_tables=[[blk] for blk in blocks], seq_lens=[1] * n,
+            )  # fmt: skip
+            slots = runner.lora.token_slots(["a", "", "b", "b", ""], ["a", "b"])
+            replayed = graphs.run(batch, slots).clone()
+            plain = DecodeGraphs(
+                runner.model, runner.kv_cache, graphs.sizes, graphs._tables.shape[1],
+                graphs.block_size, runner.lora, capture=False,
+            )  # fmt: skip
+            torch.testing.assert_close(replayed, plain.run(batch, slots), rtol=1e-4, atol=1e-4)
+            base_graph = graphs.run(batch).clone()  # the base variant: no deltas
+            torch.testing.assert_close(replayed[[1, 4]], base_graph[[1, 4]], rtol=1e-4, atol=1e-4)
+            assert (replayed[[0, 2, 3]] - base_graph[[0, 2, 3]]).abs().amax(dim=1).min() > 1e-2
+        del llm, runner
+        torch.cuda.empty_cache()
+    same = sum(x == y for x, y in zip(outs[False], outs[True], strict=True))
+    assert same >= 0.8 * len(prompts)
+    changed = sum(x != y for x, y in zip(outs[False], outs["base"], strict=True))
     assert changed >= 4  # the 8 adapter rows mostly differ from the base model's
