@@ -113,6 +113,8 @@ def replay_times(engine: LLMEngine, names: list[str], rows: int, context: int) -
         return {}
     bs = runner.config.block_size
     per_seq = context // bs + 1
+    if rows * per_seq > runner.num_blocks:
+        return {}
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(rows)]
     batch = DecodeBatch()
     for table in tables:

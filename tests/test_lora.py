@@ -188,8 +188,8 @@ def test_decode_graph_inputs_match_peft(smol_dir, adapters, peft_reference, max_
     for text, name, out in zip(PROMPTS, MIX, outs, strict=True):
         assert out.token_ids == peft_reference[(text, name)], (text, name)
     assert graphs.lora_runs >= MAX_NEW - 2  # the decode steps (6 rows)
-    base = llm.generate(ids[:3], params)
-    assert [o.token_ids for o in base] == [peft_reference[(t, None)] for t in PROMPTS[:3]]
+    base = llm.generate(ids[:1], params)[0]
+    assert base.token_ids == peft_reference[(PROMPTS[0], None)]
     assert graphs.runs - graphs.lora_runs >= MAX_NEW - 2
     llm.engine.check_integrity()
 
