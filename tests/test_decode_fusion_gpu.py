@@ -59,7 +59,8 @@ def test_norm_linear_matches_norm_then_linear(rows, shape, with_residual, monkey
         got, got_res = kernels.norm_linear(x, r, norm, 1e-5, w, bias)
         assert torch.equal(got_res, pair_res)
         if fuse and rows <= kernels.GEMV_MAX_ROWS:
-            assert torch.equal(got, out)
+            # the fused kernel kernels.SKINNY_KERNEL names (not bit for bit the one above)
+            assert rel_err(got, reference.linear(h.float(), w.float(), bias.float())) < TOL
         else:
             assert torch.equal(got, kernels.linear(h, w, bias))
 

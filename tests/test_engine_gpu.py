@@ -146,7 +146,7 @@ def test_a_prefill_on_cuda_hands_off_the_sums_taken_at_sealing(smol_shape_dir):
     eng = LLMEngine(
         EngineConfig(
             model_dir=str(smol_shape_dir), max_num_batched_tokens=64, num_kv_blocks=64,
-            seal_checksums=True, enforce_eager=True,
+            max_model_len=512, seal_checksums=True, enforce_eager=True,
         )
     )  # fmt: skip
     assert eng.runner.checksum_algorithm == "wsum64"
