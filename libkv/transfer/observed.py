@@ -73,6 +73,11 @@ class ObservedTransport:
             self.metrics.done(path, n, n * source.block_bytes, time.perf_counter() - t0)
         return path
 
+    async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
+        """``inner.verify`` where it has one (`PathTransport`), else None."""
+        verify = getattr(self.inner, "verify", None)
+        return None if verify is None else await verify(request_id, expected)
+
     async def release(self, request_id: str, source: KVSource) -> None:
         await self.inner.release(request_id, source)
 
