@@ -207,6 +207,21 @@ class CudaIpcTransport:
         self.fault = fault  # test only, with sums: "corrupt" flips a bit of each first block
         self._sums: dict[str, torch.Tensor] = {}  # request id -> its last fetch's sums
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
+        if sums and self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the fused copy now, not in the first hand-off's path (a scratch block of the
+        pool's size: the same kernel variant). If it cannot run here the decode worker sums
+        the arrived blocks itself, as over the network."""
+        try:
+            scratch = torch.zeros(1, self.block_bytes, dtype=torch.uint8, device=self.device)
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            kernels.copy_sum_blocks_between(scratch, scratch, zero, zero)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # a kernel that does not compile or run here: any kind
+            log.warning("the fused CUDA IPC copy-and-sum cannot run (%s): checked apart", e)
+            self.sums = False
 
     def can_reach(self, extra: dict[str, str]) -> bool:
         return (
