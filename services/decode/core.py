@@ -15,7 +15,7 @@ from engine.handoff import FirstToken, HeldKV
 from engine.kv_checksum import WSUM64, legacy_algorithm
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
-from libkv.transfer import KVTransferError, KVTransport
+from libkv.transfer import CopySums, KVTransferError, KVTransport
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
@@ -277,10 +277,11 @@ class DecodeCore:
         eng = self.engine.engine
         expected = job.kv.block_checksums[skip:]
         algorithm = job.kv.checksum_algorithm or legacy_algorithm(eng.runner.device)
-        verify = getattr(self.transport, "verify", None)
-        if verify is not None:
+        if isinstance(self.transport, CopySums):
             # Always asked (it drops the fetch's sums); used when they are the sender's kind.
-            fused = await verify(job.request_id, expected if algorithm == WSUM64 else ())
+            fused = await self.transport.verify(
+                job.request_id, expected if algorithm == WSUM64 else ()
+            )
             if fused is not None:
                 self.fused_checks += 1
                 return fused
