@@ -6,9 +6,11 @@ test-only ``--kv-fault corrupt``)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import urllib.request
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -101,6 +103,124 @@ def test_triton_wsum64_equals_the_torch_reference_interpreted(words, offset) -> 
     idx = torch.tensor([4, 0, 2, 0], dtype=torch.int32)
     want = reference.block_wsum64(pool, idx.long(), offset)
     assert torch.equal(block_wsum64(pool, idx, offset), want)
+
+
+class _FusedTransport:
+    """A transport whose copy took the sums (as `CudaIpcTransport` with ``sums``): ``verify``
+    answers with ``bad`` mismatches, None where the fetch took none."""
+
+    name = "cuda-ipc"
+
+    def __init__(self, bad: int | None) -> None:
+        self.bad = bad
+        self.asked: list[tuple[str, tuple]] = []
+
+    async def verify(self, request_id, expected):
+        self.asked.append((request_id, tuple(expected)))
+        return self.bad if expected else None
+
+
+class _Engine:
+    """Only what `DecodeCore._check` reaches; summing or writing blocks records the call."""
+
+    def __init__(self) -> None:
+        def block_checksums(ids, algorithm):
+            return [7] * len(ids)
+
+        def write_blocks(ids, data):
+            return None
+
+        self.calls: list[str] = []
+        runner = SimpleNamespace(device=torch.device("cpu"), layout=SimpleNamespace(block_bytes=8))
+        self.engine = SimpleNamespace(
+            runner=runner, block_checksums=block_checksums, write_blocks=write_blocks
+        )
+
+    async def run(self, fn, *args):
+        self.calls.append(fn.__name__)
+        return fn(*args)
+
+
+def _job(algorithm: str, sums: tuple[int, ...]) -> SimpleNamespace:
+    kv = SimpleNamespace(block_checksums=sums, checksum_algorithm=algorithm, worker_id="p0")
+    return SimpleNamespace(request_id="r1", kv=kv)
+
+
+@pytest.mark.parametrize("bad", [0, 2])
+def test_the_decode_check_uses_the_sums_the_copy_took(bad) -> None:
+    """Through the observed and path transports to the CUDA IPC one: the count comes from the
+    device compare of the copy's sums, no arrived block is read or written again (the fault
+    hook then damages in transit, in the transport, not after arrival)."""
+    from libkv.transfer.observed import ObservedTransport
+    from libkv.transfer.path import PathTransport
+    from services.decode.core import DecodeCore
+
+    local = _FusedTransport(bad)
+    network = SimpleNamespace(name="grpc")
+    transport = ObservedTransport(PathTransport(None, {}, network, local), None)  # type: ignore[arg-type]
+    engine = _Engine()
+    core = DecodeCore(engine, transport, "d0", "i", fault="corrupt")  # type: ignore[arg-type]
+    got = asyncio.run(core._check(_job("wsum64", (1, 2, 3, 4)), [5, 6, 7], 1))
+    assert got == bad and core.fused_checks == 1
+    assert local.asked == [("r1", (2, 3, 4))]
+    assert engine.calls == []  # no block read again, none damaged after arrival
+
+
+def test_the_decode_check_reads_the_blocks_where_the_copy_took_no_sums() -> None:
+    """Another function than wsum64 (or a fetch that went another way): the transport drops
+    its sums and the arrived blocks are damaged by the fault hook, then summed and compared."""
+    from services.decode.core import DecodeCore
+
+    local = _FusedTransport(0)
+    engine = _Engine()
+    core = DecodeCore(engine, local, "d0", "i", fault="corrupt")  # type: ignore[arg-type]
+    got = asyncio.run(core._check(_job("xxh3-64-heads", (7, 9)), [5, 6], 0))
+    assert got == 1 and core.fused_checks == 0
+    assert local.asked == [("r1", ())]
+    assert engine.calls == ["write_blocks", "block_checksums"]  # the fault, then the check
+
+
+@pytest.mark.parametrize("fault", ["", "corrupt"])
+def test_the_cuda_ipc_copy_sums_what_it_wrote_and_its_fault_is_in_transit(fault) -> None:
+    """`CudaIpcTransport`'s fused copy (the torch reference on CPU, the same dispatch as on a
+    GPU): the sums are ``wsum64`` of the blocks as written; with the fault hook one bit of the
+    first block differs in what was written *and* in its sum, so the sender's sum mismatches
+    exactly there, and the sender's pool is untouched."""
+    from kernels import reference
+    from libkv.transfer.cuda_ipc import CudaIpcTransport
+
+    bs, n = 256, 8
+    peer = torch.randint(0, 256, (n, bs), dtype=torch.uint8)
+    before = peer.clone()
+    mine = torch.zeros(n, bs, dtype=torch.uint8)
+    t = CudaIpcTransport(mine, bs, None, sums=True, fault=fault)  # type: ignore[arg-type]
+    src, dst = [5, 1, 6], [0, 7, 3]
+    sums = t._copy_sum(peer, src, dst)
+
+    def wsum(pool, ids):
+        return reference.block_wsum64(pool.view(torch.int64), torch.tensor(ids))
+
+    assert torch.equal(sums, wsum(mine, dst))  # the sums of what landed
+    sender = wsum(peer, src)
+    assert (sums != sender).tolist() == [fault == "corrupt", False, False]
+    assert torch.equal(peer, before)
+    assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="the Triton interpreter (TRITON_INTERPRET=1 with triton installed)",
+)
+def test_triton_fused_copy_and_sum_equals_copy_then_sum_interpreted() -> None:
+    from kernels import reference
+    from kernels.triton_copy import copy_sum_blocks_between
+
+    peer = torch.randint(-(2**63), 2**63 - 1, (6, 1000), dtype=torch.int64).view(torch.uint8)
+    mine = torch.zeros_like(peer)
+    si, di = torch.tensor([4, 0, 2]), torch.tensor([1, 5, 3])
+    sums = copy_sum_blocks_between(mine, peer, si, di)
+    assert torch.equal(mine[di], peer[si])
+    assert torch.equal(sums, reference.block_wsum64(peer.view(torch.int64), si))
 
 
 @pytest.fixture(scope="module")

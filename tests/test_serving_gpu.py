@@ -157,6 +157,35 @@ def test_decode_metrics_show_gpu_direct_handoff(disagg):
     assert sample(m, "tandem_kv_handoff_recomputed_total") == 0
     assert sample(m, "tandem_kv_transfers_total", transport="grpc") == 0
     assert sample(m, "tandem_kv_gpu_direct", path="cuda-ipc") == 1
+    # Checked by the sums the CUDA IPC copy took (no second read of the blocks), all clean.
+    assert sample(m, "tandem_kv_transfer_fused_checks_total") > 0
+    assert sample(m, "tandem_kv_transfer_corrupt_blocks_total") == 0
+
+
+def test_a_block_corrupted_on_the_cuda_ipc_path_is_caught_and_recomputed(smol, tmp_path):
+    """``--kv-fault corrupt`` over CUDA IPC flips one bit of each hand-off's first block in
+    transit (what the fused copy reads); the decode worker's device-side compare catches it,
+    recomputes the prompt and serves the in-process engine's greedy text (which every path
+    matches, `test_greedy_identical_disaggregated_colocated_and_in_process`)."""
+    p = prompt(5, 150)
+    llm = LLM(smol, load_format="dummy", gpu_memory_utilization=0.1, **ENGINE)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    clean = [llm.generate(p, params)[0].text]
+    del llm
+    torch.cuda.empty_cache()
+    with Stack(config(smol, tmp_path, gpu_memory_utilization=0.2,
+                      worker_args=("--kv-fault", "corrupt"))) as stack:  # fmt: skip
+        got = _via_stack(stack, [p], 12)
+        m = metrics(stack, "decode-0")
+        log = stack.children["decode-0"].log_path.read_text()
+    assert got == clean
+    moved = sample(m, "tandem_kv_transfers_total", transport="cuda-ipc")
+    assert moved >= 1
+    assert sample(m, "tandem_kv_transfer_fused_checks_total") == moved
+    # Exactly the damaged block of each hand-off: the others match the sender's sums.
+    assert sample(m, "tandem_kv_transfer_corrupt_blocks_total") == moved
+    assert sample(m, "tandem_kv_handoff_recomputed_total") >= 1
+    assert "arrived corrupt; recomputing it here" in log
 
 
 def test_worker_refuses_a_share_too_small_with_the_numbers(tmp_path_factory):

@@ -31,7 +31,7 @@ import base64
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class KVTransferError(RuntimeError):
@@ -234,6 +234,19 @@ class KVTransport(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class CopySums(Protocol):
+    """A `KVTransport` whose copy may take each moved block's checksum as it writes it (CUDA
+    IPC with the fused copy-and-sum), so that what arrived is checked without reading it
+    again (`libkv.transfer.cuda_ipc.CudaIpcTransport.verify`)."""
+
+    async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
+        """How many blocks of ``request_id``'s last fetch differ from ``expected`` (the
+        sender's ``wsum64``, in the fetch's order); None when the fetch took no sums or
+        ``expected`` is empty (the caller then checks the arrived blocks). Drops the sums."""
+        ...
 
 
 @dataclass(slots=True)

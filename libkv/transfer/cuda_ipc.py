@@ -15,6 +15,19 @@ handle leaves the worker; the decode worker waits for its copies before the requ
 batch. The pool allocation outlives every transfer: a worker's pool lives as long as the
 process, and an opened mapping keeps the memory alive until it is closed, so a dead peer's
 mapping only ever yields blocks that a lease check refuses (`StalePeerError`).
+
+Checked KV (``sums=True``, a decode worker with ``--kv-checksums`` whose pool holds whole
+canonical blocks): every fetch runs the fused copy-and-sum kernel
+(``kernels.copy_sum_blocks_between``), which takes each moved block's ``wsum64`` from the words
+as the copy writes them, so checking what arrived costs no second read of the blocks. The sums
+stay on the device; `verify` compares them there with the sender's (one small upload of the
+expected sums, one count back), and the caller recomputes on a mismatch.
+
+The test-only fault hook (``fault="corrupt"``, ``--kv-fault corrupt``) damages data in transit
+on this path: the first block is read not from the peer's pool but from a scratch copy of it
+with one bit flipped (a bad read or a flipped bit between the sender's memory and this copy),
+and the copy writes and sums the damaged words. The sender's pool is never touched, and the
+check sees exactly what landed in the destination block.
 """
 
 from __future__ import annotations
@@ -46,6 +59,8 @@ from libkv.transfer import (
 
 log = logging.getLogger(__name__)
 MEMCPY_RUNS = 4  # up to this many contiguous runs: cudaMemcpy each; more: one copy kernel
+MASK = (1 << 64) - 1
+MAX_KEPT_SUMS = 4096  # fetches whose sums wait for `verify` (a fetch never checked ages out)
 
 
 def host_id() -> str:
@@ -166,7 +181,18 @@ class CudaIpcTransport:
 
     name = "cuda-ipc"
 
-    def __init__(self, pool: torch.Tensor, block_bytes: int, records: PeerRecords) -> None:
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        block_bytes: int,
+        records: PeerRecords,
+        sums: bool = False,
+        fault: str = "",
+    ) -> None:
+        if fault not in ("", "corrupt"):
+            raise ValueError(f"unknown KV fault {fault!r}")
+        if sums and block_bytes % 8:
+            raise ValueError(f"{block_bytes}-byte blocks are not whole 64-bit words")
         self.device = pool.device
         self.pool = pool.view(torch.uint8).view(pool.shape[0], block_bytes)
         self.block_bytes = block_bytes
@@ -177,6 +203,25 @@ class CudaIpcTransport:
         self._stream: Any = None
         self._peers: dict[str, torch.Tensor] = {}  # agent name (worker@incarnation) -> pool
         self._current: dict[str, str] = {}  # worker id -> agent name of its mapped pool
+        self.sums = sums  # fused copy-and-sum; `verify` checks on the device
+        self.fault = fault  # test only, with sums: "corrupt" flips a bit of each first block
+        self._sums: dict[str, torch.Tensor] = {}  # request id -> its last fetch's sums
+        self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
+        if sums and self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the fused copy now, not in the first hand-off's path (a scratch block of the
+        pool's size: the same kernel variant). If it cannot run here the decode worker sums
+        the arrived blocks itself, as over the network."""
+        try:
+            scratch = torch.zeros(1, self.block_bytes, dtype=torch.uint8, device=self.device)
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            kernels.copy_sum_blocks_between(scratch, scratch, zero, zero)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # a kernel that does not compile or run here: any kind
+            log.warning("the fused CUDA IPC copy-and-sum cannot run (%s): checked apart", e)
+            self.sums = False
 
     def can_reach(self, extra: dict[str, str]) -> bool:
         return (
@@ -208,30 +253,40 @@ class CudaIpcTransport:
                 f"{self.block_bytes}, the handle says {source.block_bytes}"
             )
         name = agent_name(source.worker_id, source.incarnation)
+        self._sums.pop(request_id, None)
         try:
-            done = self._launch(name, info, src_blocks, dst_blocks)
+            done, sums = self._launch(name, info, src_blocks, dst_blocks)
             await self._wait(done, timeout)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.stats.failures += 1
             raise KVTransferError(f"CUDA IPC copy from {source.worker_id} failed: {e}") from e
+        if sums is not None:
+            self.fused_fetches += 1
+            self._sums[request_id] = sums
+            while len(self._sums) > MAX_KEPT_SUMS:
+                self._sums.pop(next(iter(self._sums)))
         n = len(src_blocks)
         self.stats.add(n, n * self.block_bytes, time.monotonic() - t0)
         return self.name
 
     def _launch(
         self, name: str, info: IpcPool, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> torch.cuda.Event:
+    ) -> tuple[torch.cuda.Event, torch.Tensor | None]:
         """Map the peer's pool if new, queue the copy on this transport's stream (it overlaps
         the engine's steps: the destination blocks are reserved, no step touches them), and
-        return an event that completes with it. Launched from the event loop's thread: a few
-        tens of microseconds, less than a hop to another thread."""
+        return an event that completes with it, and with ``sums`` each moved block's
+        ``wsum64`` (on the device, complete with the event). Launched from the event loop's
+        thread: a few tens of microseconds, less than a hop to another thread."""
         torch.cuda.set_device(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         src = self._mapped(name, info)
+        sums = None
         with torch.cuda.stream(self._stream):
-            runs = block_runs(src_blocks, dst_blocks)
-            if len(runs) <= MEMCPY_RUNS:  # a few long runs: one DMA copy each
+            runs = [] if self.sums else block_runs(src_blocks, dst_blocks)
+            if self.sums:  # one kernel that copies and sums (the check reads nothing again)
+                sums = self._copy_sum(src, src_blocks, dst_blocks)
+            elif len(runs) <= MEMCPY_RUNS:  # a few long runs: one DMA copy each
                 for s, d, n in runs:
                     self.pool[d : d + n].copy_(src[s : s + n], non_blocking=True)
             else:  # scattered blocks: one gather/scatter kernel
@@ -240,7 +295,45 @@ class CudaIpcTransport:
                 kernels.copy_blocks_between(self.pool, src, idx[0], idx[1])
             done = torch.cuda.Event()
             done.record(self._stream)
-        return done
+        return done, sums
+
+    def _copy_sum(
+        self, src: torch.Tensor, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+    ) -> torch.Tensor:
+        """The fused copy-and-sum of every block (on the current stream); with the fault hook
+        the first block is read from a scratch copy with one bit flipped (see the module)."""
+        dev = self.device
+        idx = torch.tensor([list(src_blocks), list(dst_blocks)], dtype=torch.int64).to(dev)
+        si, di = idx[0], idx[1]
+        if self.fault != "corrupt":
+            return kernels.copy_sum_blocks_between(self.pool, src, si, di)
+        bad = src[src_blocks[0] : src_blocks[0] + 1].clone()  # the peer's pool stays intact
+        bad[0, bad.shape[1] // 2] ^= 1  # one flipped bit in the middle of the block
+        head = kernels.copy_sum_blocks_between(self.pool, bad, si[:1] * 0, di[:1])
+        rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
+        return torch.cat([head, rest])
+
+    async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
+        """How many blocks of ``request_id``'s last fetch differ from ``expected`` (the
+        sender's ``wsum64`` of each, unsigned, in the fetch's order), compared on the device:
+        the expected sums go up once, one count comes back. None when that fetch took no sums
+        (not fused, or already verified) or ``expected`` is empty (the sender sent no
+        ``wsum64``): the caller checks the arrived blocks itself. Always drops the sums."""
+        sums = self._sums.pop(request_id, None)
+        if sums is None or not expected:
+            return None
+        if len(expected) != sums.numel():
+            raise ValueError(f"{len(expected)} expected sums for {sums.numel()} moved blocks")
+        want = [s - (1 << 64) if s >> 63 else s for s in (int(e) & MASK for e in expected)]
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            host = torch.tensor(want, dtype=torch.int64).pin_memory()
+            bad = (sums != host.to(self.device, non_blocking=True)).sum()
+            count = torch.empty((), dtype=torch.int64).pin_memory()
+            count.copy_(bad, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        await self._wait(done, 10.0)
+        return int(count)
 
     @staticmethod
     async def _wait(done: torch.cuda.Event, timeout: float) -> None:

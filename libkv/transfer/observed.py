@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from libkv.transfer import KVSource, KVTransferError, KVTransport
+from libkv.transfer import CopySums, KVSource, KVTransferError, KVTransport
 
 SpanFactory = Callable[[str, dict[str, Any]], AbstractContextManager[Any]]
 
@@ -72,6 +72,12 @@ class ObservedTransport:
             n = len(src_blocks)
             self.metrics.done(path, n, n * source.block_bytes, time.perf_counter() - t0)
         return path
+
+    async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
+        """``inner.verify`` where it has one (`PathTransport`), else None."""
+        if isinstance(self.inner, CopySums):
+            return await self.inner.verify(request_id, expected)
+        return None
 
     async def release(self, request_id: str, source: KVSource) -> None:
         await self.inner.release(request_id, source)

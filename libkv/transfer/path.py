@@ -113,6 +113,13 @@ class PathTransport:
                 total.failures += st.failures
         return total
 
+    async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
+        """`CudaIpcTransport.verify` of the sums its fused copy took; None when the fetch went
+        another way (the caller checks the arrived blocks)."""
+        if self.local is None:
+            return None
+        return await self.local.verify(request_id, expected)
+
     async def release(self, request_id: str, source: KVSource) -> None:
         if self.sharded is not None and request_id in self.sharded.released:
             self.sharded.released.discard(request_id)  # freed on the READs' notification

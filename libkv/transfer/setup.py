@@ -166,10 +166,13 @@ async def decode_side(
     cuda_ipc: bool = True,
     layout: KVLayout | None = None,
     ranks: RankAgents | None = None,
+    checksums: bool = False,
+    fault: str = "",
 ) -> KVSide:
     """The decode worker's transport: CUDA IPC for peers whose GPU pool it can map, else NIXL
     (or the gRPC stream between host-memory pools, over channels made by ``channel``), per
-    `libkv.transfer.handoff_path`."""
+    `libkv.transfer.handoff_path`. With ``checksums`` and whole canonical blocks (no ranks)
+    the CUDA IPC copy sums what it moves (`CudaIpcTransport`, its ``fault`` hook too)."""
     grpc = GrpcStreamTransport(pool, channel)
     endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd, ranks)
     side = KVSide(whole_blocks=ranks is None)
@@ -199,7 +202,10 @@ async def decode_side(
             sharded = ShardedReader(endpoint, layout, ranks)
     local = None
     if pool.on_gpu and cuda_ipc:
-        local = CudaIpcTransport(pool.cache, pool.block_bytes, peers)
+        fused = checksums and ranks is None  # TP=1: the pool holds whole canonical blocks
+        local = CudaIpcTransport(
+            pool.cache, pool.block_bytes, peers, sums=fused, fault=fault if fused else ""
+        )
         log.info("KV transport: CUDA IPC for peers whose GPU this worker can map")
     side.transport = PathTransport(peers, side.extra, network, local, sharded)
     side.closers = [*side.closers, watcher.stop, side.transport.close]

@@ -26,6 +26,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
     kv = await decode_side(
         c.kv_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
         c.handoff_cuda_ipc, layout=w.engine.engine.runner.layout, ranks=w.rank_agents(),
+        checksums=c.kv_checksums, fault=c.kv_fault,
     )  # fmt: skip
     assert kv.transport is not None
     transport = ObservedTransport(

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from engine.async_engine import AsyncEngine
 from engine.errors import KVCapacityError
 from engine.handoff import FirstToken, HeldKV
-from engine.kv_checksum import legacy_algorithm
+from engine.kv_checksum import WSUM64, legacy_algorithm
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
-from libkv.transfer import KVTransferError, KVTransport
+from libkv.transfer import CopySums, KVTransferError, KVTransport
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
@@ -96,6 +96,7 @@ class DecodeCore:
         self.transfer_failures = 0
         self.corrupt_blocks = 0  # arrived blocks whose checksum did not match the sender's
         self.fault = fault  # test only: "corrupt" damages each transfer's first block
+        self.fused_checks = 0  # transfers checked by the sums their copy took (CUDA IPC)
         self.handover = Handover(engine, worker_id, incarnation, checksums)
         self.recomputed = 0
         self.resumed = 0  # migrated requests continued here
@@ -267,16 +268,28 @@ class DecodeCore:
 
     async def _check(self, job: DecodeJob, dst: list[int], skip: int) -> int:
         """How many of the blocks that arrived differ from the sender's checksums (0 when the
-        handle carries none). The test fault hook damages the first one before the check."""
+        handle carries none). Where the transport's copy summed the blocks as it moved them
+        (CUDA IPC with ``wsum64``: `CudaIpcTransport.verify`) those sums are compared on the
+        device, with no second read of the blocks; else the arrived blocks are summed here.
+        The test fault hook then damages the first one before the check (on the fused path
+        the transport damages it in transit instead)."""
         assert job.kv is not None
         eng = self.engine.engine
+        expected = job.kv.block_checksums[skip:]
+        algorithm = job.kv.checksum_algorithm or legacy_algorithm(eng.runner.device)
+        if isinstance(self.transport, CopySums):
+            # Always asked (it drops the fetch's sums); used when they are the sender's kind.
+            fused = await self.transport.verify(
+                job.request_id, expected if algorithm == WSUM64 else ()
+            )
+            if fused is not None:
+                self.fused_checks += 1
+                return fused
         if self.fault == "corrupt" and dst:
             damaged = b"\xa5" * eng.runner.layout.block_bytes  # a canonical block: every head
             await self.engine.run(eng.write_blocks, dst[:1], [damaged])
-        expected = job.kv.block_checksums[skip:]
         if not expected or not dst:
             return 0
-        algorithm = job.kv.checksum_algorithm or legacy_algorithm(eng.runner.device)
         try:
             got = await self.engine.run(eng.block_checksums, dst, algorithm)
         except ValueError as e:  # a function this worker does not compute: unchecked

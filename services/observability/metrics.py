@@ -269,3 +269,9 @@ class HandoffCollector(Collector):
             "recomputed; corrupt KV is never served).",
             value=self.core.corrupt_blocks,
         )
+        yield CounterMetricFamily(
+            "tandem_kv_transfer_fused_checks",
+            "KV transfers checked by the sums their copy took as it moved the blocks (CUDA IPC "
+            "with wsum64: compared on the GPU, no second read of the blocks).",
+            value=getattr(self.core, "fused_checks", 0),
+        )

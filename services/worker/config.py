@@ -107,7 +107,8 @@ class WorkerConfig:
     )
     kv_fault: str = option(
         "",
-        "test only: decode corrupts the first block of every KV transfer after it arrived",
+        "test only: decode corrupts the first block of every KV transfer (after it arrived; "
+        "over CUDA IPC with checksums, in transit: one bit flipped in what the copy reads)",
         choices=("", "corrupt"),
     )
     cuda_ipc: bool = option(
