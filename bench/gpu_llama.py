@@ -93,14 +93,16 @@ class LlamaBench:
         """One decode step of ``b`` sequences that hold ``ctx`` tokens each (graph replay)."""
         tables = self.tables(b, ctx + 1)
         batch = DecodeBatch(
-            token_ids=torch.randint(0, self.c.vocab_size, (b,)).tolist(),
+            token_ids=torch.randint(
+                0, self.c.vocab_size, (b,), generator=torch.Generator().manual_seed(b)
+            ).tolist(),
             positions=[ctx] * b,
             slot_blocks=[t[ctx // BLOCK] for t in tables],
             slot_offsets=[ctx % BLOCK] * b,
             block_tables=tables,
             seq_lens=[ctx + 1] * b,
         )
-        ms, host_ms = self._time_graph(batch)
+        ms, host_ms, self.last_logits = self._time_graph(batch)
         kv_token = kv_bytes_per_token(self.c, self.kv.element_size())
         nbytes = weight_bytes_per_step(self.w) + b * (ctx + 1) * kv_token
         roof_ms = nbytes / ceil.copy_bytes_per_s * 1e3
@@ -114,25 +116,25 @@ class LlamaBench:
             "frac_roofline": roof_ms / ms,
         }
 
-    def _time_graph(self, batch: DecodeBatch) -> tuple[float, float]:
-        """Median replay time (events), and median wall time of the engine's whole path:
-        inputs up, replay, argmax, tokens down."""
+    def _time_graph(self, batch: DecodeBatch) -> tuple[float, float, torch.Tensor]:
+        """Median replay time (events), median wall time of the engine's whole path (inputs
+        up, replay, argmax, tokens down), and the step's logits (on the host)."""
         b = len(batch.token_ids)
         if self.device != "cuda":
             ids, pos, meta = self._decode_inputs(b, batch.seq_lens[0] - 1)
             ms = time_ms(lambda: self.model.logits(self.model.forward(ids, pos, self.kv, meta)),
                          warmup=1, iters=3)  # fmt: skip
-            return ms, ms
+            return ms, ms, self.model.logits(self.model.forward(ids, pos, self.kv, meta)).cpu()
         graphs = DecodeGraphs(self.model, self.kv, [b], -(-self.max_len // BLOCK), BLOCK)
         graphs.capture()
-        graphs.run(batch)
+        logits = graphs.run(batch).float().cpu()
         ms = time_ms(lambda: graphs.replay(b), warmup=3, iters=30)
         host = []
         for _ in range(10):
             t0 = time.perf_counter()
             graphs.run(batch).argmax(-1).tolist()
             host.append((time.perf_counter() - t0) * 1e3)
-        return ms, statistics.median(host)
+        return ms, statistics.median(host), logits
 
     def _prefill_inputs(self, t: int):
         table = self.tables(1, t)[0]

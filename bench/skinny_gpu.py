@@ -13,9 +13,11 @@ same run:
    ``down``) against the unfused pair, for the new kernel and the first one;
 3. ``steps``: decode steps of the 8B shape (random weights, CUDA-graph replay, ctx 1k) at
    batch 1 and 8, against the roofline (bytes read / copy bandwidth): the first kernel
-   unfused, the new one unfused and fused, then the layers in FP8 (new kernel, unfused and
-   fused): the FP8 step against the bf16 one (target <= 0.6x at batch 1; decode >= 90% of the
-   roofline).
+   unfused, the new one unfused and fused, each also with programmatic dependent launch
+   (``_pdl`` modes, Hopper: ``same_as_no_pdl`` says the logits equal those with it off), then
+   the layers in FP8 (new kernel, the same modes): the FP8 step against the bf16 one (target
+   <= 0.6x at batch 1; decode >= 90% of the roofline); the skinny plan each product took and
+   where the plans came from.
 
     SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.skinny_gpu --out $OUT
     python -m bench.skinny_gpu --dry-run --out /tmp/dry   # off the GPU: tiny shapes, CPU
@@ -56,6 +58,8 @@ PROD_COLS = ["weight", "dtype", "rows", "old_us", "old_frac", "cublas_frac", "de
 FUSE_COLS = ["weight", "dtype", "rows", "kernel", "unfused_us", "fused_us", "fused_vs_unfused"]
 STEP_COLS = ["weights", "mode", "batch", "step_ms", "roofline_ms", "frac_roofline",
              "step_with_host_ms"]  # fmt: skip
+# ``_pdl`` modes: programmatic dependent launch (``kernels.PDL``), ``same_as_no_pdl``: the
+# step's logits equal those with it off bit for bit.
 
 
 class Run:
@@ -72,6 +76,7 @@ class Run:
                           "torch": torch.__version__, "shape": self.shape, "errors": {},
                           "seconds": {}}  # fmt: skip
         self.ceil: Ceilings | None = None
+        self.plans_source = ""
         stem = "skinny_gpu_" + self.name.lower().replace("nvidia ", "").replace(" ", "_")
         self.stem = args.out / stem.replace("(", "").replace(")", "")
 
@@ -142,6 +147,9 @@ def products(run: Run) -> dict:
     from kernels import triton_gemv, triton_skinny
 
     ceil = run.ceilings()
+    # kernels/skinny_plans.json first (under --plans), so that what this section does not
+    # measure keeps the file's plans and "default" below is the heuristic
+    triton_skinny.load_plans()
     rows_out, fused_out = [], []
     for name, (n, k) in shapes(run.config).items():
         for fp8 in (False, True):
@@ -154,7 +162,7 @@ def products(run: Run) -> dict:
             def frac(us: float, nbytes: int = nbytes) -> float:
                 return nbytes / ceil.copy_bytes_per_s / (us / 1e6)
 
-            for m in ROWS:
+            for m in run.args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 w0, s0 = ws[0]
                 want = reference.linear(x.float(), w0.float() * (s0[:, None] if fp8 else 1))
@@ -245,33 +253,63 @@ def steps(run: Run) -> list[dict]:
     ctx = 1024 if not run.dry else 64
     bench = LlamaBench(run.config, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx,
                        device=run.device)  # fmt: skip
-    modes = {"old_unfused": ("gemv", False), "new_unfused": ("skinny", False),
-             "new_fused": ("skinny", True)}  # fmt: skip
-    rows = []
-    saved = kernels.SKINNY_KERNEL, kernels.FUSE_DECODE
+    # (skinny kernel, fused prologues, programmatic dependent launch)
+    modes = {"old_unfused": ("gemv", False, False), "new_unfused": ("skinny", False, False),
+             "new_unfused_pdl": ("skinny", False, True), "new_fused": ("skinny", True, False),
+             "new_fused_pdl": ("skinny", True, True)}  # fmt: skip
+    rows, used = [], []
+    logits: dict[tuple, torch.Tensor] = {}
+    saved = kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL
     try:
         for weights in ("bf16", "fp8"):
             if weights == "fp8":
                 bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
                 free()
-            for mode, (kernel, fuse) in modes.items():
+            for b in (1, 8):
+                used.append({"weights": weights, "batch": b, **step_plans(run, b, weights)})
+            for mode, (kernel, fuse, pdl) in modes.items():
                 if weights == "fp8" and kernel == "gemv":
                     continue
-                kernels.SKINNY_KERNEL, kernels.FUSE_DECODE = kernel, fuse
+                if pdl and (run.device != "cuda" or torch.cuda.get_device_capability()[0] < 9):
+                    continue  # griddepcontrol: Hopper and newer
+                kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL = kernel, fuse, pdl
                 for b in (1, 8):
                     r = {"weights": weights, "mode": mode, **bench.decode(b, ctx, ceil)}
+                    out = bench.last_logits
+                    logits[weights, kernel, fuse, pdl, b] = out
+                    if pdl:  # the same step with PDL off: the same logits bit for bit
+                        r["same_as_no_pdl"] = bool(
+                            torch.equal(out, logits[weights, kernel, fuse, False, b])
+                        )
                     rows.append(r)
                     print({c: r.get(c) for c in STEP_COLS}, flush=True)
     finally:
-        kernels.SKINNY_KERNEL, kernels.FUSE_DECODE = saved
+        kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL = saved
     print(table(rows, STEP_COLS), flush=True)
-    return rows
+    print(table(used, list(used[0])), flush=True)
+    return {"rows": rows, "plans": used, "plans_source": run.plans_source}
+
+
+def step_plans(run: Run, b: int, weights: str) -> dict:
+    """The skinny plan each product of the step takes at batch ``b`` (labels)."""
+    if run.device != "cuda":
+        return {}
+    from kernels import triton_skinny
+
+    wdtype = torch.float8_e4m3fn if weights == "fp8" else torch.bfloat16
+    return {name: triton_skinny.plan_for(b, n, k, torch.bfloat16 if name == "lm_head" else wdtype)
+            .label() for name, (n, k) in shapes(run.config).items()}  # fmt: skip
+
+
+def _step_rows(res: dict) -> list[dict]:
+    s = res.get("steps") or {}
+    return s.get("rows", []) if isinstance(s, dict) else s
 
 
 def summary(res: dict) -> list[dict]:
     """Best step per weight dtype and batch, and the FP8 / bf16 ratio."""
     best: dict[tuple[str, int], dict] = {}
-    for r in res.get("steps") or []:
+    for r in _step_rows(res):
         k = (r["weights"], r["batch"])
         if k not in best or r["step_ms"] < best[k]["step_ms"]:
             best[k] = r
@@ -300,8 +338,13 @@ def report(res: dict) -> str:
         out += ["", "## Products alone (CUDA graph of back-to-back calls over L2-sized copies)",
                 table(p["rows"], PROD_COLS), "", "## Fused prologues against the unfused pair",
                 table(p["fused"], FUSE_COLS)]  # fmt: skip
-    if res.get("steps"):
-        out += ["", "## Decode step, ctx 1k, CUDA graph replay", table(res["steps"], STEP_COLS)]
+    if _step_rows(res):
+        out += ["", "## Decode step, ctx 1k, CUDA graph replay",
+                table(_step_rows(res), STEP_COLS + ["same_as_no_pdl"])]  # fmt: skip
+        st = res["steps"] if isinstance(res["steps"], dict) else {}
+        if st.get("plans") and st["plans"][0].get("qkv"):
+            out += ["", f"## Skinny plans the steps used ({st['plans_source']})",
+                    table(st["plans"], list(st["plans"][0]))]  # fmt: skip
         s = summary(res)
         if s:
             out += ["", "## Best step per weight dtype", table(s, list(s[0]))]
@@ -316,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     p.add_argument("--plans", type=Path, default=None,
                    help="install the plans of an earlier run (its _plans.json)")  # fmt: skip
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), choices=ROWS,
+                   help="products: the row counts measured (8 stands for 2-8)")  # fmt: skip
     p.add_argument("--old-fused", action="store_true",
                    help="products: also time the first kernel's fused prologues")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
@@ -325,6 +370,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv[1:] if argv is None else argv
     )
     run = Run(args)
+    measured = "products" not in args.skip
+    given = f"--plans {args.plans}" if args.plans is not None else "kernels/skinny_plans.json"
+    run.plans_source = (f"this run's products section at rows {args.rows}, else {given}"
+                        if measured else given) + ", else the heuristic"  # fmt: skip
     if args.plans is not None and run.device == "cuda":
         from kernels import triton_skinny
 

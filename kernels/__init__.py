@@ -32,6 +32,11 @@ SKINNY_KERNEL = "skinny"
 # an H100 the fused decode step of the 8B shape took 32 ms against 6.2 ms unfused
 # (bench/results/decode_gpu_h100.md); the kernels match their references but are not fast yet.
 FUSE_DECODE = False
+# Programmatic dependent launch (Hopper and newer): the decode step's Triton kernels launch
+# while the previous kernel finishes (``launch_pdl``) and wait for its results in the kernel
+# (``griddepcontrol.wait``); the skinny products load their first weights before that wait.
+# Also recorded in CUDA graphs. Off until measured (``bench.skinny_gpu``'s ``pdl`` modes).
+PDL = False
 
 __all__ = [
     "FP8",

@@ -30,6 +30,21 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def pdl_on(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (``kernels.PDL``) for a launch on ``t``'s device: Hopper
+    or newer only (``griddepcontrol``); never off CUDA (Triton's interpreter)."""
+    import kernels
+
+    return bool(kernels.PDL) and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """A taking-part kernel's launch options: ``PDL`` (its constexpr: ``griddepcontrol.wait``
+    before it reads or writes anything) and ``launch_pdl`` where on."""
+    on = pdl_on(t)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import dot_precision, next_pow2, num_sms
+from kernels._triton import dot_precision, next_pow2, num_sms, pdl_kwargs
 from kernels.triton_cache import PagedLayer
 
 LOG2E = 1.4426950408889634
@@ -57,7 +57,11 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, block_size, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,8 +115,11 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -169,12 +176,13 @@ def decode_attention(
         lse.stride(0), lse.stride(1), paged.block_size, plan.num_splits,
         GROUP=plan.group, BLOCK_G=max(next_pow2(plan.group), 16), BLOCK_N=plan.block_n,
         HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(q),
     )  # fmt: skip
     _decode_merge_kernel[(b, h)](
         part, lse, out, plan.num_splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=max(next_pow2(plan.num_splits), 2), BLOCK_D=block_d, num_warps=4,
+        **pdl_kwargs(q),
     )  # fmt: skip
     return out

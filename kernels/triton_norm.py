@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2
+from kernels._triton import next_pow2, pdl_kwargs
 
 
 @triton.jit
@@ -29,7 +29,11 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -76,12 +80,17 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
+        **pdl_kwargs(x),
     )
     return out, res_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -101,6 +110,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(n), 2048)
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs(x)
     )
     return out

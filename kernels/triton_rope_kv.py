@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2
+from kernels._triton import next_pow2, pdl_kwargs
 from kernels.triton_cache import PagedLayer
 
 
@@ -43,8 +43,11 @@ def _rope_write_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
@@ -110,6 +113,6 @@ def rope_write_kv(
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         paged.stride_block, paged.stride_token, paged.stride_head, h, hk,
         HALF=d // 2, BLOCK_HQ=next_pow2(h), BLOCK_HK=next_pow2(hk), BLOCK_HALF=next_pow2(d // 2),
-        FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl_kwargs(q),
     )  # fmt: skip
     return q_out

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton import pdl_kwargs
+
 MAX_ROWS = 8
 _MAX_TILES = 1 << 17
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -107,6 +109,24 @@ def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, rows, store_rows, offs_k, M, K, 
 
 
 @triton.jit
+def _row_part(wf, x_ptr, rows, offs_k, M, K, stride_xm, PROLOGUE: tl.constexpr,
+              BLOCK_N: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """One row of ``x`` (tile rows ``rows``, all the same row; no norm prologue) times the
+    float32 weight tile ``wf``: each thread's ``VEC`` products summed in registers,
+    ``[BLOCK_N, BLOCK_K / VEC]``."""
+    x, sq = _x_tile(x_ptr, x_ptr, x_ptr, x_ptr, rows, rows < 0, offs_k, M, K, stride_xm, 0, 0,
+                    PROLOGUE, False)  # fmt: skip
+    prod = wf * x.to(tl.float32)
+    return tl.sum(tl.reshape(prod, [BLOCK_N, offs_k.shape[0] // VEC, VEC]), axis=2)
+
+
+@triton.jit
+def _put(acc, part, offs_m, m: tl.constexpr):
+    """``acc`` (``[BLOCK_N, BLOCK_M]``, zero in column ``m``) with ``part``'s row sums there."""
+    return acc + tl.where(offs_m[None, :] == m, tl.sum(part, axis=1)[:, None], 0.0)
+
+
+@triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows)."""
@@ -126,7 +146,7 @@ def _skinny_kernel(
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    PREFETCH: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr,
+    PREFETCH: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,6 +172,16 @@ def _skinny_kernel(
     # accumulator is VEC times smaller than the tile (registers for more programs per SM).
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     sq2 = tl.zeros([XR, BLOCK_K // VEC], tl.float32)  # its norm's squares
+    # Several rows on the CUDA cores (up to 8, BLOCK_M a power of two): one such accumulator
+    # per row, so each weight tile is loaded and converted once for all rows.
+    a0 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a1 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a3 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a4 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a5 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a6 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    a7 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     n_iter = K_SPLIT // BLOCK_K  # steps past K are masked (not EVEN_K)
     if PREFETCH:
         offs_k = tl.max_contiguous(tl.multiple_of(k_start + offs_kb, 16), VEC)
@@ -159,6 +189,10 @@ def _skinny_kernel(
             w_next = tl.load(w_base + offs_k[None, :])
         else:
             w_next = tl.load(w_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    if PDL:  # launched early (programmatic dependent launch): the first weights are in flight,
+        # now wait for the previous kernel's results (x, the residual), then let the next start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for i in range(0, n_iter):
         offs_k = tl.max_contiguous(tl.multiple_of(k_start + i * BLOCK_K + offs_kb, 16), VEC)
         if PREFETCH:  # the next step's weights are in flight while this step computes
@@ -187,7 +221,27 @@ def _skinny_kernel(
                 sq2 += tl.sum(tl.reshape(sq, [XR, BLOCK_K // VEC, VEC]), axis=2)
             prod = w.to(tl.float32) * x.to(tl.float32)
             acc2 += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
-        else:
+        elif PROLOGUE != 1:  # several rows: each row's products summed per thread (no shuffles)
+            wf = w.to(tl.float32)  # converted once, used for every row
+            a0 += _row_part(wf, x_ptr, bcast, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N, VEC)
+            if BLOCK_M > 1:
+                a1 += _row_part(wf, x_ptr, bcast + 1, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+            if BLOCK_M > 2:
+                a2 += _row_part(wf, x_ptr, bcast + 2, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+                a3 += _row_part(wf, x_ptr, bcast + 3, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+            if BLOCK_M > 4:
+                a4 += _row_part(wf, x_ptr, bcast + 4, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+                a5 += _row_part(wf, x_ptr, bcast + 5, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+                a6 += _row_part(wf, x_ptr, bcast + 6, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+                a7 += _row_part(wf, x_ptr, bcast + 7, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N,
+                                VEC)  # fmt: skip
+        else:  # several rows with the norm: one reduction per row and step
             wf = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast + m, first, offs_k,
@@ -197,6 +251,13 @@ def _skinny_kernel(
                 acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
                 if PROLOGUE == 1:
                     ssq += tl.where(offs_m == m, tl.max(tl.sum(sq, axis=1), axis=0), 0.0)
+    if not DOT and BLOCK_M > 1 and PROLOGUE != 1:  # the rows' sums as [BLOCK_N, BLOCK_M]
+        acc = _put(_put(acc, a0, offs_m, 0), a1, offs_m, 1)
+        if BLOCK_M > 2:
+            acc = _put(_put(acc, a2, offs_m, 2), a3, offs_m, 3)
+        if BLOCK_M > 4:
+            acc = _put(_put(_put(_put(acc, a4, offs_m, 4), a5, offs_m, 5), a6, offs_m, 6), a7,
+                       offs_m, 7)  # fmt: skip
     if not DOT and BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[:, None]
         if PROLOGUE == 1:  # the norm's 1/rms (every tile row holds the same sum)
@@ -310,6 +371,7 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
         EVEN_N=n % plan.block_n == 0, PREFETCH=plan.prefetch and not plan.dot,
         VEC=block_k if plan.dot else 8,
         XR=1 if block_k % (256 * plan.num_warps) == 0 else plan.block_n,
+        **pdl_kwargs(x),
         num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too:
         num_stages=min(plan.num_stages, 2) if prologue and plan.dot else plan.num_stages,
     )  # fmt: skip
@@ -351,7 +413,7 @@ def plans_json(device_name: str) -> dict:
     return {device_name: [[list(key), asdict(p)] for key, p in sorted(_TUNED.items())]}
 
 
-def _load_plans() -> None:
+def load_plans() -> None:
     """Measured plans of this device from ``skinny_plans.json`` (once per process)."""
     if not torch.cuda.is_available():
         return
@@ -368,7 +430,7 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
     """A measured plan where there is one, else the heuristic: one row on the CUDA cores with
     1 KiB of each weight row per step, more rows on the tensor cores; rows per program so that
     the product has about four programs per SM or more, split-K where it has fewer."""
-    _load_plans()
+    load_plans()
     tuned = _TUNED.get(plan_key(m, n, k, w_dtype, prologue))
     if tuned is None and prologue:  # the plain product's plan (the norm's takes no split-K)
         tuned = _TUNED.get(plan_key(m, n, k, w_dtype, 0))
@@ -396,6 +458,11 @@ def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPl
                 SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=8, block_k=kb // 2),
                 SkinnyPlan(block_n=4, block_k=2048, num_warps=8),
                 SkinnyPlan(block_n=4, block_k=1024, split_k=split)]  # fmt: skip
-    return [SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, dot=True),
+    # 2-8 rows on the CUDA cores too: each weight tile loaded and converted once for every row
+    # (FP8 on the tensor cores converts each tile to bf16 through shared memory first).
+    fma = [SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=4, block_k=1024),
+           SkinnyPlan(block_n=8, block_k=1024), SkinnyPlan(block_n=4, block_k=2048, num_warps=8),
+           SkinnyPlan(block_n=4, block_k=1024, split_k=split)]  # fmt: skip
+    return fma + [SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, dot=True),
             SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, split_k=split, dot=True),
             SkinnyPlan(block_n=32, block_k=kb // 2, num_stages=4, dot=True)]  # fmt: skip

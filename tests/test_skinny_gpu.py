@@ -107,3 +107,61 @@ def test_dispatch_takes_the_new_kernel_and_measured_plans():
         assert [list(key), asdict(plan)] in triton_skinny.plans_json("dev")["dev"]
     finally:
         triton_skinny.set_plan(key, None)
+
+
+def _pdl_chain(x, res, g, wq, sq, wg, sg, wd, sd):  # noqa: ANN001, ANN202
+    """A decode layer's Triton kernels back to back (norm, products, SiLU, split-K)."""
+    h, r = kernels.rms_norm(x, g, 1e-5, res)
+    a = linear(h, wq, None, sq)
+    y = linear(h, wg, None, sg, SkinnyPlan(block_n=4, block_k=1024, split_k=2))
+    return a, r, linear(kernels.silu_and_mul(y), wd, None, sd)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_pdl_on_is_pdl_off_bit_for_bit_in_a_cuda_graph(rows):
+    """``kernels.PDL`` (programmatic dependent launch, Hopper): the same outputs bit for bit,
+    eager and replayed from a CUDA graph, as with it off, FP8 and bf16 weights."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("griddepcontrol needs sm 9.0+")
+    k, n = 4096, 2048
+    x, res = (torch.randn(rows, k, device="cuda").bfloat16() for _ in range(2))
+    g = torch.ones(k, device="cuda").bfloat16()
+    ws = [(torch.randn(m, kk, device="cuda") * 0.02).bfloat16()
+          for m, kk in ((n, k), (2 * n, k), (k, n))]  # fmt: skip
+    for fp8 in (False, True):
+        args = []
+        for w in ws:
+            q = reference.quantize_fp8_rows(w)
+            args += [q.weight, q.scale] if fp8 else [w, None]
+        saved = kernels.PDL
+        try:
+            kernels.PDL = False
+            want = _pdl_chain(x, res, g, *args)
+            kernels.PDL = True
+            eager = _pdl_chain(x, res, g, *args)
+            assert all(torch.equal(a, b) for a, b in zip(eager, want, strict=True))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = _pdl_chain(x, res, g, *args)
+        finally:
+            kernels.PDL = saved
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), fp8
+
+
+def test_fp8_several_rows_on_the_cuda_cores_against_the_reference():
+    """FP8 weights, 2-8 rows, the CUDA-core plans (each weight tile converted once for all
+    rows) on the 8B shapes: against the reference and equal to the tensor-core result's
+    accuracy."""
+    for name in ("qkv", "down"):
+        n, k = SHAPES[name]
+        w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        q = reference.quantize_fp8_rows(w)
+        for rows in (2, 3, 5, 8):
+            x = torch.randn(rows, k, device="cuda").bfloat16()
+            want = reference.linear(x.float(), q)
+            for plan in candidates(rows, q.weight.dtype):
+                if not plan.dot:
+                    assert rel_err(linear(x, q.weight, None, q.scale, plan), want) < TOL, plan

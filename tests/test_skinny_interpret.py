@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tests.skinny_cases import compiled_rows
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed (see the docstring)"
 )
@@ -28,6 +30,8 @@ import json, torch
 from tests.skinny_cases import prologue_cases, product_cases, small_plans
 fma, dot = small_plans(dot_ok=False), [p for p in small_plans() if p.dot]
 rows = product_cases("cpu", torch.bfloat16, fma, shapes=((40, 96),), rows=(1, 3))
+# 2 and 8 rows on the CUDA cores (one accumulator per row), FP8 weights included
+rows += product_cases("cpu", torch.bfloat16, fma[2:4], shapes=((40, 96),), rows=(2, 8))
 # The interpreter's bf16 tl.dot is wrong (fp16 is right): the tensor-core path in fp16 here.
 rows += product_cases("cpu", torch.float16, dot, shapes=((40, 96),), rows=(2,))
 rows += prologue_cases("cpu", torch.bfloat16, fma[:3] + fma[-1:], rows=(1, 3), exact=False)
@@ -63,12 +67,16 @@ PTRS = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": 
         "lock_ptr": "*i32"}
 out = []
 for wt in ("*bf16", "*fp8e4nv"):
-    for plan, prologue in ((S.SkinnyPlan(block_n=4, block_k=1024), 0),
-                           (S.SkinnyPlan(block_n=8, block_k=512), 1),
-                           (S.SkinnyPlan(block_n=4, block_k=1024), 2),
-                           (S.SkinnyPlan(block_n=16, block_k=256, dot=True, num_stages=4), 0)):
+    for plan, prologue, rows, pdl in (
+            (S.SkinnyPlan(block_n=4, block_k=1024), 0, 1, False),
+            (S.SkinnyPlan(block_n=8, block_k=512), 1, 1, False),
+            (S.SkinnyPlan(block_n=4, block_k=1024), 2, 1, False),
+            (S.SkinnyPlan(block_n=16, block_k=256, dot=True, num_stages=4), 0, 16, False),
+            (S.SkinnyPlan(block_n=4, block_k=1024), 0, 8, False),  # 8 rows on the CUDA cores
+            (S.SkinnyPlan(block_n=2, block_k=1024), 2, 8, False),
+            (S.SkinnyPlan(block_n=4, block_k=1024), 0, 1, True)):  # programmatic launch
         consts = dict(PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_SCALE=wt == "*fp8e4nv",
-                      HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16 if plan.dot else 1,
+                      HAS_BIAS=False, SPLIT_K=1, BLOCK_M=rows, PDL=pdl,
                       BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT=plan.dot, EVEN_K=True,
                       EVEN_N=True, PREFETCH=not plan.dot, VEC=plan.block_k if plan.dot else 8,
                       XR=1 if plan.block_k % (256 * plan.num_warps) == 0 else plan.block_n)
@@ -78,11 +86,13 @@ for wt in ("*bf16", "*fp8e4nv"):
         src = ASTSource(fn=fn, signature=sig,
                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                         attrs={(i,): [["tt.divisibility", 16]] for i in div})
+        opts = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+                           options={**opts, "launch_pdl": True} if pdl else opts)
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         loop = ttgir[ttgir.index("scf.for"):ttgir.rindex("scf.yield")]
-        out.append({"case": f"{wt} {plan.label()} prologue {prologue}",
+        out.append({"case": f"{wt} {plan.label()} prologue {prologue} rows {rows} pdl {pdl}",
+                    "pdl": pdl, "gdc": ptx.count("griddepcontrol.wait"),
                     "loop_converts": loop.count("convert_layout"),
                     "wide_loads": ptx.count("ld.global.v4.b32") + ptx.count("ld.global.v2.b32")
                     + ptx.count("cp.async.cg.shared.global")})
@@ -93,14 +103,10 @@ print(json.dumps(out))
 def test_compiled_for_hopper_without_shuffles_in_the_loop():
     """The kernel compiled for sm_90 off the GPU (Triton's compiler and ptxas need no device):
     the weight and x share one register layout in the loop (no ``convert_layout``, which goes
-    through shared memory every step: what the first version did), and loads are wide."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
-        pytest.skip("no ptxas in this Triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 8
+    through shared memory every step: what the first version did), also with 8 rows on the
+    CUDA cores, and loads are wide; ``griddepcontrol.wait`` only with ``PDL``."""
+    rows = compiled_rows(COMPILE)
+    assert len(rows) == 14
     for r in rows:
         assert r["loop_converts"] == 0 and r["wide_loads"] > 0, r
+        assert (r["gdc"] > 0) == r["pdl"], r  # griddepcontrol only where asked for

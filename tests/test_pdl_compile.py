@@ -1,0 +1,82 @@
+"""Programmatic dependent launch (``kernels.PDL``): every Triton kernel of the decode step that
+takes part compiles for sm_90 off the GPU with ``griddepcontrol.wait`` (and the launch of its
+dependents) before anything else, and without them when off. Triton's compiler and ptxas need
+no device; skipped where Triton (or its ptxas) is missing:
+
+    pip install --target /tmp/triton-3.6 triton==3.6.0
+    PYTHONPATH=/tmp/triton-3.6 .venv/bin/python -m pytest -q tests/test_pdl_compile.py
+
+On the GPU, ``tests/test_skinny_gpu.py::test_pdl_on_is_pdl_off_bit_for_bit_in_a_cuda_graph``
+and ``bench.skinny_gpu``'s ``_pdl`` step modes (``same_as_no_pdl``) check the results."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.skinny_cases import compiled_rows
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed (see the docstring)"
+)
+
+COMPILE = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_decode, triton_norm, triton_rope_kv, triton_skinny
+
+def ptr(name):
+    if name in ("part_ptr", "lse_ptr", "cos_ptr", "sin_ptr", "scale_ptr"):
+        return "*fp32"
+    if name in ("tables_ptr", "seq_lens_ptr", "slot_blocks_ptr", "slot_offsets_ptr", "lock_ptr"):
+        return "*i32"
+    return "*bf16"
+
+CASES = {
+    "rms_norm": (triton_norm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+    "silu_and_mul": (triton_norm._silu_and_mul_kernel, dict(BLOCK=2048)),
+    "rope_write_kv": (triton_rope_kv._rope_write_kernel, dict(
+        HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, FP8=False)),
+    "decode_split": (triton_decode._decode_split_kernel, dict(
+        GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32")),
+    "decode_merge": (triton_decode._decode_merge_kernel, dict(
+        HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
+    "skinny": (triton_skinny._skinny_kernel, dict(
+        PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
+        BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
+        XR=1)),
+}
+out = []
+for name, (fn, consts) in CASES.items():
+    for pdl in (False, True):
+        c = {**consts, "PDL": pdl}
+        sig = {n: "constexpr" if n in c else ptr(n) if n.endswith("_ptr") else
+               "fp32" if n in ("eps", "scale_log2", "v_scale", "k_inv", "v_inv") else "i32"
+               for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
+        opts = {"num_warps": 4, "launch_pdl": pdl}
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        first = min((body.index(s) for s in ("ld.global", "st.global") if s in body),
+                    default=len(body))
+        out.append({"kernel": name, "pdl": pdl, "wait": body.count("griddepcontrol.wait"),
+                    "launch": body.count("griddepcontrol.launch_dependents"),
+                    "wait_first": "griddepcontrol.wait" in body[:first]})
+print(json.dumps(out))
+"""
+
+
+def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
+    rows = compiled_rows(COMPILE)
+    assert len(rows) == 12
+    for r in rows:
+        if r["pdl"]:
+            assert r["wait"] == 1 and r["launch"] == 1, r
+            # nothing is read or written before the wait, except by the skinny product: its
+            # first weight tile (never written by a kernel) is loaded before it
+            assert r["wait_first"] == (r["kernel"] != "skinny"), r
+        else:
+            assert r["wait"] == 0 and r["launch"] == 0, r
