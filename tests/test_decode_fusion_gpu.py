@@ -160,3 +160,19 @@ def test_engine_with_fusions_agrees_with_the_unfused_engine(smol_shape_dir, monk
     # bf16 on CUDA vs float32 on CPU agrees on 75% of such prompts (bench/results/gpu_h100*).
     assert agreement(fused, plain) >= 0.75
     assert agreement(split, plain) >= 0.75
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch: sm 9.0+",
+)
+def test_engine_with_pdl_gives_the_same_tokens(smol_shape_dir, monkeypatch):
+    """``kernels.PDL`` on: the same kernels launched early and waiting in the kernel, in the
+    engine's decode graphs and eager prefill: the same greedy tokens as with it off."""
+    prompts = random_prompts(8, SMOL_CONFIG["vocab_size"], seed=11, hi=200)
+    monkeypatch.setattr(kernels, "PDL", False)
+    plain = generate(smol_shape_dir, prompts, max_num_seqs=8)
+    monkeypatch.setattr(kernels, "PDL", True)
+    pdl = generate(smol_shape_dir, prompts, max_num_seqs=8)
+    report("pdl_vs_no_pdl_cuda_bf16", match_rate=agreement(pdl, plain))
+    assert pdl == plain
