@@ -11,15 +11,11 @@ and ``bench.skinny_gpu``'s ``_pdl`` step modes (``same_as_no_pdl``) check the re
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.skinny_cases import compiled_rows
+pytest.importorskip("triton", reason="Triton is not installed (see the docstring)")
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="Triton is not installed (see the docstring)"
-)
+from tests.skinny_cases import compiled_rows  # noqa: E402
 
 COMPILE = """
 import json, triton

@@ -11,7 +11,6 @@ Skipped unless Triton is importable; the repository does not depend on it on CPU
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,11 +18,9 @@ import sys
 
 import pytest
 
-from tests.skinny_cases import compiled_rows
+pytest.importorskip("triton", reason="Triton is not installed (see the docstring)")
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="Triton is not installed (see the docstring)"
-)
+from tests.skinny_cases import compiled_rows  # noqa: E402
 
 SCRIPT = """
 import json, torch
