@@ -11,11 +11,16 @@ ways, greedy, exactly ``--output`` tokens each:
 * ``one-at-a-time``: ``batched`` with the scheduler held to one adapter per step (what an
   engine without batched LoRA does: adapters take turns).
 
-Adapters are random PEFT folders (rank ``--rank`` on ``--targets``) written under ``--out``.
+Adapters are random PEFT folders (rank ``--rank`` on ``--targets``) written under
+``--adapter-dir`` (default: a temporary folder, removed at the end; ``--out`` gets only the
+results).
 Decode throughput is the output tokens generated after every request has its first token,
 over that time; the table gives each run's share of base and how many of its steps replayed a
 graph. On CUDA a second table times one replay of the captured graph of ``--requests`` rows,
-base variant against LoRA variant (every row with an adapter, spread over the adapters).
+base variant against LoRA variant (every row with an adapter, spread over the adapters), and
+the LoRA kernels of every layer alone (captured in a graph of their own): fused, as the model
+runs them (one shrink and one expand per input: q/k/v and gate/up share theirs), and one
+projection at a time.
 
     SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.lora --model /tmp/models/llama-3.1-8b \
         --load-format dummy --out "$OUT"
@@ -28,7 +33,9 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,6 +141,64 @@ def replay_times(engine: LLMEngine, names: list[str], rows: int, context: int) -
     return out
 
 
+def lora_kernel_times(engine: LLMEngine, names: list[str], rows: int) -> dict:
+    """Milliseconds of the LoRA kernels of every layer for ``rows`` rows (row i on adapter
+    i % len(names)), captured in a CUDA graph and replayed: ``fused_ms`` as the model calls
+    them (``LoRABatch.add_parts``), ``split_ms`` one projection at a time (``LoRABatch.add``)."""
+    from engine.lora import LORA_GROUPS
+
+    lora = engine.runner.lora
+    assert lora is not None
+    dev = lora.device
+    adapters = [names[i % len(names)] for i in range(rows)]
+    batch = lora.batch(adapters, lora.prepare(set(names)))
+    assert batch is not None
+    g = torch.Generator(device=dev).manual_seed(0)
+    io = []
+    for group in LORA_GROUPS:
+        parts = tuple((m, lora.b[m].shape[2]) for m in group)
+        fan_in = lora.a[group[0]].shape[3]
+        x = torch.randn(rows, fan_in, generator=g, device=dev).to(lora.dtype)
+        y = torch.zeros(rows, sum(w for _, w in parts), device=dev, dtype=lora.dtype)
+        io.append((parts, x, y))
+    layers = lora.model.num_layers
+
+    def fused() -> None:
+        for layer in range(layers):
+            for parts, x, y in io:
+                batch.add_parts(layer, parts, y, x)
+
+    def split() -> None:
+        for layer in range(layers):
+            for parts, x, y in io:
+                lo = 0
+                for m, w in parts:
+                    batch.add(layer, m, y[:, lo : lo + w], x)
+                    lo += w
+
+    out = {"rows": rows, "layers": layers}
+    for key, fn in (("fused_ms", fused), ("split_ms", split)):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 20
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[key] = start.elapsed_time(end) / reps
+        del graph
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -147,8 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for base either")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each kind (best kept)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    ap.add_argument(
+        "--adapter-dir", type=Path, default=None,
+        help="where the adapters are written (default: a temporary folder, removed at the end)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    temp = args.adapter_dir is None
+    adapter_dir = Path(tempfile.mkdtemp(prefix="lora_adapters_")) if temp else args.adapter_dir
+    try:
+        return _main(args, adapter_dir)
+    finally:
+        if temp:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
 
+
+def _main(args: argparse.Namespace, adapter_dir: Path) -> int:
     config = EngineConfig(
         model_dir=str(args.model), load_format=args.load_format, enable_lora=True,
         max_loras=args.adapters, max_lora_rank=args.rank, enforce_eager=args.enforce_eager,
@@ -157,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(config)
     names = [f"lora{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
-        path = write_adapter(args.out / "lora_adapters" / name, engine, args.rank, args.targets, i)
+        path = write_adapter(adapter_dir / name, engine, args.rank, args.targets, i)
         engine.add_lora(name, str(path))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -178,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         results[kind] = max(runs, key=lambda r: r["decode_tok_s"])
     engine.runner.graphs = graphs
     replay = replay_times(engine, names, args.requests, args.input) if graphs else {}
+    if replay:
+        replay["kernels"] = lora_kernel_times(engine, names, args.requests)
     base = results["base"]["decode_tok_s"] or 1.0
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
     lines = [
@@ -203,6 +283,18 @@ def main(argv: list[str] | None = None) -> int:
             f"| base | {replay['base_ms']:.3f} | 1.00 |",
             f"| LoRA, {len(names)} adapters | {replay['lora_ms']:.3f} | "
             f"{replay['lora_ms'] / replay['base_ms']:.2f} |",
+        ]
+        k = replay["kernels"]
+        lines += [
+            "",
+            f"LoRA kernels alone, {k['rows']} rows, all {k['layers']} layers (one graph):",
+            "",
+            "| kernels | ms | ms per layer |",
+            "|---|---|---|",
+            f"| fused (q/k/v, gate/up share a shrink and an expand) | {k['fused_ms']:.3f} | "
+            f"{k['fused_ms'] / k['layers']:.4f} |",
+            f"| one projection at a time | {k['split_ms']:.3f} | "
+            f"{k['split_ms'] / k['layers']:.4f} |",
         ]
     table = "\n".join(lines)
     print(table)

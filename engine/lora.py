@@ -4,9 +4,13 @@ per-step batch that the model's projections add their low-rank deltas from.
 Every slot holds, per layer and per projection (q/k/v/o, gate/up/down), ``A`` zero-padded to
 ``[max_rank, in]`` and ``B`` to ``[out, max_rank]`` inside one stacked buffer per projection
 (``[layers, slots, ...]``), so one kernel call serves every adapter of a step. A projection an
-adapter does not target stays zero in its slot. Before each step the adapters the step needs
-are placed in slots (``LoRAManager.prepare``); a slot the step does not need is reused least
-recently used first. The scheduler puts at most ``max_loras`` adapters in one step.
+adapter does not target stays zero in its slot. The projections of one input (q/k/v, and
+gate/up: ``LORA_GROUPS``) share their buffers, A stacked along the rank and B in the fused
+output's column order, so on CUDA one shrink reads the input once for all of them and one
+expand writes the fused output (``kernels.lora_add_fused``: 8 launches per layer, not 14).
+Before each step the adapters the step needs are placed in slots (``LoRAManager.prepare``); a
+slot the step does not need is reused least recently used first. The scheduler puts at most
+``max_loras`` adapters in one step.
 
 Under tensor parallelism each rank keeps its part of every adapter, split as the base layer is
 (``engine.parallel.shard.lora_slice``): rows of B for the column-parallel projections, columns
@@ -17,7 +21,7 @@ choices, since rank 0 sends it each load, unload and step in order (``ModelRunne
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
@@ -28,6 +32,12 @@ from engine.errors import AdapterNotFoundError, InvalidAdapterError
 from engine.lora_config import LORA_MODULES, LoRASpec, module_shape, read_spec
 from engine.parallel.shard import ModelShard, lora_slice
 
+# Projections of one input whose deltas are computed together, in their fused output's order.
+LORA_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
+)  # fmt: skip
+assert sorted(m for g in LORA_GROUPS for m in g) == sorted(LORA_MODULES)
+
 
 @dataclass(slots=True)
 class LoRABatch:
@@ -37,12 +47,35 @@ class LoRABatch:
     b: dict[str, torch.Tensor]  # module -> [layers, slots, out, R]
     meta: kernels.LoRAMetadata
     modules: frozenset[str]  # projections some adapter of the step targets
+    # first module of a group -> the group's stacked A [layers, slots, n * R, in] and B
+    # [layers, slots, sum(out), R] (``a``/``b`` of its modules are views of them)
+    fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def add(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """``y += lora(x)`` for ``module`` of ``layer`` (``y`` may be a slice of a fused output)."""
         if module not in self.modules:
             return
         kernels.lora_add(y, x, self.a[module][layer], self.b[module][layer], self.meta)
+
+    def add_parts(
+        self, layer: int, parts: tuple[tuple[str, int], ...], y: torch.Tensor, x: torch.Tensor
+    ) -> None:
+        """``y += lora(x)`` for projections of one input side by side in ``y``'s columns
+        (``parts``: each one's name and width, in order): in one fused call where they are a
+        group of the buffers (``LORA_GROUPS``), else one call each."""
+        names = [m for m, _ in parts]
+        if not self.modules.intersection(names):
+            return
+        stacked = self.fused.get(names[0])
+        if stacked is not None and len(parts) > 1 and kernels.use_triton(x):
+            a, b = stacked
+            widths = [w for _, w in parts]
+            kernels.lora_add_fused(y, x, a[layer], b[layer], widths, self.meta)
+            return
+        lo = 0
+        for m, width in parts:
+            self.add(layer, m, y[:, lo : lo + width], x)
+            lo += width
 
 
 class LoRAManager:
@@ -74,12 +107,27 @@ class LoRAManager:
         L = model.num_layers  # noqa: N806
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        for m in LORA_MODULES:
-            fan_in, fan_out = module_shape(model, m)
-            side, lo, hi = self.slices[m]
-            fan_in, fan_out = (hi - lo, fan_out) if side == "in" else (fan_in, hi - lo)
-            self.a[m] = torch.zeros((L, max_loras, max_rank, fan_in), device=device, dtype=dtype)
-            self.b[m] = torch.zeros((L, max_loras, fan_out, max_rank), device=device, dtype=dtype)
+        self.fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in LORA_GROUPS:
+            shapes = []
+            for m in group:
+                fan_in, fan_out = module_shape(model, m)
+                side, lo, hi = self.slices[m]
+                shapes.append((hi - lo, fan_out) if side == "in" else (fan_in, hi - lo))
+            fan_in = shapes[0][0]
+            if any(i != fan_in for i, _ in shapes):
+                raise ValueError(f"the projections {group} do not share their input")
+            R = max_rank  # noqa: N806
+            a = torch.zeros((L, max_loras, len(group) * R, fan_in), device=device, dtype=dtype)
+            b = torch.zeros(
+                (L, max_loras, sum(o for _, o in shapes), R), device=device, dtype=dtype
+            )
+            self.fused[group[0]] = (a, b)
+            lo = 0
+            for j, (m, (_, fan_out)) in enumerate(zip(group, shapes, strict=True)):
+                self.a[m] = a[:, :, j * R : (j + 1) * R]
+                self.b[m] = b[:, :, lo : lo + fan_out]
+                lo += fan_out
 
     # -- registry ----------------------------------------------------------------------------
     def add(self, name: str, path: str) -> LoRASpec:
@@ -162,7 +210,7 @@ class LoRAManager:
         token_slots = [slots[n] if n else -1 for n in token_adapters]
         meta = kernels.LoRAMetadata.build(token_slots, self.ranks, self.scales, self.device)
         modules = frozenset().union(*(self.specs[n].modules for n in slots))
-        return LoRABatch(self.a, self.b, meta, modules)
+        return LoRABatch(self.a, self.b, meta, modules, self.fused)
 
     def graph_batch(
         self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor
@@ -174,4 +222,4 @@ class LoRAManager:
         meta = kernels.LoRAMetadata(
             self.ranks, self.scales, [], rows, starts, lens, slots, self.scales_t
         )
-        return LoRABatch(self.a, self.b, meta, frozenset(LORA_MODULES))
+        return LoRABatch(self.a, self.b, meta, frozenset(LORA_MODULES), self.fused)

@@ -133,10 +133,7 @@ class DecoderModel:
             return kernels.norm_linear(x, residual, norm, eps, w, bias)
         h, residual = kernels.rms_norm(x, norm, eps, residual)
         out = kernels.linear(h, w, bias)
-        lo = 0
-        for name, width in parts:
-            lora.add(i, name, out[:, lo : lo + width], h)
-            lo += width
+        lora.add_parts(i, parts, out, h)
         return out, residual
 
     def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora) -> torch.Tensor:

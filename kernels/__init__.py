@@ -51,6 +51,7 @@ __all__ = [
     "copy_sum_blocks_between",
     "linear",
     "lora_add",
+    "lora_add_fused",
     "norm_linear",
     "paged_attention",
     "quantize_fp8_rows",
@@ -100,6 +101,22 @@ def lora_add(
         triton_lora.lora_add(y, x, a, b, meta)
         return
     reference.lora_add(y, x, a, b, meta)
+
+
+def lora_add_fused(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
+    meta: LoRAMetadata,
+) -> None:  # fmt: skip
+    """``lora_add`` for projections of one input sharing a fused output (q/k/v, gate/up):
+    ``a`` [S, len(widths) * R, in] (their A stacked), ``b`` [S, sum(widths), R] (their B in
+    the output's column order), ``y`` [T, sum(widths)]. Two launches on CUDA, whatever the
+    number of projections."""
+    if use_triton(x):
+        from kernels import triton_lora
+
+        triton_lora.lora_add_fused(y, x, a, b, widths, meta)
+        return
+    reference.lora_add_fused(y, x, a, b, widths, meta)
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:

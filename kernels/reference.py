@@ -363,3 +363,18 @@ def lora_add(
         r = meta.ranks[s]
         delta = F.linear(F.linear(x[rows], a[s, :r]), b[s, :, :r].contiguous()) * meta.scales[s]
         y[rows] += delta
+
+
+def lora_add_fused(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
+    meta: LoRAMetadata,
+) -> None:  # fmt: skip
+    """``lora_add`` for the projections of one input that share a fused output (q/k/v,
+    gate/up): ``a`` [S, len(widths) * R, in] holds each projection's A stacked, ``b``
+    [S, sum(widths), R] each one's B in the output's column order, ``y`` [T, sum(widths)].
+    The same as one ``lora_add`` per projection on its columns of ``y``."""
+    r = a.shape[1] // len(widths)
+    lo = 0
+    for j, w in enumerate(widths):
+        lora_add(y[:, lo : lo + w], x, a[:, j * r : (j + 1) * r], b[:, lo : lo + w], meta)
+        lo += w

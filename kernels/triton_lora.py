@@ -11,6 +11,11 @@ row gather, so a slot's tokens need not be contiguous). Two launches per project
 * expand: one program per (tile, BLOCK_N columns): the partial products summed in split order,
   rounded to the weights' dtype, then ``y[rows, cols] += tmp @ B[s, cols].T * scale[s]``.
 
+The projections of one input (q/k/v, gate/up) go through the same two launches
+(``lora_add_fused``): A stacked along the rank, so the shrink reads x once for all of them,
+and B in the fused output's column order; each expand program's column block lies in one
+projection, whose ranks it reads from the shrunk rows.
+
 Every token appears in one tile and every (tile, split) and (tile, column block) is one
 program, so no two programs write the same element and partial sums are added in a fixed
 order: deterministic, no atomics, the same result whatever else shares the batch. Tiles of
@@ -76,7 +81,8 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    part_ptr, b_ptr, y_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, scale_ptr, N, R,
+    part_ptr, b_ptr, y_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, scale_ptr, R,
+    W0, W1, W2, NB0, NB1,
     stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     PREC: tl.constexpr,
@@ -84,14 +90,21 @@ def _expand_kernel(
     n_rows, start, slot, m_mask, rows = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
     if n_rows == 0:  # a padding tile
         return
+    # This program's column block lies in one segment (a projection of the fused output:
+    # columns [lo, hi) of y and of B, ranks [seg * R, seg * R + R) of the shrunk rows).
+    pid = tl.program_id(1)
+    seg = (pid >= NB0).to(tl.int32) + (pid >= NB0 + NB1).to(tl.int32)
+    first = tl.where(seg == 0, 0, tl.where(seg == 1, NB0, NB0 + NB1))
+    lo = tl.where(seg == 0, 0, tl.where(seg == 1, W0, W0 + W1))
+    hi = tl.where(seg == 0, W0, tl.where(seg == 1, W0 + W1, W0 + W1 + W2))
     scale = tl.load(scale_ptr + slot)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = lo + (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = offs_r < R
-    n_mask = offs_n < N
+    n_mask = offs_n < hi
     t_mask = m_mask[:, None] & r_mask[None, :]
-    p_ptrs = part_ptr + (start + offs_m)[:, None] * stride_pm + offs_r[None, :]
+    p_ptrs = part_ptr + (start + offs_m)[:, None] * stride_pm + (seg * R + offs_r)[None, :]
     t = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for s in tl.static_range(SPLITS):  # in split order: the same sum on every run
         t += tl.load(p_ptrs + s * stride_ps, mask=t_mask, other=0.0)
@@ -112,6 +125,18 @@ def lora_add(
     """Triton form of ``kernels.reference.lora_add`` (same arguments; ``meta`` in the tile
     form, on CUDA: built per step, or the fixed-size tables of a decode CUDA graph). Launches
     depend on shapes only, never on the tables' contents, so they can be captured."""
+    lora_add_fused(y, x, a, b, [b.shape[1]], meta)
+
+
+def lora_add_fused(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
+    meta: LoRAMetadata,
+) -> None:  # fmt: skip
+    """Triton form of ``kernels.reference.lora_add_fused``: the projections of one input
+    (q/k/v, gate/up) in two launches. ``a``: [S, len(widths) * R, in] (each projection's A
+    stacked), ``b``: [S, sum(widths), R] (each projection's B, in the output's column order),
+    ``y``: [T, sum(widths)]. One shrink computes every projection's ``x @ A.T`` (x read once);
+    one expand adds each column block's delta from its own projection's ranks."""
     if meta.rows is None or meta.tile_slot is None or meta.tile_start is None:
         raise ValueError("LoRAMetadata was built for the reference path (not on CUDA)")
     if meta.tile_len is None or meta.scales_t is None:
@@ -119,27 +144,39 @@ def lora_add(
     tiles = meta.tile_slot.numel()
     if tiles == 0:
         return
-    s, r, k = a.shape
-    n = b.shape[1]
-    if b.shape != (s, n, r) or x.shape[1] != k or y.shape[1] != n or x.shape[0] != y.shape[0]:
+    segs = len(widths)
+    if not 1 <= segs <= 3:
+        raise ValueError(f"1 to 3 fused projections, not {segs}")
+    s, rt, k = a.shape
+    n = sum(widths)
+    r = rt // segs
+    if (
+        rt != segs * r or b.shape != (s, n, r) or x.shape[1] != k or y.shape[1] != n
+        or x.shape[0] != y.shape[0]
+    ):  # fmt: skip
         raise ValueError(
-            f"x {list(x.shape)}, A {list(a.shape)}, B {list(b.shape)}, y {list(y.shape)}"
+            f"x {list(x.shape)}, A {list(a.shape)}, B {list(b.shape)}, y {list(y.shape)}, "
+            f"widths {widths}"
         )
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("lora_add needs unit strides along the last dimension")
     prec = dot_precision(x.dtype)
-    block_r = max(16, next_pow2(r))
+    block_rt = max(16, next_pow2(rt))
+    block_k = BLOCK_K if block_rt <= 64 else BLOCK_K // 2
     splits = triton.cdiv(k, K_SPLIT)
-    part = torch.empty((splits, meta.rows.numel(), block_r), dtype=torch.float32, device=x.device)
+    part = torch.empty((splits, meta.rows.numel(), block_rt), dtype=torch.float32, device=x.device)
     _shrink_kernel[(tiles, splits)](
-        x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, k, r,
+        x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, k, rt,
         x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, K_SPLIT=K_SPLIT, PREC=prec,
+        BLOCK_M=BLOCK_M, BLOCK_R=block_rt, BLOCK_K=block_k, K_SPLIT=K_SPLIT, PREC=prec,
         num_warps=4,
     )  # fmt: skip
-    _expand_kernel[(tiles, triton.cdiv(n, BLOCK_N))](
-        part, b, y, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, meta.scales_t,
-        n, r, part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, SPLITS=splits, PREC=prec,
-        num_warps=4,
+    w = [*widths, 0, 0][:3]
+    nb = [triton.cdiv(v, BLOCK_N) for v in w]
+    _expand_kernel[(tiles, sum(nb))](
+        part, b, y, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, meta.scales_t, r,
+        w[0], w[1], w[2], nb[0], nb[1],
+        part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_R=max(16, next_pow2(r)), BLOCK_N=BLOCK_N, SPLITS=splits,
+        PREC=prec, num_warps=4,
     )  # fmt: skip

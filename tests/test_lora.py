@@ -252,6 +252,30 @@ got = torch.cat([y, torch.zeros(3, 310)])
 triton_lora.lora_add(got[:, 3:303], torch.cat([x, torch.zeros(3, 2100)]), a, b, meta)
 torch.testing.assert_close(got[:37], want, rtol=1e-4, atol=1e-4)
 assert not got[37:].any()
+
+# q/k/v fused: A stacked [S, 3R, in], B [S, q + k + v, R]; widths not multiples of BLOCK_N.
+widths = [200, 72, 72]
+af = torch.randn(5, 3 * 16, 2100, generator=g) / 2100**0.5
+bf = torch.randn(5, sum(widths), 16, generator=g)
+for i, r in enumerate(ranks):
+    for j in range(3):
+        af[i, j * 16 + r : (j + 1) * 16] = 0
+    bf[i, :, r:] = 0
+yf = torch.randn(37, sum(widths), generator=g)
+want = yf.clone()
+gm = reference.LoRAMetadata.build(slots, ranks, scales, cpu)
+lo = 0
+for j, w in enumerate(widths):  # one projection at a time
+    aj = af[:, j * 16 : (j + 1) * 16]
+    reference.lora_add(want[:, lo : lo + w], x, aj, bf[:, lo : lo + w], gm)
+    lo += w
+fused = yf.clone()
+reference.lora_add_fused(fused, x, af, bf, widths, gm)
+assert torch.equal(fused, want)
+got = torch.cat([yf, torch.zeros(3, sum(widths))])
+triton_lora.lora_add_fused(got, torch.cat([x, torch.zeros(3, 2100)]), af, bf, widths, meta)
+torch.testing.assert_close(got[:37], want, rtol=1e-4, atol=1e-4)
+assert not got[37:].any()
 print("interpreted ok")
 """
 
@@ -288,9 +312,11 @@ def compile(fn, ptrs, consts):
 
 idx = {n: "*i32" for n in ("rows_ptr", "start_ptr", "len_ptr", "slot_ptr")}
 for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
-    k = compile(L._shrink_kernel, {**idx, "x_ptr": dt, "a_ptr": dt, "part_ptr": "*fp32"},
-                dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=L.BLOCK_K, K_SPLIT=L.K_SPLIT, PREC=prec))
-    assert "cubin" in k.asm
+    for block_r, block_k in ((16, L.BLOCK_K), (64, L.BLOCK_K), (256, L.BLOCK_K // 2)):
+        consts = dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, K_SPLIT=L.K_SPLIT, PREC=prec)
+        k = compile(L._shrink_kernel, {**idx, "x_ptr": dt, "a_ptr": dt, "part_ptr": "*fp32"},
+                    consts)
+        assert "cubin" in k.asm
     for splits in (1, 14):
         ptrs = {**idx, "part_ptr": "*fp32", "b_ptr": dt, "y_ptr": dt, "scale_ptr": "*fp32"}
         consts = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_N=L.BLOCK_N, SPLITS=splits, PREC=prec)
