@@ -58,24 +58,34 @@ class LoRABatch:
         kernels.lora_add(y, x, self.a[module][layer], self.b[module][layer], self.meta)
 
     def add_parts(
-        self, layer: int, parts: tuple[tuple[str, int], ...], y: torch.Tensor, x: torch.Tensor
-    ) -> None:
+        self, layer: int, parts: tuple[tuple[str, int], ...], y: torch.Tensor, x: torch.Tensor,
+        norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+    ) -> None:  # fmt: skip
         """``y += lora(x)`` for projections of one input side by side in ``y``'s columns
         (``parts``: each one's name and width, in order): in one fused call where they are a
-        group of the buffers (``LORA_GROUPS``), else one call each."""
+        group of the buffers (``LORA_GROUPS``), else one call each. With ``norm`` (weight,
+        eps) or ``silu_mul`` the input is made from ``x`` in the fused call (only where
+        ``makes_inputs``: then the base product keeps its fused decode kernel)."""
         names = [m for m, _ in parts]
         if not self.modules.intersection(names):
             return
         stacked = self.fused.get(names[0])
-        if stacked is not None and len(parts) > 1 and kernels.use_triton(x):
+        if stacked is not None and kernels.use_triton(x):
             a, b = stacked
             widths = [w for _, w in parts]
-            kernels.lora_add_fused(y, x, a[layer], b[layer], widths, self.meta)
+            kernels.lora_add_fused(y, x, a[layer], b[layer], widths, self.meta, norm, silu_mul)
             return
+        if norm is not None or silu_mul:
+            raise ValueError("only the fused CUDA kernels make their input (see makes_inputs)")
         lo = 0
         for m, width in parts:
             self.add(layer, m, y[:, lo : lo + width], x)
             lo += width
+
+    def makes_inputs(self, x: torch.Tensor) -> bool:
+        """Whether ``add_parts`` can make the normed (``norm``) or activated (``silu_mul``)
+        input from ``x`` itself: on CUDA (Triton), the shrink does."""
+        return kernels.use_triton(x)
 
 
 class LoRAManager:

@@ -126,11 +126,16 @@ class DecoderModel:
 
     def _normed_product(self, i, x, residual, norm, w, bias, lora, parts):
         """``linear(rms_norm(x + residual) * norm, w, bias)`` and the next residual: one launch
-        for decode batches (``kernels.norm_linear``), unless LoRA deltas need the normed rows;
+        for decode batches (``kernels.norm_linear``; with LoRA on CUDA too, the adapters'
+        shrink norming the residual sum itself, elsewhere the normed rows are made first);
         ``parts``: the adapter projections in the fused product's columns, with their widths."""
         eps = self.config.rms_norm_eps
         if lora is None:
             return kernels.norm_linear(x, residual, norm, eps, w, bias)
+        if lora.makes_inputs(x):  # the LoRA shrink norms the residual sum itself
+            out, residual = kernels.norm_linear(x, residual, norm, eps, w, bias)
+            lora.add_parts(i, parts, out, residual, norm=(norm, eps))
+            return out, residual
         h, residual = kernels.rms_norm(x, norm, eps, residual)
         out = kernels.linear(h, w, bias)
         lora.add_parts(i, parts, out, h)
@@ -154,9 +159,14 @@ class DecoderModel:
 
     def _down(self, i: int, lw: LayerWeights, gate_up: torch.Tensor, lora: LoRABatch | None):
         """The down product of SiLU-and-multiply of ``gate_up`` (one launch for decode
-        batches, ``kernels.silu_mul_linear``, unless a LoRA delta needs the activation)."""
+        batches, ``kernels.silu_mul_linear``; with LoRA on CUDA too, the adapters' shrink making
+        the activation itself, elsewhere it is made first)."""
         if lora is None:
             return kernels.silu_mul_linear(gate_up, lw.down)
+        if lora.makes_inputs(gate_up):  # the LoRA shrink makes the activation itself
+            out = kernels.silu_mul_linear(gate_up, lw.down)
+            lora.add_parts(i, (("down_proj", out.shape[1]),), out, gate_up, silu_mul=True)
+            return out
         act = kernels.silu_and_mul(gate_up)
         out = kernels.linear(act, lw.down)
         lora.add(i, "down_proj", out, act)

@@ -105,18 +105,19 @@ def lora_add(
 
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-    meta: LoRAMetadata,
+    meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
 ) -> None:  # fmt: skip
     """``lora_add`` for projections of one input sharing a fused output (q/k/v, gate/up):
     ``a`` [S, len(widths) * R, in] (their A stacked), ``b`` [S, sum(widths), R] (their B in
     the output's column order), ``y`` [T, sum(widths)]. Two launches on CUDA, whatever the
-    number of projections."""
+    number of projections. The input is ``x``, or ``rms_norm(x, *norm)`` with ``norm``, or
+    ``silu_and_mul(x)`` with ``silu_mul`` (made in the shrink on CUDA)."""
     if use_triton(x):
         from kernels import triton_lora
 
-        triton_lora.lora_add_fused(y, x, a, b, widths, meta)
+        triton_lora.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul)
         return
-    reference.lora_add_fused(y, x, a, b, widths, meta)
+    reference.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul)
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
