@@ -83,9 +83,11 @@ class LoRABatch:
             lo += width
 
     def makes_inputs(self, x: torch.Tensor) -> bool:
-        """Whether ``add_parts`` can make the normed (``norm``) or activated (``silu_mul``)
-        input from ``x`` itself: on CUDA (Triton), the shrink does."""
-        return kernels.use_triton(x)
+        """Whether the model leaves the normed (``norm``) or activated (``silu_mul``) input to
+        ``add_parts``: on CUDA (Triton), where the shrink makes it, and only where the base
+        products take their fused decode kernels (``kernels.FUSE_DECODE``); otherwise they make
+        that input anyway and the shrink would only make it a second time."""
+        return bool(kernels.FUSE_DECODE) and kernels.use_triton(x)
 
 
 class LoRAManager:

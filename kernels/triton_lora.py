@@ -16,6 +16,9 @@ The projections of one input (q/k/v, gate/up) go through the same two launches
 and B in the fused output's column order; each expand program's column block lies in one
 projection, whose ranks it reads from the shrunk rows.
 
+Both take part in programmatic dependent launch (``kernels.PDL``): ``griddepcontrol.wait``
+before anything is read.
+
 Every token appears in one tile and every (tile, split) and (tile, column block) is one
 program, so no two programs write the same element and partial sums are added in a fixed
 order: deterministic, no atomics, the same result whatever else shares the batch. Tiles of
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import dot_precision, next_pow2
+from kernels._triton import dot_precision, next_pow2, pdl_kwargs
 from kernels.reference import LORA_TILE_M, LoRAMetadata
 
 BLOCK_M = LORA_TILE_M  # tile rows
@@ -60,7 +63,11 @@ def _shrink_kernel(
     stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     K_SPLIT: tl.constexpr, PREC: tl.constexpr, INPUT: tl.constexpr, NORM_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n_rows, start, slot, m_mask, rows = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
     if n_rows == 0:  # a padding tile
         return
@@ -107,8 +114,11 @@ def _expand_kernel(
     W0, W1, W2, NB0, NB1,
     stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # programmatic dependent launch: the previous kernel's results first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n_rows, start, slot, m_mask, rows = _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M)
     if n_rows == 0:  # a padding tile
         return
@@ -205,7 +215,7 @@ def lora_add_fused(
         x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, norm_w, eps, k,
         rt, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_R=block_rt, BLOCK_K=block_k, K_SPLIT=K_SPLIT, PREC=prec,
-        INPUT=mode, NORM_K=NORM_K, num_warps=4,
+        INPUT=mode, NORM_K=NORM_K, num_warps=4, **pdl_kwargs(x),
     )  # fmt: skip
     w = [*widths, 0, 0][:3]
     nb = [triton.cdiv(v, BLOCK_N) for v in w]
@@ -214,5 +224,5 @@ def lora_add_fused(
         w[0], w[1], w[2], nb[0], nb[1],
         part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_R=max(16, next_pow2(r)), BLOCK_N=BLOCK_N, SPLITS=splits,
-        PREC=prec, num_warps=4,
+        PREC=prec, num_warps=4, **pdl_kwargs(x),
     )  # fmt: skip

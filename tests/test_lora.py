@@ -340,11 +340,12 @@ for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
     for block_r, block_k, mode in ((16, L.BLOCK_K, L.PLAIN), (64, L.BLOCK_K, L.RMS_NORM),
                                    (64, L.BLOCK_K, L.SILU_MUL), (256, L.BLOCK_K // 2, L.PLAIN)):
         consts = dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, K_SPLIT=L.K_SPLIT, PREC=prec,
-                      INPUT=mode, NORM_K=L.NORM_K)
+                      INPUT=mode, NORM_K=L.NORM_K, PDL=False)
         assert "cubin" in compile(L._shrink_kernel, shrink, consts).asm
     for splits in (1, 14):
         ptrs = {**idx, "part_ptr": "*fp32", "b_ptr": dt, "y_ptr": dt, "scale_ptr": "*fp32"}
-        consts = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_N=L.BLOCK_N, SPLITS=splits, PREC=prec)
+        consts = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_N=L.BLOCK_N, SPLITS=splits, PREC=prec,
+                      PDL=False)
         assert "cubin" in compile(L._expand_kernel, ptrs, consts).asm
 print("compiled ok")
 """

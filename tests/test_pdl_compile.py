@@ -21,12 +21,13 @@ COMPILE = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_decode, triton_norm, triton_rope_kv, triton_skinny
+from kernels import triton_decode, triton_lora, triton_norm, triton_rope_kv, triton_skinny
 
 def ptr(name):
     if name in ("part_ptr", "lse_ptr", "cos_ptr", "sin_ptr", "scale_ptr"):
         return "*fp32"
-    if name in ("tables_ptr", "seq_lens_ptr", "slot_blocks_ptr", "slot_offsets_ptr", "lock_ptr"):
+    if name in ("tables_ptr", "seq_lens_ptr", "slot_blocks_ptr", "slot_offsets_ptr", "lock_ptr",
+                "rows_ptr", "start_ptr", "len_ptr", "slot_ptr"):
         return "*i32"
     return "*bf16"
 
@@ -43,6 +44,10 @@ CASES = {
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
         XR=1)),
+    "lora_shrink": (triton_lora._shrink_kernel, dict(
+        BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
+    "lora_expand": (triton_lora._expand_kernel, dict(
+        BLOCK_M=16, BLOCK_R=16, BLOCK_N=128, SPLITS=4, PREC="tf32")),
 }
 out = []
 for name, (fn, consts) in CASES.items():
@@ -67,7 +72,7 @@ print(json.dumps(out))
 
 def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 12
+    assert len(rows) == 16
     for r in rows:
         if r["pdl"]:
             assert r["wait"] == 1 and r["launch"] == 1, r
