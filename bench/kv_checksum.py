@@ -181,7 +181,7 @@ def fused(src, dst, src_ids, dst_ids, expected, t_handoff, repeat) -> dict:
     signed = [v - (1 << 64) if v >> 63 else v for v in expected]
 
     def copy_and_check() -> int:  # as `CudaIpcTransport.verify`: expected sums go up each time
-        want = torch.tensor(signed, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+        want = torch.tensor(signed, dtype=torch.int64, device=dev)
         return int((kernels.copy_sum_blocks_between(d8, s8, si, di) != want).sum())
 
     assert copy_and_check() == 0

@@ -206,6 +206,7 @@ class CudaIpcTransport:
         self.sums = sums  # fused copy-and-sum; `verify` checks on the device
         self.fault = fault  # test only, with sums: "corrupt" flips a bit of each first block
         self._sums: dict[str, torch.Tensor] = {}  # request id -> its last fetch's sums
+        self._counts: list[torch.Tensor] = []  # pinned scalars verify reads its count into
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
         if sums and self.device.type == "cuda":
             self._warm_up()
@@ -325,15 +326,22 @@ class CudaIpcTransport:
         if len(expected) != sums.numel():
             raise ValueError(f"{len(expected)} expected sums for {sums.numel()} moved blocks")
         want = [s - (1 << 64) if s >> 63 else s for s in (int(e) & MASK for e in expected)]
+        # No pinned allocation on the path (one cost more than the whole check): the few
+        # hundred bytes of expected sums go up by a plain copy, and the count comes back into a
+        # pinned scalar kept for the next verify once this one has read it.
+        count = (
+            self._counts.pop() if self._counts else torch.empty((), dtype=torch.int64).pin_memory()
+        )
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            host = torch.tensor(want, dtype=torch.int64).pin_memory()
-            bad = (sums != host.to(self.device, non_blocking=True)).sum()
-            count = torch.empty((), dtype=torch.int64).pin_memory()
+            bad = (sums != torch.tensor(want, dtype=torch.int64, device=self.device)).sum()
             count.copy_(bad, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        await self._wait(done, 10.0)
-        return int(count)
+        try:
+            await self._wait(done, 10.0)
+            return int(count)
+        finally:
+            self._counts.append(count)
 
     @staticmethod
     async def _wait(done: torch.cuda.Event, timeout: float) -> None:
