@@ -24,11 +24,11 @@ def _copy_blocks_kernel(src, dst, src_idx, dst_idx, words, CHUNK: tl.constexpr):
     tl.store(dst + d * words + offs, v, mask=mask)
 
 
-def copy_blocks_between(
+def _check_pools(
     dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
 ) -> None:
-    """``dst``/``src``: ``[num_blocks, block_bytes]`` uint8, contiguous, block bytes a multiple
-    of 8; ``src_idx``/``dst_idx``: int tensors of equal length on the same device."""
+    """What both block copies need: two ``[N, block_bytes]`` contiguous pools alike, blocks of
+    whole 64-bit words, index tensors of one length."""
     if dst.dim() != 2 or src.dim() != 2 or dst.shape[1] != src.shape[1]:
         raise ValueError(
             f"pools must be [N, block_bytes] alike: {list(dst.shape)}, {list(src.shape)}"
@@ -37,6 +37,14 @@ def copy_blocks_between(
         raise ValueError("pools must be contiguous with blocks of a multiple of 8 bytes")
     if src_idx.shape != dst_idx.shape:
         raise ValueError("src_idx and dst_idx differ in length")
+
+
+def copy_blocks_between(
+    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """``dst``/``src``: ``[num_blocks, block_bytes]`` uint8, contiguous, block bytes a multiple
+    of 8; ``src_idx``/``dst_idx``: int tensors of equal length on the same device."""
+    _check_pools(dst, src, src_idx, dst_idx)
     n = src_idx.numel()
     if n == 0:
         return
@@ -72,14 +80,7 @@ def copy_sum_blocks_between(
     (``engine.kv_checksum``, weights from ``2 * offset + 1`` on), taken over the words as they
     pass through registers: the copy's one read serves the checksum too (int64, on the
     device, not waited for)."""
-    if dst.dim() != 2 or src.dim() != 2 or dst.shape[1] != src.shape[1]:
-        raise ValueError(
-            f"pools must be [N, block_bytes] alike: {list(dst.shape)}, {list(src.shape)}"
-        )
-    if dst.shape[1] % 8 or not (dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError("pools must be contiguous with blocks of a multiple of 8 bytes")
-    if src_idx.shape != dst_idx.shape:
-        raise ValueError("src_idx and dst_idx differ in length")
+    _check_pools(dst, src, src_idx, dst_idx)
     n = src_idx.numel()
     sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
     if n == 0:

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu_report import agreement, fp8_capable, generate, report, require_cuda_triton
+from tests.gpu_report import (
+    agreement,
+    assert_replays_in_a_cuda_graph,
+    fp8_capable,
+    generate,
+    report,
+    require_cuda_triton,
+)
 
 pytestmark = pytest.mark.gpu
 require_cuda_triton()
@@ -120,16 +127,7 @@ def test_split_k_replays_in_a_cuda_graph():
     x, _, _, w, _ = inputs(4, n, k, seed=5)
     plan = GemvPlan(split_k=4)
     eager = linear(x, w, None, plan)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear(x, w, None, plan)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(out, linear(x, w, None, plan))
+    assert_replays_in_a_cuda_graph(lambda: linear(x, w, None, plan), x, eager)
 
 
 @pytest.fixture(scope="module")

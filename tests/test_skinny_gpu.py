@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from tests.gpu_report import fp8_capable, require_cuda_triton
+from tests.gpu_report import assert_replays_in_a_cuda_graph, fp8_capable, require_cuda_triton
 
 require_cuda_triton()
 
@@ -77,16 +77,7 @@ def test_split_k_deterministic_and_replays_in_a_cuda_graph(split, dot):
     eager = linear(x, q.weight, None, q.scale, plan)
     assert torch.equal(eager, linear(x, q.weight, None, q.scale, plan))
     assert rel_err(eager, reference.linear(x.float(), q)) < TOL
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear(x, q.weight, None, q.scale, plan)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(out, linear(x, q.weight, None, q.scale, plan))
+    assert_replays_in_a_cuda_graph(lambda: linear(x, q.weight, None, q.scale, plan), x, eager)
     torch.cuda.synchronize()
     assert int(triton_skinny._locks(x.device).abs().sum()) == 0
 
