@@ -136,6 +136,43 @@ class LlamaBench:
             host.append((time.perf_counter() - t0) * 1e3)
         return ms, statistics.median(host), logits
 
+    def profile_graph(self, b: int, ctx: int, replays: int = 5) -> dict:
+        """Where a replayed decode step's GPU time goes: each kernel's time per step (by name,
+        summed over the layers), their sum, and the step's span (first start to last end; the
+        rest is gaps between kernels)."""
+        tables = self.tables(b, ctx + 1)
+        batch = DecodeBatch(token_ids=[1] * b, positions=[ctx] * b,
+                            slot_blocks=[t[ctx // BLOCK] for t in tables],
+                            slot_offsets=[ctx % BLOCK] * b, block_tables=tables,
+                            seq_lens=[ctx + 1] * b)  # fmt: skip
+        graphs = DecodeGraphs(self.model, self.kv, [b], -(-self.max_len // BLOCK), BLOCK)
+        graphs.capture()
+        graphs.run(batch)
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(replays):
+                graphs.replay(b)
+                torch.cuda.synchronize()
+        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if not kern:
+            return {"error": "no kernels in the profile"}
+        per: dict[str, list[float]] = {}
+        for e in kern:
+            per.setdefault(e.name[:60], []).append(e.device_time)
+        span = max(e.time_range.end for e in kern) - min(e.time_range.start for e in kern)
+        rows = sorted(({"kernel": k, "us_per_step": sum(v) / replays, "calls_per_step":
+                        len(v) / replays} for k, v in per.items()),
+                      key=lambda r: -r["us_per_step"])  # fmt: skip
+        total = sum(r["us_per_step"] for r in rows)
+        return {
+            "batch": b,
+            "ctx": ctx,
+            "kernels_us": total,
+            "span_us_all_replays": span,
+            "rows": rows[:14],
+        }
+
     def _prefill_inputs(self, t: int):
         table = self.tables(1, t)[0]
         dev = "cuda"

@@ -137,6 +137,10 @@ def _weights(n: int, k: int, fp8: bool) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
 def _time_us(ws: list, fn: Callable) -> float:
     return graph_time_ms([lambda w=w, s=s: fn(w, s) for w, s in ws] * 2) * 1e3
 
@@ -153,8 +157,7 @@ def products(run: Run) -> dict:
     rows_out, fused_out = [], []
     for name, (n, k) in shapes(run.config).items():
         for fp8 in (False, True):
-            if fp8 and name == "lm_head":
-                continue  # the LM head stays bf16 under --quantization fp8
+            # (the LM head stays bf16 under --quantization fp8: its FP8 row is for comparison)
             ws = _weights(n, k, fp8)
             wdtype = ws[0][0].dtype
             nbytes = ws[0][0].numel() * ws[0][0].element_size()
@@ -174,12 +177,18 @@ def products(run: Run) -> dict:
                 key = triton_skinny.plan_key(m, n, k, wdtype)
                 triton_skinny.set_plan(key, None)
                 default = triton_skinny.plan_for(m, n, k, wdtype)
-                plans = [default] if name == "lm_head" else [default] + [
+                plans = [default] if name == "lm_head" and not fp8 else [default] + [
                     p for p in triton_skinny.candidates(m, wdtype) if p != default]  # fmt: skip
                 timed, bad = {}, []
                 for p in plans:
                     got = triton_skinny.linear(x, w0, None, s0, p)
-                    err = ((got.float() - want).norm() / want.norm()).item()
+                    if p.qx:  # W8A8: against x quantized as the kernel does
+                        fw = reference.Fp8Weight(w0, s0)
+                        ref = reference.linear_fp8_qx(x, fw, p.block_k)
+                        row["qx_err_vs_weight_only"] = _rel(got, want)
+                    else:
+                        ref = want
+                    err = _rel(got, ref)
                     if not err < TOL:
                         bad.append(f"{p.label()} (rel err {err:.3g})")
                         continue
@@ -197,7 +206,7 @@ def products(run: Run) -> dict:
                 row["bad_plans"] = "; ".join(bad)
                 rows_out.append(row)
                 print({c: row.get(c) for c in PROD_COLS}, flush=True)
-                if name in ("qkv", "down"):
+                if name in ("qkv", "down") and not run.args.skip_fused:
                     fused_out += fused_rows(name, m, ws, frac, run.args.old_fused)
             del ws
             free()
@@ -257,7 +266,7 @@ def steps(run: Run) -> list[dict]:
     modes = {"old_unfused": ("gemv", False, False), "new_unfused": ("skinny", False, False),
              "new_unfused_pdl": ("skinny", False, True), "new_fused": ("skinny", True, False),
              "new_fused_pdl": ("skinny", True, True)}  # fmt: skip
-    rows, used = [], []
+    rows, used, profiles = [], [], []
     logits: dict[tuple, torch.Tensor] = {}
     saved = kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL
     try:
@@ -270,6 +279,8 @@ def steps(run: Run) -> list[dict]:
             for mode, (kernel, fuse, pdl) in modes.items():
                 if weights == "fp8" and kernel == "gemv":
                     continue
+                if run.args.modes and mode not in run.args.modes:
+                    continue
                 if pdl and (run.device != "cuda" or torch.cuda.get_device_capability()[0] < 9):
                     continue  # griddepcontrol: Hopper and newer
                 kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL = kernel, fuse, pdl
@@ -277,17 +288,26 @@ def steps(run: Run) -> list[dict]:
                     r = {"weights": weights, "mode": mode, **bench.decode(b, ctx, ceil)}
                     out = bench.last_logits
                     logits[weights, kernel, fuse, pdl, b] = out
-                    if pdl:  # the same step with PDL off: the same logits bit for bit
-                        r["same_as_no_pdl"] = bool(
-                            torch.equal(out, logits[weights, kernel, fuse, False, b])
-                        )
+                    prev = logits.get((weights, kernel, fuse, False, b))
+                    if pdl and prev is not None:  # PDL off: the same logits bit for bit
+                        r["same_as_no_pdl"] = bool(torch.equal(out, prev))
                     rows.append(r)
                     print({c: r.get(c) for c in STEP_COLS}, flush=True)
+                    if mode == run.args.profile and run.device == "cuda":
+                        prof = bench.profile_graph(b, ctx)
+                        profiles.append({"weights": weights, "mode": mode, **prof})
+                        print(
+                            table(
+                                prof.get("rows", []), ["kernel", "us_per_step", "calls_per_step"]
+                            ),
+                            flush=True,
+                        )
+                        print({k: v for k, v in prof.items() if k != "rows"}, flush=True)
     finally:
         kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL = saved
     print(table(rows, STEP_COLS), flush=True)
     print(table(used, list(used[0])), flush=True)
-    return {"rows": rows, "plans": used, "plans_source": run.plans_source}
+    return {"rows": rows, "plans": used, "plans_source": run.plans_source, "profiles": profiles}
 
 
 def step_plans(run: Run, b: int, weights: str) -> dict:
@@ -363,6 +383,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="products: the row counts measured (8 stands for 2-8)")  # fmt: skip
     p.add_argument("--old-fused", action="store_true",
                    help="products: also time the first kernel's fused prologues")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        default="new_unfused_pdl",
+        help="steps: the mode whose replays are profiled per kernel ('' for none)",
+    )
+    p.add_argument(
+        "--modes", nargs="*", default=None, help="steps: only these modes (default: all)"
+    )
+    p.add_argument(
+        "--skip-fused",
+        action="store_true",
+        help="products: leave out the fused prologues against the unfused pair",
+    )
     p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
     p.add_argument("--date", default=dt.date.today().isoformat())
     args = p.parse_args(argv)

@@ -93,6 +93,19 @@ def linear(
     return F.linear(x, w, bias)
 
 
+def linear_fp8_qx(
+    x: torch.Tensor, w: Fp8Weight, block: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W8A8 as the skinny kernel's ``qx`` plans compute it: ``x`` in e4m3 with one scale per
+    row and ``block`` columns (each block's largest magnitude maps to 448), times the
+    dequantized weight, in float32."""
+    m, k = x.shape
+    xt = F.pad(x.float(), (0, -k % block)).view(m, -1, block)
+    s = xt.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
+    xq = (to_fp8(xt / s).float() * s).view(m, -1)[:, :k]
+    return linear(xq, w, None if bias is None else bias.float())
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where ``x = [gate | up]`` along the last dim."""
     gate, up = x.chunk(2, dim=-1)

@@ -67,11 +67,16 @@ class SkinnyPlan:
     split_k: int = 1
     dot: bool = False
     prefetch: bool = True  # CUDA cores: the next step's weight loads issued before this step's math
+    qx: bool = False  # FP8 weights on the tensor cores: x quantized to e4m3 per step (W8A8)
+    # weight tiles asked into L2 before the PDL wait (-1: the tensor cores' pipeline depth, none
+    # on the CUDA cores, whose first tile is loaded into registers there)
+    l2: int = -1
 
     def label(self) -> str:
-        kind = "dot" if self.dot else "fma" if self.prefetch else "fma_nopf"
+        fma = "fma" if self.prefetch else "fma_nopf"
+        kind = ("qdot" if self.qx else "dot") if self.dot else fma
         return (f"{kind}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-                f"_sk{self.split_k}")  # fmt: skip
+                f"_sk{self.split_k}" + (f"_l2{self.l2}" if self.l2 >= 0 else ""))  # fmt: skip
 
 
 @triton.jit
@@ -121,6 +126,17 @@ def _row_part(wf, x_ptr, rows, offs_k, M, K, stride_xm, PROLOGUE: tl.constexpr,
 
 
 @triton.jit
+def _prefetch_l2(w_ptr, w_rows, k_start, K, stride_wn, STEPS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
+    """``prefetch.global.L2`` of the first ``STEPS`` weight tiles of this program, one per
+    ``LINE`` weights (128 bytes): nothing waits for it, it only warms the L2."""
+    offs = tl.minimum(k_start + tl.arange(0, STEPS * BLOCK_K // LINE) * LINE, K - 1)
+    ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + offs[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _put(acc, part, offs_m, m: tl.constexpr):
     """``acc`` (``[BLOCK_N, BLOCK_M]``, zero in column ``m``) with ``part``'s row sums there."""
     return acc + tl.where(offs_m[None, :] == m, tl.sum(part, axis=1)[:, None], 0.0)
@@ -147,6 +163,7 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PREFETCH: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr, PDL: tl.constexpr,
+    QX: tl.constexpr = False, N_PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -189,6 +206,10 @@ def _skinny_kernel(
             w_next = tl.load(w_base + offs_k[None, :])
         else:
             w_next = tl.load(w_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    if PDL and N_PREFETCH > 0:  # the loop's loads come after the wait below (the tensor cores'
+        # pipeline), or all but the first (CUDA cores): ask for the next tiles in L2 now
+        k_pf = k_start if DOT else k_start + BLOCK_K
+        _prefetch_l2(w_ptr, w_rows, k_pf, K, stride_wn, N_PREFETCH, BLOCK_K, LINE)
     if PDL:  # launched early (programmatic dependent launch): the first weights are in flight,
         # now wait for the previous kernel's results (x, the residual), then let the next start
         tl.extra.cuda.gdc_wait()
@@ -213,7 +234,13 @@ def _skinny_kernel(
                             HAS_RES)  # fmt: skip
             if PROLOGUE == 1:
                 ssq += tl.sum(sq, axis=1)
-            acc += tl.dot(w.to(x.dtype), tl.trans(x))
+            if QX:  # x in e4m3 with one scale per row and step: FP8 x FP8 on the tensor cores
+                xf = x.to(tl.float32)
+                sx = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) * (1.0 / 448.0)
+                xq = (xf * (1.0 / sx)[:, None]).to(w.dtype)
+                acc += tl.dot(w, tl.trans(xq)) * sx[None, :]
+            else:
+                acc += tl.dot(w.to(x.dtype), tl.trans(x))
         elif BLOCK_M == 1:
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
                             stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
@@ -337,6 +364,10 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
             raise ValueError("an FP8 weight needs its per-channel scale")
     elif w.dtype != x.dtype:
         raise ValueError(f"w is {w.dtype}, x is {x.dtype}")
+    if plan is not None and plan.qx and not (plan.dot and w.dtype == torch.float8_e4m3fn):
+        raise ValueError("a qx plan is for FP8 weights on the tensor cores (dot)")
+    if plan is not None and plan.qx and prologue:
+        raise ValueError("a qx plan takes no prologue")
     if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
         raise ValueError("scale must be float32 [N]")
     if bias is not None and bias.shape != (n,):
@@ -354,6 +385,8 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
     tiles = triton.cdiv(n, plan.block_n)
+    pdl = pdl_kwargs(x)
+    line = 128 // w.element_size()
     part = locks = x
     if split > 1:
         if tiles > _MAX_TILES:
@@ -371,11 +404,21 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
         EVEN_N=n % plan.block_n == 0, PREFETCH=plan.prefetch and not plan.dot,
         VEC=block_k if plan.dot else 8,
         XR=1 if block_k % (256 * plan.num_warps) == 0 else plan.block_n,
-        **pdl_kwargs(x),
+        QX=plan.qx, N_PREFETCH=_prefetch_steps(plan, k_split, line) if pdl["PDL"] else 0,
+        LINE=line, **pdl,
         num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too:
         num_stages=min(plan.num_stages, 2) if prologue and plan.dot else plan.num_stages,
     )  # fmt: skip
     return out, res_out
+
+
+def _prefetch_steps(plan: SkinnyPlan, k_split: int, line: int) -> int:
+    """Weight tiles a program asks into L2 before its PDL wait (``plan.l2``; by default those
+    the tensor cores' pipeline loads first), a power of two, at most the program's steps."""
+    want = (plan.num_stages - 1 if plan.dot else 0) if plan.l2 < 0 else plan.l2
+    steps = min(want, k_split // plan.block_k - (0 if plan.dot else 1))
+    steps = 1 << (steps.bit_length() - 1) if steps > 0 else 0
+    return steps if steps * plan.block_k >= line else 0
 
 
 def _locks(device: torch.device) -> torch.Tensor:
@@ -434,6 +477,7 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
     tuned = _TUNED.get(plan_key(m, n, k, w_dtype, prologue))
     if tuned is None and prologue:  # the plain product's plan (the norm's takes no split-K)
         tuned = _TUNED.get(plan_key(m, n, k, w_dtype, 0))
+        tuned = None if tuned is not None and tuned.qx else tuned  # qx takes no prologue
     if tuned is not None:
         return tuned
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
@@ -453,16 +497,39 @@ def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPl
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
     kb = 1024 // wbytes  # 1 KiB of each weight row per step
     split = 1 if prologue == 1 else 2
+    # FP8 on the FP8 tensor cores (warpgroup MMA from 64 weight rows up), x quantized per step:
+    # no per-weight conversion instructions, which bound the CUDA-core FP8 plans
+    qx = (
+        []
+        if wbytes == 2 or prologue
+        else [
+            SkinnyPlan(block_n=64, block_k=256, num_stages=4, dot=True, qx=True),
+            SkinnyPlan(block_n=64, block_k=256, num_stages=4, split_k=2, dot=True, qx=True),
+            SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=2, dot=True, qx=True),
+            SkinnyPlan(block_n=128, block_k=128, num_stages=4, split_k=2, dot=True, qx=True),
+            SkinnyPlan(block_n=128, block_k=128, num_stages=4, split_k=4, dot=True, qx=True),
+        ]
+    )
     if m <= 1:  # 1024 (4 warps) or 2048 (8 warps) columns: one row of x fits the weight's layout
         return [SkinnyPlan(block_n=4, block_k=1024), SkinnyPlan(block_n=8, block_k=1024),
                 SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=8, block_k=kb // 2),
                 SkinnyPlan(block_n=4, block_k=2048, num_warps=8),
-                SkinnyPlan(block_n=4, block_k=1024, split_k=split)]  # fmt: skip
+                SkinnyPlan(block_n=4, block_k=1024, split_k=split),
+                SkinnyPlan(block_n=4, block_k=1024, l2=2)] + qx  # fmt: skip
     # 2-8 rows on the CUDA cores too: each weight tile loaded and converted once for every row
     # (FP8 on the tensor cores converts each tile to bf16 through shared memory first).
     fma = [SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=4, block_k=1024),
            SkinnyPlan(block_n=8, block_k=1024), SkinnyPlan(block_n=4, block_k=2048, num_warps=8),
            SkinnyPlan(block_n=4, block_k=1024, split_k=split)]  # fmt: skip
-    return fma + [SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, dot=True),
-            SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, split_k=split, dot=True),
-            SkinnyPlan(block_n=32, block_k=kb // 2, num_stages=4, dot=True)]  # fmt: skip
+    dot = [SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, dot=True),
+           SkinnyPlan(block_n=16, block_k=kb // 2, num_stages=4, split_k=split, dot=True),
+           SkinnyPlan(block_n=32, block_k=kb // 2, num_stages=4, dot=True)]  # fmt: skip
+    if wbytes == 2:  # warpgroup MMA (64 weight rows and up), deeper pipelines
+        dot += [
+            SkinnyPlan(block_n=64, block_k=128, num_stages=4, dot=True),
+            SkinnyPlan(block_n=64, block_k=128, num_stages=6, dot=True),
+            SkinnyPlan(block_n=64, block_k=256, num_stages=3, dot=True),
+            SkinnyPlan(block_n=128, block_k=64, num_stages=6, dot=True),
+            SkinnyPlan(block_n=64, block_k=128, num_stages=4, split_k=split, dot=True),
+        ]
+    return fma + dot + qx

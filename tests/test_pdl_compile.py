@@ -43,7 +43,12 @@ CASES = {
     "skinny": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
-        XR=1)),
+        XR=1, QX=False, N_PREFETCH=0, LINE=64)),
+    # the tensor cores' loop (pipelined after the wait): its first tiles asked into L2 before
+    "skinny_dot": (triton_skinny._skinny_kernel, dict(
+        PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
+        BLOCK_N=32, BLOCK_K=256, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=256,
+        XR=32, QX=False, N_PREFETCH=2, LINE=64)),
     "lora_shrink": (triton_lora._shrink_kernel, dict(
         BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
     "lora_expand": (triton_lora._expand_kernel, dict(
@@ -65,15 +70,19 @@ for name, (fn, consts) in CASES.items():
                     default=len(body))
         out.append({"kernel": name, "pdl": pdl, "wait": body.count("griddepcontrol.wait"),
                     "launch": body.count("griddepcontrol.launch_dependents"),
-                    "wait_first": "griddepcontrol.wait" in body[:first]})
+                    "wait_first": "griddepcontrol.wait" in body[:first],
+                    "l2_before_wait": "prefetch.global.L2" in body.split("griddepcontrol.wait")[0]
+                    if pdl else "prefetch.global.L2" in body})
 print(json.dumps(out))
 """
 
 
 def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 16
+    assert len(rows) == 18
     for r in rows:
+        # only the tensor-core product asks for weights in L2, and only with PDL
+        assert r["l2_before_wait"] == (r["kernel"] == "skinny_dot" and r["pdl"]), r
         if r["pdl"]:
             assert r["wait"] == 1 and r["launch"] == 1, r
             # nothing is read or written before the wait, except by the skinny product: its

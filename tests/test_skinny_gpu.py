@@ -20,6 +20,7 @@ from tests.skinny_cases import product_cases, prologue_cases, rel_err, small_pla
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fp8_capable(), reason="FP8: sm 8.9+")]
 TOL = 1e-2  # bf16 outputs; the FP8 reference dequantizes the same e4m3 weights
+QX_TOL = 5e-2  # W8A8 (``qx`` plans) against weight-only FP8: x's e4m3 rounding (about 2.7%)
 # [N, K] of the 8B shape's products (small shapes that do not divide the tiles: skinny_cases).
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 14336)}
 
@@ -49,9 +50,33 @@ def test_benchmark_plans_and_default_on_model_shapes(shape, rows):
     q = reference.quantize_fp8_rows(w)
     for wt, sc, ref in ((w, None, w.float()), (q.weight, q.scale, q)):
         want = reference.linear(x.float(), ref)
-        for plan in [None, *candidates(rows, wt.dtype)]:
+        for plan in [triton_skinny.plan_for(rows, n, k, wt.dtype), *candidates(rows, wt.dtype)]:
             got = linear(x, wt, None, sc, plan)
-            assert rel_err(got, want) < TOL, (plan, wt.dtype)
+            if plan.qx:  # W8A8: against x quantized as the kernel does; then near weight-only
+                assert rel_err(got, reference.linear_fp8_qx(x, q, plan.block_k)) < TOL, plan
+                assert rel_err(got, want) < QX_TOL, plan
+            else:
+                assert rel_err(got, want) < TOL, (plan, wt.dtype)
+
+
+def test_fp8_tensor_core_plans_quantize_x_per_step():
+    """``qx`` plans (x in e4m3 per row and step, FP8 x FP8 on the tensor cores): 1-8 rows,
+    split-K, rows and K that do not divide the tiles, bias; zero rows stay zero."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for n, k in ((200, 384), (4096, 4096)):
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+        q = reference.quantize_fp8_rows(w)
+        bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, k, device="cuda", generator=g).bfloat16() * 4
+            x[0] = 0  # a padding row: its scale must not turn it into NaN
+            for plan in [p for p in candidates(rows, q.weight.dtype) if p.qx]:
+                got = linear(x, q.weight, bias, q.scale, plan)
+                want = reference.linear_fp8_qx(x, q, plan.block_k, bias)
+                assert torch.isfinite(got).all() and rel_err(got, want) < TOL, (n, rows, plan)
+                assert torch.allclose(got[0].float(), bias.float(), atol=1e-2), plan
+    with pytest.raises(ValueError, match="qx"):
+        linear(x, w, None, None, SkinnyPlan(block_n=64, block_k=256, dot=True, qx=True))
 
 
 def test_silu_prologue_is_the_unfused_pair_bit_for_bit():

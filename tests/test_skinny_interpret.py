@@ -76,7 +76,8 @@ for wt in ("*bf16", "*fp8e4nv"):
                       HAS_BIAS=False, SPLIT_K=1, BLOCK_M=rows, PDL=pdl,
                       BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT=plan.dot, EVEN_K=True,
                       EVEN_N=True, PREFETCH=not plan.dot, VEC=plan.block_k if plan.dot else 8,
-                      XR=1 if plan.block_k % (256 * plan.num_warps) == 0 else plan.block_n)
+                      XR=1 if plan.block_k % (256 * plan.num_warps) == 0 else plan.block_n,
+                      QX=False, N_PREFETCH=0, LINE=64)
         sig = {n: "constexpr" if n in consts else PTRS.get(n, wt if n == "w_ptr" else
                "fp32" if n == "eps" else "i32") for n in fn.arg_names}
         div = [i for i, n in enumerate(fn.arg_names) if n not in consts and n not in ("M", "eps")]
