@@ -1,0 +1,193 @@
+"""Decode-step variants on the GPU (issue 19): the 8B shape's decode step (random weights,
+CUDA-graph replay, ctx 1k) with one change at a time against the installed plans
+(``kernels/skinny_plans.json``), all in one run, so that the step, not a product alone, says
+what helps:
+
+- other skinny plans for the layers' four products (every product of the step takes the plan);
+- the LM head in FP8 too (``--quantization fp8`` keeps it in bf16, as vLLM does);
+- programmatic dependent launch off.
+
+Then a per-kernel profile of the plain step with PDL off (with PDL on a kernel's time includes
+its wait for the previous one). Prints a table; writes ``decode_variants_<device>.md``/``.json``.
+
+    bash bench/device/run.sh bench bench.decode_variants --out $OUT
+    python -m bench.decode_variants --dry-run --out /tmp/dry   # off the GPU: the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+import kernels
+from bench.gpu_common import measure_ceilings, table
+from bench.gpu_llama import BLOCK, LlamaBench
+from bench.skinny_gpu import shapes
+from engine.config import ModelConfig
+from engine.fp8 import quantize_layer
+from engine.shapes import SHAPES
+from kernels import reference
+
+COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline"]
+LAYER = ("qkv", "o_proj", "gate_up", "down")
+PROF_COLS = ["kernel", "us_per_step", "calls_per_step"]
+
+
+def plan_variants() -> dict[tuple[str, int], dict[str, object]]:
+    """(weights, batch) -> variant name -> the plan every layer product takes (Triton's
+    module, imported only on a GPU host)."""
+    from kernels.triton_skinny import SkinnyPlan as P
+
+    return {
+        ("fp8", 1): {
+            "fma_n4_k1024_l2_2": P(block_n=4, block_k=1024, l2=2),
+            "fma_n2_k1024_l2_4": P(block_n=2, block_k=1024, l2=4),
+            "fma_n8_k512": P(block_n=8, block_k=512),
+            "qdot_n128_k128_sk4": P(block_n=128, block_k=128, split_k=4, dot=True, qx=True),
+        },
+        ("bf16", 1): {
+            "fma_n4_k2048_w8_l2_2": P(block_n=4, block_k=2048, num_warps=8, l2=2),
+            "fma_n4_k1024": P(block_n=4, block_k=1024),
+        },
+        ("bf16", 8): {
+            "dot_n32_k256_s4": P(block_n=32, block_k=256, num_stages=4, dot=True),
+            "dot_n64_k128_s6_no_l2": P(block_n=64, block_k=128, num_stages=6, dot=True, l2=0),
+            "dot_n64_k128_s6_sk2": P(block_n=64, block_k=128, num_stages=6, split_k=2, dot=True),
+        },
+    }
+
+
+@contextlib.contextmanager
+def layer_plans(c: ModelConfig, b: int, wdtype: torch.dtype, plan: object) -> Iterator[None]:
+    """Every layer product of the step at batch ``b`` takes ``plan`` (the installed plans
+    come back after)."""
+    from kernels import triton_skinny
+
+    keys = [triton_skinny.plan_key(b, n, k, wdtype) for name, (n, k) in shapes(c).items()
+            if name in LAYER]  # fmt: skip
+    saved = {key: triton_skinny._TUNED.get(key) for key in keys}
+    try:
+        for key in keys:
+            triton_skinny.set_plan(key, plan)  # type: ignore[arg-type]
+        yield
+    finally:
+        for key, p in saved.items():
+            triton_skinny.set_plan(key, p)
+
+
+@contextlib.contextmanager
+def lm_head_fp8(bench: LlamaBench) -> Iterator[None]:
+    head = bench.w.lm_head
+    bench.w.lm_head = reference.quantize_fp8_rows(head)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        bench.w.lm_head = head
+
+
+@contextlib.contextmanager
+def pdl_off() -> Iterator[None]:
+    saved = kernels.PDL
+    kernels.PDL = False
+    try:
+        yield
+    finally:
+        kernels.PDL = saved
+
+
+def run(args: argparse.Namespace) -> dict:
+    dry = args.dry_run
+    device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
+    if not dry and device != "cuda":
+        raise SystemExit("no CUDA device: use --dry-run to check the script off the GPU")
+    shape = "smollm2-135m" if dry else args.shape
+    c = ModelConfig.from_dict(SHAPES[shape])
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    ceil = measure_ceilings(small=dry)
+    ctx = 64 if dry else 1024
+    bench = LlamaBench(c, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx, device=device)
+    res: dict = {"device": name, "date": args.date, "command": args.command, "shape": shape,
+                 "torch": torch.__version__, "copy_TBps": ceil.copy_bytes_per_s / 1e12,
+                 "rows": [], "profiles": []}  # fmt: skip
+    for weights in ("bf16", "fp8"):
+        if weights == "fp8":
+            bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
+        wdtype = torch.float8_e4m3fn if weights == "fp8" else torch.bfloat16
+        for b in args.batches:
+            variants: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+                "installed": contextlib.nullcontext,
+                "pdl_off": pdl_off,
+            }
+            if weights == "fp8":
+                variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
+            more = plan_variants() if device == "cuda" else {}
+            for vname, plan in more.get((weights, b), {}).items():
+                variants[vname] = lambda plan=plan, b=b, wdtype=wdtype: layer_plans(
+                    c, b, wdtype, plan
+                )
+            base = None
+            for vname, change in variants.items():
+                try:
+                    with change():
+                        r = bench.decode(b, ctx, ceil)
+                except Exception as e:  # recorded; the next variant still runs
+                    res["rows"].append({"weights": weights, "batch": b, "variant": vname,
+                                        "error": f"{type(e).__name__}: {e}"})  # fmt: skip
+                    print(res["rows"][-1], flush=True)
+                    continue
+                base = r["step_ms"] if vname == "installed" else base
+                row = {"weights": weights, "batch": b, "variant": vname, **r,
+                       "vs_installed": r["step_ms"] / base if base else None}  # fmt: skip
+                res["rows"].append(row)
+                print({k: row.get(k) for k in COLS}, flush=True)
+            if device == "cuda":
+                with pdl_off():
+                    prof = bench.profile_graph(b, ctx)
+                res["profiles"].append({"weights": weights, **prof})
+                print(table(prof.get("rows", []), PROF_COLS))
+    return res
+
+
+def report(res: dict) -> str:
+    lines = [f"# Decode-step variants: {res['device']}", "",
+             f"- date: {res['date']}; command: `{res['command']}`; torch {res['torch']}; "
+             f"shape {res['shape']}; copy bandwidth {res['copy_TBps']:.3f} TB/s", "",
+             table(res["rows"], COLS + ["error"]), ""]  # fmt: skip
+    for p in res["profiles"]:
+        lines += [f"## Profile, {p['weights']} batch {p.get('batch')}, PDL off "
+                  f"(kernels {p.get('kernels_us', 0):.0f} us per step)", "",
+                  table(p.get("rows", []), PROF_COLS), ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
+    p.add_argument("--date", default=dt.date.today().isoformat())
+    args = p.parse_args(argv)
+    args.command = "python -m bench.decode_variants " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    res = run(args)
+    md = report(res)
+    print(md)
+    stem = "decode_variants_" + res["device"].lower().replace("nvidia ", "").replace(" ", "_")
+    out = args.out / stem.replace("(", "").replace(")", "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
