@@ -196,3 +196,18 @@ def test_no_compare_for_another_function_and_a_wrong_length_is_an_error(peer) ->
 
     with pytest.raises(ValueError, match="3 expected sums for 2 moved blocks"):
         asyncio.run(wrong_length())
+
+
+def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
+    """``bench.kv_checksum --dry-run --device cuda``: both A/B pairs of arms run, the transport
+    one through the compare behind the copy (the bench refuses a verify on the device)."""
+    import json
+
+    from bench import kv_checksum
+
+    assert kv_checksum.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kv_checksum_cuda_wsum64.json").read_text())
+    ab = rows[-1]["ab_transport"]
+    assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
+    assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
+    assert "ab_transport: A = fetch+verify, sums off" in capsys.readouterr().out
