@@ -16,8 +16,15 @@ upper bound. Two figures per prompt size:
   reading every kept sum and summing a partial last block. Receiver: summing every block that
   arrived and comparing (the verification, which has to read every byte once).
 
+On one GPU, with ``wsum64``, also the check the CUDA IPC transport runs: the device time of
+its fused copy+sum (and with the compare and count) over the plain copy kernel, and its wall
+time against the bare copy, A/B interleaved in the same run (`bench.kv_check_ab`: the device
+work by hand, and `CudaIpcTransport.fetch` + ``verify`` with sums off and on), as a share of
+the bare copy and of the serving stack's CUDA IPC hand-off (``--stack-handoff-ms``).
+
     python -m bench.kv_checksum                     # CPU, SmolLM2-135M shape, float32
     python -m bench.kv_checksum --shape llama-3.1-8b --device cuda   # bf16 on the GPU
+    python -m bench.kv_checksum --dry-run           # every path this machine can run, tiny
 
 Prints a table; ``--out DIR`` also writes ``kv_checksum_<device>_<algorithm>.json`` there.
 """
@@ -34,6 +41,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from bench import kv_check_ab
 from engine.kv_checksum import ALGORITHMS, WSUM64, BlockChecksums, SealedSums
 
 # (layers, kv heads, head dim) of the model shapes the benches use.
@@ -111,7 +119,10 @@ def measure(
     repeat: int,
     algorithm: str | None,
     chunk: int,
+    ab: tuple[int, float] = (0, 0.0),
 ) -> dict:
+    """One prompt size's figures; ``ab``: (pairs, the stack's hand-off ms) of the A/B of the
+    CUDA IPC check (no pairs: not run; off CUDA only its kernel arms, on the references)."""
     n = -(-tokens // BLOCK_SIZE)
     src = pool(shape, 2 * n, device, dtype)
     dst_device = "cuda:1" if device == "cuda" and torch.cuda.device_count() > 1 else device
@@ -158,36 +169,14 @@ def measure(
         words = src.view(src.shape[0], -1).view(torch.uint8).view(torch.int64)
         d_ref = device_time(lambda: kernels.reference.block_wsum64(words, si), device, repeat)
         row["device_torch_sum_ms"] = round(d_ref * 1e3, 4)
-    if send.algorithm == WSUM64 and dst.device == src.device != torch.device("cpu"):
-        row.update(fused(src, dst, src_ids, dst_ids, send(src_ids), t_handoff, repeat))
-        row["fused_on_path"] = round(
-            (row["fused_handoff_ms"] / 1e3 - t_handoff + t_at_handoff) / t_handoff, 4
-        )
-        # What the CUDA IPC transport's check adds on the GPU: its copy kernel with the sums.
-        row["fused_device_overhead"] = round(
-            row["device_fused_copy_ms"] / row["device_copy_ms"] - 1, 4
+    pairs, stack_ms = ab
+    if send.algorithm == WSUM64 and dst.device == src.device and pairs:
+        row.update(
+            kv_check_ab.checked_copy(
+                src, dst, src_ids, dst_ids, send(src_ids), repeat, pairs, stack_ms
+            )
         )
     return row
-
-
-def fused(src, dst, src_ids, dst_ids, expected, t_handoff, repeat) -> dict:
-    """The receiver's verification folded into the CUDA IPC copy (``kernels.
-    copy_sum_blocks_between``): the sums come from the words the copy moves, are compared with
-    the sender's on the device, and one count of mismatches comes back."""
-    dev = src.device
-    si, di = torch.tensor(src_ids, device=dev), torch.tensor(dst_ids, device=dev)
-    s8 = src.view(src.shape[0], -1).view(torch.uint8)
-    d8 = dst.view(dst.shape[0], -1).view(torch.uint8)
-    signed = [v - (1 << 64) if v >> 63 else v for v in expected]
-
-    def copy_and_check() -> int:  # as `CudaIpcTransport.verify`: expected sums go up each time
-        want = torch.tensor(signed, dtype=torch.int64, device=dev)
-        return int((kernels.copy_sum_blocks_between(d8, s8, si, di) != want).sum())
-
-    assert copy_and_check() == 0
-    t = timed(copy_and_check, "cuda", repeat)
-    d = device_time(lambda: kernels.copy_sum_blocks_between(d8, s8, si, di), "cuda", repeat)
-    return {"fused_handoff_ms": round(t * 1e3, 3), "device_fused_copy_ms": round(d * 1e3, 4)}
 
 
 def measure_engine(model_dir: str, tokens: int, repeat: int, chunk: int) -> dict:
@@ -262,13 +251,39 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="CPU: measure inside real engines of this model instead (bytes of the gRPC path)",
     )
+    p.add_argument(
+        "--ab-repeat",
+        type=int,
+        default=400,
+        help="GPU: interleaved pairs of the A/B of the CUDA IPC check (with against without)",
+    )
+    p.add_argument(
+        "--stack-handoff-ms",
+        type=float,
+        default=1.44,
+        help="the serving stack's CUDA IPC hand-off time the check's cost is also set against "
+        "(1.44 ms: 2,048-token prompts of the 8B shape on an H100, bench/results/"
+        "serving_gpu_h100)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny prompts, few repeats: check every path this machine can run (off CUDA the "
+        "A/B's kernel arms on the torch references, with wsum64)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.engine is not None:
         return engine_main(args)
+    if args.dry_run:
+        args.tokens, args.repeat, args.ab_repeat = [40, 100], 2, 6
+        args.algorithm = args.algorithm or WSUM64
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    ab = (args.ab_repeat if args.device == "cuda" or args.dry_run else 0, args.stack_handoff_ms)
     rows = [
-        measure(args.shape, t, args.device, dtype, args.repeat, args.algorithm, args.chunk_tokens)
+        measure(
+            args.shape, t, args.device, dtype, args.repeat, args.algorithm, args.chunk_tokens, ab
+        )
         for t in args.tokens
     ]
     print(f"checksum: {rows[0]['algorithm']}; hand-off: {describe(rows[0])}")
@@ -283,14 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         print("device ms (CUDA events), copy / Triton sum / torch sum: " + "; ".join(
             f"{r['tokens']}: {r['device_copy_ms']:.3f} / {r['device_sum_ms']:.3f} / "
             f"{r['device_torch_sum_ms']:.3f}" for r in rows))  # fmt: skip
-    if "fused_on_path" in rows[0]:
-        print("verification fused into the copy (copy_sum_blocks_between): hand-off ms / on "
-              "path / device ms of the fused copy: " + "; ".join(
-            f"{r['tokens']}: {r['fused_handoff_ms']:.3f} / {r['fused_on_path']:.1%} / "
-            f"{r['device_fused_copy_ms']:.3f}" for r in rows))  # fmt: skip
-        print("CUDA IPC path, device time of the fused copy+sum over the plain copy kernel "
-              "(what the transport's check adds on the GPU): " + "; ".join(
-            f"{r['tokens']}: {r['fused_device_overhead']:+.1%}" for r in rows))  # fmt: skip
+    kv_check_ab.print_check(rows)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"kv_checksum_{args.device}_{rows[0]['algorithm']}.json"

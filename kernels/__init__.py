@@ -49,6 +49,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_between",
     "copy_sum_blocks_between",
+    "count_mismatches",
     "linear",
     "lora_add",
     "lora_add_fused",
@@ -203,6 +204,21 @@ def copy_sum_blocks_between(
         return triton_copy.copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset)
     reference.copy_blocks_between(dst, src, src_idx, dst_idx)
     return reference.block_wsum64(dst.view(torch.int64), dst_idx, offset)
+
+
+def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many entries of two 1-D int64 tensors of one length on one device differ (the sums
+    a copy took against the sender's), as a 0-dim int64 there, not waited for: on CUDA one
+    single-program launch that queues behind the copy on the current stream."""
+    if got.dim() != 1 or got.shape != want.shape or got.device != want.device:
+        raise ValueError(f"expected two 1-D tensors alike, got {got.shape} and {want.shape}")
+    if got.dtype != torch.int64 or want.dtype != torch.int64:
+        raise ValueError(f"expected int64 sums, got {got.dtype} and {want.dtype}")
+    if use_triton(got):
+        from kernels import triton_checksum
+
+        return triton_checksum.count_mismatches(got, want)
+    return reference.count_mismatches(got, want)
 
 
 def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) -> torch.Tensor:

@@ -247,6 +247,12 @@ def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) 
     return (words.index_select(0, block_idx) * (weights + 1)).sum(dim=1)
 
 
+def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many entries of two equal-length int64 vectors differ (a block's checksum as it
+    arrived against the sender's), as a 0-dim int64 on their device."""
+    return (got != want).sum()
+
+
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]`` (as
     bytes, so any element type, FP8 included, is copied alike)."""

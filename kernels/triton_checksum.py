@@ -59,3 +59,37 @@ def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) 
             words, block_idx, out, per_block, offset, TILE=TILE, ITERS=iters, num_warps=8
         )
     return out
+
+
+COUNT_TILE = 1024  # entries per step of the one program that counts mismatches
+
+
+# One compiled variant for every hand-off (compiled at the transport's warm-up): no
+# specialisation on the count or on where the sums start.
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["got_ptr", "want_ptr"])
+def _count_mismatches_kernel(got_ptr, want_ptr, out_ptr, n, TILE: tl.constexpr):
+    lane = tl.arange(0, TILE)
+    acc = tl.zeros((TILE,), dtype=tl.int64)
+    for start in range(0, n, TILE):
+        i = start + lane
+        mask = i < n
+        got = tl.load(got_ptr + i, mask=mask, other=0)
+        want = tl.load(want_ptr + i, mask=mask, other=0)
+        acc += (got != want).to(tl.int64)
+    tl.store(out_ptr, tl.sum(acc, axis=0))  # a plain store: no zeroed output to launch first
+
+
+def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many entries of two contiguous int64 vectors of one length differ, as a 0-dim int64
+    on their device, not waited for: one program (a hand-off's few thousand block sums at
+    most), one launch, so it queues right behind the copy whose sums it checks."""
+    if got.dim() != 1 or got.shape != want.shape or got.device != want.device:
+        raise ValueError(f"expected two 1-D tensors alike, got {got.shape} and {want.shape}")
+    if got.dtype != torch.int64 or want.dtype != torch.int64:
+        raise ValueError(f"expected int64 sums, got {got.dtype} and {want.dtype}")
+    got, want = got.contiguous(), want.contiguous()
+    out = torch.empty((), dtype=torch.int64, device=got.device)
+    guard = torch.cuda.device(got.device) if got.is_cuda else contextlib.nullcontext()
+    with guard:
+        _count_mismatches_kernel[(1,)](got, want, out, got.numel(), TILE=COUNT_TILE, num_warps=4)
+    return out

@@ -294,3 +294,21 @@ def test_copy_sum_blocks_between_copies_and_sums_what_it_moved(block_bytes, n, o
     sums = copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset)
     assert torch.equal(dst, want)
     assert torch.equal(sums, reference.block_wsum64(want.view(torch.int64), dst_idx, offset))
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 1024, 4097])
+def test_count_mismatches_equals_the_torch_reference(n):
+    """The compare-and-count behind the CUDA IPC copy: the sender's sums as a row of the
+    uploaded ``[3, n]`` ids-and-sums tensor (any alignment), top bits and low bits differing."""
+    from kernels.triton_checksum import count_mismatches
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    got = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, device="cuda", generator=g)
+    rows = torch.stack([got, got, got])
+    rows[2, : n // 3] ^= -(1 << 63)
+    rows[2, n // 3 : n // 2] ^= 1
+    want = reference.count_mismatches(got, rows[2])
+    assert int(want) == n // 2
+    for fn in (count_mismatches, kernels.count_mismatches):
+        out = fn(got, rows[2])
+        assert out.shape == () and out.dtype == torch.int64 and torch.equal(out, want)

@@ -1,14 +1,16 @@
 """Checked KV on the CUDA IPC path (``pytest -m gpu``): the transport's fused copy-and-sum
-takes each block's ``wsum64`` as it copies it, `CudaIpcTransport.verify` compares the sums with
-the sender's on the device; the test-only fault hook flips one bit in transit, which the check
-catches, and a stack with ``--kv-fault corrupt`` recomputes the prompt and serves the clean
-greedy text. The peer's pool is a pool of this process here (CUDA IPC cannot map its own
-allocation); the mapping between two processes is covered by ``tests/test_serving_gpu.py``."""
+takes each block's ``wsum64`` as it copies it; with the sender's sums on the handle the fetch
+compares them behind the copy and brings one count back under its one wait, and
+`CudaIpcTransport.verify` answers from that count (without them, verify compares on the
+device). The test-only fault hook flips one bit in transit, which the check catches, and a
+stack with ``--kv-fault corrupt`` recomputes the prompt and serves the clean greedy text.
+The peer's pool is a pool of this process here (CUDA IPC cannot map its own allocation); the
+mapping between two processes is covered by ``tests/test_serving_gpu.py``."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ if not torch.cuda.is_available():
 from kernels import reference  # noqa: E402
 from libkv.transfer import CUDA_IPC_KEY, DEVICE_KEY, HOST_KEY  # noqa: E402
 from libkv.transfer.cuda_ipc import CudaIpcTransport, device_uuid, export_pool, host_id  # noqa: E402
+from services.common.codec import KVHandle  # noqa: E402
 
 BLOCK_BYTES = 64 * 1024
 BLOCKS = 12
@@ -80,6 +83,7 @@ def test_a_clean_cuda_ipc_fetch_is_checked_by_the_sums_its_copy_took(peer, src) 
 
     assert asyncio.run(go()) == 0
     assert t.fused_fetches == 1
+    assert (t.compared_fetches, t.device_verifies) == (0, 1)  # the source carried no sums
     assert torch.equal(mine[dst], peer[src])
     assert asyncio.run(t.verify("r", [1])) is None  # the sums were used up
 
@@ -97,3 +101,113 @@ def test_a_bit_flipped_in_transit_is_caught_and_the_sender_is_untouched(peer) ->
     assert torch.equal(peer, before)
     assert (mine[0] != peer[2]).sum().item() == 1  # one byte (one bit) differs
     assert torch.equal(mine[[1, 5]], peer[[6, 7]])
+
+
+def handle(peer: torch.Tensor, ids: list[int], algorithm: str = "wsum64") -> KVHandle:
+    """The prefill worker's handle of blocks ``ids`` with their ``wsum64`` (as it sends it)."""
+    return KVHandle(
+        worker_id="p0", incarnation="i1", address="", block_ids=tuple(ids),
+        num_tokens=16 * len(ids), block_size=16, block_bytes=BLOCK_BYTES, dtype="uint8",
+        lease_expires_unix_ms=0, block_checksums=tuple(sender_sums(peer, ids)),
+        checksum_algorithm=algorithm,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6], [9, 1, 7, 2, 11, 0]])  # runs / scattered
+def test_a_fetch_with_the_senders_sums_is_checked_under_its_one_wait(peer, ids, skip) -> None:
+    """As the decode worker fetches (``block_ids[skip:]``, its prefix cache holding the rest)
+    and verifies (``block_checksums[skip:]``): the compare ran behind the copy, verify answers
+    from its count with no device work, and only once."""
+    t, mine = transport(peer)
+    h = handle(peer, ids)
+    src = list(h.block_ids[skip:])
+    dst = [10 - i for i in range(len(src))]
+
+    async def go() -> int | None:
+        await t.fetch("r", h, src, dst, 5.0)
+        return await t.verify("r", h.block_checksums[skip:])
+
+    assert asyncio.run(go()) == 0
+    assert (t.fused_fetches, t.compared_fetches, t.device_verifies) == (1, 1, 0)
+    assert torch.equal(mine[dst], peer[src])
+    assert asyncio.run(t.verify("r", h.block_checksums[skip:])) is None  # answered once
+
+
+def test_a_bit_flipped_in_transit_is_counted_behind_the_copy(peer) -> None:
+    before = peer.clone()
+    t, mine = transport(peer, fault="corrupt")
+    h = handle(peer, [2, 6, 7])
+
+    async def go() -> int | None:
+        await t.fetch("r", h, [2, 6, 7], [0, 1, 5], 5.0)
+        return await t.verify("r", h.block_checksums)
+
+    assert asyncio.run(go()) == 1  # exactly the damaged block
+    assert (t.compared_fetches, t.device_verifies) == (1, 0)
+    assert torch.equal(peer, before)
+    assert (mine[0] != peer[2]).sum().item() == 1
+    assert torch.equal(mine[[1, 5]], peer[[6, 7]])
+
+
+def test_concurrent_fetches_each_get_their_own_count(peer) -> None:
+    """Two hand-offs in flight at once (two pinned counts): a handle with one wrong sum counts
+    1, the clean one 0; verify with other sums than the handle's compares on the device."""
+    t, _ = transport(peer)
+    good = handle(peer, [1, 2, 3])
+    sums = list(good.block_checksums)
+    sums[1] ^= 1
+    wrong = replace(good, block_checksums=tuple(sums))
+
+    async def go() -> list[int | None]:
+        await asyncio.gather(
+            t.fetch("a", good, [1, 2, 3], [0, 4, 8], 5.0),
+            t.fetch("b", wrong, [1, 2, 3], [5, 6, 7], 5.0),
+            t.fetch("c", wrong, [1, 2, 3], [9, 10, 11], 5.0),
+        )
+        return [
+            await t.verify("a", good.block_checksums),
+            await t.verify("b", wrong.block_checksums),
+            await t.verify("c", good.block_checksums),  # not the sums "c" compared with
+        ]
+
+    assert asyncio.run(go()) == [0, 1, 0]
+    assert (t.compared_fetches, t.device_verifies) == (3, 1)
+
+
+def test_no_compare_for_another_function_and_a_wrong_length_is_an_error(peer) -> None:
+    """A handle of another checksum function: the copy still sums, nothing is compared, and
+    verify is given no sums (the decode worker then sums the blocks itself); a verify with
+    more sums than moved blocks is refused."""
+    t, _ = transport(peer)
+    other = handle(peer, [4, 5], algorithm="xxh3-64-heads")
+
+    async def go() -> int | None:
+        await t.fetch("r", other, [4, 5], [0, 1], 5.0)
+        return await t.verify("r", ())
+
+    assert asyncio.run(go()) is None
+    assert (t.fused_fetches, t.compared_fetches, t.device_verifies) == (1, 0, 0)
+    h = handle(peer, [4, 5])
+
+    async def wrong_length() -> int | None:
+        await t.fetch("r", h, [4, 5], [0, 1], 5.0)
+        return await t.verify("r", [*h.block_checksums, 7])
+
+    with pytest.raises(ValueError, match="3 expected sums for 2 moved blocks"):
+        asyncio.run(wrong_length())
+
+
+def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
+    """``bench.kv_checksum --dry-run --device cuda``: both A/B pairs of arms run, the transport
+    one through the compare behind the copy (the bench refuses a verify on the device)."""
+    import json
+
+    from bench import kv_checksum
+
+    assert kv_checksum.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kv_checksum_cuda_wsum64.json").read_text())
+    ab = rows[-1]["ab_transport"]
+    assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
+    assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
+    assert "ab_transport: A = fetch+verify, sums off" in capsys.readouterr().out

@@ -240,7 +240,8 @@ class KVTransport(Protocol):
 class CopySums(Protocol):
     """A `KVTransport` whose copy may take each moved block's checksum as it writes it (CUDA
     IPC with the fused copy-and-sum), so that what arrived is checked without reading it
-    again (`libkv.transfer.cuda_ipc.CudaIpcTransport.verify`)."""
+    again (`libkv.transfer.cuda_ipc.CudaIpcTransport.verify`; where the handle carried the
+    sender's sums the fetch already compared them, and verify only answers)."""
 
     async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
         """How many blocks of ``request_id``'s last fetch differ from ``expected`` (the

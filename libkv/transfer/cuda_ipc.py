@@ -19,9 +19,15 @@ mapping only ever yields blocks that a lease check refuses (`StalePeerError`).
 Checked KV (``sums=True``, a decode worker with ``--kv-checksums`` whose pool holds whole
 canonical blocks): every fetch runs the fused copy-and-sum kernel
 (``kernels.copy_sum_blocks_between``), which takes each moved block's ``wsum64`` from the words
-as the copy writes them, so checking what arrived costs no second read of the blocks. The sums
-stay on the device; `verify` compares them there with the sender's (one small upload of the
-expected sums, one count back), and the caller recomputes on a mismatch.
+as the copy writes them, so checking what arrived costs no second read of the blocks. Where
+the handle carries the sender's ``wsum64`` of the fetched blocks (`fetch_checks.sender_sums`),
+they go up with the copy's block ids (one upload, before the copy), one small kernel behind the
+copy compares them with the copy's sums and counts the mismatches
+(``kernels.count_mismatches``), and the count comes back into a pinned scalar: the fetch's one
+wait covers copy, compare and count, and `verify` answers from the kept count with no device
+work and no wait of its own. The caller recomputes on a mismatch. Without the sender's sums on
+the handle the copy's sums stay on the device and `verify` compares them with what it is given
+(one more wait).
 
 The test-only fault hook (``fault="corrupt"``, ``--kv-fault corrupt``) damages data in transit
 on this path: the first block is read not from the peer's pool but from a scratch copy of it
@@ -56,11 +62,10 @@ from libkv.transfer import (
     agent_name,
     block_runs,
 )
+from libkv.transfer.fetch_checks import FetchChecks, Kept, sender_sums, signed64
 
 log = logging.getLogger(__name__)
 MEMCPY_RUNS = 4  # up to this many contiguous runs: cudaMemcpy each; more: one copy kernel
-MASK = (1 << 64) - 1
-MAX_KEPT_SUMS = 4096  # fetches whose sums wait for `verify` (a fetch never checked ages out)
 
 
 def host_id() -> str:
@@ -203,11 +208,13 @@ class CudaIpcTransport:
         self._stream: Any = None
         self._peers: dict[str, torch.Tensor] = {}  # agent name (worker@incarnation) -> pool
         self._current: dict[str, str] = {}  # worker id -> agent name of its mapped pool
-        self.sums = sums  # fused copy-and-sum; `verify` checks on the device
+        self.sums = sums  # fused copy-and-sum, compared with the sender's on the device
         self.fault = fault  # test only, with sums: "corrupt" flips a bit of each first block
-        self._sums: dict[str, torch.Tensor] = {}  # request id -> its last fetch's sums
-        self._counts: list[torch.Tensor] = []  # pinned scalars verify reads its count into
+        self._checks = FetchChecks()  # request id -> what its last fetch leaves for `verify`
+        self._counts: list[torch.Tensor] = []  # pinned scalars a mismatch count comes back in
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
+        self.compared_fetches = 0  # of those, compared behind the copy (verify waits for none)
+        self.device_verifies = 0  # verifies that compared on the device themselves
         if sums and self.device.type == "cuda":
             self._warm_up()
 
@@ -218,8 +225,10 @@ class CudaIpcTransport:
         try:
             scratch = torch.zeros(1, self.block_bytes, dtype=torch.uint8, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-            kernels.copy_sum_blocks_between(scratch, scratch, zero, zero)
+            sums = kernels.copy_sum_blocks_between(scratch, scratch, zero, zero)
+            kernels.count_mismatches(sums, sums)
             torch.cuda.synchronize(self.device)
+            self._counts.append(torch.empty((), dtype=torch.int64).pin_memory())
         except Exception as e:  # a kernel that does not compile or run here: any kind
             log.warning("the fused CUDA IPC copy-and-sum cannot run (%s): checked apart", e)
             self.sums = False
@@ -254,39 +263,55 @@ class CudaIpcTransport:
                 f"{self.block_bytes}, the handle says {source.block_bytes}"
             )
         name = agent_name(source.worker_id, source.incarnation)
-        self._sums.pop(request_id, None)
+        self._checks.drop(request_id)
+        want = sender_sums(source, src_blocks) if self.sums else None
+        count: torch.Tensor | None = None
         try:
-            done, sums = self._launch(name, info, src_blocks, dst_blocks)
-            await self._wait(done, timeout)
+            done, sums, count = self._launch(name, info, src_blocks, dst_blocks, want)
+            await self._wait(done, timeout)  # the copy, and its compare and count with ``want``
+            bad = None if count is None else int(count)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.stats.failures += 1
             raise KVTransferError(f"CUDA IPC copy from {source.worker_id} failed: {e}") from e
+        finally:
+            if count is not None:  # reusable: a later copy into it queues on the same stream
+                self._counts.append(count)
         if sums is not None:
             self.fused_fetches += 1
-            self._sums[request_id] = sums
-            while len(self._sums) > MAX_KEPT_SUMS:
-                self._sums.pop(next(iter(self._sums)))
+            if bad is not None:
+                self.compared_fetches += 1
+            self._checks.keep(request_id, Kept(sums, len(src_blocks), want, bad))
         n = len(src_blocks)
         self.stats.add(n, n * self.block_bytes, time.monotonic() - t0)
         return self.name
 
     def _launch(
-        self, name: str, info: IpcPool, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> tuple[torch.cuda.Event, torch.Tensor | None]:
+        self,
+        name: str,
+        info: IpcPool,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        want: Sequence[int] | None = None,
+    ) -> tuple[torch.cuda.Event, torch.Tensor | None, torch.Tensor | None]:
         """Map the peer's pool if new, queue the copy on this transport's stream (it overlaps
         the engine's steps: the destination blocks are reserved, no step touches them), and
-        return an event that completes with it, and with ``sums`` each moved block's
-        ``wsum64`` (on the device, complete with the event). Launched from the event loop's
-        thread: a few tens of microseconds, less than a hop to another thread."""
+        return an event that completes with it; with ``sums`` also each moved block's
+        ``wsum64`` (on the device), and with ``want`` (the sender's sums) a pinned scalar that
+        receives how many blocks differ from them, both complete with the event. Launched from
+        the event loop's thread: a few tens of microseconds, less than a hop to another
+        thread."""
         torch.cuda.set_device(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         src = self._mapped(name, info)
-        sums = None
+        sums = count = None
         with torch.cuda.stream(self._stream):
             runs = [] if self.sums else block_runs(src_blocks, dst_blocks)
             if self.sums:  # one kernel that copies and sums (the check reads nothing again)
-                sums = self._copy_sum(src, src_blocks, dst_blocks)
+                sums, bad = self._copy_sum(src, src_blocks, dst_blocks, want)
+                if bad is not None:  # compared behind the copy; 8 bytes come back
+                    count = self._pinned_count()
+                    count.copy_(bad, non_blocking=True)
             elif len(runs) <= MEMCPY_RUNS:  # a few long runs: one DMA copy each
                 for s, d, n in runs:
                     self.pool[d : d + n].copy_(src[s : s + n], non_blocking=True)
@@ -296,45 +321,57 @@ class CudaIpcTransport:
                 kernels.copy_blocks_between(self.pool, src, idx[0], idx[1])
             done = torch.cuda.Event()
             done.record(self._stream)
-        return done, sums
+        return done, sums, count
+
+    def _pinned_count(self) -> torch.Tensor:
+        """A pinned int64 scalar for a count (kept for reuse: pinning one costs more than the
+        whole check)."""
+        return (
+            self._counts.pop() if self._counts else torch.empty((), dtype=torch.int64).pin_memory()
+        )
 
     def _copy_sum(
-        self, src: torch.Tensor, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> torch.Tensor:
-        """The fused copy-and-sum of every block (on the current stream); with the fault hook
-        the first block is read from a scratch copy with one bit flipped (see the module)."""
-        dev = self.device
-        idx = torch.tensor([list(src_blocks), list(dst_blocks)], dtype=torch.int64).to(dev)
+        self,
+        src: torch.Tensor,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        want: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused copy-and-sum of every block (on the current stream), and with ``want``
+        (the sender's sums, unsigned, one per block) how many blocks' sums differ (a 0-dim
+        int64 on the device). The block ids and ``want`` go up in one upload before the copy.
+        With the fault hook the first block is read from a scratch copy with one bit flipped
+        (see the module)."""
+        rows = [list(src_blocks), list(dst_blocks)] + ([] if want is None else [signed64(want)])
+        idx = torch.tensor(rows, dtype=torch.int64).to(self.device)
         si, di = idx[0], idx[1]
         if self.fault != "corrupt":
-            return kernels.copy_sum_blocks_between(self.pool, src, si, di)
-        bad = src[src_blocks[0] : src_blocks[0] + 1].clone()  # the peer's pool stays intact
-        bad[0, bad.shape[1] // 2] ^= 1  # one flipped bit in the middle of the block
-        head = kernels.copy_sum_blocks_between(self.pool, bad, si[:1] * 0, di[:1])
-        rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
-        return torch.cat([head, rest])
+            sums = kernels.copy_sum_blocks_between(self.pool, src, si, di)
+        else:
+            flipped = src[src_blocks[0] : src_blocks[0] + 1].clone()  # the peer's pool: intact
+            flipped[0, flipped.shape[1] // 2] ^= 1  # one flipped bit in the middle of the block
+            head = kernels.copy_sum_blocks_between(self.pool, flipped, si[:1] * 0, di[:1])
+            rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
+            sums = torch.cat([head, rest])
+        return sums, None if want is None else kernels.count_mismatches(sums, idx[2])
 
     async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
         """How many blocks of ``request_id``'s last fetch differ from ``expected`` (the
-        sender's ``wsum64`` of each, unsigned, in the fetch's order), compared on the device:
-        the expected sums go up once, one count comes back. None when that fetch took no sums
-        (not fused, or already verified) or ``expected`` is empty (the sender sent no
-        ``wsum64``): the caller checks the arrived blocks itself. Always drops the sums."""
-        sums = self._sums.pop(request_id, None)
-        if sums is None or not expected:
-            return None
-        if len(expected) != sums.numel():
-            raise ValueError(f"{len(expected)} expected sums for {sums.numel()} moved blocks")
-        want = [s - (1 << 64) if s >> 63 else s for s in (int(e) & MASK for e in expected)]
-        # No pinned allocation on the path (one cost more than the whole check): the few
-        # hundred bytes of expected sums go up by a plain copy, and the count comes back into a
-        # pinned scalar kept for the next verify once this one has read it.
-        count = (
-            self._counts.pop() if self._counts else torch.empty((), dtype=torch.int64).pin_memory()
-        )
+        sender's ``wsum64`` of each, unsigned, in the fetch's order). Where the fetch compared
+        these very sums behind its copy (the handle carried them), its count, with no device
+        work and no wait; else compared on the device now (the expected sums go up, one count
+        comes back). None when that fetch took no sums (not fused, or already verified) or
+        ``expected`` is empty (the sender sent no ``wsum64``): the caller checks the arrived
+        blocks itself. ValueError when ``expected`` is not one sum per moved block. Always
+        drops what the fetch kept."""
+        kept = self._checks.take(request_id, expected)
+        if not isinstance(kept, Kept):
+            return kept
+        self.device_verifies += 1
+        count = self._pinned_count()
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            bad = (sums != torch.tensor(want, dtype=torch.int64, device=self.device)).sum()
-            count.copy_(bad, non_blocking=True)
+            want = torch.tensor(signed64(expected), dtype=torch.int64, device=self.device)
+            count.copy_(kernels.count_mismatches(kept.sums, want), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         try:

@@ -269,8 +269,9 @@ class DecodeCore:
     async def _check(self, job: DecodeJob, dst: list[int], skip: int) -> int:
         """How many of the blocks that arrived differ from the sender's checksums (0 when the
         handle carries none). Where the transport's copy summed the blocks as it moved them
-        (CUDA IPC with ``wsum64``: `CudaIpcTransport.verify`) those sums are compared on the
-        device, with no second read of the blocks; else the arrived blocks are summed here.
+        (CUDA IPC with ``wsum64``: `CudaIpcTransport.verify`) those sums were compared on the
+        device behind the copy, with no second read of the blocks and no wait of their own;
+        else the arrived blocks are summed here.
         The test fault hook then damages the first one before the check (on the fused path
         the transport damages it in transit instead)."""
         assert job.kv is not None

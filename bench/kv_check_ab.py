@@ -1,0 +1,266 @@
+"""Wall time of the CUDA IPC hand-off with its check against without, A/B interleaved in one
+run (`bench.kv_checksum` calls it for each prompt size and prints the table).
+
+Two pairs of arms, each timed over many repeats whose order alternates (A B, B A, ...), so
+drift, clocks and caches favour neither; each arm's median, and the median (and quartiles) of
+the pairwise difference B - A, which is the check's cost:
+
+- ``kernels``: the transport's device work by hand. A: the block ids go up, the plain copy
+  kernel (``kernels.copy_blocks_between``: what the transport runs for scattered blocks), one
+  event wait. B: the ids and the sender's sums go up together, the fused copy+sum
+  (``kernels.copy_sum_blocks_between``), the compare-and-count (``kernels.count_mismatches``),
+  the count into a pinned scalar, one event wait, the count read.
+- ``transport``: `CudaIpcTransport.fetch` then ``verify`` as the decode worker calls them, with
+  ``sums`` off (A) and on (B), the handle carrying the sender's ``wsum64`` (a `KVHandle` as
+  the prefill worker sends it). The peer's pool is exported as a prefill worker exports it,
+  but mapped as itself: CUDA IPC cannot open an allocation in the process that exported it
+  (the tests do the same; two processes: ``tests/test_serving_gpu.py``).
+
+Off CUDA (``--dry-run`` of `bench.kv_checksum`) the kernel arms run the torch references, so
+the code is checked on any machine; the transport arms need CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+import kernels
+from libkv.transfer.fetch_checks import MASK, WSUM64, signed64
+
+
+def paired(run_a: Callable[[], float], run_b: Callable[[], float], repeat: int) -> dict:
+    """``repeat`` interleaved pairs of two runs (each returns its own wall seconds), after a
+    few of each to warm up: medians in ms, and the pairwise difference B - A."""
+    for _ in range(3):
+        run_a(), run_b()
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(repeat):
+        if i % 2:
+            b.append(run_b())
+            a.append(run_a())
+        else:
+            a.append(run_a())
+            b.append(run_b())
+    diff = [y - x for x, y in zip(a, b, strict=True)]
+    q1, _, q3 = statistics.quantiles(diff, n=4) if len(diff) > 1 else (diff[0],) * 3
+    return {
+        "pairs": repeat,
+        "a_ms": round(statistics.median(a) * 1e3, 4),
+        "b_ms": round(statistics.median(b) * 1e3, 4),
+        "overhead_ms": round(statistics.median(diff) * 1e3, 4),
+        "overhead_q1_ms": round(q1 * 1e3, 4),
+        "overhead_q3_ms": round(q3 * 1e3, 4),
+    }
+
+
+def shares(row: dict, stack_ms: float) -> dict:
+    """``row`` with the overhead as a share of arm A and of the stack's hand-off time."""
+    return {
+        **row,
+        "of_a": round(row["overhead_ms"] / row["a_ms"], 4),
+        "stack_handoff_ms": stack_ms,
+        "of_stack_handoff": round(row["overhead_ms"] / stack_ms, 4),
+    }
+
+
+def kernel_arms(
+    dst: torch.Tensor, src: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
+    expected: Sequence[int],
+) -> tuple[Callable[[], float], Callable[[], float]]:  # fmt: skip
+    """(bare, checked) for two ``[N, block_bytes]`` uint8 pools of one device; ``expected``:
+    the sender's unsigned ``wsum64`` of ``src_ids``. The checked arm fails on a mismatch."""
+    dev = dst.device
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.Stream(dev) if cuda else None
+    count = torch.empty((), dtype=torch.int64)
+    count = count.pin_memory() if cuda else count
+    ids = [list(src_ids), list(dst_ids)]
+    want = signed64(expected)
+
+    def on_stream() -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+
+    def wait() -> None:  # the transport's one wait: an event behind the stream's work
+        if cuda:
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+
+    def bare() -> float:
+        t0 = time.perf_counter()
+        with on_stream():
+            idx = torch.tensor(ids, dtype=torch.int64).to(dev)
+            kernels.copy_blocks_between(dst, src, idx[0], idx[1])
+            wait()
+        return time.perf_counter() - t0
+
+    def checked() -> float:
+        t0 = time.perf_counter()
+        with on_stream():
+            idx = torch.tensor([*ids, want], dtype=torch.int64).to(dev)
+            sums = kernels.copy_sum_blocks_between(dst, src, idx[0], idx[1])
+            count.copy_(kernels.count_mismatches(sums, idx[2]), non_blocking=cuda)
+            wait()
+        bad = int(count)
+        elapsed = time.perf_counter() - t0
+        if bad:
+            raise AssertionError(f"{bad} blocks mismatched in an exact copy")
+        return elapsed
+
+    return bare, checked
+
+
+def device_checked_copy(dst, src, si, di, want) -> Callable[[], None]:
+    """The checked arm's device work alone (for CUDA-event timing): fused copy, compare, count
+    into a pinned scalar."""
+    count = torch.empty((), dtype=torch.int64).pin_memory()
+
+    def run() -> None:
+        sums = kernels.copy_sum_blocks_between(dst, src, si, di)
+        count.copy_(kernels.count_mismatches(sums, want), non_blocking=True)
+
+    return run
+
+
+class _Records:
+    """The member record of a prefill worker whose pool is ``peer`` (this process's GPU)."""
+
+    def __init__(self, peer: torch.Tensor, block_bytes: int) -> None:
+        from libkv.transfer import CUDA_IPC_KEY, DEVICE_KEY, HOST_KEY
+        from libkv.transfer.cuda_ipc import device_uuid, export_pool, host_id
+
+        self.extra_ = {
+            HOST_KEY: host_id(),
+            DEVICE_KEY: device_uuid(peer.device.index or 0),
+            CUDA_IPC_KEY: export_pool(peer, block_bytes).to_json(),
+        }
+
+    async def extra(self, worker_id: str, incarnation: str, timeout: float) -> dict[str, str]:
+        return self.extra_
+
+
+def transport_arms(
+    dst: torch.Tensor, src: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
+    expected: Sequence[int],
+) -> tuple[Callable[[], float], Callable[[], float], Callable[[], dict]]:  # fmt: skip
+    """(sums off, sums on, counters) over `CudaIpcTransport` (CUDA only): each arm is one
+    ``fetch`` + ``verify`` of a handle with the sender's sums, timed inside the event loop."""
+    from libkv.transfer.cuda_ipc import CudaIpcTransport
+    from services.common.codec import KVHandle
+
+    bb = dst.shape[1]
+    records = _Records(src, bb)
+    handle = KVHandle(
+        worker_id="p0", incarnation="i1", address="", block_ids=tuple(src_ids),
+        num_tokens=16 * len(src_ids), block_size=16, block_bytes=bb, dtype="uint8",
+        lease_expires_unix_ms=0, block_checksums=tuple(expected), checksum_algorithm=WSUM64,
+    )  # fmt: skip
+    plain = CudaIpcTransport(dst, bb, records, sums=False)
+    checked = CudaIpcTransport(dst, bb, records, sums=True)
+    if not checked.sums:
+        raise RuntimeError("the fused copy-and-sum cannot run here (see the warning)")
+    for t in (plain, checked):
+        t._mapped = lambda name, info: src  # type: ignore[method-assign]  # see the module
+    loop = asyncio.new_event_loop()
+
+    async def one(t: CudaIpcTransport) -> float:
+        t0 = time.perf_counter()
+        await t.fetch("r", handle, src_ids, dst_ids, 10.0)
+        bad = await t.verify("r", handle.block_checksums)
+        elapsed = time.perf_counter() - t0
+        if bad != (0 if t.sums else None):
+            raise AssertionError(f"verify said {bad} (sums {'on' if t.sums else 'off'})")
+        return elapsed
+
+    def counters() -> dict:
+        loop.close()
+        return {
+            "fused_fetches": checked.fused_fetches,
+            "compared_fetches": checked.compared_fetches,
+            "device_verifies": checked.device_verifies,
+        }
+
+    return (
+        lambda: loop.run_until_complete(one(plain)),
+        lambda: loop.run_until_complete(one(checked)),
+        counters,
+    )
+
+
+def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) -> dict:
+    """The receiver's check as the CUDA IPC transport runs it: device time of the fused
+    copy+sum, and of it with the compare and count, over the plain copy kernel; and the wall
+    time of the hand-off with the check against without, A/B (`bench.kv_check_ab`)."""
+    from bench.kv_checksum import device_time  # the bench's CUDA-event timing (its caller)
+
+    dev = src.device
+    s8 = src.view(src.shape[0], -1).view(torch.uint8)
+    d8 = dst.view(dst.shape[0], -1).view(torch.uint8)
+    bare, checked = kernel_arms(d8, s8, src_ids, dst_ids, expected)
+    out: dict = {"ab_kernels": shares(paired(bare, checked, pairs), stack_ms)}
+    if dev.type != "cuda":  # --dry-run: the code paths, on the references
+        return out
+    si, di = torch.tensor(src_ids, device=dev), torch.tensor(dst_ids, device=dev)
+    want = torch.tensor(signed64(expected), dtype=torch.int64, device=dev)
+    d_copy = device_time(lambda: kernels.copy_blocks_between(d8, s8, si, di), "cuda", repeat)
+    d_fused = device_time(lambda: kernels.copy_sum_blocks_between(d8, s8, si, di), "cuda", repeat)
+    d_checked = device_time(device_checked_copy(d8, s8, si, di, want), "cuda", repeat)
+    # The transport on these scattered blocks (without the check: the plain copy kernel), and
+    # on one contiguous run each side (without the check: one cudaMemcpy, no ids uploaded).
+    n = len(src_ids)
+    words = s8.view(torch.int64)
+    run = [s & MASK for s in kernels.block_wsum64(words, torch.arange(n, device=dev)).tolist()]
+    for key, ids, sums in (
+        ("ab_transport", (src_ids, dst_ids), expected),
+        ("ab_transport_runs", (list(range(n)), list(range(n))), run),
+    ):
+        off, on, counters = transport_arms(d8, s8, *ids, sums)
+        out[key] = shares(paired(off, on, pairs), stack_ms)
+        out[key].update(counters())
+        if out[key]["device_verifies"]:
+            raise AssertionError("verify compared on the device: not the path under test")
+    return out | {
+        "device_fused_copy_ms": round(d_fused * 1e3, 4),
+        "device_checked_copy_ms": round(d_checked * 1e3, 4),
+        # What the check adds on the GPU: the copy kernel with the sums (and compare, count).
+        "fused_device_overhead": round(d_fused / d_copy - 1, 4),
+        "checked_device_overhead": round(d_checked / d_copy - 1, 4),
+    }
+
+
+def print_check(rows: list[dict]) -> None:
+    """The CUDA IPC check's lines: device time over the plain copy, and the A/B tables."""
+    if "fused_device_overhead" in rows[0]:
+        print("CUDA IPC check, device time over the plain copy kernel (CUDA events), fused "
+              "copy+sum / with compare and count: " + "; ".join(
+            f"{r['tokens']}: {r['fused_device_overhead']:+.1%} / "
+            f"{r['checked_device_overhead']:+.1%}" for r in rows))  # fmt: skip
+    for key, a, b in (
+        ("ab_kernels", "bare copy + 1 wait", "copy+sum+compare+count + 1 wait"),
+        ("ab_transport", "fetch+verify, sums off", "fetch+verify, sums on"),
+        ("ab_transport_runs", "fetch+verify of one contiguous run, sums off (one cudaMemcpy)",
+         "the same, sums on"),
+    ):  # fmt: skip
+        if key not in rows[0]:
+            continue
+        r0 = rows[0][key]
+        print(f"{key}: A = {a}, B = {b}; wall ms, medians of {r0['pairs']} interleaved pairs; "
+              f"overhead = median of B - A [quartiles]")  # fmt: skip
+        print(f"{'tokens':>7} {'A ms':>8} {'B ms':>8} {'overhead ms':>12} {'[q1, q3]':>18} "
+              f"{'of A':>7} {'of ' + str(r0['stack_handoff_ms']) + ' ms':>10}")  # fmt: skip
+        for row in rows:
+            r = row[key]
+            quartiles = f"[{r['overhead_q1_ms']:.4f}, {r['overhead_q3_ms']:.4f}]"
+            print(f"{row['tokens']:>7} {r['a_ms']:>8.4f} {r['b_ms']:>8.4f} "
+                  f"{r['overhead_ms']:>12.4f} {quartiles:>18} {r['of_a']:>7.1%} "
+                  f"{r['of_stack_handoff']:>10.1%}")  # fmt: skip
+        if "compared_fetches" in r0:
+            print("  transport counters (sums on, last size): " + ", ".join(
+                f"{k} {rows[-1][key][k]}" for k in
+                ("fused_fetches", "compared_fetches", "device_verifies")))  # fmt: skip
