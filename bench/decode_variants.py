@@ -111,6 +111,12 @@ def run(args: argparse.Namespace) -> dict:
     shape = "smollm2-135m" if dry else args.shape
     c = ModelConfig.from_dict(SHAPES[shape])
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    if args.plans is not None and device == "cuda":
+        from kernels import triton_skinny
+
+        triton_skinny.load_plans()
+        for key, plan in json.loads(args.plans.read_text()).get(name, []):
+            triton_skinny.set_plan(tuple(key), triton_skinny.SkinnyPlan(**plan))  # type: ignore[arg-type]
     ceil = measure_ceilings(small=dry)
     ctx = 64 if dry else 1024
     bench = LlamaBench(c, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx, device=device)
@@ -173,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--plans", type=Path, default=None,
+                   help="install these plans first (bench.skinny_gpu's _plans.json)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
     p.add_argument("--date", default=dt.date.today().isoformat())
     args = p.parse_args(argv)

@@ -71,9 +71,12 @@ class SkinnyPlan:
     # weight tiles asked into L2 before the PDL wait (-1: the tensor cores' pipeline depth, none
     # on the CUDA cores, whose first tile is loaded into registers there)
     l2: int = -1
+    # one row of FP8 weights on the CUDA cores in bf16 pairs (``triton_skinny_fp8``): about
+    # three instructions a weight instead of seven; other products take the plain path
+    pairs: bool = False
 
     def label(self) -> str:
-        fma = "fma" if self.prefetch else "fma_nopf"
+        fma = ("fmap" if self.pairs else "fma") if self.prefetch else "fma_nopf"
         kind = ("qdot" if self.qx else "dot") if self.dot else fma
         return (f"{kind}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
                 f"_sk{self.split_k}" + (f"_l2{self.l2}" if self.l2 >= 0 else ""))  # fmt: skip
@@ -144,11 +147,12 @@ def _put(acc, part, offs_m, m: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
-              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              UNIT: tl.constexpr = 1.0):  # fmt: skip
     """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows)."""
     n_mask = offs_n < N
-    if HAS_SCALE:  # per output channel (FP8 weights)
-        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_SCALE:  # per output channel (FP8 weights), times the caller's unit
+        acc *= (tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0) * UNIT)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     o = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -291,9 +295,20 @@ def _skinny_kernel(
             acc *= tl.rsqrt(tl.sum(sq2, axis=1) / K + eps)[:, None]
     elif PROLOGUE == 1:
         acc *= tl.rsqrt(ssq / K + eps)[None, :]
+    _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
+            lock_ptr, stride_om, HAS_SCALE, HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_M)  # fmt: skip
+
+
+@triton.jit
+def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
+            lock_ptr, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+            SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+            UNIT: tl.constexpr = 1.0):  # fmt: skip
+    """The epilogue of one program's ``[BLOCK_N, BLOCK_M]`` sums (times ``UNIT``); with split-K
+    the last program of the row tile adds the parts in a fixed order first."""
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
-                  HAS_SCALE, HAS_BIAS)  # fmt: skip
+                  HAS_SCALE, HAS_BIAS, UNIT)  # fmt: skip
     else:
         # This part's sums; the last program of the row tile adds the parts in a fixed order.
         n_mask = offs_n < N
@@ -308,7 +323,7 @@ def _skinny_kernel(
                 q_ptrs = part_ptr + (s * N + offs_n[:, None]) * BLOCK_M + offs_m[None, :]
                 acc += tl.load(q_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
             _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
-                      HAS_SCALE, HAS_BIAS)  # fmt: skip
+                      HAS_SCALE, HAS_BIAS, UNIT)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
@@ -393,6 +408,13 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
             raise ValueError(f"split-K takes at most {_MAX_TILES} row tiles")
         part = torch.empty((split, n, block_m), dtype=torch.float32, device=x.device)
         locks = _locks(x.device)
+    if plan.pairs and not plan.dot:
+        from kernels import triton_skinny_fp8
+
+        if triton_skinny_fp8.fits(m, k, prologue, w, x):
+            triton_skinny_fp8.launch(x, w, scale, bias, out, plan, k_split, split, part, locks,
+                                     pdl)  # fmt: skip
+            return out, res_out
     _skinny_kernel[(tiles, split)](
         x, w, scale if scale is not None else x, bias if bias is not None else x, out,
         res if res is not None else x, res_out, norm if norm is not None else x, part, locks,
@@ -510,12 +532,26 @@ def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPl
             SkinnyPlan(block_n=128, block_k=128, num_stages=4, split_k=4, dot=True, qx=True),
         ]
     )
+    # FP8, one row, in bf16 pairs (``triton_skinny_fp8``; 512 x num_warps weights per row and
+    # step: one row of x has the weight tile's layout)
+    pairs = (
+        []
+        if wbytes == 2 or prologue
+        else [
+            SkinnyPlan(block_n=2, block_k=2048, pairs=True),
+            SkinnyPlan(block_n=4, block_k=2048, pairs=True),
+            SkinnyPlan(block_n=8, block_k=2048, pairs=True),
+            SkinnyPlan(block_n=2, block_k=1024, num_warps=2, pairs=True),
+            SkinnyPlan(block_n=4, block_k=1024, num_warps=2, pairs=True),
+            SkinnyPlan(block_n=2, block_k=2048, split_k=2, pairs=True),
+        ]
+    )
     if m <= 1:  # 1024 (4 warps) or 2048 (8 warps) columns: one row of x fits the weight's layout
         return [SkinnyPlan(block_n=4, block_k=1024), SkinnyPlan(block_n=8, block_k=1024),
                 SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=8, block_k=kb // 2),
                 SkinnyPlan(block_n=4, block_k=2048, num_warps=8),
                 SkinnyPlan(block_n=4, block_k=1024, split_k=split),
-                SkinnyPlan(block_n=4, block_k=1024, l2=2)] + qx  # fmt: skip
+                SkinnyPlan(block_n=4, block_k=1024, l2=2)] + qx + pairs  # fmt: skip
     # 2-8 rows on the CUDA cores too: each weight tile loaded and converted once for every row
     # (FP8 on the tensor cores converts each tile to bf16 through shared memory first).
     fma = [SkinnyPlan(block_n=2, block_k=1024), SkinnyPlan(block_n=4, block_k=1024),

@@ -79,6 +79,33 @@ def test_fp8_tensor_core_plans_quantize_x_per_step():
         linear(x, w, None, None, SkinnyPlan(block_n=64, block_k=256, dot=True, qx=True))
 
 
+def test_fp8_one_row_in_bf16_pairs():
+    """``pairs`` plans (e4m3 to bf16 by bit placement, bf16 pair products, float32 sums):
+    within the bf16 tolerance of the weight-only reference for x of any magnitude, weights with
+    e4m3 subnormals and zeros, split-K, bias, K not a multiple of the step; other products (2+
+    rows, bf16 weights) fall back to the plain path with the same plan."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    plans = [p for p in candidates(1, torch.float8_e4m3fn) if p.pairs]
+    assert plans
+    for n, k in ((4096, 4096), (520, 14336), (96, 1040)):
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+        w[:, ::7] *= 1e-4  # e4m3 subnormals and zeros in every row
+        q = reference.quantize_fp8_rows(w.bfloat16())
+        bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+        for mag in (1e-3, 1.0, 3e3):
+            x = (torch.randn(1, k, device="cuda", generator=g) * mag).bfloat16()
+            want = reference.linear(x.float(), q, bias.float())
+            for plan in plans:
+                got = linear(x, q.weight, bias, q.scale, plan)
+                assert rel_err(got, want) < TOL, (n, k, mag, plan)
+    x8 = torch.randn(3, 4096, device="cuda").bfloat16()
+    w8 = (torch.randn(64, 4096, device="cuda") * 0.02).bfloat16()
+    q8 = reference.quantize_fp8_rows(w8)
+    got = linear(x8, q8.weight, None, q8.scale, plans[0])
+    assert rel_err(got, reference.linear(x8.float(), q8)) < TOL
+    assert rel_err(linear(x8, w8, None, None, plans[0]), x8.float() @ w8.float().T) < TOL
+
+
 def test_silu_prologue_is_the_unfused_pair_bit_for_bit():
     """SiLU-and-multiply folded in gives the unfused pair's result bit for bit (same plan)."""
     n, k = SHAPES["down"]
