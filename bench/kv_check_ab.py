@@ -85,6 +85,8 @@ def kernel_arms(
     rows = staged.numpy()
     work = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     mapped = cuda and _maps_pinned(dst)
+    if cuda:  # the zeroed workspace before the arms' stream uses it
+        torch.cuda.synchronize(dev)
 
     def on_stream() -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
@@ -147,6 +149,7 @@ def device_checked_copy(dst, src, si, di, want) -> Callable[[], None]:
     work = torch.zeros(n + 1, dtype=torch.int64, device=si.device)
     host = torch.empty((), dtype=torch.int64).pin_memory()
     out = host if _maps_pinned(dst) else torch.empty((), dtype=torch.int64, device=si.device)
+    torch.cuda.synchronize(si.device)
 
     def run() -> None:  # sums keep adding up across repeats: the same work, unchecked
         kernels.copy_sum_check_blocks_between(dst, src, si, di, sums, want, work[1:], work[:1], out)

@@ -228,18 +228,19 @@ def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(pee
     memory (CUDA's unified addressing maps it: no copy back); both ways count alike: a wrong
     sum counted, a clean fetch 0, blocks bit for bit, no hop to a thread."""
     t, mine = transport(peer)
-    assert t.mapped_count  # an x86 host with UVA: the kernel writes the pinned scalar
+    found = t.mapped_count
     good = handle(peer, [3, 8, 1, 10])
     sums = list(good.block_checksums)
     sums[2] ^= 1 << 40
     wrong = replace(good, block_checksums=tuple(sums))
-    for mapped in (True, False):
+    for mapped in (True, False) if found else (False,):
         t.mapped_count = mapped
         mine.zero_()
         assert asyncio.run(fetch_verify(t, wrong, [3, 8, 1, 10], [0, 2, 4, 6])) == 1, mapped
         assert asyncio.run(fetch_verify(t, good, [3, 8, 1, 10], [0, 2, 4, 6])) == 0, mapped
         assert torch.equal(mine[[0, 2, 4, 6]], peer[[3, 8, 1, 10]])
-    assert (t.compared_fetches, t.device_verifies, t.thread_waits) == (4, 0, 0)
+    assert t.device_verifies == t.thread_waits == 0
+    assert found  # a 64-bit host with unified addressing: the kernel writes the pinned scalar
 
 
 def test_repeated_fetches_of_any_size_reset_the_tickets_and_count_exactly() -> None:
