@@ -5,11 +5,12 @@ Two pairs of arms, each timed over many repeats whose order alternates (A B, B A
 drift, clocks and caches favour neither; each arm's median, and the median (and quartiles) of
 the pairwise difference B - A, which is the check's cost:
 
-- ``kernels``: the transport's device work by hand. A: the block ids go up, the plain copy
-  kernel (``kernels.copy_blocks_between``: what the transport runs for scattered blocks), one
-  event wait. B: the ids and the sender's sums go up together, the fused copy+sum
-  (``kernels.copy_sum_blocks_between``), the compare-and-count (``kernels.count_mismatches``),
-  the count into a pinned scalar, one event wait, the count read.
+- ``kernels``: the transport's device work by hand. A: the block ids go up from a pinned
+  buffer, the plain copy kernel (``kernels.copy_blocks_between``: what the transport runs for
+  scattered blocks), one event wait. B: the ids, the sender's sums and the zeroed sums go up
+  together from a pinned buffer, the one fused kernel that copies, sums, compares and counts
+  (``kernels.copy_sum_check_blocks_between``; its count stored straight into the pinned
+  buffer where the device maps it, else copied back), one event wait, the count read.
 - ``transport``: `CudaIpcTransport.fetch` then ``verify`` as the decode worker calls them, with
   ``sums`` off (A) and on (B), the handle carrying the sender's ``wsum64`` (a `KVHandle` as
   the prefill worker sends it). The peer's pool is exported as a prefill worker exports it,
@@ -78,10 +79,14 @@ def kernel_arms(
     dev = dst.device
     cuda = dev.type == "cuda"
     stream = torch.cuda.Stream(dev) if cuda else None
-    count = torch.empty((), dtype=torch.int64)
-    count = count.pin_memory() if cuda else count
-    ids = [list(src_ids), list(dst_ids)]
-    want = signed64(expected)
+    n = len(src_ids)
+    staged = torch.empty(4 * n + 1, dtype=torch.int64)
+    staged = staged.pin_memory() if cuda else staged
+    rows = staged.numpy()
+    work = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    mapped = cuda and _maps_pinned(dst)
+    if cuda:  # the zeroed workspace before the arms' stream uses it
+        torch.cuda.synchronize(dev)
 
     def on_stream() -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
@@ -95,19 +100,29 @@ def kernel_arms(
     def bare() -> float:
         t0 = time.perf_counter()
         with on_stream():
-            idx = torch.tensor(ids, dtype=torch.int64).to(dev)
-            kernels.copy_blocks_between(dst, src, idx[0], idx[1])
+            rows[:n], rows[n : 2 * n] = src_ids, dst_ids
+            idx = staged[: 2 * n].to(dev, non_blocking=cuda)
+            kernels.copy_blocks_between(dst, src, idx[:n], idx[n:])
             wait()
         return time.perf_counter() - t0
 
     def checked() -> float:
         t0 = time.perf_counter()
         with on_stream():
-            idx = torch.tensor([*ids, want], dtype=torch.int64).to(dev)
-            sums = kernels.copy_sum_blocks_between(dst, src, idx[0], idx[1])
-            count.copy_(kernels.count_mismatches(sums, idx[2]), non_blocking=cuda)
+            rows[:n], rows[n : 2 * n] = src_ids, dst_ids
+            rows.view("uint64")[2 * n : 3 * n] = expected
+            rows[3 * n : 4 * n] = 0
+            up = staged.to(dev, non_blocking=cuda) if cuda else staged.clone()
+            host = staged[4 * n]
+            out = host if mapped or not cuda else up[4 * n]
+            kernels.copy_sum_check_blocks_between(
+                dst, src, up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n],
+                work[1:], work[:1], out,
+            )  # fmt: skip
+            if out is not host:
+                host.copy_(out, non_blocking=True)
             wait()
-        bad = int(count)
+        bad = int(staged[4 * n])
         elapsed = time.perf_counter() - t0
         if bad:
             raise AssertionError(f"{bad} blocks mismatched in an exact copy")
@@ -116,14 +131,30 @@ def kernel_arms(
     return bare, checked
 
 
-def device_checked_copy(dst, src, si, di, want) -> Callable[[], None]:
-    """The checked arm's device work alone (for CUDA-event timing): fused copy, compare, count
-    into a pinned scalar."""
-    count = torch.empty((), dtype=torch.int64).pin_memory()
+def _maps_pinned(dst: torch.Tensor) -> bool:
+    """Whether the fused check stores into pinned host memory here (as the transport's
+    warm-up finds out)."""
+    from libkv.transfer.cuda_ipc import CudaIpcTransport
 
-    def run() -> None:
-        sums = kernels.copy_sum_blocks_between(dst, src, si, di)
-        count.copy_(kernels.count_mismatches(sums, want), non_blocking=True)
+    probe = torch.zeros(1, dst.shape[1], dtype=torch.uint8, device=dst.device)
+    return CudaIpcTransport(probe, dst.shape[1], None, sums=True).mapped_count  # type: ignore[arg-type]
+
+
+def device_checked_copy(dst, src, si, di, want) -> Callable[[], None]:
+    """The checked arm's device work alone (for CUDA-event timing): the one fused kernel that
+    copies, sums, compares and counts (its count into pinned memory where the device maps
+    it, else with the 8-byte copy back)."""
+    n = si.numel()
+    sums = torch.zeros(n, dtype=torch.int64, device=si.device)
+    work = torch.zeros(n + 1, dtype=torch.int64, device=si.device)
+    host = torch.empty((), dtype=torch.int64).pin_memory()
+    out = host if _maps_pinned(dst) else torch.empty((), dtype=torch.int64, device=si.device)
+    torch.cuda.synchronize(si.device)
+
+    def run() -> None:  # sums keep adding up across repeats: the same work, unchecked
+        kernels.copy_sum_check_blocks_between(dst, src, si, di, sums, want, work[1:], work[:1], out)
+        if out is not host:
+            host.copy_(out, non_blocking=True)
 
     return run
 
@@ -184,6 +215,9 @@ def transport_arms(
             "fused_fetches": checked.fused_fetches,
             "compared_fetches": checked.compared_fetches,
             "device_verifies": checked.device_verifies,
+            "mapped_count": checked.mapped_count,
+            "thread_waits_off": plain.thread_waits,
+            "thread_waits_on": checked.thread_waits,
         }
 
     return (
@@ -263,4 +297,5 @@ def print_check(rows: list[dict]) -> None:
         if "compared_fetches" in r0:
             print("  transport counters (sums on, last size): " + ", ".join(
                 f"{k} {rows[-1][key][k]}" for k in
-                ("fused_fetches", "compared_fetches", "device_verifies")))  # fmt: skip
+                ("fused_fetches", "compared_fetches", "device_verifies", "mapped_count",
+                 "thread_waits_off", "thread_waits_on")))  # fmt: skip

@@ -49,6 +49,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_between",
     "copy_sum_blocks_between",
+    "copy_sum_check_blocks_between",
     "count_mismatches",
     "linear",
     "lora_add",
@@ -204,6 +205,35 @@ def copy_sum_blocks_between(
         return triton_copy.copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset)
     reference.copy_blocks_between(dst, src, src_idx, dst_idx)
     return reference.block_wsum64(dst.view(torch.int64), dst_idx, offset)
+
+
+def copy_sum_check_blocks_between(
+    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+    sums: torch.Tensor, want: torch.Tensor, tickets: torch.Tensor, state: torch.Tensor,
+    out: torch.Tensor, total: int | None = None, offset: int = 0,
+) -> None:  # fmt: skip
+    """`copy_sum_blocks_between` with the compare in the same launch (the CUDA IPC check):
+    adds each moved block's ``wsum64`` into ``sums`` (zeroed), and once the ``total``-th block
+    (default: this call's) is done, stores how many sums differ from ``want`` in ``out`` (a
+    0-dim int64: on the device, or pinned host memory mapped for it). ``tickets`` (int64, one
+    per block) and ``state`` (one int64) must be zero and are left zero: a workspace reused by
+    every call on one stream. Not waited for."""
+    n = src_idx.numel()
+    if sums.shape != (n,) or want.shape != (n,) or tickets.numel() < n or state.numel() != 1:
+        raise ValueError(
+            f"{n} blocks need {n} sums, {n} expected sums, {n} tickets and one state word"
+        )
+    total = n if total is None else total
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        triton_copy.copy_sum_check_blocks_between(
+            dst, src, src_idx, dst_idx, sums, want, tickets, state, out, total, offset
+        )
+        return
+    reference.copy_sum_check_blocks_between(
+        dst, src, src_idx, dst_idx, sums, want, tickets[:n], state, out, total, offset
+    )
 
 
 def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

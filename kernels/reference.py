@@ -253,6 +253,26 @@ def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got != want).sum()
 
 
+def copy_sum_check_blocks_between(
+    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+    sums: torch.Tensor, want: torch.Tensor, tickets: torch.Tensor, state: torch.Tensor,
+    out: torch.Tensor, total: int, offset: int = 0,
+) -> None:  # fmt: skip
+    """The fused copy, sum and compare (``kernels.copy_sum_check_blocks_between``) in torch:
+    the same in-out protocol (``sums`` added to; ``state``'s blocks done and mismatches, packed
+    in one word, written to ``out`` and cleared after the ``total``-th block; ``tickets`` stay
+    zero)."""
+    if src_idx.numel() == 0:
+        return
+    copy_blocks_between(dst, src, src_idx, dst_idx)
+    sums += block_wsum64(dst.view(torch.int64), dst_idx, offset)
+    seen = int(state) + src_idx.numel() * (1 << 32) + int((sums != want).sum())
+    if seen >> 32 == total:
+        out.fill_(seen & 0xFFFFFFFF)
+        seen = 0
+    state.fill_(seen)
+
+
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks (all layers, K and V): ``kv_cache[dst[i]] = kv_cache[src[i]]`` (as
     bytes, so any element type, FP8 included, is copied alike)."""

@@ -296,6 +296,37 @@ def test_copy_sum_blocks_between_copies_and_sums_what_it_moved(block_bytes, n, o
     assert torch.equal(sums, reference.block_wsum64(want.view(torch.int64), dst_idx, offset))
 
 
+@pytest.mark.parametrize(("block_bytes", "n"), [(2 * 1024**2, 64), (4096 + 8, 300), (64, 1500)])
+def test_the_fused_check_counts_exactly_under_concurrent_programs(block_bytes, n):
+    """The CUDA IPC check in the copy (``copy_sum_check_blocks_between``): up to 128 programs
+    per block race for its ticket and thousands of blocks for the count, 20 calls in a row on
+    one workspace, each with other wrong sums: every count exact, every block copied bit for
+    bit, the sums the reference's, the workspace zero after each call, the count stored into
+    a device scalar and into pinned host memory alike."""
+    from kernels.triton_copy import copy_sum_check_blocks_between
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    src = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, device="cuda", generator=g)
+    si = torch.randperm(n, device="cuda", generator=g)
+    di = torch.randperm(n, device="cuda", generator=g)
+    truth = reference.block_wsum64(src.view(torch.int64), si)
+    work = torch.zeros(n + 1, dtype=torch.int64, device="cuda")
+    host = torch.empty((), dtype=torch.int64, pin_memory=True)
+    for call in range(20):
+        dst = torch.zeros_like(src)
+        wrong = torch.randperm(n, device="cuda", generator=g)[: (call * 7) % (n + 1)]
+        want = truth.clone()
+        want[wrong] ^= 1 << (call % 63)
+        sums = torch.zeros(n, dtype=torch.int64, device="cuda")
+        out = host if call % 2 else torch.empty((), dtype=torch.int64, device="cuda")
+        host.fill_(-1)
+        copy_sum_check_blocks_between(dst, src, si, di, sums, want, work[1:], work[:1], out, n)
+        torch.cuda.synchronize()
+        assert int(out) == wrong.numel(), call
+        assert torch.equal(dst[di], src[si]) and torch.equal(sums, truth)
+        assert not work.any()
+
+
 @pytest.mark.parametrize("n", [0, 1, 63, 1024, 4097])
 def test_count_mismatches_equals_the_torch_reference(n):
     """The compare-and-count behind the CUDA IPC copy: the sender's sums as a row of the

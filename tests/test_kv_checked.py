@@ -195,7 +195,7 @@ def test_the_cuda_ipc_copy_sums_what_it_wrote_and_its_fault_is_in_transit(fault)
     mine = torch.zeros(n, bs, dtype=torch.uint8)
     t = CudaIpcTransport(mine, bs, None, sums=True, fault=fault)  # type: ignore[arg-type]
     src, dst = [5, 1, 6], [0, 7, 3]
-    sums, bad = t._copy_sum(peer, src, dst)
+    sums, bad, _ = t._copy_sum(peer, src, dst)
     assert bad is None  # no sender's sums given: nothing compared
 
     def wsum(pool, ids):

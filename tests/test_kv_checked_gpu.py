@@ -40,11 +40,11 @@ class Source:
 
 
 class Records:
-    def __init__(self, peer: torch.Tensor) -> None:
+    def __init__(self, peer: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> None:
         self.extra_ = {
             HOST_KEY: host_id(),
             DEVICE_KEY: device_uuid(0),
-            CUDA_IPC_KEY: export_pool(peer, BLOCK_BYTES).to_json(),
+            CUDA_IPC_KEY: export_pool(peer, block_bytes).to_json(),
         }
 
     async def extra(self, worker_id: str, incarnation: str, timeout: float) -> dict[str, str]:
@@ -103,14 +103,24 @@ def test_a_bit_flipped_in_transit_is_caught_and_the_sender_is_untouched(peer) ->
     assert torch.equal(mine[[1, 5]], peer[[6, 7]])
 
 
-def handle(peer: torch.Tensor, ids: list[int], algorithm: str = "wsum64") -> KVHandle:
+def handle(
+    peer: torch.Tensor, ids: list[int], algorithm: str = "wsum64", block_bytes: int = BLOCK_BYTES
+) -> KVHandle:
     """The prefill worker's handle of blocks ``ids`` with their ``wsum64`` (as it sends it)."""
     return KVHandle(
         worker_id="p0", incarnation="i1", address="", block_ids=tuple(ids),
-        num_tokens=16 * len(ids), block_size=16, block_bytes=BLOCK_BYTES, dtype="uint8",
+        num_tokens=16 * len(ids), block_size=16, block_bytes=block_bytes, dtype="uint8",
         lease_expires_unix_ms=0, block_checksums=tuple(sender_sums(peer, ids)),
         checksum_algorithm=algorithm,
     )  # fmt: skip
+
+
+async def fetch_verify(
+    t: CudaIpcTransport, h: KVHandle, src: list[int], dst: list[int]
+) -> int | None:
+    """As the decode worker hands off: fetch, then verify with the handle's sums."""
+    await t.fetch("r", h, src, dst, 30.0)
+    return await t.verify("r", h.block_checksums[len(h.block_ids) - len(src) :])
 
 
 @pytest.mark.parametrize("skip", [0, 2])
@@ -211,3 +221,78 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
     assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
     assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
     assert "ab_transport: A = fetch+verify, sums off" in capsys.readouterr().out
+
+
+def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(peer) -> None:
+    """The warm-up found that the fused kernel can store its count straight into pinned host
+    memory (CUDA's unified addressing maps it: no copy back); both ways count alike: a wrong
+    sum counted, a clean fetch 0, blocks bit for bit, no hop to a thread."""
+    t, mine = transport(peer)
+    found = t.mapped_count
+    good = handle(peer, [3, 8, 1, 10])
+    sums = list(good.block_checksums)
+    sums[2] ^= 1 << 40
+    wrong = replace(good, block_checksums=tuple(sums))
+    for mapped in (True, False) if found else (False,):
+        t.mapped_count = mapped
+        mine.zero_()
+        assert asyncio.run(fetch_verify(t, wrong, [3, 8, 1, 10], [0, 2, 4, 6])) == 1, mapped
+        assert asyncio.run(fetch_verify(t, good, [3, 8, 1, 10], [0, 2, 4, 6])) == 0, mapped
+        assert torch.equal(mine[[0, 2, 4, 6]], peer[[3, 8, 1, 10]])
+    assert t.device_verifies == t.thread_waits == 0
+    assert found  # a 64-bit host with unified addressing: the kernel writes the pinned scalar
+
+
+def test_repeated_fetches_of_any_size_reset_the_tickets_and_count_exactly() -> None:
+    """Many fetches in a row on one transport (one workspace, one stream; no CUDA graph):
+    sizes from one block to more than the first workspace holds (it grows), blocks of
+    several programs each (tickets), a different number of wrong sums each time, the fault
+    hook's split launch in between: every count exact, every block bit for bit, the
+    workspace zero after each."""
+    blocks, bb = 1536, 48 * 1024  # 6144 words: 3 programs per block
+    g = torch.Generator(device="cuda").manual_seed(7)
+    peer = torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device="cuda", generator=g)
+    mine = torch.zeros(blocks, bb, dtype=torch.uint8, device="cuda")
+    clean = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True)
+    faulty = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True, fault="corrupt")
+    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    for i, n in enumerate([1, 2, 7, 1023, 1024, 1200, 3, 1536, 64, 5]):
+        t = faulty if i % 3 == 2 else clean
+        t._mapped = lambda name, info: peer  # type: ignore[method-assign]
+        src, dst = perm[:n], perm[::-1][:n]
+        h = handle(peer, src, block_bytes=bb)
+        sums = list(h.block_checksums)
+        wrong = list(range(0, n, 3))[: i + 1]
+        for k in wrong:
+            sums[k] ^= 1
+        h = replace(h, block_checksums=tuple(sums))
+        damaged = 1 if t.fault and 0 not in wrong else 0
+        assert asyncio.run(fetch_verify(t, h, src, dst)) == len(wrong) + damaged, (i, n)
+        assert t._work is not None and not t._work.any()
+        same = (mine[dst] == peer[src]).view(n, -1).all(dim=1)
+        assert same[1:].all() and bool(same[0]) == (not t.fault)
+    assert clean.device_verifies == faulty.device_verifies == 0
+
+
+def test_many_concurrent_fetches_keep_their_own_counts(peer) -> None:
+    """Eight hand-offs in flight at once on one transport (eight pinned upload buffers, one
+    workspace on one stream): each counts its own wrong sums."""
+    t, _ = transport(peer)
+    good = handle(peer, [1, 2, 3, 4, 5, 6])
+    handles = []
+    for k in range(8):
+        sums = list(good.block_checksums)
+        for j in range(k % 4):
+            sums[j] ^= 1 << 63
+        handles.append(replace(good, block_checksums=tuple(sums)))
+
+    async def go() -> list[int | None]:
+        await asyncio.gather(*(
+            t.fetch(f"r{k}", h, list(h.block_ids), [0, 7, 8, 9, 10, 11], 5.0)
+            for k, h in enumerate(handles)
+        ))  # fmt: skip
+        return [await t.verify(f"r{k}", h.block_checksums) for k, h in enumerate(handles)]
+
+    assert asyncio.run(go()) == [k % 4 for k in range(8)]
+    assert (t.compared_fetches, t.device_verifies) == (8, 0)
+    assert len(t._staged) >= 2  # the buffers came back for the next fetches

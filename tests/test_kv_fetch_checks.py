@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -199,12 +201,13 @@ def test_the_fused_copy_compares_with_the_senders_sums_behind_the_copy(fault) ->
     )
     src, dst = [5, 1, 6, 2], [0, 7, 3, 4]
     want = _wsum(peer, src)
-    sums, bad = t._copy_sum(peer, src, dst, want)
+    sums, bad, _ = t._copy_sum(peer, src, dst, want)
     assert bad is not None and int(bad) == (1 if fault else 0)
     assert torch.equal(sums, torch.tensor(signed64(_wsum(mine, dst))))  # what landed
     want[2] ^= 1 << 63  # a sender's sum that no block matches
-    _, bad = t._copy_sum(peer, src, dst, want)
+    _, bad, _ = t._copy_sum(peer, src, dst, want)
     assert bad is not None and int(bad) == (2 if fault else 1)
+    assert not t._workspace(1).any()  # left zero for the next fetch
 
 
 def test_verify_answers_a_compared_fetch_with_no_device_work() -> None:
@@ -242,3 +245,203 @@ def test_the_check_bench_runs_dry(tmp_path, capsys) -> None:
     assert ab["pairs"] == 6 and ab["stack_handoff_ms"] == 2.5 and ab["a_ms"] > 0
     assert "ab_transport" not in rows[0]
     assert "of 2.5 ms" in capsys.readouterr().out
+
+
+def _check_args(n: int, tickets: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Zeroed sums, a workspace (state word, then tickets) and an ``out`` preset to -1."""
+    work = torch.zeros(1 + (n if tickets is None else tickets), dtype=torch.int64)
+    return torch.zeros(n, dtype=torch.int64), work, torch.full((), -1, dtype=torch.int64)
+
+
+def _fused_check_case(check, words: int) -> None:
+    """The fused copy, sum and compare (``check``: the torch reference through
+    ``kernels``, or the Triton kernel interpreted): blocks land bit for bit, each block's
+    ``wsum64`` as written is in ``sums``, the wrong expected sum is counted, and the workspace
+    is left zero, so the next call on it (three in a row, then a split in two launches that
+    share one count, as the fault hook launches) counts right again."""
+    g = torch.Generator().manual_seed(3)
+    peer = torch.randint(-(2**63), 2**63 - 1, (7, words), dtype=torch.int64, generator=g)
+    si, di = torch.tensor([4, 0, 2, 6, 1]), torch.tensor([1, 5, 3, 0, 6])
+    truth = reference.block_wsum64(peer, si)
+    work = torch.zeros(9, dtype=torch.int64)
+    for wrong in ([], [2], [0, 4]):
+        mine = torch.zeros_like(peer)
+        want = truth.clone()
+        want[wrong] ^= 1
+        sums, out = torch.zeros(5, dtype=torch.int64), torch.full((), -1, dtype=torch.int64)
+        check(mine.view(torch.uint8), peer.view(torch.uint8), si, di, sums, want, work[1:],
+              work[:1], out, 5)  # fmt: skip
+        assert int(out) == len(wrong)
+        assert torch.equal(mine[di], peer[si]) and torch.equal(sums, truth)
+        assert not work.any()
+    sums, out = torch.zeros(5, dtype=torch.int64), torch.full((), -1, dtype=torch.int64)
+    want = truth.clone()
+    want[3] += 1
+    m8, p8 = torch.zeros_like(peer).view(torch.uint8), peer.view(torch.uint8)
+    check(m8, p8, si[:2], di[:2], sums[:2], want[:2], work[1:], work[:1], out, 5)
+    assert int(out) == -1 and work.any()  # 2 of 5 blocks done: no count yet
+    check(m8, p8, si[2:], di[2:], sums[2:], want[2:], work[3:], work[:1], out, 5)
+    assert int(out) == 1 and not work.any() and torch.equal(sums, truth)
+
+
+def test_the_fused_check_counts_once_and_leaves_its_workspace_zero() -> None:
+    _fused_check_case(kernels.copy_sum_check_blocks_between, 40)
+
+
+@interpreted
+@pytest.mark.parametrize("words", [40, 4500])  # one program per block; three (tickets)
+def test_the_triton_fused_check_counts_once_and_leaves_its_workspace_zero(words) -> None:
+    from kernels.triton_copy import copy_sum_check_blocks_between
+
+    _fused_check_case(copy_sum_check_blocks_between, words)
+
+
+def test_the_fused_check_refuses_vectors_that_do_not_pair() -> None:
+    pool = torch.zeros(4, 64, dtype=torch.uint8)
+    sums, work, out = _check_args(2)
+    idx = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="2 blocks need 2 sums"):
+        kernels.copy_sum_check_blocks_between(
+            pool, pool, idx, idx, sums[:1], sums, work[1:], work[:1], out
+        )
+
+
+def test_a_fetch_uploads_its_ids_and_sums_in_one_buffer_and_keeps_no_copy() -> None:
+    """What `_copy_sum` stages (a CPU transport: the buffer is the upload): block ids, the
+    sender's sums with their bits as int64, the zeroed sums the kernel adds to (the returned
+    sums are a view of that one buffer), and the count's slot right behind them."""
+    t, _ = _transport("")
+    peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
+    src, dst = [5, 1, 6], [0, 7, 3]
+    want = [*_wsum(peer, src)[:2], TOP]
+    sums, count, staged = t._copy_sum(peer, src, dst, want)
+    assert staged is not None and count is not None
+    assert staged[:6].tolist() == src + dst and staged[6:9].tolist() == signed64(want)
+    assert sums.data_ptr() == staged[9:].data_ptr() and count.data_ptr() == staged[12:].data_ptr()
+    assert int(count) == 1
+
+
+def test_the_suffix_fast_path_gives_what_the_lookup_gives() -> None:
+    """The decode worker's fetch (a suffix of the handle's blocks) takes the handle's sums as
+    they are; a block named twice with two sums, or a sum out of uint64 range, still goes
+    through the lookup (None, or the masked value)."""
+    assert sender_sums(handle(), IDS[2:]) == SUMS[2:]
+    assert sender_sums(handle(), IDS) == SUMS
+    twice = handle(ids=(7, 3, 9, 7, 5), sums=(1, 2, 3, 4, 5))
+    assert sender_sums(twice, [9, 7, 5]) is None
+    negative = handle(sums=(11, -5, 1 << 63, 0, 42))
+    assert sender_sums(negative, IDS[1:]) == (TOP, 1 << 63, 0, 42)
+
+
+def test_verify_matches_the_handles_sums_as_given_or_masked() -> None:
+    checks = FetchChecks()
+    checks.keep("r", Kept(None, 2, (1, TOP), 3))
+    assert checks.take("r", (1, TOP)) == 3
+    checks.keep("r", Kept(None, 2, (1, TOP), 3))
+    assert checks.take("r", [1, -5]) == 3  # the same bits
+    kept = Kept(None, 2, (1, TOP), 3)
+    checks.keep("r", kept)
+    assert checks.take("r", [1, 2]) is kept  # other sums: compared again
+
+
+class FakeEvent:
+    """A CUDA event that completes after ``polls`` queries or on ``synchronize``."""
+
+    def __init__(self, polls: int, sync_s: float = 0.0) -> None:
+        self.polls, self.sync_s, self.synced = polls, sync_s, 0
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        time.sleep(self.sync_s)
+        self.synced += 1
+
+
+def test_a_fetch_polls_as_long_as_its_copy_should_take_and_only_then_waits_in_a_thread() -> None:
+    """`_wait`: a copy that completes within its expected time (its bytes at ``POLL_RATE``
+    plus the margin) is polled on the loop, with no thread; one that outlasts it is waited for
+    in a thread; the timeout counts from the wait's start and raises only after the copy
+    ended (its destination is never freed under it)."""
+    from libkv.transfer import KVTransferError, cuda_ipc
+
+    t, _ = _transport("")
+    ev = FakeEvent(polls=200)  # a few hundred microseconds of polls
+    asyncio.run(t._wait(ev, 5.0, 512 << 20))  # 512 MiB: ~6 ms of polling allowed
+    assert (t.thread_waits, ev.synced) == (0, 0)
+    ev = FakeEvent(polls=10**9)
+    start = time.monotonic()
+    asyncio.run(t._wait(ev, 5.0, 0))  # nothing expected: the margin, then a thread
+    assert (t.thread_waits, ev.synced) == (1, 1)
+    assert time.monotonic() - start < 0.5
+    ev = FakeEvent(polls=10**9, sync_s=0.3)
+    with pytest.raises(KVTransferError, match="took over 0.1 s"):
+        asyncio.run(t._wait(ev, 0.1, 10**12))  # polling capped by the timeout
+    assert ev.synced == 2  # timed out in the thread, then waited for to the end
+    assert cuda_ipc.POLL_MAX_S < 0.1  # so this one went to a thread first
+
+
+INFO = {
+    "device_uuid": "", "handle": "", "size": 0, "offset": 0, "ref_counter_handle": "",
+    "ref_counter_offset": 0, "event_handle": "", "event_sync_required": False,
+    "num_blocks": 12,
+}  # fmt: skip
+
+
+class _Done:
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fault", ["", "corrupt"])
+def test_a_cpu_fetch_goes_through_the_one_wait_path(monkeypatch, fault) -> None:
+    """`fetch` + `verify` end to end on CPU tensors (the stream and event of CUDA stubbed;
+    on CUDA: ``tests/test_kv_checked_gpu.py``): the handle's sums go up with the ids, the
+    count comes from the fetch's own kernel, verify answers it without device work, blocks
+    land bit for bit, and concurrent fetches keep their own counts."""
+    import contextlib
+
+    from libkv.transfer.cuda_ipc import CudaIpcTransport
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Done)
+    peer = torch.randint(0, 256, (12, 256), dtype=torch.uint8)
+    mine = torch.zeros(12, 256, dtype=torch.uint8)
+    t = CudaIpcTransport(mine, 256, None, sums=True, fault=fault)  # type: ignore[arg-type]
+    t._mapped = lambda name, info: peer  # type: ignore[method-assign]
+    t.can_reach = lambda extra: True  # type: ignore[method-assign]
+    ids = [9, 1, 7, 2, 11]
+    good = handle(ids=ids, sums=_wsum(peer, ids))
+    sums = list(good.block_checksums)
+    sums[3] ^= 1
+    wrong = replace(good, block_checksums=tuple(sums))
+
+    class Records:
+        async def extra(self, worker_id: str, incarnation: str, timeout: float) -> dict:
+            from libkv.transfer import CUDA_IPC_KEY
+
+            return {CUDA_IPC_KEY: json.dumps({**INFO, "block_bytes": 256})}
+
+    t.records = Records()  # type: ignore[assignment]
+
+    async def go() -> list[int | None]:
+        await asyncio.gather(
+            t.fetch("a", good, ids[1:], [0, 3, 4, 5], 5.0),
+            t.fetch("b", wrong, ids, [6, 7, 8, 10, 11], 5.0),
+        )
+        return [await t.verify("a", good.block_checksums[1:]),
+                await t.verify("b", wrong.block_checksums)]  # fmt: skip
+
+    damaged = 1 if fault else 0
+    assert asyncio.run(go()) == [damaged, 1 + damaged]
+    assert (t.fused_fetches, t.compared_fetches, t.device_verifies) == (2, 2, 0)
+    assert torch.equal(mine[[3, 4, 5]], peer[[7, 2, 11]])
+    assert torch.equal(mine[[7, 8, 10, 11]], peer[[1, 7, 2, 11]])
+    assert torch.equal(mine[0], peer[1]) != bool(fault)
+    assert not t._workspace(1).any()

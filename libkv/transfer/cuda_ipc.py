@@ -17,17 +17,24 @@ process, and an opened mapping keeps the memory alive until it is closed, so a d
 mapping only ever yields blocks that a lease check refuses (`StalePeerError`).
 
 Checked KV (``sums=True``, a decode worker with ``--kv-checksums`` whose pool holds whole
-canonical blocks): every fetch runs the fused copy-and-sum kernel
-(``kernels.copy_sum_blocks_between``), which takes each moved block's ``wsum64`` from the words
-as the copy writes them, so checking what arrived costs no second read of the blocks. Where
-the handle carries the sender's ``wsum64`` of the fetched blocks (`fetch_checks.sender_sums`),
-they go up with the copy's block ids (one upload, before the copy), one small kernel behind the
-copy compares them with the copy's sums and counts the mismatches
-(``kernels.count_mismatches``), and the count comes back into a pinned scalar: the fetch's one
-wait covers copy, compare and count, and `verify` answers from the kept count with no device
-work and no wait of its own. The caller recomputes on a mismatch. Without the sender's sums on
-the handle the copy's sums stay on the device and `verify` compares them with what it is given
-(one more wait).
+canonical blocks): every fetch runs a fused copy-and-sum kernel, which takes each moved block's
+``wsum64`` from the words as the copy writes them, so checking what arrived costs no second
+read of the blocks. Where the handle carries the sender's ``wsum64`` of the fetched blocks
+(`fetch_checks.sender_sums`), they go up with the copy's block ids and the zeroed sums (one
+upload from a reused pinned buffer, before the copy, no host synchronisation), and the same
+kernel compares (``kernels.copy_sum_check_blocks_between``): the last program to finish a
+block (a ticket per block, as split-K takes one) compares that block's sum with the sender's,
+and the last block to finish stores the fetch's mismatch count into the pinned buffer itself
+(mapped into the device's address space; where the warm-up finds it is not, the count comes
+back by an 8-byte copy). No extra launch, and the fetch's one wait covers copy, compare and
+count; `verify` answers from the kept count with no device work and no wait of its own. The
+caller recomputes on a mismatch. Without the sender's sums on the handle the copy's sums stay
+on the device and `verify` compares them with what it is given (``kernels.count_mismatches``,
+one more wait).
+
+The fetch's wait polls the copy's event on the event loop for as long as the copy should take
+(its bytes at ``POLL_RATE``, plus a margin), so a normal hand-off never pays a hop to a thread;
+only a copy that outlasts that is waited for in one (``thread_waits``).
 
 The test-only fault hook (``fault="corrupt"``, ``--kv-fault corrupt``) damages data in transit
 on this path: the first block is read not from the peer's pool but from a scratch copy of it
@@ -48,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 import kernels
@@ -66,6 +74,13 @@ from libkv.transfer.fetch_checks import FetchChecks, Kept, sender_sums, signed64
 
 log = logging.getLogger(__name__)
 MEMCPY_RUNS = 4  # up to this many contiguous runs: cudaMemcpy each; more: one copy kernel
+# How long a fetch's wait polls on the event loop before it waits in a thread: the copy's
+# bytes at a rate every device copy beats (H100: ~1 TB/s within the GPU, hundreds of GB/s
+# between GPUs over NVLink), plus a margin, never longer than the cap.
+POLL_RATE = 100e9  # bytes per second
+POLL_MARGIN_S = 1e-3
+POLL_MAX_S = 0.02
+STAGING_MIN = 1024  # entries of the smallest pinned upload buffer and device workspace
 
 
 def host_id() -> str:
@@ -168,6 +183,18 @@ def pool_record(pool: torch.Tensor, block_bytes: int, export: bool) -> dict[str,
     return out
 
 
+@dataclass(slots=True)
+class Launched:
+    """One fetch's queued work: the event behind it, the copy's sums (sums on), the host
+    scalar its mismatch count lands in (the sender's sums given), and the pinned buffer its
+    upload came from (reused once the event completed)."""
+
+    done: Any  # torch.cuda.Event
+    sums: torch.Tensor | None
+    count: torch.Tensor | None
+    staged: torch.Tensor | None
+
+
 class PeerRecords(Protocol):
     """The member-record fields of a live worker incarnation (etcd in services)."""
 
@@ -211,27 +238,62 @@ class CudaIpcTransport:
         self.sums = sums  # fused copy-and-sum, compared with the sender's on the device
         self.fault = fault  # test only, with sums: "corrupt" flips a bit of each first block
         self._checks = FetchChecks()  # request id -> what its last fetch leaves for `verify`
-        self._counts: list[torch.Tensor] = []  # pinned scalars a mismatch count comes back in
+        self._counts: list[torch.Tensor] = []  # pinned scalars a verify's count comes back in
+        self._staged: list[torch.Tensor] = []  # pinned upload buffers, free for a fetch
+        self._work: torch.Tensor | None = None  # the fused check's zeroed words (device)
+        self.mapped_count = False  # the fused check writes its count into pinned memory
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
-        self.compared_fetches = 0  # of those, compared behind the copy (verify waits for none)
+        self.compared_fetches = 0  # of those, compared in the copy (verify waits for none)
         self.device_verifies = 0  # verifies that compared on the device themselves
+        self.thread_waits = 0  # waits that outlasted their polling and went to a thread
         if sums and self.device.type == "cuda":
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile the fused copy now, not in the first hand-off's path (a scratch block of the
-        pool's size: the same kernel variant). If it cannot run here the decode worker sums
-        the arrived blocks itself, as over the network."""
+        """Compile the fused kernels now, not in the first hand-off's path (a scratch block
+        of the pool's size: the same kernel variants), and find out whether the fused check
+        can store its count straight into pinned host memory (mapped into the device's
+        address space by CUDA's unified addressing): a scratch block of zeros whose expected
+        sum is 1 must count 1 there. If not, its count comes back by an 8-byte copy. If the
+        kernels cannot run here the decode worker sums the arrived blocks itself, as over the
+        network."""
         try:
-            scratch = torch.zeros(1, self.block_bytes, dtype=torch.uint8, device=self.device)
-            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-            sums = kernels.copy_sum_blocks_between(scratch, scratch, zero, zero)
-            kernels.count_mismatches(sums, sums)
-            torch.cuda.synchronize(self.device)
-            self._counts.append(torch.empty((), dtype=torch.int64).pin_memory())
+            torch.cuda.set_device(self.device)  # where Triton launches
+            self._stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._stream):  # the workspace lives on the fetches' stream
+                self._try_kernels()
+            self._counts.append(torch.empty((), dtype=torch.int64, pin_memory=True))
         except Exception as e:  # a kernel that does not compile or run here: any kind
             log.warning("the fused CUDA IPC copy-and-sum cannot run (%s): checked apart", e)
             self.sums = False
+
+    def _try_kernels(self) -> None:
+        scratch = torch.zeros(1, self.block_bytes, dtype=torch.uint8, device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        sums = kernels.copy_sum_blocks_between(scratch, scratch, zero, zero)
+        kernels.count_mismatches(sums, sums)
+        one = torch.ones(1, dtype=torch.int64, device=self.device)
+        work = self._workspace(1)
+        host = torch.full((), -1, dtype=torch.int64, pin_memory=True)
+        for out in (host, torch.empty((), dtype=torch.int64, device=self.device)):
+            try:
+                kernels.copy_sum_check_blocks_between(
+                    scratch, scratch, zero, zero, zero.clone(), one, work[1:], work[:1], out
+                )
+                torch.cuda.synchronize(self.device)
+            except (RuntimeError, ValueError) as e:  # Triton refused the host pointer
+                if out is not host:
+                    raise
+                log.info("the fused check cannot store into pinned memory (%s)", e)
+                continue
+            if int(work.count_nonzero()):
+                raise RuntimeError("the fused check left its workspace dirty")
+            if int(out) == 1:
+                self.mapped_count = out is host
+                return
+            if out is not host:
+                raise RuntimeError(f"the fused check counted {int(out)} of 1 in a test")
+            log.info("the fused check's store into pinned memory did not arrive")
 
     def can_reach(self, extra: dict[str, str]) -> bool:
         return (
@@ -265,23 +327,22 @@ class CudaIpcTransport:
         name = agent_name(source.worker_id, source.incarnation)
         self._checks.drop(request_id)
         want = sender_sums(source, src_blocks) if self.sums else None
-        count: torch.Tensor | None = None
+        n = len(src_blocks)
         try:
-            done, sums, count = self._launch(name, info, src_blocks, dst_blocks, want)
-            await self._wait(done, timeout)  # the copy, and its compare and count with ``want``
-            bad = None if count is None else int(count)
+            launched = self._launch(name, info, src_blocks, dst_blocks, want)
+            # The copy, with its compare and count when ``want`` came: one wait for all.
+            await self._wait(launched.done, timeout, n * self.block_bytes)
+            bad = None if launched.count is None else int(launched.count)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.stats.failures += 1
             raise KVTransferError(f"CUDA IPC copy from {source.worker_id} failed: {e}") from e
-        finally:
-            if count is not None:  # reusable: a later copy into it queues on the same stream
-                self._counts.append(count)
-        if sums is not None:
+        if launched.staged is not None:  # its upload and count are done: reusable
+            self._staged.append(launched.staged)
+        if launched.sums is not None:
             self.fused_fetches += 1
             if bad is not None:
                 self.compared_fetches += 1
-            self._checks.keep(request_id, Kept(sums, len(src_blocks), want, bad))
-        n = len(src_blocks)
+            self._checks.keep(request_id, Kept(launched.sums, n, want, bad))
         self.stats.add(n, n * self.block_bytes, time.monotonic() - t0)
         return self.name
 
@@ -292,36 +353,127 @@ class CudaIpcTransport:
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         want: Sequence[int] | None = None,
-    ) -> tuple[torch.cuda.Event, torch.Tensor | None, torch.Tensor | None]:
+    ) -> Launched:
         """Map the peer's pool if new, queue the copy on this transport's stream (it overlaps
         the engine's steps: the destination blocks are reserved, no step touches them), and
         return an event that completes with it; with ``sums`` also each moved block's
-        ``wsum64`` (on the device), and with ``want`` (the sender's sums) a pinned scalar that
-        receives how many blocks differ from them, both complete with the event. Launched from
-        the event loop's thread: a few tens of microseconds, less than a hop to another
-        thread."""
+        ``wsum64`` (on the device), and with ``want`` (the sender's sums) where the count of
+        blocks that differ from them lands (host memory), both complete with the event.
+        Launched from the event loop's thread: a few tens of microseconds, less than a hop to
+        another thread; no host synchronisation (block ids go up from pinned memory)."""
         torch.cuda.set_device(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         src = self._mapped(name, info)
-        sums = count = None
         with torch.cuda.stream(self._stream):
-            runs = [] if self.sums else block_runs(src_blocks, dst_blocks)
-            if self.sums:  # one kernel that copies and sums (the check reads nothing again)
-                sums, bad = self._copy_sum(src, src_blocks, dst_blocks, want)
-                if bad is not None:  # compared behind the copy; 8 bytes come back
-                    count = self._pinned_count()
-                    count.copy_(bad, non_blocking=True)
-            elif len(runs) <= MEMCPY_RUNS:  # a few long runs: one DMA copy each
-                for s, d, n in runs:
-                    self.pool[d : d + n].copy_(src[s : s + n], non_blocking=True)
-            else:  # scattered blocks: one gather/scatter kernel
-                idx = torch.tensor([list(src_blocks), list(dst_blocks)], dtype=torch.int64)
-                idx = idx.to(self.device)
-                kernels.copy_blocks_between(self.pool, src, idx[0], idx[1])
+            sums: torch.Tensor | None = None
+            count: torch.Tensor | None = None
+            if self.sums:  # one kernel that copies, sums and compares (nothing read again)
+                sums, count, staged = self._copy_sum(src, src_blocks, dst_blocks, want)
+            else:
+                staged = self._copy(src, src_blocks, dst_blocks)
             done = torch.cuda.Event()
             done.record(self._stream)
-        return done, sums, count
+        return Launched(done, sums, count, staged)
+
+    def _copy(
+        self, src: torch.Tensor, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+    ) -> torch.Tensor | None:
+        """The plain copy: a few long runs one DMA copy each, scattered blocks one gather /
+        scatter kernel whose ids go up from a pinned buffer (returned: reusable after the
+        wait)."""
+        runs = block_runs(src_blocks, dst_blocks)
+        if len(runs) <= MEMCPY_RUNS:
+            for s, d, k in runs:
+                self.pool[d : d + k].copy_(src[s : s + k], non_blocking=True)
+            return None
+        n = len(src_blocks)
+        staged = self._staging(2 * n)
+        rows = staged.numpy()
+        rows[:n], rows[n : 2 * n] = src_blocks, dst_blocks
+        idx = staged[: 2 * n].to(self.device, non_blocking=True)
+        kernels.copy_blocks_between(self.pool, src, idx[:n], idx[n:])
+        return staged
+
+    def _staging(self, size: int) -> torch.Tensor:
+        """A host int64 buffer of at least ``size`` entries for one fetch's upload (and its
+        count): pinned and reused on CUDA (it goes back once the fetch's wait is over), a new
+        one on CPU (the tests: there the "upload" is the buffer itself)."""
+        if self.device.type != "cuda":
+            return torch.empty(size, dtype=torch.int64)
+        for i, b in enumerate(self._staged):
+            if b.numel() >= size:
+                return self._staged.pop(i)
+        return torch.empty(max(size, STAGING_MIN), dtype=torch.int64, pin_memory=True)
+
+    def _workspace(self, n: int) -> torch.Tensor:
+        """The fused check's zeroed device words (the blocks-done-and-mismatches word, then
+        one ticket per block), kept zero by every kernel that uses them: one per transport,
+        shared by every fetch on its one stream (which runs them one after another)."""
+        if self._work is None or self._work.numel() < n + 1:
+            self._work = torch.zeros(max(n + 1, STAGING_MIN), dtype=torch.int64, device=self.device)
+        return self._work
+
+    def _copy_sum(
+        self,
+        src: torch.Tensor,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        want: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The fused copy-and-sum of every block (on the current stream), and with ``want``
+        (the sender's sums, unsigned, one per block) the compare in the same kernel: returns
+        the sums (int64 on the device), the 0-dim host int64 that holds how many blocks' sums
+        differ once the stream's work is done (None without ``want``), and the staging buffer
+        it lives in. One upload before the copy: block ids, the sender's sums and the zeroed
+        sums, from pinned memory. The kernel writes the count straight into the pinned buffer
+        where the warm-up found the device can (``mapped_count``), else into the device and
+        8 bytes come back behind it. With the fault hook the first block is read from a
+        scratch copy with one bit flipped (see the module)."""
+        n = len(src_blocks)
+        if want is None:
+            staged = self._staging(2 * n)
+            rows = staged.numpy()
+            rows[:n], rows[n : 2 * n] = src_blocks, dst_blocks
+            idx = staged[: 2 * n].to(self.device, non_blocking=True)
+            si, di = idx[:n], idx[n:]
+            if self.fault != "corrupt":
+                return kernels.copy_sum_blocks_between(self.pool, src, si, di), None, staged
+            flipped = self._flipped(src, src_blocks[0])
+            head = kernels.copy_sum_blocks_between(self.pool, flipped, si[:1] * 0, di[:1])
+            rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
+            return torch.cat([head, rest]), None, staged
+        staged = self._staging(4 * n + 1)
+        rows = staged.numpy()
+        rows[:n], rows[n : 2 * n] = src_blocks, dst_blocks
+        rows.view(np.uint64)[2 * n : 3 * n] = want  # as int64: the same bits
+        rows[3 * n : 4 * n] = 0  # the sums, added to by the kernel
+        up = staged[: 4 * n + 1].to(self.device, non_blocking=True)
+        si, di, expected, sums = up[:n], up[n : 2 * n], up[2 * n : 3 * n], up[3 * n : 4 * n]
+        host = staged[4 * n]
+        out = host if self.mapped_count or self.device.type != "cuda" else up[4 * n]
+        work = self._workspace(n)
+        state, tickets = work[:1], work[1:]
+        check = kernels.copy_sum_check_blocks_between
+        if self.fault != "corrupt":
+            check(self.pool, src, si, di, sums, expected, tickets, state, out)
+        else:  # two launches, one count: the first block from the damaged scratch copy
+            flipped = self._flipped(src, src_blocks[0])
+            check(self.pool, flipped, si[:1] * 0, di[:1], sums[:1], expected[:1], tickets,
+                  state, out, n)  # fmt: skip
+            check(self.pool, src, si[1:], di[1:], sums[1:], expected[1:], tickets[1:], state,
+                  out, n)  # fmt: skip
+        if out is not host:  # 8 bytes back behind the kernel, into the pinned buffer
+            host.copy_(out, non_blocking=True)
+        return sums, host, staged
+
+    @staticmethod
+    def _flipped(src: torch.Tensor, block: int) -> torch.Tensor:
+        """The fault hook's scratch copy of ``src``'s ``block`` with one bit flipped in the
+        middle (the peer's pool stays intact)."""
+        flipped = src[block : block + 1].clone()
+        flipped[0, flipped.shape[1] // 2] ^= 1
+        return flipped
 
     def _pinned_count(self) -> torch.Tensor:
         """A pinned int64 scalar for a count (kept for reuse: pinning one costs more than the
@@ -330,36 +482,11 @@ class CudaIpcTransport:
             self._counts.pop() if self._counts else torch.empty((), dtype=torch.int64).pin_memory()
         )
 
-    def _copy_sum(
-        self,
-        src: torch.Tensor,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        want: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused copy-and-sum of every block (on the current stream), and with ``want``
-        (the sender's sums, unsigned, one per block) how many blocks' sums differ (a 0-dim
-        int64 on the device). The block ids and ``want`` go up in one upload before the copy.
-        With the fault hook the first block is read from a scratch copy with one bit flipped
-        (see the module)."""
-        rows = [list(src_blocks), list(dst_blocks)] + ([] if want is None else [signed64(want)])
-        idx = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        si, di = idx[0], idx[1]
-        if self.fault != "corrupt":
-            sums = kernels.copy_sum_blocks_between(self.pool, src, si, di)
-        else:
-            flipped = src[src_blocks[0] : src_blocks[0] + 1].clone()  # the peer's pool: intact
-            flipped[0, flipped.shape[1] // 2] ^= 1  # one flipped bit in the middle of the block
-            head = kernels.copy_sum_blocks_between(self.pool, flipped, si[:1] * 0, di[:1])
-            rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
-            sums = torch.cat([head, rest])
-        return sums, None if want is None else kernels.count_mismatches(sums, idx[2])
-
     async def verify(self, request_id: str, expected: Sequence[int]) -> int | None:
         """How many blocks of ``request_id``'s last fetch differ from ``expected`` (the
         sender's ``wsum64`` of each, unsigned, in the fetch's order). Where the fetch compared
-        these very sums behind its copy (the handle carried them), its count, with no device
-        work and no wait; else compared on the device now (the expected sums go up, one count
+        these very sums in its copy (the handle carried them), its count, with no device work
+        and no wait; else compared on the device now (the expected sums go up, one count
         comes back). None when that fetch took no sums (not fused, or already verified) or
         ``expected`` is empty (the sender sent no ``wsum64``): the caller checks the arrived
         blocks itself. ValueError when ``expected`` is not one sum per moved block. Always
@@ -380,15 +507,23 @@ class CudaIpcTransport:
         finally:
             self._counts.append(count)
 
-    @staticmethod
-    async def _wait(done: torch.cuda.Event, timeout: float) -> None:
-        """Until the copy completed: polled on the event loop for the first half millisecond
-        (a hand-off of a few hundred MiB), then waited for in a thread."""
-        deadline = time.monotonic() + 5e-4
+    async def _wait(self, done: Any, timeout: float, nbytes: int = 0) -> None:
+        """Until ``done`` (a CUDA event) completed, within ``timeout`` seconds from now.
+        Polled on the event loop (other tasks run between polls) for as long as a copy of
+        ``nbytes`` is expected to take at a rate any device copy beats (``POLL_RATE``, plus
+        ``POLL_MARGIN_S``, at most ``POLL_MAX_S``): a hop to a thread costs tens to hundreds of
+        microseconds, which a normal hand-off never pays. Past that (a copy stuck behind other
+        work) it is waited for in a thread (``thread_waits``)."""
+        start = time.monotonic()
+        poll = min(POLL_MARGIN_S + nbytes / POLL_RATE, POLL_MAX_S, timeout)
         while not done.query():
-            if time.monotonic() > deadline:
+            elapsed = time.monotonic() - start
+            if elapsed > poll:
+                self.thread_waits += 1
                 try:
-                    await asyncio.wait_for(asyncio.to_thread(done.synchronize), timeout)
+                    if elapsed >= timeout:
+                        raise TimeoutError
+                    await asyncio.wait_for(asyncio.to_thread(done.synchronize), timeout - elapsed)
                 except TimeoutError as e:  # never free the destination under a running copy
                     await asyncio.to_thread(done.synchronize)
                     raise KVTransferError(f"CUDA IPC copy took over {timeout:.1f} s") from e
