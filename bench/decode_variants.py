@@ -39,6 +39,11 @@ from kernels import reference
 COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline"]
 LAYER = ("qkv", "o_proj", "gate_up", "down")
 PROF_COLS = ["kernel", "us_per_step", "calls_per_step"]
+# (weights, batch) -> changes to every installed layer plan, one variant each
+CHANGES: dict[tuple[str, int], list[dict[str, object]]] = {
+    ("fp8", 1): [{"l2": 2}, {"l2": 4}, {"num_stages": 4}, {"num_stages": 4, "l2": 2}],
+    ("bf16", 1): [{"l2": 2}],
+}
 
 
 def plan_variants() -> dict[tuple[str, int], dict[str, object]]:
@@ -77,6 +82,26 @@ def layer_plans(c: ModelConfig, b: int, wdtype: torch.dtype, plan: object) -> It
     try:
         for key in keys:
             triton_skinny.set_plan(key, plan)  # type: ignore[arg-type]
+        yield
+    finally:
+        for key, p in saved.items():
+            triton_skinny.set_plan(key, p)
+
+
+@contextlib.contextmanager
+def installed_with(c: ModelConfig, b: int, wdtype: torch.dtype, **change: object) -> Iterator[None]:
+    """The installed plan of every layer product at batch ``b``, with ``change`` (``l2``...)."""
+    import dataclasses
+
+    from kernels import triton_skinny
+
+    keys = [(triton_skinny.plan_key(b, n, k, wdtype), (n, k)) for name, (n, k) in
+            shapes(c).items() if name in LAYER]  # fmt: skip
+    saved = {key: triton_skinny._TUNED.get(key) for key, _ in keys}
+    try:
+        for key, (n, k) in keys:
+            plan = triton_skinny.plan_for(b, n, k, wdtype)
+            triton_skinny.set_plan(key, dataclasses.replace(plan, **change))  # type: ignore[arg-type]
         yield
     finally:
         for key, p in saved.items():
@@ -134,6 +159,11 @@ def run(args: argparse.Namespace) -> dict:
             }
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
+            for change in CHANGES.get((weights, b), []) if device == "cuda" else []:
+                label = "installed_" + "_".join(f"{k}{v}" for k, v in change.items())
+                variants[label] = lambda change=change, b=b, wdtype=wdtype: installed_with(
+                    c, b, wdtype, **change
+                )
             more = plan_variants() if device == "cuda" else {}
             for vname, plan in more.get((weights, b), {}).items():
                 variants[vname] = lambda plan=plan, b=b, wdtype=wdtype: layer_plans(

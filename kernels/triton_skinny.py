@@ -544,6 +544,12 @@ def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPl
             SkinnyPlan(block_n=2, block_k=1024, num_warps=2, pairs=True),
             SkinnyPlan(block_n=4, block_k=1024, num_warps=2, pairs=True),
             SkinnyPlan(block_n=2, block_k=2048, split_k=2, pairs=True),
+            # num_stages 4: two weight tiles in flight in registers; l2: more tiles into L2
+            # before the PDL wait
+            SkinnyPlan(block_n=2, block_k=1024, num_warps=2, num_stages=4, pairs=True),
+            SkinnyPlan(block_n=2, block_k=2048, num_stages=4, pairs=True),
+            SkinnyPlan(block_n=4, block_k=2048, num_stages=4, pairs=True),
+            SkinnyPlan(block_n=2, block_k=1024, num_warps=2, num_stages=4, l2=2, pairs=True),
         ]
     )
     if m <= 1:  # 1024 (4 warps) or 2048 (8 warps) columns: one row of x fits the weight's layout

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_skinny import _finish
+from kernels.triton_skinny import _finish, _prefetch_l2, _prefetch_steps
 
 UNIT = tl.constexpr(2.0**56)  # 2**120 of the weights' bit placement, less 2**64 of x's scale
 
@@ -71,6 +71,7 @@ def _fp8_row_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, K_SPLIT, stride_wn,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+    DEEP: tl.constexpr = False, N_PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     KW: tl.constexpr = BLOCK_K // 4  # weight words per row and step
     pid_n = tl.program_id(0)
@@ -84,22 +85,39 @@ def _fp8_row_kernel(
     kw = K // 4
     j0 = pid_k * (K_SPLIT // 4)
     offs_j = tl.arange(0, KW)
+    n_iter = K_SPLIT // BLOCK_K
     j = tl.max_contiguous(tl.multiple_of(j0 + offs_j, 4), 4)
     if EVEN_K:
         w_next = tl.load(w_base + j[None, :])
     else:
         w_next = tl.load(w_base + j[None, :], mask=(j < kw)[None, :], other=0)
+    if DEEP:  # two tiles in flight in registers (the second step's too)
+        j2 = tl.max_contiguous(tl.multiple_of(j + KW, 4), 4)
+        w_after = tl.load(w_base + j2[None, :], mask=(n_iter > 1) & (j2 < kw)[None, :], other=0)
+    if PDL and N_PREFETCH > 0:  # the tiles after those into L2 while the previous kernel ends
+        k_pf = pid_k * K_SPLIT + (2 if DEEP else 1) * BLOCK_K
+        _prefetch_l2(w_ptr, w_rows, k_pf, K, stride_wn, N_PREFETCH, BLOCK_K, 128)
     if PDL:  # the first weights are in flight: now wait for x, then let the next kernel start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, KW], tl.float32)
-    n_iter = K_SPLIT // BLOCK_K
     for i in range(0, n_iter):
         j = tl.max_contiguous(tl.multiple_of(j0 + i * KW + offs_j, 4), 4)
         w = w_next
-        nj = tl.max_contiguous(tl.multiple_of(j + KW, 4), 4)
-        more = i + 1 < n_iter
-        if EVEN_K:
+        if DEEP:
+            w_next = w_after
+            nj = tl.max_contiguous(tl.multiple_of(j + 2 * KW, 4), 4)
+            more = i + 2 < n_iter
+        else:
+            nj = tl.max_contiguous(tl.multiple_of(j + KW, 4), 4)
+            more = i + 1 < n_iter
+        if DEEP and EVEN_K:
+            w_after = tl.load(w_base + nj[None, :], mask=more, other=0)
+            xw = tl.load(x64 + j[None, :])
+        elif DEEP:
+            w_after = tl.load(w_base + nj[None, :], mask=more & (nj < kw)[None, :], other=0)
+            xw = tl.load(x64 + j[None, :], mask=(j < kw)[None, :], other=0)
+        elif EVEN_K:
             w_next = tl.load(w_base + nj[None, :], mask=more, other=0)
             xw = tl.load(x64 + j[None, :])
         else:
@@ -135,6 +153,7 @@ def launch(x, w, scale, bias, out, plan, k_split, split, part, locks, pdl) -> No
         x, w, scale, bias if bias is not None else x, out, part, locks, n, k, k_split,
         w.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k, EVEN_K=k % plan.block_k == 0 and k_split * split == k,
-        EVEN_N=n % plan.block_n == 0, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **pdl,
+        EVEN_N=n % plan.block_n == 0, DEEP=plan.num_stages >= 4,
+        N_PREFETCH=_prefetch_steps(plan, k_split, 128) if pdl["PDL"] else 0,
+        num_warps=plan.num_warps, num_stages=3, **pdl,
     )  # fmt: skip
