@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import json
 import shlex
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from bench.gpu_common import measure_ceilings, table
+from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from bench.skinny_gpu import shapes
 from engine.config import ModelConfig
@@ -39,6 +40,7 @@ from kernels import reference
 COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline"]
 LAYER = ("qkv", "o_proj", "gate_up", "down")
 PROF_COLS = ["kernel", "us_per_step", "calls_per_step"]
+ATT_COLS = ["batch", "plan", "splits", "block_n", "stages", "us_per_layer", "frac_copy"]
 # (weights, batch) -> changes to every installed layer plan, one variant each
 CHANGES: dict[tuple[str, int], list[dict[str, object]]] = {
     ("fp8", 1): [{"l2": 2}, {"l2": 4}, {"num_stages": 4}, {"num_stages": 4, "l2": 2}],
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     res: dict = {"device": name, "date": args.date, "command": args.command, "shape": shape,
                  "torch": torch.__version__, "copy_TBps": ceil.copy_bytes_per_s / 1e12,
                  "rows": [], "profiles": []}  # fmt: skip
-    for weights in ("bf16", "fp8"):
+    for weights in () if args.only_attention else ("bf16", "fp8"):
         if weights == "fp8":
             bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
         wdtype = torch.float8_e4m3fn if weights == "fp8" else torch.bfloat16
@@ -189,7 +191,43 @@ def run(args: argparse.Namespace) -> dict:
                     prof = bench.profile_graph(b, ctx)
                 res["profiles"].append({"weights": weights, **prof})
                 print(table(prof.get("rows", []), PROF_COLS))
+    if device == "cuda" and (args.attention or args.only_attention):
+        res["attention"] = attention(bench, ceil, ctx, args.batches)
     return res
+
+
+def attention(bench: LlamaBench, ceil: Ceilings, ctx: int, batches: list[int]) -> list[dict]:
+    """Decode attention alone (every layer back to back in one graph, as in a step) for launch
+    plans around ``DecodePlan.make``'s: time per layer and the KV read as a fraction of the copy
+    bandwidth."""
+    from kernels.triton_cache import PagedLayer
+    from kernels.triton_decode import DecodePlan, decode_attention
+
+    c = bench.c
+    rows = []
+    for b in batches:
+        q = torch.randn(b, c.num_heads, c.head_dim, device="cuda", dtype=torch.bfloat16)
+        tables = torch.tensor(bench.tables(b, ctx + 1), device="cuda", dtype=torch.int32)
+        lens = torch.full((b,), ctx + 1, device="cuda", dtype=torch.int32)
+        plans = {"default": DecodePlan.make(q, PagedLayer.of(bench.kv, 0))}
+        for splits in (4, 8, 16, 32):
+            for block_n in (32, 64):
+                for stages in (2, 3):
+                    plans[f"s{splits}_n{block_n}_st{stages}"] = DecodePlan(
+                        b, c.num_heads, c.num_kv_heads, c.head_dim, splits, block_n, 4, stages
+                    )
+        kv_bytes = b * (ctx + 1) * 2 * c.num_kv_heads * c.head_dim * 2
+        for name, plan in plans.items():
+            fns = [functools.partial(decode_attention, q, bench.kv, i, tables, lens, 0.088, plan)
+                   for i in range(c.num_layers)]  # fmt: skip
+            us = graph_time_ms(fns) * 1e3
+            rows.append({"batch": b, "plan": name, "splits": plan.num_splits,
+                         "block_n": plan.block_n, "stages": plan.num_stages, "us_per_layer": us,
+                         "frac_copy": kv_bytes / ceil.copy_bytes_per_s / (us / 1e6)})  # fmt: skip
+        mine = [r for r in rows if r["batch"] == b]
+        best = min(mine, key=lambda r: r["us_per_layer"])
+        print(table([r for r in mine if r["plan"] in ("default", best["plan"])], ATT_COLS))
+    return rows
 
 
 def report(res: dict) -> str:
@@ -197,6 +235,8 @@ def report(res: dict) -> str:
              f"- date: {res['date']}; command: `{res['command']}`; torch {res['torch']}; "
              f"shape {res['shape']}; copy bandwidth {res['copy_TBps']:.3f} TB/s", "",
              table(res["rows"], COLS + ["error"]), ""]  # fmt: skip
+    if res.get("attention"):
+        lines += ["## Decode attention alone", "", table(res["attention"], ATT_COLS), ""]
     for p in res["profiles"]:
         lines += [f"## Profile, {p['weights']} batch {p.get('batch')}, PDL off "
                   f"(kernels {p.get('kernels_us', 0):.0f} us per step)", "",
@@ -211,6 +251,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--plans", type=Path, default=None,
                    help="install these plans first (bench.skinny_gpu's _plans.json)")  # fmt: skip
+    p.add_argument(
+        "--attention",
+        action="store_true",
+        help="also time decode attention alone for launch plans around the default",
+    )
+    p.add_argument("--only-attention", action="store_true", help="the attention section only")
     p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
     p.add_argument("--date", default=dt.date.today().isoformat())
     args = p.parse_args(argv)
