@@ -114,8 +114,9 @@ def test_silu_prologue_is_the_unfused_pair_bit_for_bit():
         w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
         q = reference.quantize_fp8_rows(w)
         for wt, sc in ((w, None), (q.weight, q.scale)):
-            got = triton_skinny.silu_mul_linear(y, wt, None, sc)
-            assert torch.equal(got, linear(kernels.silu_and_mul(y), wt, None, sc))
+            plan = triton_skinny.plan_for(rows, n, k, wt.dtype, prologue=2)
+            got = triton_skinny.silu_mul_linear(y, wt, None, sc, plan)
+            assert torch.equal(got, linear(kernels.silu_and_mul(y), wt, None, sc, plan))
 
 
 @pytest.mark.parametrize("split", [2, 3, 4])
