@@ -49,7 +49,7 @@ class FastLaunch:
         key: Hashable,
         grid: tuple[int, int],
         fast_args: Callable[[], Sequence[Any]],
-        slow_args: Callable[[], Sequence[Any]],
+        slow_args: Callable[[], tuple[Sequence[Any], dict[str, Any]]],
         **options: Any,
     ) -> None:
         """Launch on the current device and stream. ``key``: everything the compiled variant
