@@ -103,6 +103,7 @@ def kernel_arms(
             rows[:n], rows[n : 2 * n] = src_ids, dst_ids
             idx = staged[: 2 * n].to(dev, non_blocking=cuda)
             kernels.copy_blocks_between(dst, src, idx[:n], idx[n:])
+            host_a.append(time.perf_counter() - t0)
             wait()
         return time.perf_counter() - t0
 
@@ -115,10 +116,8 @@ def kernel_arms(
             up = staged.to(dev, non_blocking=cuda) if cuda else staged.clone()
             host = staged[4 * n]
             out = host if mapped or not cuda else up[4 * n]
-            kernels.copy_sum_check_blocks_between(
-                dst, src, up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n],
-                work[1:], work[:1], out,
-            )  # fmt: skip
+            kernels.copy_sum_check_packed(dst, src, up, n, work, out)
+            host_b.append(time.perf_counter() - t0)
             if out is not host:
                 host.copy_(out, non_blocking=True)
             wait()
@@ -128,6 +127,9 @@ def kernel_arms(
             raise AssertionError(f"{bad} blocks mismatched in an exact copy")
         return elapsed
 
+    host_a: list[float] = []  # each call's host time up to its wait (launches included)
+    host_b: list[float] = []
+    bare.host, checked.host = host_a, host_b  # type: ignore[attr-defined]
     return bare, checked
 
 
@@ -211,7 +213,10 @@ def transport_arms(
 
     def counters() -> dict:
         loop.close()
+        calls = max(checked.fused_fetches, 1)  # each arm's fetches: as many
         return {
+            "launch_a_us": round(plain.launch_ns / calls / 1e3, 1),
+            "launch_b_us": round(checked.launch_ns / calls / 1e3, 1),
             "fused_fetches": checked.fused_fetches,
             "compared_fetches": checked.compared_fetches,
             "device_verifies": checked.device_verifies,
@@ -238,6 +243,10 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     d8 = dst.view(dst.shape[0], -1).view(torch.uint8)
     bare, checked = kernel_arms(d8, s8, src_ids, dst_ids, expected)
     out: dict = {"ab_kernels": shares(paired(bare, checked, pairs), stack_ms)}
+    out["ab_kernels"].update(
+        host_a_us=round(statistics.median(bare.host) * 1e6, 1),  # type: ignore[attr-defined]
+        host_b_us=round(statistics.median(checked.host) * 1e6, 1),  # type: ignore[attr-defined]
+    )
     if dev.type != "cuda":  # --dry-run: the code paths, on the references
         return out
     si, di = torch.tensor(src_ids, device=dev), torch.tensor(dst_ids, device=dev)
@@ -268,8 +277,29 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     }
 
 
+def launch_counts() -> dict:
+    """How the Triton copies were launched in this process: straight through the compiled
+    kernel (``fast``) or through ``kernel[grid](...)`` (``slow``: compiles, or the fallback)."""
+    if not torch.cuda.is_available():
+        return {}
+    from kernels import triton_copy
+
+    return {
+        name: {"fast": lf.fast, "slow": lf.slow, "broken": lf.broken}
+        for name, lf in (("copy", triton_copy._COPY), ("check", triton_copy._CHECK))
+    }
+
+
 def print_check(rows: list[dict]) -> None:
     """The CUDA IPC check's lines: device time over the plain copy, and the A/B tables."""
+    counts = launch_counts()
+    if counts:
+        rows[-1]["triton_launches"] = counts  # into the JSON the bench writes
+        print("Triton launches, both arms alike: once compiled, straight through the compiled "
+              "kernel (kernels.triton_copy.FastLaunch), the plain copy (A) as the fused check "
+              "(B): " + ", ".join(f"{k} {v['fast']} direct / {v['slow']} via kernel[grid]"
+                                  f"{' (direct path BROKEN)' if v['broken'] else ''}"
+                                  for k, v in counts.items()))  # fmt: skip
     if "fused_device_overhead" in rows[0]:
         print("CUDA IPC check, device time over the plain copy kernel (CUDA events), fused "
               "copy+sum / with compare and count: " + "; ".join(
@@ -294,6 +324,14 @@ def print_check(rows: list[dict]) -> None:
             print(f"{row['tokens']:>7} {r['a_ms']:>8.4f} {r['b_ms']:>8.4f} "
                   f"{r['overhead_ms']:>12.4f} {quartiles:>18} {r['of_a']:>7.1%} "
                   f"{r['of_stack_handoff']:>10.1%}")  # fmt: skip
+        if "host_a_us" in r0:
+            print("  host time up to the wait (launches included), median us, A / B: " + "; ".join(
+                f"{row['tokens']}: {row[key]['host_a_us']} / {row[key]['host_b_us']}"
+                for row in rows))  # fmt: skip
+        if "launch_a_us" in r0:
+            print("  host time in the transport's _launch, mean us per fetch, A / B: " + "; ".join(
+                f"{row['tokens']}: {row[key]['launch_a_us']} / {row[key]['launch_b_us']}"
+                for row in rows))  # fmt: skip
         if "compared_fetches" in r0:
             print("  transport counters (sums on, last size): " + ", ".join(
                 f"{k} {rows[-1][key][k]}" for k in

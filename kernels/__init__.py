@@ -50,6 +50,7 @@ __all__ = [
     "copy_blocks_between",
     "copy_sum_blocks_between",
     "copy_sum_check_blocks_between",
+    "copy_sum_check_packed",
     "count_mismatches",
     "linear",
     "lora_add",
@@ -234,6 +235,29 @@ def copy_sum_check_blocks_between(
     reference.copy_sum_check_blocks_between(
         dst, src, src_idx, dst_idx, sums, want, tickets[:n], state, out, total, offset
     )
+
+
+def copy_sum_check_packed(
+    dst: torch.Tensor, src: torch.Tensor, up: torch.Tensor, n: int, work: torch.Tensor,
+    out: torch.Tensor, total: int | None = None, offset: int = 0,
+) -> None:  # fmt: skip
+    """`copy_sum_check_blocks_between` with its vectors as the CUDA IPC transport uploads them:
+    ``up`` (int64, at least ``4 * n``) holds the source ids, the destination ids, the sender's
+    sums and the zeroed sums, one after another; ``work`` (int64, at least ``n + 1``, zero)
+    the state word then the tickets. On CUDA, once compiled, launched with no tensor views
+    made (``triton_copy.FastLaunch``)."""
+    if up.numel() < 4 * n or work.numel() < n + 1:
+        raise ValueError(f"{n} blocks need {4 * n} uploaded words and {n + 1} workspace words")
+    total = n if total is None else total
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        triton_copy.copy_sum_check_packed(dst, src, up, n, work, out, total, offset)
+        return
+    copy_sum_check_blocks_between(
+        dst, src, up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1 : n + 1],
+        work[:1], out, total, offset,
+    )  # fmt: skip
 
 
 def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,102 @@ here every program moves one ``CHUNK`` of one block with 16-byte accesses."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
+log = logging.getLogger(__name__)
 CHUNK = 2048  # int64 words (16 KiB) per program
+
+
+class FastLaunch:
+    """A Triton kernel launched through its compiled kernel once it has one.
+
+    ``kernel[grid](...)`` spends tens of microseconds on the host per call in Triton 3.6
+    (binding and specialising every argument, hashing the options into the cache key, the
+    launch hooks' metadata) before the launch itself. The copy kernels here are launched
+    with arguments whose specialisation the caller can name in a few values (``key``: the
+    device, the pools' words and alignment, the index dtypes); the first call for a key goes
+    through ``kernel[grid](...)``, which compiles (or finds) the variant and returns its
+    ``CompiledKernel``; later calls for that key call the compiled kernel's launcher directly
+    with the runtime arguments (pointers as ints, as Triton's launcher accepts them) and the
+    current stream, as ``CompiledKernel.__getitem__``'s runner does.
+
+    Any exception on that direct path (another Triton's calling convention, say) is logged
+    once and the launcher goes back to ``kernel[grid](...)`` for good. Under Triton's
+    interpreter (``TRITON_INTERPRET=1``) ``kernel[grid](...)`` returns no compiled kernel and
+    every call takes it."""
+
+    def __init__(self, kernel: Any, name: str) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.compiled: dict[Hashable, Any] = {}
+        self.fast = 0  # launches that took the direct path (tests, bench)
+        self.slow = 0  # launches through ``kernel[grid](...)``
+        self.broken = False  # the direct path failed once: never tried again
+
+    def __call__(
+        self,
+        key: Hashable,
+        grid: tuple[int, int],
+        fast_args: Callable[[], Sequence[Any]],
+        slow_args: Callable[[], tuple[Sequence[Any], dict[str, Any]]],
+        **options: Any,
+    ) -> None:
+        """Launch on the current device and stream. ``key``: everything the compiled variant
+        depends on besides the kernel; ``fast_args()``: every kernel argument in order,
+        constexprs included, pointers as ints or tensors; ``slow_args()``: the same as
+        ``kernel[grid]`` takes them (tensors), the constexprs and ``options`` as keywords."""
+        ck = None if self.broken else self.compiled.get(key)
+        if ck is not None:
+            try:
+                self._direct(ck, grid, fast_args())
+                self.fast += 1
+                return
+            except Exception as e:  # any kind: the slow path below still launches it
+                self.broken = True
+                log.warning("direct launch of %s failed (%r): back to kernel[grid]", self.name, e)
+        args, constexprs = slow_args()
+        got = self.kernel[grid](*args, **constexprs, **options)
+        self.slow += 1
+        if not self.broken and hasattr(got, "packed_metadata") and hasattr(got, "function"):
+            self.compiled[key] = got  # a CompiledKernel (the interpreter returns none)
+
+    @staticmethod
+    def _direct(ck: Any, grid: tuple[int, int], args: Sequence[Any]) -> None:
+        device = torch.cuda.current_device()
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        enter = knobs.runtime.launch_enter_hook
+        leave = knobs.runtime.launch_exit_hook
+        run = ck.run  # loads the module on first use (the first launch did already)
+        if getattr(enter, "calls", True) or getattr(leave, "calls", True):  # a profiler's
+            meta = ck.launch_metadata((grid[0], grid[1], 1), stream, *args)
+            run(grid[0], grid[1], 1, stream, ck.function, ck.packed_metadata, meta, enter,
+                leave, *args)  # fmt: skip
+        else:  # no hooks registered: nothing to call around the launch
+            run(grid[0], grid[1], 1, stream, ck.function, ck.packed_metadata, None, None, None,
+                *args)  # fmt: skip
+
+
+def _device(t: torch.Tensor) -> int:
+    """The device a launch for ``t`` goes to (Triton's: the current one); -1 off CUDA (the
+    interpreter, which compiles nothing to keep)."""
+    return torch.cuda.current_device() if t.is_cuda else -1
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _host_or_ptr(t: torch.Tensor) -> Any:
+    """A pointer argument for Triton's launcher: a device tensor's address as an int; a host
+    tensor itself (the launcher asks CUDA for its device address: pinned memory mapped)."""
+    return t.data_ptr() if t.is_cuda else t
 
 
 @triton.jit
@@ -25,7 +116,10 @@ def _copy_blocks_kernel(src, dst, src_idx, dst_idx, words, CHUNK: tl.constexpr):
 
 
 def _check_pools(
-    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    src_idx: torch.Tensor | None = None,
+    dst_idx: torch.Tensor | None = None,
 ) -> None:
     """What both block copies need: two ``[N, block_bytes]`` contiguous pools alike, blocks of
     whole 64-bit words, index tensors of one length."""
@@ -35,7 +129,7 @@ def _check_pools(
         )
     if dst.shape[1] % 8 or not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("pools must be contiguous with blocks of a multiple of 8 bytes")
-    if src_idx.shape != dst_idx.shape:
+    if src_idx is not None and dst_idx is not None and src_idx.shape != dst_idx.shape:
         raise ValueError("src_idx and dst_idx differ in length")
 
 
@@ -49,11 +143,28 @@ def copy_blocks_between(
     if n == 0:
         return
     words = dst.shape[1] // 8
-    grid = (n, triton.cdiv(words, CHUNK))
-    _copy_blocks_kernel[grid](
-        src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, words, CHUNK=CHUNK,
-        num_warps=8,
+    # The variant: the words, each pointer's 16-byte alignment, the index dtypes.
+    key = (
+        _device(dst), words, _aligned(src), _aligned(dst), _aligned(src_idx),
+        _aligned(dst_idx), src_idx.dtype, dst_idx.dtype,
     )  # fmt: skip
+    _COPY(
+        key,
+        (n, triton.cdiv(words, CHUNK)),
+        lambda: (
+            src.data_ptr(),
+            dst.data_ptr(),
+            src_idx.data_ptr(),
+            dst_idx.data_ptr(),
+            words,
+            CHUNK,
+        ),
+        lambda: (
+            (src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, words),
+            {"CHUNK": CHUNK},
+        ),
+        num_warps=8,
+    )
 
 
 @triton.jit
@@ -147,9 +258,73 @@ def copy_sum_check_blocks_between(
     n = src_idx.numel()
     if n == 0:
         return
+    small = (src_idx, dst_idx, sums, want, tickets, state, out)
+    _check(
+        dst, src, n, total, offset, small,
+        lambda: (src_idx.data_ptr(), dst_idx.data_ptr(), sums.data_ptr(), want.data_ptr(),
+                 tickets.data_ptr(), state.data_ptr(), _host_or_ptr(out)),
+    )  # fmt: skip
+
+
+def copy_sum_check_packed(
+    dst: torch.Tensor, src: torch.Tensor, up: torch.Tensor, n: int, work: torch.Tensor,
+    out: torch.Tensor, total: int, offset: int = 0,
+) -> None:  # fmt: skip
+    """`copy_sum_check_blocks_between` with its vectors in two buffers, as the CUDA IPC
+    transport uploads them: ``up`` (int64, on the device) holds the ``n`` source ids, the
+    destination ids, the sender's sums and the zeroed sums, one after another; ``work`` the
+    state word then the tickets. Once compiled, its launch takes their addresses by
+    arithmetic: no tensor views made on the host."""
+    _check_pools(dst, src)
+    if n == 0:
+        return
+    if up.dtype != torch.int64 or work.dtype != torch.int64:
+        raise ValueError("the upload and the workspace must be int64")
+    if up.numel() < 4 * n or work.numel() < n + 1:
+        raise ValueError(f"{n} blocks need 4n uploaded words and n + 1 workspace words")
+    u, w = up.data_ptr(), work.data_ptr()
+
+    def slices() -> tuple[torch.Tensor, ...]:
+        return up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1:], work[:1], out
+
+    _check(
+        dst, src, n, total, offset, (up, up, up, up, work, work, out),
+        lambda: (u, u + 8 * n, u + 24 * n, u + 16 * n, w + 8, w, _host_or_ptr(out)),
+        slices,
+    )  # fmt: skip
+
+
+def _check(
+    dst: torch.Tensor, src: torch.Tensor, n: int, total: int, offset: int,
+    small: Sequence[torch.Tensor], pointers: Callable[[], tuple[Any, ...]],
+    tensors: Callable[[], Sequence[torch.Tensor]] | None = None,
+) -> None:  # fmt: skip
+    """Launch the fused check: ``small`` (src_idx, dst_idx, sums, want, tickets, state, out
+    or what holds them: only their dtypes name the variant), ``pointers()`` their addresses
+    (or tensors) for the direct launch, ``tensors()`` the tensors themselves (default
+    ``small``)."""
     words = dst.shape[1] // 8
     chunks = triton.cdiv(words, CHUNK)
-    _copy_sum_check_kernel[(n, chunks)](
-        src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, sums, want, tickets,
-        state, out, words, offset, chunks, total, CHUNK=CHUNK, num_warps=8,
+    # The variant: the words and the offset (specialised on), the pools' 16-byte alignment,
+    # the small vectors' dtypes (their alignment and the counts' values are not specialised
+    # on, only whether the counts fit 32 bits).
+    key = (
+        _device(dst), words, offset, _aligned(src), _aligned(dst), (chunks | total) >> 31,
+        *(t.dtype for t in small),
     )  # fmt: skip
+
+    def fast() -> tuple[Any, ...]:
+        return (src.data_ptr(), dst.data_ptr(), *pointers(), words, offset, chunks, total, CHUNK)
+
+    def slow() -> tuple[tuple[Any, ...], dict[str, int]]:
+        vectors = tuple(small) if tensors is None else tuple(tensors())
+        return (
+            (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, chunks, total),
+            {"CHUNK": CHUNK},
+        )
+
+    _CHECK(key, (n, chunks), fast, slow, num_warps=8)
+
+
+_COPY = FastLaunch(_copy_blocks_kernel, "the block copy")
+_CHECK = FastLaunch(_copy_sum_check_kernel, "the fused copy, sum and check")

@@ -220,7 +220,12 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
     ab = rows[-1]["ab_transport"]
     assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
     assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
-    assert "ab_transport: A = fetch+verify, sums off" in capsys.readouterr().out
+    assert ab["launch_b_us"] > 0 and rows[0]["ab_kernels"]["host_b_us"] > 0
+    launches = rows[-1]["triton_launches"]  # both arms' copies straight through, once compiled
+    assert launches["check"]["fast"] > 0 and launches["copy"]["fast"] > 0
+    assert not launches["check"]["broken"] and not launches["copy"]["broken"]
+    out = capsys.readouterr().out
+    assert "ab_transport: A = fetch+verify, sums off" in out and "Triton launches" in out
 
 
 def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(peer) -> None:
@@ -295,4 +300,39 @@ def test_many_concurrent_fetches_keep_their_own_counts(peer) -> None:
 
     assert asyncio.run(go()) == [k % 4 for k in range(8)]
     assert (t.compared_fetches, t.device_verifies) == (8, 0)
-    assert len(t._staged) >= 2  # the buffers came back for the next fetches
+    # Every pinned buffer came back (however many the timing needed in flight: one per
+    # fetch at most), and fetches after them take those again: none is made anew.
+    kept = {b.data_ptr() for b in t._staged}
+    assert 1 <= len(kept) == len(t._staged) <= 8
+    for k, h in enumerate(handles):  # one after another: each finds a free buffer
+        assert asyncio.run(fetch_verify(t, h, list(h.block_ids), [0, 7, 8, 9, 10, 11])) == k % 4
+    assert {b.data_ptr() for b in t._staged} == kept
+
+
+def test_fetches_launch_straight_through_the_compiled_kernels(peer) -> None:
+    """After the warm-up every checked fetch launches the fused check through its compiled
+    kernel (`kernels.triton_copy.FastLaunch`, no ``kernel[grid]`` on the way), and so does the
+    plain copy of scattered blocks once compiled; counts and blocks are exact either way."""
+    from kernels import triton_copy
+
+    t, mine = transport(peer)
+    assert t.sums and not triton_copy._CHECK.broken
+    src, dst = [9, 1, 7, 2, 11, 0], [0, 2, 4, 6, 8, 10]
+    h = handle(peer, src)
+    for wrong in ([], [2], [0, 5], [1, 3, 4]):
+        sums = list(h.block_checksums)
+        for k in wrong:
+            sums[k] ^= 1 << 40
+        fast, slow = triton_copy._CHECK.fast, triton_copy._CHECK.slow
+        got = asyncio.run(fetch_verify(t, replace(h, block_checksums=tuple(sums)), src, dst))
+        assert got == len(wrong)
+        assert (triton_copy._CHECK.fast, triton_copy._CHECK.slow) == (fast + 1, slow)
+        assert torch.equal(mine[dst], peer[src])
+    plain = CudaIpcTransport(torch.zeros_like(mine), BLOCK_BYTES, Records(peer), sums=False)
+    plain._mapped = lambda name, info: peer  # type: ignore[method-assign]
+    for i in range(3):  # the first may compile; the others go straight
+        fast = triton_copy._COPY.fast
+        asyncio.run(plain.fetch("r", h, src[::-1], dst, 30.0))
+        assert torch.equal(plain.pool[dst], peer[src[::-1]])
+        assert i == 0 or triton_copy._COPY.fast == fast + 1
+    assert not triton_copy._COPY.broken and not triton_copy._CHECK.broken

@@ -1,0 +1,171 @@
+"""`kernels.triton_copy.FastLaunch` on any machine: the first launch of a variant goes through
+``kernel[grid](...)`` and keeps the compiled kernel it returns, later ones call that kernel's
+launcher directly with the runtime arguments and the current stream (Triton 3.6's calling
+convention, as ``CompiledKernel.__getitem__`` calls it), a failure there is logged once and
+every launch after it takes ``kernel[grid](...)``; under Triton's interpreter nothing is kept.
+The direct launch on a GPU: ``tests/test_kv_checked_gpu.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton (PYTHONPATH=/tmp/triton-N)", allow_module_level=True)
+
+from triton import knobs  # noqa: E402
+
+from kernels.triton_copy import FastLaunch  # noqa: E402
+
+
+class Compiled:
+    """What ``kernel[grid](...)`` returns on a GPU: a CompiledKernel (its launcher records)."""
+
+    function = 1234
+    packed_metadata = (8, 1, 0)
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple] = []
+        self.fail = fail
+
+    def run(self, *args):
+        if self.fail:
+            raise TypeError("another calling convention")
+        self.calls.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return {"grid": grid, "stream": stream}
+
+
+class Kernel:
+    """A JIT function: ``kernel[grid](*args, **kw)`` records and returns ``compiled``."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+        self.launches: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def cuda_state(monkeypatch):
+    """The current device and stream as torch reports them on a GPU."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 777, raising=False)
+
+
+def call(fl: FastLaunch, key, n: int) -> None:
+    fl(
+        key, (n, 3), lambda: (0xA000, 0xB000, n, 2048),
+        lambda: (("src", "dst", n), {"CHUNK": 2048}), num_warps=8,
+    )  # fmt: skip
+
+
+def test_the_first_launch_compiles_the_next_go_straight_to_the_compiled_kernel(cuda_state):
+    ck = Compiled()
+    k = Kernel(ck)
+    fl = FastLaunch(k, "test")
+    call(fl, "v1", 5)
+    assert k.launches == [((5, 3), ("src", "dst", 5), {"CHUNK": 2048, "num_warps": 8})]
+    assert (fl.fast, fl.slow, ck.calls) == (0, 1, [])
+    call(fl, "v1", 6)
+    call(fl, "v1", 7)
+    assert len(k.launches) == 1 and (fl.fast, fl.slow) == (2, 1)
+    # grid x, y, z, the current stream, the function, its metadata, no launch metadata or
+    # hooks (none registered), then every kernel argument, the constexpr included.
+    assert ck.calls == [
+        (6, 3, 1, 777, 1234, (8, 1, 0), None, None, None, 0xA000, 0xB000, 6, 2048),
+        (7, 3, 1, 777, 1234, (8, 1, 0), None, None, None, 0xA000, 0xB000, 7, 2048),
+    ]
+    call(fl, "v2", 8)  # another variant: compiled (found) through kernel[grid] first
+    assert len(k.launches) == 2 and (fl.fast, fl.slow) == (2, 2)
+
+
+def test_registered_launch_hooks_still_see_every_direct_launch(cuda_state):
+    ck = Compiled()
+    fl = FastLaunch(Kernel(ck), "test")
+    seen: list = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        call(fl, "v", 1)
+        call(fl, "v", 2)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    (args,) = ck.calls
+    assert args[6] == {"grid": (2, 3, 1), "stream": 777}
+    assert args[7] is knobs.runtime.launch_enter_hook
+    assert args[8] is knobs.runtime.launch_exit_hook
+
+
+def test_a_failing_direct_launch_falls_back_for_good_and_says_so_once(cuda_state, caplog):
+    ck = Compiled(fail=True)
+    k = Kernel(ck)
+    fl = FastLaunch(k, "the test kernel")
+    with caplog.at_level(logging.WARNING, logger="kernels.triton_copy"):
+        for n in range(1, 5):
+            call(fl, "v", n)
+    assert [g for g, _, _ in k.launches] == [(n, 3) for n in range(1, 5)]  # every one launched
+    assert fl.broken and (fl.fast, fl.slow) == (0, 4)
+    warnings = [r for r in caplog.records if "direct launch of the test kernel" in r.message]
+    assert len(warnings) == 1 and "another calling convention" in warnings[0].message
+
+
+def test_nothing_is_kept_when_kernel_grid_returns_no_compiled_kernel(cuda_state):
+    k = Kernel(None)  # the interpreter's GridExecutor returns nothing
+    fl = FastLaunch(k, "test")
+    for n in range(3):
+        call(fl, "v", n)
+    assert len(k.launches) == 3 and (fl.fast, fl.slow, fl.compiled) == (0, 3, {})
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1")
+def test_the_packed_check_runs_interpreted_through_kernel_grid_and_counts_exactly():
+    """The transport's packed launch under the interpreter: the slices of the one upload, the
+    count exact, the workspace zero, and no compiled kernel kept (every call interpreted)."""
+    from kernels import reference, triton_copy
+
+    g = torch.Generator().manual_seed(3)
+    peer = torch.randint(0, 256, (6, 4096 * 8), dtype=torch.uint8, generator=g)  # 2 programs
+    mine = torch.zeros_like(peer)
+    src, dst = [4, 0, 5], [1, 3, 2]
+    want = reference.block_wsum64(peer.view(torch.int64), torch.tensor(src)).tolist()
+    want[1] ^= 1
+    up = torch.tensor([*src, *dst, *want, 0, 0, 0], dtype=torch.int64)
+    work = torch.zeros(4, dtype=torch.int64)
+    out = torch.full((), -1, dtype=torch.int64)
+    slow = triton_copy._CHECK.slow
+    for _ in range(2):
+        up[9:] = 0
+        triton_copy.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)
+        assert int(out) == 1 and not work.any()
+        assert torch.equal(mine[dst], peer[src])
+    assert triton_copy._CHECK.slow == slow + 2 and triton_copy._CHECK.fast == 0
+    assert not triton_copy._CHECK.compiled
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="times the launches on a CPU only")
+def test_the_launch_host_time_bench_runs(tmp_path):
+    """``bench.kv_launch_host`` (in a process of its own: it patches torch and Triton) times
+    both launch paths of the three launches and prints what sums on adds over sums off."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.kv_launch_host", "--blocks", "4", "--calls", "200"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    )  # fmt: skip
+    lines = run.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines[2:5]] == ["copy", "check,", "check,"]
+    assert all(float(x) > 0 for ln in lines[2:5] for x in ln.split()[-2:])
+    assert lines[5].startswith("sums on over sums off: kernel[grid] with views")
