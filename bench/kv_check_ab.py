@@ -198,8 +198,10 @@ def transport_arms(
     checked = CudaIpcTransport(dst, bb, records, sums=True)
     if not checked.sums:
         raise RuntimeError("the fused copy-and-sum cannot run here (see the warning)")
+    launches: dict[int, list[float]] = {id(plain): [], id(checked): []}
     for t in (plain, checked):
         t._mapped = lambda name, info: src  # type: ignore[method-assign]  # see the module
+        t._launch = _timed(t._launch, launches[id(t)])  # type: ignore[method-assign]
     loop = asyncio.new_event_loop()
 
     async def one(t: CudaIpcTransport) -> float:
@@ -217,6 +219,9 @@ def transport_arms(
         return {
             "launch_a_us": round(plain.launch_ns / calls / 1e3, 1),
             "launch_b_us": round(checked.launch_ns / calls / 1e3, 1),
+            # medians: the means above take in every stall (a GC pass, a descheduled thread)
+            "launch_a_med_us": round(statistics.median(launches[id(plain)]) * 1e6, 1),
+            "launch_b_med_us": round(statistics.median(launches[id(checked)]) * 1e6, 1),
             "fused_fetches": checked.fused_fetches,
             "compared_fetches": checked.compared_fetches,
             "device_verifies": checked.device_verifies,
@@ -230,6 +235,19 @@ def transport_arms(
         lambda: loop.run_until_complete(one(checked)),
         counters,
     )
+
+
+def _timed(launch: Callable, into: list[float]) -> Callable:
+    """``launch`` that appends each call's wall seconds to ``into``."""
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return timed
 
 
 def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) -> dict:
@@ -258,7 +276,12 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     # on one contiguous run each side (without the check: one cudaMemcpy, no ids uploaded).
     n = len(src_ids)
     words = s8.view(torch.int64)
-    run = [s & MASK for s in kernels.block_wsum64(words, torch.arange(n, device=dev)).tolist()]
+    first = torch.arange(n, device=dev)
+    run_sums = kernels.block_wsum64(words, first)
+    run = [s & MASK for s in run_sums.tolist()]
+    # Device time on that run: what sums off runs (one copy_) against the fused check.
+    d_memcpy_run = device_time(lambda: d8[:n].copy_(s8[:n], non_blocking=True), "cuda", repeat)
+    d_checked_run = device_time(device_checked_copy(d8, s8, first, first, run_sums), "cuda", repeat)
     for key, ids, sums in (
         ("ab_transport", (src_ids, dst_ids), expected),
         ("ab_transport_runs", (list(range(n)), list(range(n))), run),
@@ -274,6 +297,8 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
         # What the check adds on the GPU: the copy kernel with the sums (and compare, count).
         "fused_device_overhead": round(d_fused / d_copy - 1, 4),
         "checked_device_overhead": round(d_checked / d_copy - 1, 4),
+        "device_memcpy_run_ms": round(d_memcpy_run * 1e3, 4),
+        "device_checked_run_ms": round(d_checked_run * 1e3, 4),
     }
 
 
@@ -332,6 +357,14 @@ def print_check(rows: list[dict]) -> None:
             print("  host time in the transport's _launch, mean us per fetch, A / B: " + "; ".join(
                 f"{row['tokens']}: {row[key]['launch_a_us']} / {row[key]['launch_b_us']}"
                 for row in rows))  # fmt: skip
+        if "launch_a_med_us" in r0:
+            print("  the same, median us per fetch, A / B: " + "; ".join(
+                f"{row['tokens']}: {row[key]['launch_a_med_us']} / {row[key]['launch_b_med_us']}"
+                for row in rows))  # fmt: skip
+        if key == "ab_transport_runs" and "device_memcpy_run_ms" in rows[0]:
+            print("  device ms (CUDA events) on that run, one copy_ (A) / the fused check (B): "
+                  + "; ".join(f"{row['tokens']}: {row['device_memcpy_run_ms']:.4f} / "
+                              f"{row['device_checked_run_ms']:.4f}" for row in rows))  # fmt: skip
         if "compared_fetches" in r0:
             print("  transport counters (sums on, last size): " + ", ".join(
                 f"{k} {rows[-1][key][k]}" for k in

@@ -119,7 +119,62 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<26} {slow:>13.2f} {fast:>11.2f}")
     print(f"sums on over sums off: kernel[grid] with views {rows[1][1] - rows[0][1]:+.2f} us; "
           f"FastLaunch packed {rows[2][2] - rows[0][2]:+.2f} us")  # fmt: skip
+    print(
+        f"\nthe transport's own host work per fetch of n blocks in ONE contiguous run, "
+        f"FastLaunch's launcher a no-op (median of 9 rounds of {args.calls // 10} fetches)"
+    )
+    print(f"{'n':>5} {'sums off: runs + copy_':>23} {'sums on: sums + _copy_sum':>26} "
+          f"{'on - off':>9}")  # fmt: skip
+    for k in (64, 128, 256):
+        off, on = transport_us(k, args.calls // 10)
+        print(f"{k:>5} {off:>23.2f} {on:>26.2f} {on - off:>+9.2f}")
     return 0
+
+
+def transport_us(n: int, calls: int) -> tuple[float, float]:
+    """Host us per fetch of ``n`` blocks in one contiguous run, as `CudaIpcTransport` runs it
+    minus the device calls common to both arms (device, stream and event): sums off, the runs
+    and one ``copy_`` per run (tiny blocks here: the bytes are the device's); sums on, the
+    sender's sums from the handle, then ``_copy_sum`` (staging buffer, numpy fill, the upload,
+    the fused check through FastLaunch). The upload is a no-op ``.to`` on CPU: its
+    ``cudaMemcpyAsync`` is not counted, nor the copy's. Rounds alternate the arms."""
+    import statistics
+
+    from libkv.transfer import block_runs
+    from libkv.transfer.cuda_ipc import CudaIpcTransport
+    from libkv.transfer.fetch_checks import WSUM64, sender_sums
+    from services.common.codec import KVHandle
+
+    bb = 64
+    pool = torch.zeros(2 * n + 8, bb, dtype=torch.uint8)
+    src = torch.zeros_like(pool)
+    ids = tuple(range(n))
+    dst = tuple(range(n, 2 * n))
+    sums = tuple((0x9E3779B97F4A7C15 * (i + 1)) & ((1 << 64) - 1) for i in range(n))
+    handle = KVHandle(
+        worker_id="p0", incarnation="i1", address="", block_ids=ids, num_tokens=16 * n,
+        block_size=16, block_bytes=bb, dtype="uint8", lease_expires_unix_ms=0,
+        block_checksums=sums, checksum_algorithm=WSUM64,
+    )  # fmt: skip
+    t = CudaIpcTransport(pool, bb, None, sums=False)  # type: ignore[arg-type]
+    t.sums, t._cuda, t.mapped_count = True, True, True  # the CUDA path's host code
+    t._staged.append(torch.zeros(max(4 * n + 1, 1024), dtype=torch.int64))
+
+    def off() -> None:
+        for s, d, k in block_runs(ids, dst):
+            t.pool[d : d + k].copy_(src[s : s + k], non_blocking=True)
+
+    def on() -> None:
+        want = sender_sums(handle, ids)
+        _, _, staged = t._copy_sum(src, ids, dst, want)
+        t._staged.append(staged)  # back, as the fetch gives it once waited for
+
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(9):
+        a.append(per_call_us(off, calls))
+        b.append(per_call_us(on, calls))
+    return statistics.median(a), statistics.median(b)
 
 
 if __name__ == "__main__":

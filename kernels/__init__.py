@@ -8,6 +8,8 @@ imported on first use only, so CPU hosts without Triton never touch them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels import reference
@@ -51,6 +53,7 @@ __all__ = [
     "copy_sum_blocks_between",
     "copy_sum_check_blocks_between",
     "copy_sum_check_packed",
+    "packed_check",
     "count_mismatches",
     "linear",
     "lora_add",
@@ -258,6 +261,24 @@ def copy_sum_check_packed(
         dst, src, up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1 : n + 1],
         work[:1], out, total, offset,
     )  # fmt: skip
+
+
+def packed_check(
+    dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor, offset: int = 0
+) -> Callable[..., None]:
+    """`copy_sum_check_packed` bound to two pools and a workspace, checked once: the returned
+    ``check(up, n, out, total=0)`` launches it for ``n`` blocks (``total`` 0: ``n``). On CUDA
+    ``triton_copy.PackedCheck`` (a fetch's launch computes no views, keys or checks of the
+    pools); elsewhere the same call through `copy_sum_check_packed`."""
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        return triton_copy.PackedCheck(dst, src, work, offset)
+
+    def check(up: torch.Tensor, n: int, out: torch.Tensor, total: int = 0) -> None:
+        copy_sum_check_packed(dst, src, up, n, work, out, total or None, offset)
+
+    return check
 
 
 def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

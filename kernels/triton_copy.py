@@ -150,7 +150,7 @@ def copy_blocks_between(
     )  # fmt: skip
     _COPY(
         key,
-        (n, triton.cdiv(words, CHUNK)),
+        (n, -(-words // CHUNK)),
         lambda: (
             src.data_ptr(),
             dst.data_ptr(),
@@ -304,7 +304,7 @@ def _check(
     (or tensors) for the direct launch, ``tensors()`` the tensors themselves (default
     ``small``)."""
     words = dst.shape[1] // 8
-    chunks = triton.cdiv(words, CHUNK)
+    chunks = -(-words // CHUNK)  # not triton.cdiv: a jit function, microseconds on the host
     # The variant: the words and the offset (specialised on), the pools' 16-byte alignment,
     # the small vectors' dtypes (their alignment and the counts' values are not specialised
     # on, only whether the counts fit 32 bits).
@@ -324,6 +324,59 @@ def _check(
         )
 
     _CHECK(key, (n, chunks), fast, slow, num_warps=8)
+
+
+class PackedCheck:
+    """`copy_sum_check_packed` for one pair of pools and one workspace, checked once here: a
+    fetch's launch then only checks its counts and names its variant from two precomputed
+    keys (the pools' words, alignment and addresses do not change; the same keys as
+    ``_check``'s, so both share the compiled variant). What the CUDA IPC transport keeps per
+    mapped peer pool (its check's host time before the copy is queued)."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor,
+                 offset: int = 0) -> None:  # fmt: skip
+        _check_pools(dst, src)
+        if work.dtype != torch.int64 or work.dim() != 1:
+            raise ValueError("the workspace must be a 1-D int64 tensor")
+        self.dst, self.src, self.work = dst, src, work
+        self.words = dst.shape[1] // 8
+        self.chunks = -(-self.words // CHUNK)
+        self.offset = offset
+        self.blocks = work.numel() - 1  # most blocks one launch can check
+        self._ptrs = (src.data_ptr(), dst.data_ptr(), work.data_ptr())
+        base = (_device(dst), self.words, offset, _aligned(src), _aligned(dst))
+        self._keys = tuple((*base, big, *(torch.int64,) * 7) for big in (0, 1))
+
+    def __call__(self, up: torch.Tensor, n: int, out: torch.Tensor, total: int = 0) -> None:
+        """Launch on the current stream for ``n`` blocks whose vectors ``up`` holds (int64,
+        at least ``4 * n``, on the pools' device); the count to ``out`` (0-dim int64)
+        once ``total`` blocks (default ``n``) are done."""
+        if n <= 0:
+            return
+        total = total or n
+        if n > self.blocks or up.numel() < 4 * n or up.dtype != torch.int64:
+            raise ValueError(f"{n} blocks need 4n uploaded int64 words and n + 1 workspace words")
+        if out.dtype != torch.int64:
+            raise ValueError("the count must be int64")
+        s, d, w = self._ptrs
+        u = up.data_ptr()
+        words, offset, chunks, work = self.words, self.offset, self.chunks, self.work
+        dst, src = self.dst, self.src
+
+        def fast() -> tuple[Any, ...]:
+            return (s, d, u, u + 8 * n, u + 24 * n, u + 16 * n, w + 8, w, _host_or_ptr(out),
+                    words, offset, chunks, total, CHUNK)  # fmt: skip
+
+        def slow() -> tuple[tuple[Any, ...], dict[str, int]]:
+            vectors = (up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1:],
+                       work[:1], out)  # fmt: skip
+            return (
+                (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, chunks,
+                 total),
+                {"CHUNK": CHUNK},
+            )  # fmt: skip
+
+        _CHECK(self._keys[(chunks | total) >> 31 != 0], (n, chunks), fast, slow, num_warps=8)
 
 
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")

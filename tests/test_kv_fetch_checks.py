@@ -210,6 +210,64 @@ def test_the_fused_copy_compares_with_the_senders_sums_behind_the_copy(fault) ->
     assert not t._workspace(1).any()  # left zero for the next fetch
 
 
+def test_the_fused_check_is_bound_once_per_source_pool_and_workspace() -> None:
+    """The transport keeps one bound check (`kernels.packed_check`) per source pool: reused by
+    the next fetch from the same pool, another for another pool, all dropped when the
+    workspace grows (they point at the old one) or the peer's pool is unmapped; every fetch
+    still counts exactly."""
+    t, mine = _transport("")
+    g = torch.Generator().manual_seed(7)
+    peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8, generator=g)
+    other = torch.randint(0, 256, (8, 256), dtype=torch.uint8, generator=g)
+    src, dst = [5, 1, 6], [0, 7, 3]
+
+    def fetch(pool: torch.Tensor, k: int = 3) -> int:
+        want = _wsum(pool, src[:k])
+        want[0] ^= 1
+        _, bad, _ = t._copy_sum(pool, src[:k], dst[:k], want)
+        assert bad is not None and torch.equal(mine[dst[:k]], pool[src[:k]])
+        return int(bad)
+
+    assert fetch(peer) == 1
+    bound = t._checkers[id(peer)]
+    assert fetch(peer, 2) == 1 and t._checkers[id(peer)] is bound
+    assert fetch(other) == 1 and set(t._checkers) == {id(peer), id(other)}
+    work = t._workspace(1)
+    t._workspace(work.numel())  # one block more than it holds: a new workspace
+    assert t._workspace(1) is not work and not t._checkers
+    assert fetch(peer) == 1 and not t._workspace(1).any()
+    t._peers["p0@i1"], t._peers["p0@i2"], t._current["p0"] = peer, other, "p0@i1"
+    t._mapped("p0@i2", None)  # type: ignore[arg-type]  # a new incarnation: the old unmapped
+    assert id(peer) not in t._checkers
+
+
+def test_the_bound_check_is_the_packed_check() -> None:
+    """``kernels.packed_check`` off CUDA: the call of `copy_sum_check_packed` it stands for
+    (copy, sums into the upload, the count once ``total`` blocks are done), and bad counts
+    refused."""
+    g = torch.Generator().manual_seed(9)
+    peer = torch.randint(0, 256, (6, 128), dtype=torch.uint8, generator=g)
+    mine = torch.zeros_like(peer)
+    work = torch.zeros(5, dtype=torch.int64)
+    check = kernels.packed_check(mine, peer, work)
+    src, dst = [4, 0, 5], [1, 3, 2]
+    want = signed64(_wsum(peer, src))
+    want[2] ^= 1 << 40
+    out = torch.full((), -1, dtype=torch.int64)
+    first = torch.tensor([*src[:2], *dst[:2], *want[:2], 0, 0], dtype=torch.int64)
+    check(first, 2, out, 3)  # 2 of 3 blocks: no count yet
+    assert int(out) == -1 and torch.equal(mine[dst[:2]], peer[src[:2]])
+    check(torch.tensor([src[2], dst[2], want[2], 0], dtype=torch.int64), 1, out, 3)
+    assert int(out) == 1 and not work.any()  # all three counted, the workspace left zero
+    up = torch.tensor([*src, *dst, *want, 0, 0, 0], dtype=torch.int64)
+    out.fill_(-1)
+    check(up, 3, out)  # total defaults to this call's blocks
+    assert int(out) == 1 and torch.equal(mine[dst], peer[src])
+    assert torch.equal(up[9:], torch.tensor(signed64(_wsum(mine, dst))))
+    with pytest.raises(ValueError):
+        check(up, 5, out)  # 5 blocks need 20 uploaded words
+
+
 def test_verify_answers_a_compared_fetch_with_no_device_work() -> None:
     """What `fetch` keeps after its compare (a CPU transport: no CUDA to touch, so any device
     work here would fail): `verify` returns the count, then None; another transport's fetch

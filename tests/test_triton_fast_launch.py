@@ -152,6 +152,59 @@ def test_the_packed_check_runs_interpreted_through_kernel_grid_and_counts_exactl
     assert not triton_copy._CHECK.compiled
 
 
+def test_the_bound_packed_check_launches_the_same_variant_with_the_same_arguments(
+    cuda_state, monkeypatch
+):
+    """`triton_copy.PackedCheck` (the transport's check bound to its pools once) goes straight
+    to the variant `copy_sum_check_packed` compiled, with the very arguments that launch would
+    pass (the upload's slices by address), and refuses what does not fit its workspace."""
+    from kernels import triton_copy
+
+    ck = Compiled()
+    k = Kernel(ck)
+    monkeypatch.setattr(triton_copy, "_CHECK", FastLaunch(k, "the check"))
+    peer = torch.zeros(6, 4096 * 8, dtype=torch.uint8)
+    mine = torch.zeros_like(peer)
+    up = torch.zeros(13, dtype=torch.int64)
+    work = torch.zeros(4, dtype=torch.int64)
+    out = up[12]
+    triton_copy.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)  # compiles (records)
+    bound = triton_copy.PackedCheck(mine, peer, work)
+    bound(up, 3, out)
+    triton_copy.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)
+    assert len(k.launches) == 1 and triton_copy._CHECK.fast == 2
+    assert ck.calls[0] == ck.calls[1]
+    u = up.data_ptr()
+    assert ck.calls[0][11:15] == (u, u + 24, u + 72, u + 48)  # ids, ids, sums, want
+    bound(up[:9], 2, out, 7)  # two of seven blocks: its own ``total``
+    assert ck.calls[2][0] == 2 and ck.calls[2][-2] == 7
+    with pytest.raises(ValueError):
+        bound(up, 4, out)  # a workspace of 4 words checks 3 blocks at most
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1")
+def test_the_bound_packed_check_runs_interpreted_and_counts_exactly():
+    """`triton_copy.PackedCheck` under the interpreter (through ``kernel[grid]``): the blocks
+    copied, the count exact, the workspace left zero, twice in a row."""
+    from kernels import reference, triton_copy
+
+    g = torch.Generator().manual_seed(4)
+    peer = torch.randint(0, 256, (6, 4096 * 8), dtype=torch.uint8, generator=g)  # 2 programs
+    mine = torch.zeros_like(peer)
+    src, dst = [2, 5, 0], [4, 1, 3]
+    want = reference.block_wsum64(peer.view(torch.int64), torch.tensor(src)).tolist()
+    want[2] ^= 1 << 62
+    up = torch.tensor([*src, *dst, *want, 0, 0, 0], dtype=torch.int64)
+    work = torch.zeros(4, dtype=torch.int64)
+    out = torch.full((), -1, dtype=torch.int64)
+    check = triton_copy.PackedCheck(mine, peer, work)
+    for _ in range(2):
+        up[9:] = 0
+        check(up, 3, out)
+        assert int(out) == 1 and not work.any()
+        assert torch.equal(mine[dst], peer[src])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="times the launches on a CPU only")
 def test_the_launch_host_time_bench_runs(tmp_path):
     """``bench.kv_launch_host`` (in a process of its own: it patches torch and Triton) times
@@ -169,3 +222,6 @@ def test_the_launch_host_time_bench_runs(tmp_path):
     assert [ln.split()[0] for ln in lines[2:5]] == ["copy", "check,", "check,"]
     assert all(float(x) > 0 for ln in lines[2:5] for x in ln.split()[-2:])
     assert lines[5].startswith("sums on over sums off: kernel[grid] with views")
+    assert "ONE contiguous run" in lines[7]  # the transport's host work per fetch
+    assert [int(ln.split()[0]) for ln in lines[9:12]] == [64, 128, 256]
+    assert all(float(x) > 0 for ln in lines[9:12] for x in ln.split()[1:3])

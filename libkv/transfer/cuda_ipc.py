@@ -226,6 +226,7 @@ class CudaIpcTransport:
         if sums and block_bytes % 8:
             raise ValueError(f"{block_bytes}-byte blocks are not whole 64-bit words")
         self.device = pool.device
+        self._cuda = self.device.type == "cuda"  # off CUDA: the tests' reference path
         self.pool = pool.view(torch.uint8).view(pool.shape[0], block_bytes)
         self.block_bytes = block_bytes
         self.records = records
@@ -241,13 +242,16 @@ class CudaIpcTransport:
         self._counts: list[torch.Tensor] = []  # pinned scalars a verify's count comes back in
         self._staged: list[torch.Tensor] = []  # pinned upload buffers, free for a fetch
         self._work: torch.Tensor | None = None  # the fused check's zeroed words (device)
+        # Per source pool (by identity, the tensor kept with it): the fused check bound to
+        # it, this pool and the workspace (`kernels.packed_check`: checked once, not per fetch).
+        self._checkers: dict[int, tuple[torch.Tensor, Any]] = {}
         self.mapped_count = False  # the fused check writes its count into pinned memory
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
         self.compared_fetches = 0  # of those, compared in the copy (verify waits for none)
         self.device_verifies = 0  # verifies that compared on the device themselves
         self.thread_waits = 0  # waits that outlasted their polling and went to a thread
         self.launch_ns = 0  # host time in `_launch`, all fetches (bench)
-        if sums and self.device.type == "cuda":
+        if sums and self._cuda:
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -411,7 +415,7 @@ class CudaIpcTransport:
         """A host int64 buffer of at least ``size`` entries for one fetch's upload (and its
         count): pinned and reused on CUDA (it goes back once the fetch's wait is over), a new
         one on CPU (the tests: there the "upload" is the buffer itself)."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             return torch.empty(size, dtype=torch.int64)
         for i, b in enumerate(self._staged):
             if b.numel() >= size:
@@ -424,7 +428,18 @@ class CudaIpcTransport:
         shared by every fetch on its one stream (which runs them one after another)."""
         if self._work is None or self._work.numel() < n + 1:
             self._work = torch.zeros(max(n + 1, STAGING_MIN), dtype=torch.int64, device=self.device)
+            self._checkers.clear()  # bound to the old workspace
         return self._work
+
+    def _checker(self, src: torch.Tensor, n: int) -> Any:
+        """The fused check from ``src`` into this pool for up to ``n`` blocks (one per source
+        pool and workspace, made on its first fetch)."""
+        work = self._workspace(n)
+        kept = self._checkers.get(id(src))
+        if kept is None or kept[0] is not src:
+            kept = (src, kernels.packed_check(self.pool, src, work))
+            self._checkers[id(src)] = kept
+        return kept[1]
 
     def _copy_sum(
         self,
@@ -462,11 +477,11 @@ class CudaIpcTransport:
         rows[3 * n : 4 * n] = 0  # the sums, added to by the kernel
         up = staged[: 4 * n + 1].to(self.device, non_blocking=True)
         host = staged[4 * n]
-        out = host if self.mapped_count or self.device.type != "cuda" else up[4 * n]
-        work = self._workspace(n)
+        out = host if self.mapped_count or not self._cuda else up[4 * n]
         if self.fault != "corrupt":  # launched with no views of ``up`` made before it
-            kernels.copy_sum_check_packed(self.pool, src, up, n, work, out)
+            self._checker(src, n)(up, n, out)
         else:  # two launches, one count: the first block from the damaged scratch copy
+            work = self._workspace(n)
             si, di, expected = up[:n], up[n : 2 * n], up[2 * n : 3 * n]
             sums, state, tickets = up[3 * n : 4 * n], work[:1], work[1:]
             check = kernels.copy_sum_check_blocks_between
@@ -546,7 +561,9 @@ class CudaIpcTransport:
         worker = name.rpartition("@")[0]
         old = self._current.get(worker)
         if old is not None and old != name:  # the worker restarted: unmap its old pool
-            self._peers.pop(old, None)
+            gone = self._peers.pop(old, None)
+            if gone is not None:
+                self._checkers.pop(id(gone), None)
         if name not in self._peers:
             self._peers[name] = open_pool(info, self.device)
             log.info("mapped the KV pool of %s over CUDA IPC (%d blocks)", name, info.num_blocks)
@@ -561,3 +578,4 @@ class CudaIpcTransport:
             await asyncio.to_thread(self._stream.synchronize)
         self._peers.clear()
         self._current.clear()
+        self._checkers.clear()
