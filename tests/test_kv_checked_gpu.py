@@ -221,6 +221,8 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
     assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
     assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
     assert ab["launch_b_us"] > 0 and rows[0]["ab_kernels"]["host_b_us"] > 0
+    assert ab["launch_b_med_us"] > 0 and rows[-1]["ab_transport_runs"]["launch_a_med_us"] > 0
+    assert rows[0]["device_memcpy_run_ms"] > 0 and rows[0]["device_checked_run_ms"] > 0
     launches = rows[-1]["triton_launches"]  # both arms' copies straight through, once compiled
     assert launches["check"]["fast"] > 0 and launches["copy"]["fast"] > 0
     assert not launches["check"]["broken"] and not launches["copy"]["broken"]
