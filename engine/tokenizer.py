@@ -78,7 +78,10 @@ class Tokenizer:
         return self.hf.token_to_id(self.eos_token) if self.eos_token else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``. Through the batch call, which releases the GIL while it runs
+        (the single one holds it): a server tokenizing in worker threads keeps its event loop
+        and other threads running meanwhile. The ids are the same."""
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

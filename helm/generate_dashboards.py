@@ -219,10 +219,12 @@ def router() -> Dashboard:
         Panel("Decision share", "Share of decisions by reason.", "percentunit",
               (Target(f"sum by (reason) ({rate(decisions)}) / ignoring(reason) group_left "
                       f"clamp_min(sum({rate(decisions)}), 1e-9)", "{{reason}}"),), stacked=True),
-        Panel("Retries and migrations", "Requests retried on another worker before their "
-              "first token, and streams migrated after it, per second.", "ops",
+        Panel("Retries, migrations, local refusals", "Requests retried on another worker "
+              "before their first token, streams migrated after it, and requests refused for "
+              "capacity by the router itself (no call to a worker), per second.", "ops",
               (Target(f"sum({rate('tandem_router_retries_total')})", "retries"),
-               Target(f"sum({rate('tandem_router_migrations_total')})", "migrations"))),
+               Target(f"sum({rate('tandem_router_migrations_total')})", "migrations"),
+               Target(f"sum({rate('tandem_router_local_refusals_total')})", "local refusals"))),
         Panel("Router stream time", "Router Generate calls, start to last token.", "s",
               percentiles("tandem_grpc_server_handling_seconds",
                           extra='component="router", method="/tandem.v1.Router/Generate"')),

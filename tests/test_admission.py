@@ -14,7 +14,10 @@ from services.common.admission import (
     DEFAULT_RETRY_AFTER_MS,
     MAX_RETRY_AFTER_MS,
     MIN_RETRY_AFTER_MS,
+    RefusalMemory,
     TokenLedger,
+    bound_record,
+    ledger_like,
 )
 from services.common.codec import Event
 from services.common.errors import ResourceExhausted, Unavailable
@@ -349,3 +352,64 @@ async def test_an_unreachable_decode_worker_fails_its_booking_without_using_the_
     assert clients.log == [("reserve", "d0"), ("reserve", "d1"), ("prefill", "p0"),
                            ("unreserve", "d1"), ("reserve", "d1"), ("prefill", "p1"),
                            ("decode", "d1")]  # fmt: skip
+
+
+# --- what a refusal says about the room left, and who remembers it ------------------------------
+
+
+def test_a_refusal_says_the_room_left_and_a_cancel_is_not_a_release() -> None:
+    clock = Clock()
+    ledger = TokenLedger(1000, batch_fraction=0.5, clock=clock)
+    ledger.admit("a", 700)
+    with pytest.raises(ResourceExhausted) as e:
+        ledger.admit("b", 400)
+    assert e.value.room_tokens == 300
+    with pytest.raises(ResourceExhausted) as e:
+        ledger.admit("c", 1, "batch")
+    assert e.value.room_tokens == 0  # batch stops at 500
+    ledger.cancel("a")
+    ledger.cancel("a")  # idempotent
+    assert ledger.pending_tokens == 0 and ledger.retry_after_ms(1) == DEFAULT_RETRY_AFTER_MS
+
+
+def test_a_workers_bound_travels_in_its_member_record() -> None:
+    record = bound_record(TokenLedger(5824, batch_fraction=0.25))
+    copy = ledger_like(record, "decode worker d0 (as a router booked it)")
+    assert copy is not None and (copy.max_tokens, copy.batch_fraction) == (5824, 0.25)
+    assert not copy.inflight
+    for bad in (None, "", "{", "[]", '{"max_tokens": 10}', bound_record(TokenLedger(0))):
+        assert ledger_like(bad, "x") is None  # absent, not one, or unbounded: nothing to book
+
+
+def test_refusal_memory_remembers_the_room_until_the_wait_or_ttl_and_adds_releases() -> None:
+    clock = Clock()
+    memory = RefusalMemory(2.0, clock)
+    memory.refused("w", "interactive", None, 500)  # no room said: nothing to go by
+    memory.check("w", "interactive", 10**9, "w")
+    memory.refused("w", "interactive", 100, 5000)
+    memory.check("w", "interactive", 100, "w")
+    with pytest.raises(ResourceExhausted, match="101 tokens requested > 100 free") as e:
+        memory.check("w", "interactive", 101, "worker w")
+    assert (e.value.retry_after_ms, e.value.room_tokens) == (5000, 100)
+    memory.check("w", "batch", 10**9, "w")  # nothing known for another kind
+    memory.check("v", "interactive", 10**9, "w")  # nor for another scope
+    memory.released("w", 20)
+    memory.check("w", "interactive", 120, "w")
+    clock.now += 1.5
+    with pytest.raises(ResourceExhausted) as e:
+        memory.check("w", "interactive", 121, "w")
+    assert e.value.retry_after_ms == 3500
+    clock.now += 0.5  # ttl (2 s) comes before the refuser's 5 s
+    memory.check("w", "interactive", 10**9, "w")
+    memory.refused("w", "interactive", 0, 50)
+    clock.now += 0.049
+    with pytest.raises(ResourceExhausted) as e:
+        memory.check("w", "interactive", 1, "w")
+    assert e.value.retry_after_ms == MIN_RETRY_AFTER_MS  # never below the floor
+    memory.forget("w")
+    memory.check("w", "interactive", 1, "w")
+    off = RefusalMemory(0.0, clock)
+    off.refused("w", "interactive", 0, 5000)
+    off.check("w", "interactive", 10**9, "w")
+    with pytest.raises(ValueError):
+        RefusalMemory(-1.0)

@@ -174,17 +174,24 @@ async def overload_lean(url: str, n: int, prompt: str, max_tokens: int) -> list[
         )
 
 
+def router_local_refusals(stack: Stack) -> float:
+    """The router's ``tandem_router_local_refusals_total`` (requests it refused with no call)."""
+    text = httpx.get(f"http://{stack.scrape_targets()['router']}/metrics", timeout=10).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("tandem_router_local_refusals_total")]
+    return float(lines[0].split()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_issue_scenario_160_streams(serve_stack):
-    """No mid-stream error, no 5xx, every admitted request finishes (asserted); 429 p90 <=
-    250 ms is the issue's target, which this 2-core machine misses (0.5-2.5 s measured, see
-    bench/results/overload_cpu.md): reported as an expected failure with the figure, after
-    every correctness check passed."""
+    """No mid-stream error, no 5xx, every admitted request finishes, and 429s within 250 ms at
+    p90 (issue 18's target; 0.14-0.24 s measured on 2 CPU cores at load average 2-3, see
+    bench/results/overload_cpu.md): refused by the router with no call to the full decode
+    worker, or by the gateway before tokenizing, while the workers run below the control
+    plane's CPU priority."""
     outcomes = asyncio.run(
         overload_lean(f"{serve_stack.url}/v1/completions", SCENARIO_STREAMS,
                       SCENARIO_PROMPT, max_tokens=16)
     )  # fmt: skip
-    figures = check(serve_stack, outcomes, None)
-    if figures["p90_429_s"] > 0.25:
-        pytest.xfail(f"429 p90 {figures['p90_429_s']} s > 0.25 s (issue 18 target): {figures}")
+    figures = check(serve_stack, outcomes, 0.25)
+    assert router_local_refusals(serve_stack) > 0, figures

@@ -21,7 +21,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError, BackendRequest
 from services.gateway.grpc_backend import GrpcBackend
 from services.gateway.keys import ApiKey, KeyRing, TenantLimits, hash_key, load_keys_file
-from services.gateway.limits import Limits, _duration
+from services.gateway.limits import Limits, Overloaded, _duration
 from services.gateway.server import create_app
 from tests.app_server import serving
 from tests.test_gateway import MODEL, FakeBackend
@@ -245,3 +245,90 @@ def test_gateway_admission_is_per_base_model() -> None:
     assert lim.ledgers["a"].pending_tokens == 92
     hog.settle(5)
     lim.admit(req("a3", 10, 10), "a")
+
+
+# --- the routers' refusals for capacity, remembered (issue 18: fast 429s) ----------------------
+
+
+def test_a_refusal_from_the_routers_refuses_larger_requests_here_for_a_while() -> None:
+    clock = Clock()
+    lim = Limits({}, 0, clock=clock, models=("a", "b"), refusal_memory=1.0)
+    lim.refused("a", req("r", 10, 20, model="a"), Overloaded("full", 400, room_tokens=30))
+    with pytest.raises(Overloaded) as e:
+        lim.admit(req("big", 10, 25, model="a"), "a")  # 35 > 30
+    assert (e.value.status, e.value.code) == (429, "server_overloaded")
+    assert e.value.headers["retry-after-ms"] == "400" and e.value.headers["Retry-After"] == "1"
+    lim.admit(req("fits", 10, 20, model="a"), "a").settle(0)  # the routers decide
+    lim.admit(req("other", 10, 25, model="b"), "b").settle(0)  # another base model
+    lim.admit(req("lora", 10, 25, model="a-adapter"), "a").settle(0)  # another model name
+    lim.admit(req("batch", 10, 25, model="a", priority="batch"), "a").settle(0)
+    with pytest.raises(Overloaded):
+        lim.check_room("a", "a", "interactive", 31)  # before tokenizing: a lower bound
+    lim.released("a", req("done", 2, 3))  # a request a worker took ended: 5 more room
+    lim.check_room("a", "a", "interactive", 35)
+    clock.now += 0.4  # the routers' Retry-After is over: they are asked again
+    lim.admit(req("big2", 10, 90, model="a"), "a").settle(0)
+    lim.refused("a", req("r", 10, 20, model="a"), Overloaded("full", None, room_tokens=0))
+    with pytest.raises(Overloaded):
+        lim.check_room("a", "a", "interactive", 1)
+    clock.now += 1.0  # no Retry-After from the routers: remembered refusal_memory seconds
+    lim.check_room("a", "a", "interactive", 1)
+    off = Limits({}, 0, clock=clock, refusal_memory=0.0)
+    off.refused("", req("r", 10, 20), Overloaded("full", 400, room_tokens=0))
+    off.check_room("", "", "interactive", 10**6)
+
+
+def test_the_429_of_a_full_stack_carries_the_room_the_router_said() -> None:
+    import grpc
+
+    from services.gateway import codec
+
+    trailers = [("retry-after-ms", "250"), ("room-tokens", "42")]
+    err = codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", trailers)
+    assert isinstance(err, Overloaded) and err.room_tokens == 42 and err.retry_after_ms == 250
+    assert err.headers == {"Retry-After": "1", "retry-after-ms": "250"}
+    err = codec.http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+    assert isinstance(err, Overloaded) and err.room_tokens is None
+
+
+def test_the_fewest_tokens_a_request_can_book_before_its_prompt_is_known() -> None:
+    from services.gateway.prepare import _least_cost
+    from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+    assert _least_cost(CompletionRequest(model=MODEL, prompt="x", max_tokens=16), 1) == 17
+    assert _least_cost(CompletionRequest(model=MODEL, prompt="x", max_tokens=16), 3) == 49
+    assert _least_cost(CompletionRequest(model=MODEL, prompt="x"), 2) == 3  # default: >= 1 each
+    chat = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                 max_tokens=5, max_completion_tokens=9)  # fmt: skip
+    assert _least_cost(chat, 1) == 10
+
+
+MEMORY_CONFIG = dataclasses.replace(CONFIG, api_keys=(), refusal_memory=5.0)
+
+
+def test_a_full_stack_answers_429_before_tokenizing_or_calling_the_router() -> None:
+    """After the routers' 429 (room 50 tokens), a request that cannot fit whatever its prompt is
+    refused before its prompt is tokenized and without a call; one that fits is sent; the end
+    of a request a worker took gives its tokens back to the room."""
+    tok = Tokenizer(DEFAULT_DIR)
+    fake = FakeBackend(tok)
+    encoded: list[str] = []
+    encode = tok.encode
+    tok.encode = lambda text, *a, **kw: encoded.append(text) or encode(text, *a, **kw)  # type: ignore[method-assign]
+    with serving(create_app(MEMORY_CONFIG, fake, tok)) as port:
+        url = f"http://127.0.0.1:{port}"
+        fake.fail = Overloaded("every worker is at capacity", 3000, room_tokens=50)
+        r = post(url, {"prompt": "Hi there", "max_tokens": 40})
+        assert r.status_code == 429 and len(fake.requests) == 1
+        r = post(url, {"prompt": "Hello world", "max_tokens": 60})  # at least 61 > 50
+        assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+        assert int(r.headers["retry-after-ms"]) <= 3000 and r.headers["Retry-After"] == "3"
+        assert len(fake.requests) == 1 and "Hello world" not in encoded
+        r = post(url, {"prompt": "Hello world", "max_tokens": 49})  # 50 <= 50, but 2 + 49 > 50
+        assert r.status_code == 429 and len(fake.requests) == 1 and "Hello world" in encoded
+        fake.fail = None
+        r = post(url, {"prompt": "Hi", "max_tokens": 40})  # fits: the router is asked
+        assert r.status_code == 200 and len(fake.requests) == 2
+        # It ended: its prompt and 40 tokens are free again, so 60 more now fit.
+        r = post(url, {"prompt": "Hello world", "max_tokens": 60})
+        assert r.status_code == 200 and len(fake.requests) == 3

@@ -140,6 +140,11 @@ def test_serve_and_bench_flags_reach_the_stack_config(tmp_path):
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     with pytest.raises(SystemExit, match="--decode-tp must be >= 1"):
         worker_overrides(p.parse_args(["--gpus", "none", "--decode-tp", "0"]))
+    assert "worker_nice" not in worker_overrides(p.parse_args(["--gpus", "none"]))
+    nice = worker_overrides(p.parse_args(["--gpus", "none", "--worker-nice", "0"]))
+    assert StackConfig("/m", "/r", **nice).worker_nice == 0
+    with pytest.raises(SystemExit, match="--worker-nice must be in"):
+        worker_overrides(p.parse_args(["--gpus", "none", "--worker-nice", "20"]))
 
 
 def test_worker_memory_flags_and_their_variables():

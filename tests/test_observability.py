@@ -114,6 +114,9 @@ def test_router_collector_reads_decisions_and_members():
             migrations = 5
             live_moves = 2
 
+        class admission:  # noqa: N801 - stands in for DecodeAdmission
+            local_refusals = 7
+
     class Watcher:
         members = {"p0": _Member("prefill"), "d0": _Member("decode"), "d1": _Member("decode")}
 
@@ -124,6 +127,9 @@ def test_router_collector_reads_decisions_and_members():
             migrations = 1
             live_moves = 0
 
+        class admission:  # noqa: N801
+            local_refusals = 1
+
     reg = CollectorRegistry()
     reg.register(RouterCollector([Core(), OtherModel()], Watcher()))
     assert value(reg, "tandem_router_decisions_total", policy="kv", reason="kv-hit") == 4
@@ -131,6 +137,7 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, "tandem_router_retries_total") == 4
     assert value(reg, "tandem_router_migrations_total") == 6
     assert value(reg, "tandem_router_live_moves_total") == 2
+    assert value(reg, "tandem_router_local_refusals_total") == 8
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0
     assert decision_labels(("session", "sticky")) == ("session", "sticky")

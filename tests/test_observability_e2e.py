@@ -72,6 +72,7 @@ EXPECTED = {
         "tandem_router_retries": "counter",
         "tandem_router_migrations": "counter",
         "tandem_router_live_moves": "counter",
+        "tandem_router_local_refusals": "counter",
         "tandem_router_members": "gauge",
     },
     "prefill-0": {**GRPC, **WORKER, **ADMISSION},

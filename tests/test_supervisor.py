@@ -189,3 +189,29 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice():
     assert len(set(ports)) == len(ports)
     if low > 11000:
         assert all(10000 <= p < low for p in ports), ports
+
+
+def test_workers_run_below_the_other_processes_cpu_priority(tmp_path) -> None:
+    """`tandem serve` lowers its workers' CPU priority (``worker_nice``), so the gateway and
+    router get a core at once while the workers' compute fills them (issue 18's fast 429s):
+    the process's nice value, inherited by the threads it starts, and (autogroups on) its
+    session's autogroup's, since each child leads a session of its own."""
+    child = Child("decode-0", [sys.executable, "-c", "import time; time.sleep(30)"],
+                  tmp_path / "decode-0.log", nice=7)  # fmt: skip
+    launch(child)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+        autogroup = Path(f"/proc/{child.pid}/autogroup")
+        if autogroup.exists() and Path("/proc/sys/kernel/sched_autogroup_enabled").exists():
+            assert autogroup.read_text().split()[-1] == "7"
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+    config = StackConfig("/m", str(tmp_path))
+    assert config.worker_nice == 10
+    stack = Stack(config)
+    stack._launch = lambda c: None  # type: ignore[method-assign]
+    for name in ("router", "gateway", "prefill-0", "decode-0"):
+        stack._spawn(name, ["true"])
+    assert {n: c.nice for n, c in stack.children.items()} == {
+        "router": 0, "gateway": 0, "prefill-0": 10, "decode-0": 10}  # fmt: skip

@@ -7,16 +7,20 @@ admits a request while the tokens in flight stay within ``max_tokens``; batch re
 while they stay within ``batch_fraction`` of it, so under load batch work is refused first and
 interactive work keeps the rest. An empty ledger admits anything (one request never waits for
 itself). A refusal is immediate, with an estimate of when capacity frees up, computed from the
-rate at which recently finished requests returned tokens to the ledger.
+rate at which recently finished requests returned tokens to the ledger, and with the room left
+(``room_tokens``), which a caller's `RefusalMemory` uses to refuse what cannot fit without asking
+again for a short while.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import ResourceExhausted, Unavailable
@@ -34,6 +38,37 @@ RATE_WINDOW_S = 10.0
 def batch_fraction_option() -> Any:
     """The ``--batch-admission-fraction`` field of a config (gateway and workers alike)."""
     return option(0.5, "batch-priority requests are admitted only up to this fraction of the bound")
+
+
+# Key of a worker's member record (``Member.extra``) that states its admission bound.
+BOUND_KEY = "admission"
+
+
+def bound_record(ledger: TokenLedger) -> str:
+    """What a worker publishes under BOUND_KEY: its ledger's bound and batch fraction."""
+    return json.dumps({"max_tokens": ledger.max_tokens, "batch_fraction": ledger.batch_fraction})
+
+
+def ledger_like(
+    record: str | None, name: str, clock: Callable[[], float] = time.monotonic
+) -> TokenLedger | None:
+    """An empty ledger with the bound of a `bound_record` (None when absent, unbounded or not
+    one): a caller's own copy, to book what it sends there (``services.router.admission``)."""
+    try:
+        bound = json.loads(record) if record else None
+        ledger = TokenLedger(int(bound["max_tokens"]), float(bound["batch_fraction"]), name, clock)
+    except (ValueError, TypeError, KeyError):
+        return None
+    return ledger if ledger.max_tokens else None
+
+
+def refusal_memory_option(refuser: str) -> Any:
+    """The ``--refusal-memory`` field of a config (router and gateway): see `RefusalMemory`."""
+    return option(
+        1.0,
+        f"seconds a refusal for capacity by a {refuser} is remembered (at most its Retry-After), "
+        "to answer 429 at once, with no call, to requests larger than the room it had; 0: off",
+    )
 
 
 def check_priority(priority: str) -> str:
@@ -94,6 +129,7 @@ class TokenLedger:
                 f"{self.name} is at its admission limit for {priority} requests: "
                 f"{self.pending_tokens} tokens in flight + {tokens} requested > {limit}",
                 retry_after_ms=self.retry_after_ms(after - limit),
+                room_tokens=max(limit - self.pending_tokens, 0),
             )
         self.inflight[request_id] = tokens
         self.pending_tokens = after
@@ -112,6 +148,13 @@ class TokenLedger:
         now = self.clock()
         self._returned.append((now, tokens))
         self._trim(now)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a booking that never took effect (idempotent): unlike `release`, its tokens do
+        not count as returned in the rate that `retry_after_ms` estimates from."""
+        tokens = self.inflight.pop(request_id, None)
+        if tokens is not None:
+            self.pending_tokens -= tokens
 
     @contextmanager
     def hold(
@@ -138,3 +181,80 @@ class TokenLedger:
     def _trim(self, now: float) -> None:
         while self._returned and self._returned[0][0] < now - RATE_WINDOW_S:
             self._returned.popleft()
+
+
+@dataclass(slots=True)
+class _Refusal:
+    room: int  # tokens a request could still book: as the refusal said, plus releases seen since
+    at: float  # when the refusal was made
+    retry_after_ms: int  # the refuser's estimate then
+    expires: float
+
+
+class RefusalMemory:
+    """What capacity refusals said, so that a request that cannot fit is refused at once, with
+    no call to the one that refused (a router towards a worker, a gateway towards its routers).
+
+    A refusal (``ResourceExhausted`` with ``room_tokens``) is remembered per ``scope`` (where the
+    tokens are booked: a worker incarnation, a base model) and ``kind`` (what the room is for:
+    a priority), until the refuser's ``retry_after_ms`` or ``ttl`` seconds, whichever comes
+    first. Meanwhile `check` refuses a request costing more than the room, and `released` adds
+    the tokens of requests seen ending in that scope back to every room of it. Bookings are not
+    subtracted: a room can only be too large, never too small, through what this process sees,
+    so a request that fits still goes to the refuser, which decides (and whose next refusal
+    replaces the room). What it cannot see (releases by other callers, lapsed bookings, a
+    ledger that emptied) can make a room too small for at most ``ttl`` seconds: that bounds how
+    long a request that would fit is refused. ``ttl`` 0: remember nothing.
+
+    Not locked: written on one event loop; a `check` from a worker thread reads a consistent
+    enough value (a room read while a release adds to it is one of the two values).
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl < 0:
+            raise ValueError("ttl must be >= 0")
+        self.ttl = ttl
+        self.clock = clock
+        self._by_scope: dict[Hashable, dict[Hashable, _Refusal]] = {}
+
+    def refused(
+        self, scope: Hashable, kind: Hashable, room_tokens: int | None, retry_after_ms: int | None
+    ) -> None:
+        """Remember a refusal that left ``room_tokens`` (nothing when unknown or ``ttl`` is 0)
+        and said to retry after ``retry_after_ms``."""
+        if room_tokens is None or not self.ttl:
+            return
+        now = self.clock()
+        wait = retry_after_ms if retry_after_ms is not None else int(self.ttl * 1000)
+        expires = now + min(self.ttl, wait / 1000)
+        self._by_scope.setdefault(scope, {})[kind] = _Refusal(room_tokens, now, wait, expires)
+
+    def released(self, scope: Hashable, tokens: int) -> None:
+        """Requests of ``tokens`` in all ended in ``scope``: that much more room there."""
+        for r in self._by_scope.get(scope, {}).values():
+            r.room += tokens
+
+    def forget(self, scope: Hashable) -> None:
+        self._by_scope.pop(scope, None)
+
+    def check(self, scope: Hashable, kind: Hashable, cost: int, who: str) -> None:
+        """Raise ResourceExhausted (with the time left of the refuser's estimate) when a live
+        refusal of ``scope`` for ``kind`` leaves less room than ``cost``; ``who``: the
+        refuser, for the message."""
+        kinds = self._by_scope.get(scope)
+        r = kinds.get(kind) if kinds else None
+        if r is None:
+            return
+        now = self.clock()
+        if now >= r.expires:
+            kinds.pop(kind, None)  # type: ignore[union-attr]
+            return
+        if cost <= r.room:
+            return
+        ago = round((now - r.at) * 1000)
+        raise ResourceExhausted(
+            f"{who} is at its admission limit: {cost} tokens requested > {r.room} free when it "
+            f"last refused ({ago} ms ago)",
+            retry_after_ms=max(r.retry_after_ms - ago, MIN_RETRY_AFTER_MS),
+            room_tokens=r.room,
+        )

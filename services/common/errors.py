@@ -20,18 +20,25 @@ class FailedPrecondition(ServiceError):
     """Not in the state the call needs, e.g. a stale incarnation (FAILED_PRECONDITION)."""
 
 
-# Trailer of a RESOURCE_EXHAUSTED status: when to retry, in milliseconds.
+# Trailers of a RESOURCE_EXHAUSTED status: when to retry, in milliseconds; the room left.
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+ROOM_TOKENS_KEY = "room-tokens"
 
 
 class ResourceExhausted(ServiceError):
     """Out of capacity (queue full, no KV blocks); retry later or elsewhere (RESOURCE_EXHAUSTED).
 
-    ``retry_after_ms``, when known, travels as the ``retry-after-ms`` trailer of the status."""
+    ``retry_after_ms``, when known, travels as the ``retry-after-ms`` trailer of the status;
+    ``room_tokens``, when known, as ``room-tokens``: the largest request (prompt plus every
+    token its choices may generate) the refuser could still have admitted at that priority
+    (`services.common.admission.RefusalMemory` uses it to refuse larger ones without a call)."""
 
-    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+    def __init__(
+        self, message: str, retry_after_ms: int | None = None, room_tokens: int | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+        self.room_tokens = room_tokens
 
 
 class KVTransferFailed(ServiceError):

@@ -86,9 +86,18 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("unexpected error in %s", method)
         await context.abort(code, f"internal error: {type(exc).__name__}: {_message(exc)}")
-    logger.info("%s failed with %s: %s", method, code.name, _message(exc))
-    retry_after_ms = getattr(exc, "retry_after_ms", None)
-    trailers = () if retry_after_ms is None else ((errors.RETRY_AFTER_MS_KEY, str(retry_after_ms)),)
+    # A refusal for capacity is an expected answer under load (counted by status in the RPC
+    # metrics): logged at debug so an overload does not also flood the log.
+    level = logging.DEBUG if code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.INFO
+    logger.log(level, "%s failed with %s: %s", method, code.name, _message(exc))
+    trailers = tuple(
+        (key, str(value))
+        for key, value in (
+            (errors.RETRY_AFTER_MS_KEY, getattr(exc, "retry_after_ms", None)),
+            (errors.ROOM_TOKENS_KEY, getattr(exc, "room_tokens", None)),
+        )
+        if value is not None
+    )
     await context.abort(code, _message(exc), trailing_metadata=trailers)
 
 

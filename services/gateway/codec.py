@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from services.common.codec import PRIORITY_TO_PB, sampling_to_pb
-from services.common.errors import RETRY_AFTER_MS_KEY
+from services.common.errors import RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY
 from services.gateway.core import (
     APIError,
     BackendEvent,
@@ -18,7 +18,7 @@ from services.gateway.core import (
     TokenLogprob,
     Usage,
 )
-from services.gateway.limits import retry_headers
+from services.gateway.limits import Overloaded
 
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -46,12 +46,15 @@ _SERVER_MESSAGES = {
 }
 
 
-def _retry_after(metadata: Sequence[tuple[str, str | bytes]]) -> dict[str, str]:
+def _overloaded(message: str, metadata: Sequence[tuple[str, str | bytes]]) -> Overloaded:
+    """The 429 of a RESOURCE_EXHAUSTED status: its wait from the ``retry-after-ms`` (or
+    ``retry-after``, seconds) trailer, 1 s without one; the room left from ``room-tokens``."""
     trailers = {k.lower(): str(v) for k, v in metadata}
     ms, secs = trailers.get(RETRY_AFTER_MS_KEY, ""), trailers.get("retry-after", "")
-    if ms.isdigit():
-        return retry_headers(int(ms))
-    return retry_headers(1000 * int(secs if secs.isdigit() else DEFAULT_RETRY_AFTER_S))
+    secs = secs if secs.isdigit() else DEFAULT_RETRY_AFTER_S
+    wait = int(ms) if ms.isdigit() else 1000 * int(secs)
+    room = trailers.get(ROOM_TOKENS_KEY, "")
+    return Overloaded(message, wait, int(room) if room.isdigit() else None)
 
 
 def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
@@ -114,17 +117,16 @@ def http_error(
     code: grpc.StatusCode, details: str | None, metadata: Sequence[tuple[str, str | bytes]] = ()
 ) -> APIError:
     """The client-facing error for a failed router call. 429 (every worker at capacity) carries
-    ``Retry-After`` in seconds and ``retry-after-ms``, from the router's ``retry-after-ms`` (or
-    ``retry-after``, seconds) trailer, 1 s without one. Details of 5xx failures stay inside."""
+    ``Retry-After`` in seconds and ``retry-after-ms`` (`_overloaded`). Details of 5xx failures
+    stay inside."""
     status, type_, err_code = STATUS_MAP.get(code, _INTERNAL)
-    headers: dict[str, str] = {}
-    if status == 429:
-        headers = _retry_after(metadata)
     if status < 500:  # the client's problem: say what the router said
         message = details or code.name.lower().replace("_", " ")
     else:  # ours: keep internal addresses and state out of the answer (the backend logs it)
         message = _SERVER_MESSAGES.get(status, "internal server error")
-    return APIError(status, message, type_, code=err_code, headers=headers)
+    if status == 429:
+        return _overloaded(message, metadata)
+    return APIError(status, message, type_, code=err_code)
 
 
 def list_models_request() -> common_pb2.ListModelsRequest:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.config import ModelConfig
-from services.common.admission import batch_fraction_option
+from services.common.admission import batch_fraction_option, refusal_memory_option
 from services.common.models import parse_models
 from services.common.options import Options, option
 from services.common.process import log_level_option
@@ -85,6 +85,7 @@ class GatewayConfig:
         "0 = no bound",
     )
     batch_admission_fraction: float = batch_fraction_option()
+    refusal_memory: float = refusal_memory_option("router")
     request_timeout: float = option(
         600.0, "deadline in seconds of a request that gives no 'timeout' field"
     )
@@ -122,6 +123,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes >= 1 and default_max_tokens >= 1")
         if self.max_inflight_tokens < 0 or not 0 < self.batch_admission_fraction <= 1:
             raise ValueError("--max-inflight-tokens >= 0 and 0 < --batch-admission-fraction <= 1")
+        if self.refusal_memory < 0:
+            raise ValueError("--refusal-memory must be >= 0 seconds")
         if not (self.request_timeout > 0 and self.max_request_timeout > 0):
             raise ValueError("--request-timeout and --max-request-timeout must be > 0")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):

@@ -17,20 +17,30 @@ from contextlib import aclosing
 import anyio
 
 from services.gateway.core import Backend, BackendEvent, BackendRequest, run_generation
-from services.gateway.limits import Limits, Ticket
+from services.gateway.limits import Limits, Overloaded, Ticket
 from services.gateway.observe import GatewayMetrics, observe_generation
 
 
 class Exchange:
     """A generation admitted at the gateway: its events (timed into ``metrics``) and its
-    accounting."""
+    accounting. With ``limits``, the routers' refusals for capacity of base model ``model`` are
+    remembered there, and the end of a request a worker took frees its room again
+    (`Limits.refused`, `Limits.released`)."""
 
     def __init__(
-        self, backend: Backend, req: BackendRequest, ticket: Ticket, metrics: GatewayMetrics | None
+        self,
+        backend: Backend,
+        req: BackendRequest,
+        ticket: Ticket,
+        metrics: GatewayMetrics | None,
+        limits: Limits | None = None,
+        model: str = "",
     ) -> None:
         self.request = req
         self.ticket = ticket
+        self.limits, self.model = limits, model
         self.generated = 0  # tokens that reached the client's side of the gateway
+        self.taken = False  # a worker took the request (an event came back)
         self.events: AsyncGenerator[BackendEvent, None] = observe_generation(
             self._counted(run_generation(backend, req)), req, metrics
         )
@@ -47,7 +57,7 @@ class Exchange:
     ) -> Exchange:
         """Admit ``req`` on base model ``model`` (APIError 429 when a limit says no) and start
         nothing yet: the backend is called on the first event asked for."""
-        return cls(backend, req, limits.admit(req, model), metrics)
+        return cls(backend, req, limits.admit(req, model), metrics, limits, model)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -58,9 +68,15 @@ class Exchange:
         self, events: AsyncGenerator[BackendEvent, None]
     ) -> AsyncGenerator[BackendEvent, None]:
         async with aclosing(events):  # closing this closes the backend's stream too
-            async for event in events:
-                self.generated += len(event.token_ids)
-                yield event
+            try:
+                async for event in events:
+                    self.taken = True
+                    self.generated += len(event.token_ids)
+                    yield event
+            except Overloaded as e:
+                if self.limits is not None:
+                    self.limits.refused(self.model, self.request, e)
+                raise
 
     async def close(self) -> None:
         """End the generation (aborted on the backend unless it finished) and settle: charge
@@ -74,3 +90,5 @@ class Exchange:
                 await self.events.aclose()
             finally:
                 self.ticket.settle(self.generated)
+                if self.taken and self.limits is not None:
+                    self.limits.released(self.model, self.request)

@@ -92,7 +92,10 @@ class GrpcBackend:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not started and not last:
                     log.warning("router %s unavailable (%s); trying the next", address, e.details())
                     continue
-                log.warning("router %s: %s %s", address, e.code().name, e.details())
+                # Refusals for capacity are answers (429), frequent under overload: not warnings.
+                full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                log.log(logging.DEBUG if full else logging.WARNING, "router %s: %s %s", address,
+                        e.code().name, e.details())  # fmt: skip
                 raise codec.http_error(e.code(), e.details(), _trailers(e)) from e
             finally:
                 if not finished:

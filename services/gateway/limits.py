@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.admission import TokenLedger
+from services.common.admission import RefusalMemory, TokenLedger
 from services.common.errors import ResourceExhausted
 from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError, BackendRequest
@@ -29,11 +29,18 @@ def retry_headers(retry_after_ms: int) -> dict[str, str]:
     return {"Retry-After": str(math.ceil(ms / 1000)), "retry-after-ms": str(ms)}
 
 
-def overloaded(message: str, retry_after_ms: int | None) -> APIError:
-    """The 429 for a service at capacity (gateway or every worker), as opposed to a tenant's
-    rate limit (code ``rate_limit_exceeded``)."""
-    return APIError(429, message, "rate_limit_error", code="server_overloaded",
-                    headers=retry_headers(retry_after_ms or 1000))  # fmt: skip
+class Overloaded(APIError):
+    """The 429 of a service at capacity (gateway or every worker), as opposed to a tenant's
+    rate limit (code ``rate_limit_exceeded``); ``room_tokens``: the largest request the workers
+    could still have taken, when the router said."""
+
+    def __init__(
+        self, message: str, retry_after_ms: int | None, room_tokens: int | None = None
+    ) -> None:
+        super().__init__(429, message, "rate_limit_error", code="server_overloaded",
+                         headers=retry_headers(retry_after_ms or 1000))  # fmt: skip
+        self.retry_after_ms = retry_after_ms
+        self.room_tokens = room_tokens
 
 
 def _duration(seconds: float) -> str:
@@ -102,7 +109,10 @@ class Limits:
 
     Admission is per base model: each of ``models`` has a ledger of its own bounded by
     ``max_inflight_tokens``, since its requests load only its own workers (one model's overload
-    never refuses another's requests). Tenants' budgets span every model."""
+    never refuses another's requests). Tenants' budgets span every model. ``memory`` holds the
+    routers' recent refusals for capacity per base model (`RefusalMemory`; kind: the model a
+    request names and its priority): a request larger than the room they left is refused here,
+    before any call, for at most ``refusal_memory`` seconds."""
 
     def __init__(
         self,
@@ -111,6 +121,7 @@ class Limits:
         batch_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         models: Sequence[str] = ("",),
+        refusal_memory: float = 0.0,
     ) -> None:
         if not models:
             raise ValueError("at least one model")
@@ -125,6 +136,7 @@ class Limits:
         }  # fmt: skip
         self.clock = clock
         self._buckets: dict[tuple[str, str], Bucket] = {}
+        self.memory = RefusalMemory(refusal_memory, clock)
 
     @property
     def ledger(self) -> TokenLedger:
@@ -141,7 +153,7 @@ class Limits:
                 per_tenant.setdefault(key.tenant, key.limits)
         return cls(
             per_tenant, config.max_inflight_tokens, config.batch_admission_fraction,
-            models=models,
+            models=models, refusal_memory=config.refusal_memory,
         )  # fmt: skip
 
     def _bucket(self, tenant: str, kind: str, size: int, window: float) -> Bucket:
@@ -151,11 +163,35 @@ class Limits:
         b.refill(self.clock())
         return b
 
+    def check_room(self, model: str, name: str, priority: str, cost: int) -> None:
+        """Raise 429 at once when the routers of base model ``model`` refused a request for
+        ``name`` at ``priority`` a moment ago, leaving less room than ``cost`` tokens (a lower
+        bound of the request's, before it is tokenized; see `RefusalMemory`)."""
+        try:
+            self.memory.check(model or self.first_model, (name, priority), cost, "every worker")
+        except ResourceExhausted as e:
+            raise Overloaded(str(e), e.retry_after_ms, e.room_tokens) from e
+
+    def refused(self, model: str, req: BackendRequest, e: Overloaded) -> None:
+        """The routers refused ``req`` for capacity: remember the room they said was left."""
+        scope = model or self.first_model
+        self.memory.refused(scope, (req.model, req.priority), e.room_tokens, e.retry_after_ms)
+
+    def released(self, model: str, req: BackendRequest) -> None:
+        """``req``, which a worker took, ended: its tokens are free on base model ``model``."""
+        self.memory.released(model or self.first_model, cost_of(req))
+
+    @property
+    def first_model(self) -> str:
+        return next(iter(self.ledgers))
+
     def admit(self, req: BackendRequest, model: str = "") -> Ticket:
         """Reserve for ``req`` on base model ``model`` (default: the first) or raise APIError
-        429 (rate limit, or the gateway is full for that model)."""
+        429 (the routers' recent refusal, a rate limit, or the gateway is full for that
+        model)."""
         ledger = self.ledgers[model] if model else self.ledger
-        estimate = len(req.token_ids) + req.sampling.n * req.sampling.max_tokens
+        estimate = cost_of(req)
+        self.check_room(model, req.model, req.priority, estimate)
         lim = self.tenant_limits.get(req.tenant, TenantLimits())
         ticket = Ticket(req.request_id, len(req.token_ids), 0)
         headers: dict[str, str] = {}
@@ -183,10 +219,15 @@ class Limits:
         except ResourceExhausted as e:
             for bucket, n in taken:
                 bucket.level += n
-            raise overloaded(str(e), e.retry_after_ms) from e
+            raise Overloaded(str(e), e.retry_after_ms) from e
         ticket.headers = headers
         ticket.on_settle = lambda: ledger.release(req.request_id)
         return ticket
+
+
+def cost_of(req: BackendRequest) -> int:
+    """What admission books for ``req``: its prompt plus every token its choices may make."""
+    return len(req.token_ids) + req.sampling.n * req.sampling.max_tokens
 
 
 def _rate_headers(kind: str, size: int, b: Bucket) -> dict[str, str]:

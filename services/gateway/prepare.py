@@ -3,13 +3,15 @@
 Sync on purpose: templating and tokenizing are CPU work that ``server`` runs in a worker thread.
 Limits are checked here, in the order a client would fix them: model, unsupported options,
 prompt shape, context length, then sampling ranges (``engine.sampling_params`` owns those).
+A ``room`` check runs before the templating and tokenizing: under overload a request that
+cannot fit whatever its prompt is refused (429) without that work (`Limits.check_room`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,22 @@ from services.gateway.tools import ToolRequest, ToolSupport, template_messages, 
 NO_TOOLS = ToolSupport(None, why="this gateway has no tool support configured")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Raises 429 when a request costing at least this many tokens cannot be admitted now.
+RoomCheck = Callable[[int], None]
+
+
+def _no_room_check(least_cost: int) -> None:
+    pass
+
+
+def _least_cost(body: ChatCompletionRequest | CompletionRequest, choices: int) -> int:
+    """The fewest tokens admission can book for ``body`` whatever its prompt: a one-token
+    prompt and each choice's ``max_tokens`` (at least 1 when it is left to the default)."""
+    asked = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked = body.max_completion_tokens
+    return 1 + choices * max(asked or 1, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +80,7 @@ def prepare_chat(
     request_id: str,
     tenant: str,
     tools: ToolSupport = NO_TOOLS,
+    room: RoomCheck = _no_room_check,
 ) -> Prepared:
     """Validate a chat request, apply the chat template (content is data, never template code)
     and tokenize it. ``tools``: how this model calls tools (``tools.tool_support``)."""
@@ -81,6 +100,7 @@ def prepare_chat(
     if req_tools is not None and req_tools.grammar is not None:
         grammar = req_tools.grammar
     messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+    room(_least_cost(body, body.n or 1))
     ids = _encode_chat(tok, messages, tools, req_tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
     return _prepare(cfg, body, ids, top, request_id, tenant, grammar, req_tools)
@@ -116,7 +136,12 @@ def _encode_chat(
 
 
 def prepare_completion(
-    cfg: GatewayConfig, tok: Tokenizer, body: CompletionRequest, request_id: str, tenant: str
+    cfg: GatewayConfig,
+    tok: Tokenizer,
+    body: CompletionRequest,
+    request_id: str,
+    tenant: str,
+    room: RoomCheck = _no_room_check,
 ) -> Prepared:
     """Validate a text-completion request and tokenize its prompt (no special tokens added).
     ``best_of`` samples that many choices and answers with the ``n`` most likely per token."""
@@ -131,6 +156,7 @@ def prepare_completion(
         if len(prompt) != 1:
             raise APIError(400, "prompt: a list of strings must hold exactly one", param="prompt")
         prompt = prompt[0]
+    room(_least_cost(body, best_of or body.n or 1))
     if isinstance(prompt, str):
         ids = tok.encode(prompt)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -46,7 +47,7 @@ from services.gateway.limits import Limits
 from services.gateway.models import Served
 from services.gateway.observe import GatewayMetrics, ObserveMiddleware
 from services.gateway.openapi import install_openapi
-from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
+from services.gateway.prepare import Prepared, RoomCheck, prepare_chat, prepare_completion
 from services.gateway.responses import TokenText, full_response
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -114,7 +115,8 @@ def create_app(
         rid, tenant = request.state.request_id, request.state.tenant
         m, adapter = await pick(body.model)
         base = body.model_copy(update={"model": m.name}) if adapter else body
-        prep = prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools
+        room = _room_check(request, m, body)
+        prep = prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools, room
         p = await run_in_threadpool(*prep)
         return await _respond(request, backend, _for_model(p, body.model), m)
 
@@ -124,7 +126,8 @@ def create_app(
         rid, tenant = request.state.request_id, request.state.tenant
         m, adapter = await pick(body.model)
         base = body.model_copy(update={"model": m.name}) if adapter else body
-        prep = prepare_completion, m.config, m.tokenizer, base, rid, tenant
+        room = _room_check(request, m, body)
+        prep = prepare_completion, m.config, m.tokenizer, base, rid, tenant, room
         p = await run_in_threadpool(*prep)
         return await _respond(request, backend, _for_model(p, body.model), m)
 
@@ -297,6 +300,15 @@ def _for_model(p: Prepared, model: str) -> Prepared:
     return dataclasses.replace(
         p, backend_request=dataclasses.replace(p.backend_request, model=model)
     )
+
+
+def _room_check(
+    request: Request, m: Served, body: ChatCompletionRequest | CompletionRequest
+) -> RoomCheck:
+    """The check ``prepare`` runs before templating and tokenizing (in the worker thread, when
+    it gets there): 429 when the routers just refused requests at least as large."""
+    limits: Limits = request.app.state.limits
+    return functools.partial(limits.check_room, m.name, body.model, body.priority or "interactive")
 
 
 def _with_session(req: BackendRequest, session: str) -> BackendRequest:

@@ -73,6 +73,15 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank accepted")
     g.add_argument(
+        "--worker-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the workers N steps below the other processes' CPU priority (default 10; 0: "
+        "the same), so the gateway and router answer at once while the workers' compute fills "
+        "the cores",
+    )
+    g.add_argument(
         "--worker-arg",
         action="append",
         default=[],
@@ -100,7 +109,10 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
         size = getattr(args, name)
         if size is not None and size < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, not {size}")
-    for name in ("num_kv_blocks", "max_num_seqs", "max_model_len", "prefill_tp", "decode_tp"):
+    if args.worker_nice is not None and not 0 <= args.worker_nice <= 19:
+        raise SystemExit(f"error: --worker-nice must be in [0, 19], not {args.worker_nice}")
+    for name in ("num_kv_blocks", "max_num_seqs", "max_model_len", "prefill_tp", "decode_tp",
+                 "worker_nice"):  # fmt: skip
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     for name in ("dtype", "load_format"):

@@ -43,6 +43,7 @@ class Child:
     proc: subprocess.Popen | None = None
     address: str = ""
     metrics_port: int = 0  # 0: no metrics server
+    nice: int = 0  # scheduling priority below the launcher's (`lower_priority`)
 
     @property
     def pid(self) -> int:
@@ -52,7 +53,7 @@ class Child:
 
 def launch(child: Child) -> None:
     """Start ``child`` (again), appending to its log, in a session of its own (a Ctrl-C aimed at
-    the launcher does not hit it first) and dying with the launcher."""
+    the launcher does not hit it first), dying with the launcher, ``child.nice`` below it."""
     log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
     child.proc = subprocess.Popen(
@@ -63,3 +64,22 @@ def launch(child: Child) -> None:
         start_new_session=True,
     )
     log.close()
+    if child.nice:
+        lower_priority(child.proc.pid, child.nice)
+
+
+def lower_priority(pid: int, nice: int) -> None:
+    """Run process ``pid`` ``nice`` steps below normal CPU priority (Linux; best effort): its
+    main thread's nice value (threads it starts later, such as torch's, inherit it) and, since
+    it leads a session of its own, its scheduler autogroup's (with autogroups on, Linux shares
+    the CPU between sessions first, so a thread's nice alone would not move it against the
+    other processes). Called right after the start, before the program made its threads."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except OSError:
+        return
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:  # autogroups off, not Linux, or the process is gone
+        pass

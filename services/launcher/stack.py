@@ -68,6 +68,10 @@ class StackConfig:
     router_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     etcd_tls: EtcdTLS | None = None  # serve etcd over TLS (client certificates required)
+    # CPU priority of the workers below the other processes (nice steps; 0: the same): on a
+    # host whose cores the workers' compute fills (a CPU stack), the gateway and router still
+    # get a core at once to answer, 429s included (bench/results/overload_cpu.md).
+    worker_nice: int = 10
 
     @classmethod
     def colocated(cls, workers: int, **kwargs) -> StackConfig:
@@ -267,6 +271,8 @@ class Stack:
         extra, port = self._observability_args(name)
         log_path = self.run_dir / "logs" / f"{name}.log"
         child = Child(name, [*argv, *extra], log_path, dict(env or {}), address=address)
+        if name.startswith(("prefill", "decode")):
+            child.nice = self.config.worker_nice
         child.metrics_port = port
         child.log_path.write_bytes(b"")  # a reused run dir must not show an old READY line
         self._launch(child)

@@ -19,6 +19,7 @@ from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
 from libkv.cluster.registry import Member, MemberWatcher, ModelDirectory, Registration
 from libkv.cluster.summary_index import LocationIndex
+from services.common.admission import refusal_memory_option
 from services.common.grpc_server import start_server
 from services.common.health import Health, model_service
 from services.common.models import parse_models
@@ -100,6 +101,7 @@ class RouterConfig:
         "times a stream whose decode worker fails after sending tokens moves to another decode "
         "worker (resumed from the prompt and the tokens sent); then it ends with an error event",
     )
+    refusal_memory: float = refusal_memory_option("decode worker")
     drain_timeout: float = option(
         30.0,
         "on SIGTERM: most seconds streams in flight get to finish (new calls are refused at "
@@ -133,6 +135,8 @@ def parse_config(
         config.security.check()
     except ValueError as e:
         opts.error(str(e))
+    if config.refusal_memory < 0:
+        opts.error("--refusal-memory must be >= 0 seconds")
     try:
         if len(config.models) != 1 + len(config.extra_models):
             raise ValueError("--extra-model: every model needs its own name")
@@ -169,6 +173,7 @@ async def serve(config: RouterConfig) -> None:
                 max_migrations=config.max_migrations,
                 records=records,
                 model=name,
+                refusal_memory=config.refusal_memory,
             ),
             Tokenizer(folder),
         )

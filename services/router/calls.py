@@ -40,9 +40,12 @@ class NoWorker(Unavailable):
 def soonest(refusals: list[ResourceExhausted]) -> ResourceExhausted:
     """One refusal for the caller: every worker is full; retry when the first frees up."""
     waits = [r.retry_after_ms for r in refusals if r.retry_after_ms is not None]
+    rooms = [r.room_tokens for r in refusals if r.room_tokens is not None]
     return ResourceExhausted(
         f"all {len(refusals)} workers tried are at capacity; last: {refusals[-1]}",
         retry_after_ms=min(waits) if waits else None,
+        # The largest request one of them could take: known when each said its room.
+        room_tokens=max(rooms) if len(rooms) == len(refusals) else None,
     )
 
 

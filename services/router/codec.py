@@ -17,6 +17,7 @@ from services.common import codec as common
 from services.common.channels import internal_channel
 from services.common.errors import (
     RETRY_AFTER_MS_KEY,
+    ROOM_TOKENS_KEY,
     DeadlineExceeded,
     KVTransferFailed,
     ResourceExhausted,
@@ -67,8 +68,12 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
         return RequestNotFoundError(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         trailers = dict(e.trailing_metadata() or ())
-        wait = str(trailers.get(RETRY_AFTER_MS_KEY, ""))
-        return ResourceExhausted(f"{who}: {details}", int(wait) if wait.isdigit() else None)
+        wait, room = (str(trailers.get(k, "")) for k in (RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY))
+        return ResourceExhausted(
+            f"{who}: {details}",
+            int(wait) if wait.isdigit() else None,
+            int(room) if room.isdigit() else None,
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"{who}: {details}")
     if code == grpc.StatusCode.ABORTED:

@@ -18,6 +18,7 @@ from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import Event, Moved
 from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
+from services.router.admission import DecodeAdmission
 from services.router.calls import (
     RESERVATION_LEASE_S,
     RETRYABLE,
@@ -47,12 +48,15 @@ class RouterCore:
         max_migrations: int = 2,
         records: AdapterRecords | None = None,
         model: str = "",
+        refusal_memory: float = 0.0,
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
         ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
         decode worker at most ``max_migrations`` times. ``records`` (with the base ``model``):
         where run-time adapter loads are kept for workers that start later
-        (``libkv.cluster.adapters``)."""
+        (``libkv.cluster.adapters``). Requests that cannot fit on a decode worker are refused
+        here, with no call (`DecodeAdmission`: this router's bookings there, and the worker's
+        last refusal for capacity, remembered at most ``refusal_memory`` seconds)."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
@@ -63,6 +67,7 @@ class RouterCore:
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
         self.records, self.model = records, model
+        self.admission = DecodeAdmission(refusal_memory)
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
@@ -115,7 +120,10 @@ class RouterCore:
                     if failures > 1 or isinstance(e, NoWorker):
                         raise
                     self.stats.retries += 1
-                    log.warning("request %s: %s; retrying on another worker", job.request_id, e)
+                    # A refusal for capacity is an answer (fast, expected under load).
+                    full = isinstance(e, ResourceExhausted)
+                    level = logging.DEBUG if full else logging.WARNING
+                    log.log(level, "request %s: %s; retrying on another worker", job.request_id, e)
         except asyncio.CancelledError:
             # Our own Abort cancelled this task: the downstream calls are cancelled by now
             # (their workers free the blocks); end the stream cleanly for the caller, who would
@@ -193,13 +201,13 @@ class RouterCore:
         try:
             reply = await self._prefill(prefill, job, failed)
         except asyncio.CancelledError:
-            asyncio.ensure_future(self.clients.unreserve(decode, job.request_id))
+            asyncio.ensure_future(self._unreserve(decode, job))
             raise
         except BaseException:
-            await self.clients.unreserve(decode, job.request_id)  # before a retry books again
+            await self._unreserve(decode, job)  # before a retry books again
             raise
         if reply.handle is None:  # every choice finished at its first token
-            asyncio.ensure_future(self.clients.unreserve(decode, job.request_id))
+            asyncio.ensure_future(self._unreserve(decode, job))
         started[0] = True
         for first in reply.firsts:  # one per choice
             yield first
@@ -265,26 +273,54 @@ class RouterCore:
                 if not keep:
                     asyncio.ensure_future(self.clients.release(handle, job.request_id))
 
-    async def _reserve(self, worker: Member, job: RouteJob, failed: set[str]) -> None:
+    def _book(self, worker: Member, job: RouteJob, failed: set[str], force: bool) -> None:
+        """Count ``job`` on ``worker``, or refuse it here, with no call, when it cannot fit
+        there (`DecodeAdmission`); the worker decides for what may fit."""
         try:
-            await self.clients.reserve(worker, job, job.time_left(RESERVATION_LEASE_S) or 0.0)
+            self.admission.book(worker, job, force)
         except ResourceExhausted:
             failed.add(worker.worker_id)
             raise
-        except Unavailable as e:
+
+    async def _reserve(self, worker: Member, job: RouteJob, failed: set[str]) -> None:
+        self._book(worker, job, failed, force=False)
+        try:
+            await self.clients.reserve(worker, job, job.time_left(RESERVATION_LEASE_S) or 0.0)
+        except ResourceExhausted as e:
+            self.admission.refused(worker, job, e)
+            failed.add(worker.worker_id)
+            raise
+        except BaseException as e:
+            self.admission.failed(worker, job)
+            if not isinstance(e, Unavailable):
+                raise
             failed.add(worker.worker_id)
             raise BookingFailed(str(e)) from e
+
+    async def _unreserve(self, worker: Member, job: RouteJob) -> None:
+        self.admission.released(worker, job)
+        await self.clients.unreserve(worker, job.request_id)
 
     async def _prefill(self, worker: Member, job: RouteJob, failed: set[str]) -> PrefillReply:
         with self.chooser.working(worker, job.cost):
             try:
                 return await self.clients.prefill(worker, job)
+            except ResourceExhausted as e:
+                failed.add(worker.worker_id)
+                # Its room counts prompt tokens: not the room a caller's request needs.
+                raise ResourceExhausted(str(e), e.retry_after_ms) from e
             except RETRYABLE:
                 failed.add(worker.worker_id)
                 raise
 
     async def _decode(self, worker: Member, call: DecodeCall, failed: set[str], started):
-        with self.chooser.working(worker, call.job.cost):
+        """Decode ``call`` on ``worker``: booked there (`_book`; a reserved one already is; one
+        not admitted yet, decode-only, may be refused here), and given back when the call ends,
+        however it ends, unless the worker refused it."""
+        job = call.job
+        self._book(worker, job, failed, force=call.admitted)
+        took = True
+        with self.chooser.working(worker, job.cost):
             try:
                 async for ev in self.clients.decode(worker, call):
                     if ev.moved is not None:  # draining: not to be picked again for this one
@@ -292,9 +328,17 @@ class RouterCore:
                         raise HandedOver(ev.moved)
                     started[0] = True
                     yield ev
+            except ResourceExhausted as e:
+                took = False
+                self.admission.refused(worker, job, e)
+                failed.add(worker.worker_id)
+                raise
             except RETRYABLE:
                 failed.add(worker.worker_id)
                 raise
+            finally:
+                if took:
+                    self.admission.released(worker, job)
 
     async def embed(
         self, request_id: str, inputs: list[list[int]], lora: str = ""

@@ -23,7 +23,8 @@ def decision_labels(key: Any) -> tuple[str, str]:
 
 class RouterCollector(Collector):
     """``tandem_router_decisions_total{policy,reason}``, ``tandem_router_retries_total``,
-    ``tandem_router_migrations_total``, ``tandem_router_live_moves_total`` and
+    ``tandem_router_migrations_total``, ``tandem_router_live_moves_total``,
+    ``tandem_router_local_refusals_total`` and
     ``tandem_router_members{role}`` of one router, summed over its cores (one per base model)."""
 
     def __init__(self, cores: Any, watcher: Any) -> None:
@@ -58,6 +59,12 @@ class RouterCollector(Collector):
             "tandem_router_live_moves",
             "Of those, streams a draining decode worker handed over with their KV.",
             value=sum(stats.live_moves for stats in every),
+        )
+        yield CounterMetricFamily(
+            "tandem_router_local_refusals",
+            "Requests refused for capacity here, with no call to the decode worker (its room "
+            "as this router booked it, or as the worker last said).",
+            value=sum(core.admission.local_refusals for core in self.cores),
         )
         members = GaugeMetricFamily(
             "tandem_router_members", "Live members in this router's view, by role.",

@@ -22,7 +22,7 @@ from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import LORAS, Registration
 from libkv.transfer.pool import PoolStore
 from libkv.transfer.setup import KVSide, confine_kv_network
-from services.common.admission import TokenLedger
+from services.common.admission import BOUND_KEY, TokenLedger, bound_record
 from services.common.channels import internal_channel
 from services.common.grpc_server import AddServicerFn, start_server
 from services.common.health import Health
@@ -152,7 +152,7 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     address = config.advertised(server.port)
     role.bound(address)
-    extra = {**role.kv.extra, LORAS: adapters.record}
+    extra = {**role.kv.extra, LORAS: adapters.record, BOUND_KEY: bound_record(worker.ledger)}
     presence = await register(config, address, engine.engine, worker.incarnation, extra)
     if presence is not None:
         role.kv.publish = presence.registration.set_extra
