@@ -332,3 +332,35 @@ def test_a_full_stack_answers_429_before_tokenizing_or_calling_the_router() -> N
         # It ended: its prompt and 40 tokens are free again, so 60 more now fit.
         r = post(url, {"prompt": "Hello world", "max_tokens": 60})
         assert r.status_code == 200 and len(fake.requests) == 3
+
+
+def test_requests_are_tokenized_a_few_at_a_time_in_arrival_order() -> None:
+    """``--tokenizer-threads``: under a burst the gateway prepares a request or two at once
+    instead of all of them together, so each reaches its router (or its 429) soon."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = Tokenizer(DEFAULT_DIR)
+    fake = FakeBackend(tok)
+    busy, most, lock = [0], [0], threading.Lock()
+    encode = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.05)
+        with lock:
+            busy[0] -= 1
+        return encode(text, *a, **kw)
+
+    tok.encode = slow_encode  # type: ignore[method-assign]
+    config = dataclasses.replace(MEMORY_CONFIG, tokenizer_threads=2)
+    with serving(create_app(config, fake, tok)) as port:
+        url = f"http://127.0.0.1:{port}"
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(lambda i: post(url, {"prompt": f"Hi {i}", "max_tokens": 2})
+                                  .status_code, range(6)))  # fmt: skip
+    assert codes == [200] * 6 and most[0] == 2
+    with pytest.raises(ValueError, match="--tokenizer-threads >= 1"):
+        dataclasses.replace(MEMORY_CONFIG, tokenizer_threads=0)

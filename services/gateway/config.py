@@ -86,6 +86,12 @@ class GatewayConfig:
     )
     batch_admission_fraction: float = batch_fraction_option()
     refusal_memory: float = refusal_memory_option("router")
+    tokenizer_threads: int = option(
+        2,
+        "requests templated and tokenized at once, in worker threads, the rest waiting in "
+        "arrival order (so under a burst each request reaches the routers, or a 429, soon "
+        "instead of all at the end); more helps only when tokenizing is the bottleneck",
+    )
     request_timeout: float = option(
         600.0, "deadline in seconds of a request that gives no 'timeout' field"
     )
@@ -123,8 +129,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes >= 1 and default_max_tokens >= 1")
         if self.max_inflight_tokens < 0 or not 0 < self.batch_admission_fraction <= 1:
             raise ValueError("--max-inflight-tokens >= 0 and 0 < --batch-admission-fraction <= 1")
-        if self.refusal_memory < 0:
-            raise ValueError("--refusal-memory must be >= 0 seconds")
+        if self.refusal_memory < 0 or self.tokenizer_threads < 1:
+            raise ValueError("--refusal-memory >= 0 seconds and --tokenizer-threads >= 1")
         if not (self.request_timeout > 0 and self.max_request_timeout > 0):
             raise ValueError("--request-timeout and --max-request-timeout must be > 0")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):

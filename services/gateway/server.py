@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -98,6 +97,12 @@ def create_app(
     _add_error_handlers(app)
     install_openapi(app, config.served_model_name)
     started = int(time.time())
+    lanes = anyio.CapacityLimiter(config.tokenizer_threads)
+
+    async def prepare(func: Callable[..., T], *args: Any) -> T:
+        """``func(*args)`` (templating, tokenizing: CPU work) in a worker thread, at most
+        ``--tokenizer-threads`` at once, first come first served."""
+        return await anyio.to_thread.run_sync(functools.partial(func, *args), limiter=lanes)
 
     async def pick(model: str) -> tuple[Served, bool]:
         """(the base model ``model`` runs on, whether it names an adapter of it); the first
@@ -116,8 +121,7 @@ def create_app(
         m, adapter = await pick(body.model)
         base = body.model_copy(update={"model": m.name}) if adapter else body
         room = _room_check(request, m, body)
-        prep = prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools, room
-        p = await run_in_threadpool(*prep)
+        p = await prepare(prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools, room)
         return await _respond(request, backend, _for_model(p, body.model), m)
 
     @app.post("/v1/completions")
@@ -127,8 +131,7 @@ def create_app(
         m, adapter = await pick(body.model)
         base = body.model_copy(update={"model": m.name}) if adapter else body
         room = _room_check(request, m, body)
-        prep = prepare_completion, m.config, m.tokenizer, base, rid, tenant, room
-        p = await run_in_threadpool(*prep)
+        p = await prepare(prepare_completion, m.config, m.tokenizer, base, rid, tenant, room)
         return await _respond(request, backend, _for_model(p, body.model), m)
 
     def model_card(m: Served, name: str) -> dict[str, Any]:
@@ -170,7 +173,7 @@ def create_app(
         for a generative model), computed by prefill workers."""
         body = await _parse(request, EmbeddingRequest)
         m = await known(body.model)
-        inputs = await run_in_threadpool(embedding_inputs, m.config, m.tokenizer, body)
+        inputs = await prepare(embedding_inputs, m.config, m.tokenizer, body)
         rid, tenant = request.state.request_id, request.state.tenant
         # Metered like a prompt: the tenant's token budget and the gateway's admission.
         flat = tuple(t for ids in inputs for t in ids)
