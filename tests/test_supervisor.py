@@ -191,25 +191,32 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice():
         assert all(10000 <= p < low for p in ports), ports
 
 
-def test_workers_run_below_the_other_processes_cpu_priority(tmp_path) -> None:
-    """`tandem serve` lowers its workers' CPU priority (``worker_nice``), so the gateway and
-    router get a core at once while the workers' compute fills them (issue 18's fast 429s):
-    the process's nice value, inherited by the threads it starts, and (autogroups on) its
-    session's autogroup's, since each child leads a session of its own."""
-    child = Child("decode-0", [sys.executable, "-c", "import time; time.sleep(30)"],
-                  tmp_path / "decode-0.log", nice=7)  # fmt: skip
+def test_workers_run_below_the_other_processes_cpu_priority_once_they_serve(tmp_path) -> None:
+    """`tandem serve` lowers its workers' CPU priority (``worker_nice``) once they print READY
+    (loading the model is not slowed), so the gateway and router get a core at once while the
+    workers' compute fills them (issue 18's fast 429s): every thread's nice value and (with
+    autogroups) the session's autogroup's, since each child leads a session of its own."""
+    code = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+        "print('READY x 1', flush=True); time.sleep(30)"
+    )
+    child = Child("decode-0", [sys.executable, "-c", code], tmp_path / "decode-0.log", nice=7)
+    stack = Stack(StackConfig("/m", str(tmp_path / "run")))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
     launch(child)
     try:
-        assert os.getpriority(os.PRIO_PROCESS, child.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == base  # starts at full priority
+        stack.wait_logged(child, "READY", time.monotonic() + 30)
+        tasks = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tasks) == 2
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tasks} == {base + 7}
         autogroup = Path(f"/proc/{child.pid}/autogroup")
         if autogroup.exists() and Path("/proc/sys/kernel/sched_autogroup_enabled").exists():
             assert autogroup.read_text().split()[-1] == "7"
     finally:
         child.proc.kill()
         child.proc.wait()
-    config = StackConfig("/m", str(tmp_path))
-    assert config.worker_nice == 10
-    stack = Stack(config)
+    assert stack.config.worker_nice == 10
     stack._launch = lambda c: None  # type: ignore[method-assign]
     for name in ("router", "gateway", "prefill-0", "decode-0"):
         stack._spawn(name, ["true"])

@@ -4,6 +4,7 @@ included), so no orphan keeps holding a port and the next ``make serve`` just wo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,7 +44,7 @@ class Child:
     proc: subprocess.Popen | None = None
     address: str = ""
     metrics_port: int = 0  # 0: no metrics server
-    nice: int = 0  # scheduling priority below the launcher's (`lower_priority`)
+    nice: int = 0  # CPU priority below the launcher's once it serves (`serving`)
 
     @property
     def pid(self) -> int:
@@ -53,7 +54,7 @@ class Child:
 
 def launch(child: Child) -> None:
     """Start ``child`` (again), appending to its log, in a session of its own (a Ctrl-C aimed at
-    the launcher does not hit it first), dying with the launcher, ``child.nice`` below it."""
+    the launcher does not hit it first) and dying with the launcher."""
     log = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child process
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
     child.proc = subprocess.Popen(
@@ -64,22 +65,28 @@ def launch(child: Child) -> None:
         start_new_session=True,
     )
     log.close()
-    if child.nice:
+
+
+def serving(child: Child) -> None:
+    """``child`` printed READY: from now on it runs ``child.nice`` steps below the launcher's
+    CPU priority (it started at full priority, so loading a model is not slowed)."""
+    if child.nice and child.proc is not None:
         lower_priority(child.proc.pid, child.nice)
 
 
 def lower_priority(pid: int, nice: int) -> None:
-    """Run process ``pid`` ``nice`` steps below normal CPU priority (Linux; best effort): its
-    main thread's nice value (threads it starts later, such as torch's, inherit it) and, since
-    it leads a session of its own, its scheduler autogroup's (with autogroups on, Linux shares
-    the CPU between sessions first, so a thread's nice alone would not move it against the
-    other processes). Called right after the start, before the program made its threads."""
+    """Run process ``pid`` ``nice`` steps below normal CPU priority (Linux; best effort): every
+    thread's nice value (threads it starts later inherit their creator's) and, since it leads a
+    session of its own, its scheduler autogroup's (with autogroups on, Linux shares the CPU
+    between sessions first, so threads' nice values alone would not move it against the other
+    processes)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, pid, nice)
-    except OSError:
-        return
-    try:
-        with open(f"/proc/{pid}/autogroup", "w") as f:
-            f.write(str(nice))
-    except OSError:  # autogroups off, not Linux, or the process is gone
-        pass
+        tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:  # not Linux, or the process is gone
+        tasks = [pid]
+    for task in tasks:
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.setpriority(os.PRIO_PROCESS, task, nice)
+    # OSError: autogroups off, not Linux, or the process is gone.
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/autogroup", "w") as f:
+        f.write(str(nice))

@@ -68,9 +68,10 @@ class StackConfig:
     router_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     etcd_tls: EtcdTLS | None = None  # serve etcd over TLS (client certificates required)
-    # CPU priority of the workers below the other processes (nice steps; 0: the same): on a
-    # host whose cores the workers' compute fills (a CPU stack), the gateway and router still
-    # get a core at once to answer, 429s included (bench/results/overload_cpu.md).
+    # CPU priority of the workers below the other processes once they serve (nice steps; 0:
+    # the same): on a host whose cores the workers' compute fills (a CPU stack), the gateway
+    # and router still get a core at once to answer, 429s included
+    # (bench/results/overload_cpu.md).
     worker_nice: int = 10
 
     @classmethod
@@ -307,6 +308,8 @@ class Stack:
                 if not child.address:
                     line = text[text.rindex(marker) :].splitlines()[0]
                     child.address = line.split()[-1]
+                if marker == "READY":
+                    process.serving(child)
                 return
             if child.proc is not None and child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited:\n{text[-3000:]}")
@@ -349,6 +352,7 @@ class Stack:
             time.sleep(0.1)
         if "READY" in tail:
             child.address = tail[tail.index("READY") :].splitlines()[0].split()[-1]
+            process.serving(child)
         return child
 
     def supervisor(self, policy: RestartPolicy | None = None, say=print) -> Supervisor:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.launcher.etcd import EtcdServer, EtcdStartError
-from services.launcher.process import Child
+from services.launcher.process import Child, serving
 
 ETCD = "etcd"
 
@@ -163,6 +163,7 @@ class Supervisor:
             w.ready_from = -1
             line = tail[tail.index("READY") :].splitlines()[0]
             child.address = child.address or line.split()[-1]
+            serving(child)
             self.say(f"{name} is serving again at {child.address}")
 
     def run(self, stopping: Callable[[], bool], interval: float = 0.2) -> None:
