@@ -188,12 +188,13 @@ def test_issue_scenario_160_streams(serve_stack):
     p90 (issue 18's target; 0.08-0.13 s measured on 2 CPU cores at load average 2-3, see
     bench/results/overload_cpu.md): refused by the router with no call to the full decode
     worker, or by the gateway before tokenizing. A burst that lands while another job holds
-    the cores misses it (0.3-0.5 s seen on the shared machine): then a second burst goes to the
-    same stack, every check holds for both, and the better p90 must meet the target."""
+    the cores misses it (0.3-0.5 s seen on the shared machine, once on a first burst), so a
+    first burst warms the stack up: every check holds for it too, and the second burst's p90
+    must meet the target (both are reported)."""
     url = f"{serve_stack.url}/v1/completions"
     runs = []
-    while len(runs) < 2 and not (runs and runs[-1]["p90_429_s"] <= 0.25):
+    for _ in range(2):  # warm-up, then measured
         outcomes = asyncio.run(overload_lean(url, SCENARIO_STREAMS, SCENARIO_PROMPT, max_tokens=16))
         runs.append(check(serve_stack, outcomes, None))
-    assert min(f["p90_429_s"] for f in runs) <= 0.25, runs
+    assert runs[-1]["p90_429_s"] <= 0.25, runs
     assert router_local_refusals(serve_stack) > 0, runs
