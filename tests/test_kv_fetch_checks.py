@@ -505,23 +505,17 @@ def test_a_cpu_fetch_goes_through_the_one_wait_path(monkeypatch, fault) -> None:
     assert not t._workspace(1).any()
 
 
-@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=interpreted)])
 @pytest.mark.parametrize("fault", ["", "corrupt"])
 @pytest.mark.parametrize(
     "src,dst",
     [([2, 3, 4], [5, 6, 7]), ([0, 1, 6], [4, 5, 0]), ([5, 1, 6, 2], [0, 7, 3, 4])],
 )
-def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(
-    src, dst, fault, triton, monkeypatch
-) -> None:
-    """`_copy_sum` on the runs path (`kernels.runs_check`: the torch reference on CPU, or
-    `triton_copy.RunsCheck` under Triton's interpreter, as the transport binds it): the
+def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault) -> None:
+    """`_copy_sum` on the runs path (`kernels.runs_check`; the torch reference on CPU): the
     sender's sums go into the pinned buffer as they are (int64 bits), the count lands right
     in front of them (the returned count is a view of it), no sums are kept, the copies are exact
     but for the one bit the fault hook flips in transit, the count is exact, and the
     workspace and the reused sums buffer are left zero; the same pool's check is bound once."""
-    if triton:
-        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     t, mine = _transport(fault)
     t.runs_path = True
     peer = torch.randint(
