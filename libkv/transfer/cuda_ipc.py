@@ -598,8 +598,7 @@ class CudaIpcTransport:
         sender's ``wsum64`` of each, unsigned, in the fetch's order). Where the fetch compared
         these very sums in its copy (the handle carried them), its count, with no device work
         and no wait; else compared on the device now (the expected sums go up, one count
-        comes back). None when that fetch took no sums (not fused, or already verified; or
-        checked as runs, which keeps none, against other sums than it compared) or
+        comes back). None when that fetch took no sums (not fused, or already verified) or
         ``expected`` is empty (the sender sent no ``wsum64``): the caller checks the arrived
         blocks itself. ValueError when ``expected`` is not one sum per moved block. Always
         drops what the fetch kept."""
