@@ -396,11 +396,10 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
 
 
 def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
-    """Sixteen fetches of one to four runs, blocks of several programs (tickets), up to more
-    blocks than the first workspace and sums buffer hold (they grow mid-flight), eight in
-    flight at a time on one transport (one workspace, one sums buffer, one stream; their
-    destinations overlap, and each count comes from what its own fetch read): every count
-    exact, the workspace and the sums zero after."""
+    """Many fetches of one to four runs, blocks of several programs (tickets), up to more
+    blocks than the first workspace and sums buffer hold (they grow), sixteen in flight at once
+    on one transport (one workspace, one sums buffer, on one stream): every count exact, every
+    block bit for bit, the workspace and the sums zero after."""
     blocks, bb = 1536, 48 * 1024  # 6144 words: 3 programs per block
     g = torch.Generator(device="cuda").manual_seed(11)
     peer = torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device="cuda", generator=g)
