@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._C._cuda_getCurrentRawStream = lambda d: 0  # type: ignore[attr-defined]
     kernels.use_triton = lambda t: True  # type: ignore[assignment]
     backend = make_backend(target)
-    for fl in (tc._COPY, tc._CHECK, tc._RUNS):
+    for fl in (tc._COPY, tc._CHECK):
         binder = create_function_from_signature(fl.kernel.signature, fl.kernel.params, backend)
         fl.kernel.device_caches[0] = (Compiled(), {}, target, backend, binder)
 
@@ -126,23 +126,20 @@ def main(argv: list[str] | None = None) -> int:
         f"FastLaunch's launcher a no-op (CPU time, median of 9 rounds of {args.calls // 10})"
     )
     print(f"{'n':>5} {'sums off: runs + copy_':>23} {'sums on: sums + _copy_sum':>26} "
-          f"{'on - off':>9} {'runs check (no upload)':>23} {'on - off':>9}")  # fmt: skip
+          f"{'on - off':>9}")  # fmt: skip
     for k in (64, 128, 256):
-        off, on, runs = transport_us(k, args.calls // 10)
-        print(f"{k:>5} {off:>23.2f} {on:>26.2f} {on - off:>+9.2f} {runs:>23.2f} "
-              f"{runs - off:>+9.2f}")  # fmt: skip
+        off, on = transport_us(k, args.calls // 10)
+        print(f"{k:>5} {off:>23.2f} {on:>26.2f} {on - off:>+9.2f}")
     return 0
 
 
-def transport_us(n: int, calls: int) -> tuple[float, float, float]:
+def transport_us(n: int, calls: int) -> tuple[float, float]:
     """Host us per fetch of ``n`` blocks in one contiguous run, as `CudaIpcTransport` runs it
     minus the device calls common to both arms (device, stream and event): sums off, the runs
     and one ``copy_`` per run (tiny blocks here: the bytes are the device's); sums on, the
     sender's sums from the handle, then ``_copy_sum`` (staging buffer, numpy fill, the upload,
     the fused check through FastLaunch). The upload is a no-op ``.to`` on CPU: its
-    ``cudaMemcpyAsync`` is not counted, nor the copy's. Third, sums on through the check of
-    runs (``runs_path``: the sums into the pinned buffer, the runs as scalars, no upload).
-    Rounds alternate the arms."""
+    ``cudaMemcpyAsync`` is not counted, nor the copy's. Rounds alternate the arms."""
     import statistics
 
     from libkv.transfer import block_runs
@@ -164,9 +161,6 @@ def transport_us(n: int, calls: int) -> tuple[float, float, float]:
     t = CudaIpcTransport(pool, bb, None, sums=False)  # type: ignore[arg-type]
     t.sums, t._cuda, t.mapped_count = True, True, True  # the CUDA path's host code
     t._staged.append(torch.zeros(max(4 * n + 1, 1024), dtype=torch.int64))
-    r = CudaIpcTransport(pool, bb, None, sums=False)  # type: ignore[arg-type]
-    r.sums, r._cuda, r.mapped_count, r.runs_path = True, True, True, True
-    r._staged.append(torch.zeros(max(4 * n + 1, 1024), dtype=torch.int64))
 
     def off() -> None:
         for s, d, k in block_runs(ids, dst):
@@ -177,21 +171,12 @@ def transport_us(n: int, calls: int) -> tuple[float, float, float]:
         _, _, staged = t._copy_sum(src, ids, dst, want)
         t._staged.append(staged)  # back, as the fetch gives it once waited for
 
-    def runs() -> None:
-        want = sender_sums(handle, ids)
-        _, _, staged = r._copy_sum(src, ids, dst, want)
-        r._staged.append(staged)
-
     a: list[float] = []
     b: list[float] = []
-    c: list[float] = []
     for _ in range(9):
         a.append(per_call_us(off, calls))
         b.append(per_call_us(on, calls))
-        c.append(per_call_us(runs, calls))
-    if not r.run_fetches or t.run_fetches:
-        raise AssertionError("the arms did not take the paths they name")
-    return statistics.median(a), statistics.median(b), statistics.median(c)
+    return statistics.median(a), statistics.median(b)
 
 
 if __name__ == "__main__":

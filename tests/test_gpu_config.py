@@ -24,7 +24,6 @@ from libkv.transfer import (
     NIXL_GPU_KEY,
     VISIBLE_KEY,
     block_runs,
-    few_runs,
     handoff_path,
 )
 from services.launcher.options import add_worker_options, worker_overrides
@@ -251,30 +250,6 @@ def test_block_runs_merge_consecutive_pairs_only():
     assert block_runs([], []) == []
     with pytest.raises(ValueError):
         block_runs([1], [])
-
-
-def test_few_runs_are_block_runs_up_to_a_limit():
-    """`few_runs` gives `block_runs`' runs where they are at most ``limit``, else None: random
-    pairs (runs, scattered, one long run on both sides, a run on one side only)."""
-    import random
-
-    rnd = random.Random(1)
-    for _ in range(3000):
-        n = rnd.randint(0, 12)
-        base = rnd.randint(0, 5)
-        src = [rnd.choice([base + i, rnd.randint(0, 30)]) for i in range(n)]
-        dst = [rnd.choice([i + 7, rnd.randint(0, 30)]) for i in range(n)]
-        if rnd.random() < 0.3:
-            src = list(range(base, base + n))
-        if rnd.random() < 0.3:
-            dst = list(range(7, 7 + n))
-        limit = rnd.randint(1, 5)
-        runs = block_runs(src, dst)
-        assert few_runs(tuple(src), dst, limit) == (runs if len(runs) <= limit else None)
-    assert few_runs(range(3, 259), range(0, 256), 1) == [(3, 0, 256)]
-    assert few_runs([0, 2, 4, 6, 8], [1, 3, 5, 7, 9], 4) is None
-    with pytest.raises(ValueError):
-        few_runs([1], [], 4)
 
 
 class Directory:

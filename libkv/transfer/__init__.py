@@ -144,14 +144,6 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     """The copy as ``(src_start, dst_start, count)`` runs: maximal stretches where both the
     source and the destination blocks are consecutive, so each run is one contiguous range on
     both sides (one descriptor, one memcpy)."""
-    runs = _walk(src, dst, -1)
-    assert runs is not None  # no limit
-    return runs
-
-
-def _walk(src: Sequence[int], dst: Sequence[int], limit: int) -> list[tuple[int, int, int]] | None:
-    """The runs, block by block; None as soon as there would be more than ``limit`` (-1: no
-    limit)."""
     if len(src) != len(dst):
         raise ValueError("src and dst differ in length")
     runs: list[tuple[int, int, int]] = []
@@ -161,32 +153,8 @@ def _walk(src: Sequence[int], dst: Sequence[int], limit: int) -> list[tuple[int,
             if s == s0 + n and d == d0 + n:
                 runs[-1] = (s0, d0, n + 1)
                 continue
-        if len(runs) == limit:
-            return None
         runs.append((s, d, 1))
     return runs
-
-
-def few_runs(
-    src: Sequence[int], dst: Sequence[int], limit: int
-) -> list[tuple[int, int, int]] | None:
-    """`block_runs` where there are at most ``limit`` runs, else None, at a cost that stays
-    small on a hand-off's path: one contiguous run on both sides (a fresh stack's case) is
-    recognised by comparing with ranges (in C), and the walk over the blocks stops as soon as
-    it finds a run too many."""
-    n = len(src)
-    if n != len(dst):
-        raise ValueError("src and dst differ in length")
-    if not n:
-        return []
-    s0, d0 = src[0], dst[0]
-    if (
-        src[-1] - s0 == n - 1 == dst[-1] - d0
-        and list(src) == list(range(s0, s0 + n))
-        and list(dst) == list(range(d0, d0 + n))
-    ):
-        return [(s0, d0, n)]
-    return _walk(src, dst, limit)
 
 
 class PeerDirectory(Protocol):

@@ -78,7 +78,6 @@ from libkv.transfer import (
     TransferStats,
     agent_name,
     block_runs,
-    few_runs,
 )
 from libkv.transfer.fetch_checks import FetchChecks, Kept, sender_sums, signed64
 
@@ -535,8 +534,8 @@ class CudaIpcTransport:
             rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
             return torch.cat([head, rest]), None, staged
         if self.runs_path:
-            runs = few_runs(src_blocks, dst_blocks, MEMCPY_RUNS)
-            if runs is not None:
+            runs = block_runs(src_blocks, dst_blocks)
+            if len(runs) <= MEMCPY_RUNS:
                 return self._check_runs(src, runs, n, want)
         staged = self._staging(4 * n + 1)
         rows = staged.numpy()
