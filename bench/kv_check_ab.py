@@ -289,11 +289,11 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     work = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     zeros = torch.zeros(n, dtype=torch.int64, device=dev)
     host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
-    host[1:] = run_sums.cpu()
+    host[:n] = run_sums.cpu()
     runs_check = kernels.runs_check(d8, s8, work, zeros)
     d_runs_run = device_time(lambda: runs_check([(0, 0, n)], host), "cuda", repeat)
-    if int(host[0]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
-        raise AssertionError(f"the check of runs counted {int(host[0])} on a clean run")
+    if int(host[n]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
+        raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
     for key, ids, sums in (
         ("ab_transport", (src_ids, dst_ids), expected),
         ("ab_transport_runs", (list(range(n)), list(range(n))), run),

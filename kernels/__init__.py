@@ -289,9 +289,9 @@ def runs_check(
     """The fused copy, sum and check for a fetch of a few contiguous runs (1 to
     ``triton_copy.RUNS``, as ``libkv.transfer.block_runs`` finds them) with nothing uploaded:
     the returned ``check(runs, host)`` copies the runs' blocks from ``src`` into ``dst``,
-    compares each one's ``wsum64`` with the sender's in ``host[1 : n + 1]`` (int64: pinned
-    host memory on CUDA, read by the kernel where it lies) and stores how many differ in
-    ``host[0]``. ``work`` (the state word then a ticket per block) and ``sums`` (one per block,
+    compares each one's ``wsum64`` with the sender's in ``host[:n]`` (int64: pinned host
+    memory on CUDA, read by the kernel where it lies) and stores how many differ in
+    ``host[n]``. ``work`` (the state word then a ticket per block) and ``sums`` (one per block,
     int64, on the device) are zero before and after. ``fault`` (test only): one bit of the
     first block is flipped in transit (byte ``block_bytes // 2``, bit 0: what lands and is
     summed; ``src`` is untouched). On CUDA ``triton_copy.RunsCheck``; elsewhere the same in
@@ -313,7 +313,7 @@ def runs_check(
         if fault:
             dst[di[0], dst.shape[1] // 2] ^= 1
         got = reference.block_wsum64(dst.view(torch.int64), di, offset)
-        host[0] = int((got != host[1 : n + 1].to(got.device)).sum())
+        host[n] = int((got != host[:n].to(got.device)).sum())
 
     return check
 

@@ -397,16 +397,16 @@ _RUN_SCALARS = ["chunks", "total", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3
 # on the runs, the counts or the small pointers (host memory, a reused device buffer).
 @triton.jit(
     do_not_specialize=_RUN_SCALARS,
-    do_not_specialize_on_alignment=["host", "sums", "tickets", "state"],
+    do_not_specialize_on_alignment=["want", "out", "sums", "tickets", "state"],
 )
 def _copy_sum_check_runs_kernel(
-    src, dst, host, sums, tickets, state, words, offset, chunks, total,
+    src, dst, want, out, sums, tickets, state, words, offset, chunks, total,
     a0, a1, a2, a3, b0, b1, b2, b3, e1, e2, e3, CHUNK: tl.constexpr, FAULT: tl.constexpr,
 ):  # fmt: skip
     """The fused check for a fetch of a few contiguous runs, with nothing uploaded: program
     ``i`` (of ``total``) moves source block ``i + a_r`` to ``i + b_r``, ``r`` the run that
-    holds it (runs end at ``e1 <= e2 <= e3``); ``host`` (the count, then the sender's sums)
-    may be host memory mapped into the device; ``sums`` is left zero. ``FAULT`` (the
+    holds it (runs end at ``e1 <= e2 <= e3``); ``want`` (the sender's sums) and ``out`` (the
+    count) may be host memory mapped into the device; ``sums`` is left zero. ``FAULT`` (the
     test-only hook): one bit of block 0 is flipped on its way through registers, in the middle
     of the block (byte ``4 * words``, bit 0), before it is written and summed."""
     i = tl.program_id(0)
@@ -421,7 +421,7 @@ def _copy_sum_check_runs_kernel(
         v = v ^ tl.where((offs == words // 2) & (i == 0), bit, 0)
     tl.store(dst + d * words + offs, v, mask=mask)
     part = tl.sum(v * (2 * (offs + offset) + 1), axis=0)
-    _settle(part, sums, host + 1, tickets, state, host, chunks, total, True)
+    _settle(part, sums, want, tickets, state, out, chunks, total, True)
 
 
 def run_scalars(runs: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, ...], int]:
@@ -447,7 +447,8 @@ class RunsCheck:
     """The fused copy, sum and check of a fetch of up to ``RUNS`` contiguous runs between one
     pair of pools, with nothing uploaded and nothing allocated per fetch: the runs go as scalar
     arguments, the sender's sums are read and the count written in host memory (pinned: mapped
-    into the device, one buffer: the count, then the sums),
+    into the device; a host pointer goes to the kernel as it is, the device sees pinned
+    memory at the same address under unified addressing, which the caller checks once),
     ``sums`` (int64, device, zero, at least as many as the blocks) and ``work`` (the state
     word then the tickets, zero) are reused and left zero. ``fault``: the test-only flipped
     bit in transit."""
@@ -471,22 +472,21 @@ class RunsCheck:
 
     def __call__(self, runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
         """Launch on the current stream for the ``n`` blocks of ``runs``: ``host`` (int64,
-        at least ``n + 1``: where the count lands, then the sender's sums). A host tensor
-        goes to Triton's launcher as it is (one pointer: the launcher asks CUDA for its
-        device address, as for the packed check's count)."""
+        at least ``n + 1``: the sender's sums, then where the count lands)."""
         scalars, n = run_scalars(runs)
         if n > self.blocks or host.numel() < n + 1 or host.dtype != torch.int64:
             raise ValueError(f"{n} blocks need n + 1 host words and n + 1 workspace words")
         s, d, u, w = self._ptrs
+        h = host.data_ptr()
         words, offset, chunks = self.words, self.offset, self.chunks
 
         def fast() -> tuple[Any, ...]:
-            return (s, d, host, u, w + 8, w, words, offset, chunks, n, *scalars, CHUNK,
+            return (s, d, h, h + 8 * n, u, w + 8, w, words, offset, chunks, n, *scalars, CHUNK,
                     self.fault)  # fmt: skip
 
         def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
             return (
-                (self.src.view(torch.int64), self.dst.view(torch.int64), host,
+                (self.src.view(torch.int64), self.dst.view(torch.int64), host[:n], host[n],
                  self.sums, self.work[1:], self.work[:1], words, offset, chunks, n, *scalars),
                 {"CHUNK": CHUNK, "FAULT": self.fault},
             )  # fmt: skip

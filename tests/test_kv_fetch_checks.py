@@ -513,7 +513,7 @@ def test_a_cpu_fetch_goes_through_the_one_wait_path(monkeypatch, fault) -> None:
 def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault) -> None:
     """`_copy_sum` on the runs path (`kernels.runs_check`; the torch reference on CPU): the
     sender's sums go into the pinned buffer as they are (int64 bits), the count lands right
-    in front of them (the returned count is a view of it), no sums are kept, the copies are exact
+    behind them (the returned count is a view of it), no sums are kept, the copies are exact
     but for the one bit the fault hook flips in transit, the count is exact, and the
     workspace and the reused sums buffer are left zero; the same pool's check is bound once."""
     t, mine = _transport(fault)
@@ -530,8 +530,8 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
             want[wrong] ^= 1 << 63
         sums, count, staged = t._copy_sum(peer, src, dst, want)
         assert sums is None and staged is not None
-        assert staged[1 : n + 1].tolist() == signed64(want)
-        assert int(count) == int(staged[0]) == (wrong is not None) + (fault == "corrupt")
+        assert staged[:n].tolist() == signed64(want)
+        assert int(count) == int(staged[n]) == (wrong is not None) + (fault == "corrupt")
         assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
         assert torch.equal(peer, before)
         assert not t._workspace(1).any() and not t._sums_buffer(1).any()

@@ -250,8 +250,8 @@ def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(ru
     n = len(src)
     want = reference.block_wsum64(peer.view(torch.int64), torch.tensor(src)).tolist()
     for wrong in range(n):
-        host = torch.tensor([-1, *want], dtype=torch.int64)
-        host[1 + wrong] ^= 1 << 63
+        host = torch.tensor([*want, -1], dtype=torch.int64)
+        host[wrong] ^= 1 << 63
         outs = []
         for make in (triton_copy.RunsCheck, lambda *a: reference_check(*a)):
             mine = torch.zeros_like(peer)
@@ -260,7 +260,7 @@ def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(ru
             make(mine, peer, work, sums, fault)(runs, h)
             assert not work.any() and not sums.any()
             assert torch.equal(peer, before)
-            outs.append((mine, int(h[0])))
+            outs.append((mine, int(h[n])))
         (got, count), (ref, ref_count) = outs
         assert torch.equal(got, ref)
         assert (got[dst] != peer[src]).sum().item() == (1 if fault else 0)

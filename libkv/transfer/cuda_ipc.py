@@ -36,7 +36,7 @@ A fetch of a few contiguous runs (at most ``MEMCPY_RUNS``, as `block_runs` finds
 common case in a fresh stack) with the sender's sums uploads nothing at all
 (``kernels.runs_check``): the runs go to the kernel as scalar arguments, the kernel reads the
 sender's sums from the reused pinned buffer in place (mapped into the device, as the count is)
-and writes the count in front of them, its sums accumulate in a reused device buffer that it leaves
+and writes the count behind them, its sums accumulate in a reused device buffer that it leaves
 zero: no upload, no device allocation, one launch. Its sums are not kept:
 a `verify` with other sums than those compared returns None (the caller checks the blocks).
 
@@ -329,21 +329,21 @@ class CudaIpcTransport:
 
     def _try_runs(self, scratch: torch.Tensor) -> None:
         """Whether the check of contiguous runs works here: it reads the sender's sums from
-        pinned memory and writes its count there (at the device address Triton's launcher asks
-        CUDA for). A zero block whose expected sum is 1, twice (compiled, then launched
-        straight), must count 1 each time and leave its buffers zero; then the same with the
-        fault hook if it is on (compiled now, not in a fetch)."""
+        pinned memory and writes its count there, both by the host address (the device's under
+        unified addressing). A zero block whose expected sum is 1, twice (compiled, then
+        launched straight), must count 1 each time and leave its buffers zero; then once with
+        the fault hook if it is on (compiled now, not in a fetch)."""
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         try:
             for fault in (False, True) if self.fault else (False,):
                 work, sums = self._workspace(1), self._sums_buffer(1)
                 check = kernels.runs_check(scratch, scratch, work, sums, fault)
                 for _ in range(2):  # (a flipped bit: a zero block never sums to 1 either)
-                    host[0], host[1] = -1, 1
+                    host[0], host[1] = 1, -1
                     check([(0, 0, 1)], host)
                     torch.cuda.synchronize(self.device)
-                    if int(host[0]) != 1:
-                        raise RuntimeError(f"counted {int(host[0])} of 1")
+                    if int(host[1]) != 1:
+                        raise RuntimeError(f"counted {int(host[1])} of 1")
                     if int(work.count_nonzero()) or int(sums.count_nonzero()):
                         raise RuntimeError("left its workspace or its sums dirty")
         except (RuntimeError, ValueError) as e:  # any way it fails here: the upload path
@@ -566,16 +566,16 @@ class CudaIpcTransport:
     ) -> tuple[None, Any, torch.Tensor]:
         """`_copy_sum` for a few contiguous runs, with nothing uploaded and nothing allocated
         on the device: the runs go to the kernel as scalars, the sender's sums are written
-        into a reused pinned buffer that the kernel reads in place, and the count lands in front
-        of them (returned as a 0-dim view of it). The sums stay on the device in a reused buffer
+        into a reused pinned buffer that the kernel reads in place, and the count lands behind
+        them (returned as a 0-dim view of it). The sums stay on the device in a reused buffer
         and are not kept (`verify` compares nothing later: the count answers). With the fault
         hook the kernel flips one bit of the first block on its way (see the module)."""
         staged = self._staging(n + 1)
         rows = staged.numpy()
-        rows.view(np.uint64)[1 : n + 1] = want  # as int64: the same bits
+        rows.view(np.uint64)[:n] = want  # as int64: the same bits
         self._run_checker(src, n)(runs, staged)
         self.run_fetches += 1
-        return None, rows[0, ...], staged
+        return None, rows[n, ...], staged
 
     @staticmethod
     def _flipped(src: torch.Tensor, block: int) -> torch.Tensor:
