@@ -35,11 +35,8 @@ Prints short tables; writes ``decode_gpu_<device>.md`` and ``.json`` to ``--out`
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
-import shlex
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,7 +46,7 @@ import torch
 
 import kernels
 from bench import gpu_fp8
-from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, table
+from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
 from engine.fp8 import quantize_layer
@@ -373,12 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="agreement: a real checkpoint")
     p.add_argument("--trace", type=Path, default=Path("bench/results/spec_decode_cpu.json"))
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
-    p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
-    p.add_argument("--date", default=dt.date.today().isoformat())
-    args = p.parse_args(argv)
-    args.command = "python -m bench.decode_gpu " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    args = parse_bench_args(p, "bench.decode_gpu", argv)
     run = Run(args)
     steps: dict[str, Callable[[Run], object]] = {
         "ceilings": ceilings, "checks": checks, "roofline": roofline, "fp8_weights": fp8_weights,

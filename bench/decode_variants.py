@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
+import dataclasses
 import functools
 import json
-import shlex
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 import kernels
-from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, table
+from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from bench.skinny_gpu import shapes
 from engine.config import ModelConfig
@@ -73,41 +71,38 @@ def plan_variants() -> dict[tuple[str, int], dict[str, object]]:
 
 
 @contextlib.contextmanager
-def layer_plans(c: ModelConfig, b: int, wdtype: torch.dtype, plan: object) -> Iterator[None]:
-    """Every layer product of the step at batch ``b`` takes ``plan`` (the installed plans
-    come back after)."""
+@contextlib.contextmanager
+def swapped_plans(
+    c: ModelConfig, b: int, wdtype: torch.dtype, make: Callable[[object], object]
+) -> Iterator[None]:
+    """Every layer product of the step at batch ``b`` takes ``make(its installed plan)``; the
+    installed plans come back after."""
     from kernels import triton_skinny
 
-    keys = [triton_skinny.plan_key(b, n, k, wdtype) for name, (n, k) in shapes(c).items()
-            if name in LAYER]  # fmt: skip
+    shapes_of = [(n, k) for name, (n, k) in shapes(c).items() if name in LAYER]
+    keys = [triton_skinny.plan_key(b, n, k, wdtype) for n, k in shapes_of]
     saved = {key: triton_skinny._TUNED.get(key) for key in keys}
     try:
-        for key in keys:
-            triton_skinny.set_plan(key, plan)  # type: ignore[arg-type]
+        for key, (n, k) in zip(keys, shapes_of, strict=True):
+            triton_skinny.set_plan(key, make(triton_skinny.plan_for(b, n, k, wdtype)))  # type: ignore[arg-type]
         yield
     finally:
         for key, p in saved.items():
             triton_skinny.set_plan(key, p)
 
 
-@contextlib.contextmanager
-def installed_with(c: ModelConfig, b: int, wdtype: torch.dtype, **change: object) -> Iterator[None]:
+def layer_plans(
+    c: ModelConfig, b: int, wdtype: torch.dtype, plan: object
+) -> contextlib.AbstractContextManager:
+    """Every layer product of the step at batch ``b`` takes ``plan``."""
+    return swapped_plans(c, b, wdtype, lambda _: plan)
+
+
+def installed_with(
+    c: ModelConfig, b: int, wdtype: torch.dtype, **change: object
+) -> contextlib.AbstractContextManager:
     """The installed plan of every layer product at batch ``b``, with ``change`` (``l2``...)."""
-    import dataclasses
-
-    from kernels import triton_skinny
-
-    keys = [(triton_skinny.plan_key(b, n, k, wdtype), (n, k)) for name, (n, k) in
-            shapes(c).items() if name in LAYER]  # fmt: skip
-    saved = {key: triton_skinny._TUNED.get(key) for key, _ in keys}
-    try:
-        for key, (n, k) in keys:
-            plan = triton_skinny.plan_for(b, n, k, wdtype)
-            triton_skinny.set_plan(key, dataclasses.replace(plan, **change))  # type: ignore[arg-type]
-        yield
-    finally:
-        for key, p in saved.items():
-            triton_skinny.set_plan(key, p)
+    return swapped_plans(c, b, wdtype, lambda p: dataclasses.replace(p, **change))  # type: ignore[call-overload]
 
 
 @contextlib.contextmanager
@@ -142,8 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         from kernels import triton_skinny
 
         triton_skinny.load_plans()
-        for key, plan in json.loads(args.plans.read_text()).get(name, []):
-            triton_skinny.set_plan(tuple(key), triton_skinny.SkinnyPlan(**plan))  # type: ignore[arg-type]
+        triton_skinny.install_plans(args.plans, name)
     ceil = measure_ceilings(small=dry)
     ctx = 64 if dry else 1024
     bench = LlamaBench(c, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx, device=device)
@@ -257,12 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also time decode attention alone for launch plans around the default",
     )
     p.add_argument("--only-attention", action="store_true", help="the attention section only")
-    p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
-    p.add_argument("--date", default=dt.date.today().isoformat())
-    args = p.parse_args(argv)
-    args.command = "python -m bench.decode_variants " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    args = parse_bench_args(p, "bench.decode_variants", argv)
     res = run(args)
     md = report(res)
     print(md)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,6 +18,16 @@ from engine.config import ModelConfig
 from engine.shapes import SHAPES
 
 LLAMA_31_8B = SHAPES["llama-3.1-8b"]
+
+
+def parse_bench_args(p: argparse.ArgumentParser, module: str, argv: list[str] | None) -> Any:
+    """``--dry-run`` and ``--date`` added, ``argv`` parsed, and ``args.command`` the command
+    line as the reports print it."""
+    p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
+    p.add_argument("--date", default=dt.date.today().isoformat())
+    args = p.parse_args(argv)
+    args.command = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def llama_config() -> ModelConfig:

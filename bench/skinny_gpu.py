@@ -29,11 +29,8 @@ Prints short tables; writes ``skinny_gpu_<device>.md`` and ``.json`` to ``--out`
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
-import shlex
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -43,7 +40,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, table
+from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
 from engine.fp8 import quantize_layer
@@ -396,12 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="products: leave out the fused prologues against the unfused pair",
     )
-    p.add_argument("--dry-run", action="store_true", help="off the GPU: tiny shapes, CPU")
-    p.add_argument("--date", default=dt.date.today().isoformat())
-    args = p.parse_args(argv)
-    args.command = "python -m bench.skinny_gpu " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    args = parse_bench_args(p, "bench.skinny_gpu", argv)
     run = Run(args)
     measured = "products" not in args.skip
     given = f"--plans {args.plans}" if args.plans is not None else "kernels/skinny_plans.json"
@@ -410,8 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.plans is not None and run.device == "cuda":
         from kernels import triton_skinny
 
-        for key, plan in json.loads(args.plans.read_text()).get(run.name, []):
-            triton_skinny.set_plan(tuple(key), triton_skinny.SkinnyPlan(**plan))  # type: ignore[arg-type]
+        triton_skinny.install_plans(args.plans, run.name)
     steps_of: dict[str, Callable[[Run], object]] = {
         "ceilings": ceilings, "products": products, "steps": steps}  # fmt: skip
     for name in SECTIONS:

@@ -487,8 +487,15 @@ def load_plans() -> None:
         return
     _LOADED.add(name)
     if PLANS_FILE.exists():
-        for key, p in json.loads(PLANS_FILE.read_text()).get(name, []):
-            _TUNED.setdefault(tuple(key), SkinnyPlan(**p))  # type: ignore[arg-type]
+        install_plans(PLANS_FILE, name, replace=False)
+
+
+def install_plans(path: Path, device_name: str, replace: bool = True) -> None:
+    """The plans ``path`` (``skinny_plans.json``'s format) holds for ``device_name``; with
+    ``replace`` they take the place of plans already installed."""
+    for key, p in json.loads(path.read_text()).get(device_name, []):
+        if replace or tuple(key) not in _TUNED:
+            _TUNED[tuple(key)] = SkinnyPlan(**p)
 
 
 def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) -> SkinnyPlan:
