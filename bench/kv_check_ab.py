@@ -226,6 +226,8 @@ def transport_arms(
             "compared_fetches": checked.compared_fetches,
             "device_verifies": checked.device_verifies,
             "mapped_count": checked.mapped_count,
+            "runs_path": checked.runs_path,
+            "run_fetches": checked.run_fetches,
             "thread_waits_off": plain.thread_waits,
             "thread_waits_on": checked.thread_waits,
         }
@@ -282,6 +284,16 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     # Device time on that run: what sums off runs (one copy_) against the fused check.
     d_memcpy_run = device_time(lambda: d8[:n].copy_(s8[:n], non_blocking=True), "cuda", repeat)
     d_checked_run = device_time(device_checked_copy(d8, s8, first, first, run_sums), "cuda", repeat)
+    # And the check of runs the transport takes there (nothing uploaded: the sender's sums
+    # read from pinned memory, the count written there).
+    work = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+    host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
+    host[:n] = run_sums.cpu()
+    runs_check = kernels.runs_check(d8, s8, work, zeros)
+    d_runs_run = device_time(lambda: runs_check([(0, 0, n)], host), "cuda", repeat)
+    if int(host[n]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
+        raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
     for key, ids, sums in (
         ("ab_transport", (src_ids, dst_ids), expected),
         ("ab_transport_runs", (list(range(n)), list(range(n))), run),
@@ -299,6 +311,7 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
         "checked_device_overhead": round(d_checked / d_copy - 1, 4),
         "device_memcpy_run_ms": round(d_memcpy_run * 1e3, 4),
         "device_checked_run_ms": round(d_checked_run * 1e3, 4),
+        "device_runs_check_ms": round(d_runs_run * 1e3, 4),
     }
 
 
@@ -311,7 +324,11 @@ def launch_counts() -> dict:
 
     return {
         name: {"fast": lf.fast, "slow": lf.slow, "broken": lf.broken}
-        for name, lf in (("copy", triton_copy._COPY), ("check", triton_copy._CHECK))
+        for name, lf in (
+            ("copy", triton_copy._COPY),
+            ("check", triton_copy._CHECK),
+            ("runs", triton_copy._RUNS),
+        )
     }
 
 
@@ -362,11 +379,14 @@ def print_check(rows: list[dict]) -> None:
                 f"{row['tokens']}: {row[key]['launch_a_med_us']} / {row[key]['launch_b_med_us']}"
                 for row in rows))  # fmt: skip
         if key == "ab_transport_runs" and "device_memcpy_run_ms" in rows[0]:
-            print("  device ms (CUDA events) on that run, one copy_ (A) / the fused check (B): "
+            print("  device ms (CUDA events) on that run, one copy_ (A) / the fused check with "
+                  "its upload / the check of runs (B: nothing uploaded): "
                   + "; ".join(f"{row['tokens']}: {row['device_memcpy_run_ms']:.4f} / "
-                              f"{row['device_checked_run_ms']:.4f}" for row in rows))  # fmt: skip
+                              f"{row['device_checked_run_ms']:.4f} / "
+                              f"{row.get('device_runs_check_ms', float('nan')):.4f}"
+                              for row in rows))  # fmt: skip
         if "compared_fetches" in r0:
             print("  transport counters (sums on, last size): " + ", ".join(
                 f"{k} {rows[-1][key][k]}" for k in
                 ("fused_fetches", "compared_fetches", "device_verifies", "mapped_count",
-                 "thread_waits_off", "thread_waits_on")))  # fmt: skip
+                 "runs_path", "run_fetches", "thread_waits_off", "thread_waits_on")))  # fmt: skip

@@ -54,6 +54,7 @@ __all__ = [
     "copy_sum_check_blocks_between",
     "copy_sum_check_packed",
     "packed_check",
+    "runs_check",
     "count_mismatches",
     "linear",
     "lora_add",
@@ -277,6 +278,42 @@ def packed_check(
 
     def check(up: torch.Tensor, n: int, out: torch.Tensor, total: int = 0) -> None:
         copy_sum_check_packed(dst, src, up, n, work, out, total or None, offset)
+
+    return check
+
+
+def runs_check(
+    dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor, sums: torch.Tensor,
+    fault: bool = False, offset: int = 0,
+) -> Callable[..., None]:  # fmt: skip
+    """The fused copy, sum and check for a fetch of a few contiguous runs (1 to
+    ``triton_copy.RUNS``, as ``libkv.transfer.block_runs`` finds them) with nothing uploaded:
+    the returned ``check(runs, host)`` copies the runs' blocks from ``src`` into ``dst``,
+    compares each one's ``wsum64`` with the sender's in ``host[:n]`` (int64: pinned host
+    memory on CUDA, read by the kernel where it lies) and stores how many differ in
+    ``host[n]``. ``work`` (the state word then a ticket per block) and ``sums`` (one per block,
+    int64, on the device) are zero before and after. ``fault`` (test only): one bit of the
+    first block is flipped in transit (byte ``block_bytes // 2``, bit 0: what lands and is
+    summed; ``src`` is untouched). On CUDA ``triton_copy.RunsCheck``; elsewhere the same in
+    torch."""
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        return triton_copy.RunsCheck(dst, src, work, sums, fault, offset)
+
+    def check(runs: list[tuple[int, int, int]], host: torch.Tensor) -> None:
+        if not 0 < len(runs) <= 4:
+            raise ValueError(f"{len(runs)} runs: one launch takes 1 to 4")
+        si = torch.cat([torch.arange(s, s + k) for s, _, k in runs]).to(dst.device)
+        di = torch.cat([torch.arange(d, d + k) for _, d, k in runs]).to(dst.device)
+        n = si.numel()
+        if host.numel() < n + 1 or n > min(work.numel() - 1, sums.numel()):
+            raise ValueError(f"{n} blocks need n + 1 host words and n + 1 workspace words")
+        reference.copy_blocks_between(dst, src, si, di)
+        if fault:
+            dst[di[0], dst.shape[1] // 2] ^= 1
+        got = reference.block_wsum64(dst.view(torch.int64), di, offset)
+        host[n] = int((got != host[:n].to(got.device)).sum())
 
     return check
 

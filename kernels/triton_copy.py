@@ -226,14 +226,24 @@ def _copy_sum_check_kernel(
     src, dst, src_idx, dst_idx, sums, want, tickets, state, out, words, offset, chunks, total,
     CHUNK: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
     part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, CHUNK)
+    _settle(part, sums, want, tickets, state, out, chunks, total, False)
+
+
+@triton.jit
+def _settle(part, sums, want, tickets, state, out, chunks, total, RESET: tl.constexpr):
+    """Add this program's ``part`` to its block's sum; the block's last program (split-K's
+    ticket) compares the whole sum with the sender's (``want``), and the fetch's last block
+    brings the count out (to ``out``: device or mapped host). ``RESET``: the sum is also left
+    zero (a reused buffer), not kept."""
+    i = tl.program_id(0)
     tl.atomic_add(sums + i, part, sem="acq_rel", scope="gpu")
     tl.debug_barrier()  # this program's part is in ``sums`` before its ticket below
-    # The block's last program (split-K's ticket) compares its whole sum with the sender's,
-    # and the fetch's last block brings the count out (to ``out``: device or mapped host).
     if tl.atomic_add(tickets + i, 1, sem="acq_rel", scope="gpu") == chunks - 1:
-        got = tl.atomic_add(sums + i, 0, sem="acquire", scope="gpu")
+        if RESET:
+            got = tl.atomic_xchg(sums + i, 0, sem="acquire", scope="gpu")
+        else:
+            got = tl.atomic_add(sums + i, 0, sem="acquire", scope="gpu")
         bad = (got != tl.load(want + i)).to(tl.int64)
         tl.atomic_xchg(tickets + i, 0, sem="relaxed", scope="gpu")  # for the next call
         # One word: blocks done (high 32 bits) and mismatches (low 32 bits).
@@ -379,5 +389,111 @@ class PackedCheck:
         _CHECK(self._keys[(chunks | total) >> 31 != 0], (n, chunks), fast, slow, num_warps=8)
 
 
+RUNS = 4  # most contiguous runs one `RunsCheck` launch takes (as scalar arguments)
+_RUN_SCALARS = ["chunks", "total", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "e1", "e2", "e3"]
+
+
+# One compiled variant per pool pair for any fetch of up to ``RUNS`` runs: nothing specialised
+# on the runs, the counts or the small pointers (host memory, a reused device buffer).
+@triton.jit(
+    do_not_specialize=_RUN_SCALARS,
+    do_not_specialize_on_alignment=["want", "out", "sums", "tickets", "state"],
+)
+def _copy_sum_check_runs_kernel(
+    src, dst, want, out, sums, tickets, state, words, offset, chunks, total,
+    a0, a1, a2, a3, b0, b1, b2, b3, e1, e2, e3, CHUNK: tl.constexpr, FAULT: tl.constexpr,
+):  # fmt: skip
+    """The fused check for a fetch of a few contiguous runs, with nothing uploaded: program
+    ``i`` (of ``total``) moves source block ``i + a_r`` to ``i + b_r``, ``r`` the run that
+    holds it (runs end at ``e1 <= e2 <= e3``); ``want`` (the sender's sums) and ``out`` (the
+    count) may be host memory mapped into the device; ``sums`` is left zero. ``FAULT`` (the
+    test-only hook): one bit of block 0 is flipped on its way through registers, in the middle
+    of the block (byte ``4 * words``, bit 0), before it is written and summed."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    s = (i + tl.where(i < e1, a0, tl.where(i < e2, a1, tl.where(i < e3, a2, a3)))).to(tl.int64)
+    d = (i + tl.where(i < e1, b0, tl.where(i < e2, b1, tl.where(i < e3, b2, b3)))).to(tl.int64)
+    offs = j * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    mask = offs < words
+    v = tl.load(src + s * words + offs, mask=mask, other=0)
+    if FAULT:
+        bit = tl.full([CHUNK], 1, tl.int64) << (32 * (words % 2))
+        v = v ^ tl.where((offs == words // 2) & (i == 0), bit, 0)
+    tl.store(dst + d * words + offs, v, mask=mask)
+    part = tl.sum(v * (2 * (offs + offset) + 1), axis=0)
+    _settle(part, sums, want, tickets, state, out, chunks, total, True)
+
+
+def run_scalars(runs: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, ...], int]:
+    """`_copy_sum_check_runs_kernel`'s run arguments for ``runs`` (``block_runs``' (source
+    start, destination start, count), 1 to ``RUNS``): the source offsets, the destination
+    offsets, the ends of the first three runs (unused runs: past every program); and the
+    blocks in all."""
+    if not 0 < len(runs) <= RUNS:
+        raise ValueError(f"{len(runs)} runs: one launch takes 1 to {RUNS}")
+    a, b, e = [0] * RUNS, [0] * RUNS, []
+    start = 0
+    for r, (s, d, k) in enumerate(runs):
+        if k <= 0:
+            raise ValueError(f"a run of {k} blocks")
+        a[r], b[r] = s - start, d - start
+        start += k
+        e.append(start)
+    e += [start] * (RUNS - len(e))
+    return (*a, *b, *e[:3]), start
+
+
+class RunsCheck:
+    """The fused copy, sum and check of a fetch of up to ``RUNS`` contiguous runs between one
+    pair of pools, with nothing uploaded and nothing allocated per fetch: the runs go as scalar
+    arguments, the sender's sums are read and the count written in host memory (pinned: mapped
+    into the device; a host pointer goes to the kernel as it is, the device sees pinned
+    memory at the same address under unified addressing, which the caller checks once),
+    ``sums`` (int64, device, zero, at least as many as the blocks) and ``work`` (the state
+    word then the tickets, zero) are reused and left zero. ``fault``: the test-only flipped
+    bit in transit."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor,
+                 sums: torch.Tensor, fault: bool = False, offset: int = 0) -> None:  # fmt: skip
+        _check_pools(dst, src)
+        for t in (work, sums):
+            if t.dtype != torch.int64 or t.dim() != 1:
+                raise ValueError("the workspace and the sums must be 1-D int64 tensors")
+        if max(dst.shape[0], src.shape[0]) >> 31:
+            raise ValueError("pools of 2^31 blocks or more")
+        self.dst, self.src, self.work, self.sums = dst, src, work, sums
+        self.words = dst.shape[1] // 8
+        self.chunks = -(-self.words // CHUNK)
+        self.offset, self.fault = offset, bool(fault)
+        self.blocks = min(work.numel() - 1, sums.numel())  # most blocks one launch can check
+        self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr(), work.data_ptr())
+        base = (_device(dst), self.words, offset, _aligned(src), _aligned(dst), self.fault)
+        self._keys = (("runs", *base, 0), ("runs", *base, 1))
+
+    def __call__(self, runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
+        """Launch on the current stream for the ``n`` blocks of ``runs``: ``host`` (int64,
+        at least ``n + 1``: the sender's sums, then where the count lands)."""
+        scalars, n = run_scalars(runs)
+        if n > self.blocks or host.numel() < n + 1 or host.dtype != torch.int64:
+            raise ValueError(f"{n} blocks need n + 1 host words and n + 1 workspace words")
+        s, d, u, w = self._ptrs
+        h = host.data_ptr()
+        words, offset, chunks = self.words, self.offset, self.chunks
+
+        def fast() -> tuple[Any, ...]:
+            return (s, d, h, h + 8 * n, u, w + 8, w, words, offset, chunks, n, *scalars, CHUNK,
+                    self.fault)  # fmt: skip
+
+        def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return (
+                (self.src.view(torch.int64), self.dst.view(torch.int64), host[:n], host[n],
+                 self.sums, self.work[1:], self.work[:1], words, offset, chunks, n, *scalars),
+                {"CHUNK": CHUNK, "FAULT": self.fault},
+            )  # fmt: skip
+
+        _RUNS(self._keys[(chunks | n) >> 31 != 0], (n, chunks), fast, slow, num_warps=8)
+
+
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")
+_RUNS = FastLaunch(_copy_sum_check_runs_kernel, "the fused check of contiguous runs")
 _CHECK = FastLaunch(_copy_sum_check_kernel, "the fused copy, sum and check")

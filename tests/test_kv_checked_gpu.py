@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kernels import reference  # noqa: E402
-from libkv.transfer import CUDA_IPC_KEY, DEVICE_KEY, HOST_KEY  # noqa: E402
+from libkv.transfer import CUDA_IPC_KEY, DEVICE_KEY, HOST_KEY, block_runs  # noqa: E402
 from libkv.transfer.cuda_ipc import CudaIpcTransport, device_uuid, export_pool, host_id  # noqa: E402
 from services.common.codec import KVHandle  # noqa: E402
 
@@ -160,10 +160,14 @@ def test_a_bit_flipped_in_transit_is_counted_behind_the_copy(peer) -> None:
     assert torch.equal(mine[[1, 5]], peer[[6, 7]])
 
 
-def test_concurrent_fetches_each_get_their_own_count(peer) -> None:
+@pytest.mark.parametrize("runs", [False, True])
+def test_concurrent_fetches_each_get_their_own_count(peer, runs) -> None:
     """Two hand-offs in flight at once (two pinned counts): a handle with one wrong sum counts
-    1, the clean one 0; verify with other sums than the handle's compares on the device."""
+    1, the clean one 0; verify with other sums than the handle's compares on the device (the
+    upload path, which keeps the copy's sums), or leaves it to the caller (None: the check of
+    runs keeps none)."""
     t, _ = transport(peer)
+    t.runs_path = runs
     good = handle(peer, [1, 2, 3])
     sums = list(good.block_checksums)
     sums[1] ^= 1
@@ -181,8 +185,9 @@ def test_concurrent_fetches_each_get_their_own_count(peer) -> None:
             await t.verify("c", good.block_checksums),  # not the sums "c" compared with
         ]
 
-    assert asyncio.run(go()) == [0, 1, 0]
-    assert (t.compared_fetches, t.device_verifies) == (3, 1)
+    assert asyncio.run(go()) == [0, 1, None if runs else 0]
+    assert (t.compared_fetches, t.device_verifies) == (3, 0 if runs else 1)
+    assert t.run_fetches == (3 if runs else 0)
 
 
 def test_no_compare_for_another_function_and_a_wrong_length_is_an_error(peer) -> None:
@@ -222,10 +227,14 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
     assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
     assert ab["launch_b_us"] > 0 and rows[0]["ab_kernels"]["host_b_us"] > 0
     assert ab["launch_b_med_us"] > 0 and rows[-1]["ab_transport_runs"]["launch_a_med_us"] > 0
+    runs = rows[-1]["ab_transport_runs"]  # the check of runs, nothing uploaded
+    assert runs["runs_path"] and runs["run_fetches"] == runs["compared_fetches"] > 0
+    assert ab["run_fetches"] == 0 and rows[0]["device_runs_check_ms"] > 0
     assert rows[0]["device_memcpy_run_ms"] > 0 and rows[0]["device_checked_run_ms"] > 0
     launches = rows[-1]["triton_launches"]  # both arms' copies straight through, once compiled
     assert launches["check"]["fast"] > 0 and launches["copy"]["fast"] > 0
-    assert not launches["check"]["broken"] and not launches["copy"]["broken"]
+    assert launches["runs"]["fast"] > 0
+    assert not any(v["broken"] for v in launches.values())
     out = capsys.readouterr().out
     assert "ab_transport: A = fetch+verify, sums off" in out and "Triton launches" in out
 
@@ -235,6 +244,7 @@ def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(pee
     memory (CUDA's unified addressing maps it: no copy back); both ways count alike: a wrong
     sum counted, a clean fetch 0, blocks bit for bit, no hop to a thread."""
     t, mine = transport(peer)
+    t.runs_path = False  # the upload path's count (4 runs would take the check of runs)
     found = t.mapped_count
     good = handle(peer, [3, 8, 1, 10])
     sums = list(good.block_checksums)
@@ -338,3 +348,92 @@ def test_fetches_launch_straight_through_the_compiled_kernels(peer) -> None:
         assert torch.equal(plain.pool[dst], peer[src[::-1]])
         assert i == 0 or triton_copy._COPY.fast == fast + 1
     assert not triton_copy._COPY.broken and not triton_copy._CHECK.broken
+
+
+def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer) -> None:
+    """The warm-up found the check of runs works here (it reads the sender's sums from pinned
+    memory and writes its count there); a fetch of 1 to 4 contiguous runs takes it straight
+    through its compiled kernel, with no device allocation (no upload, its sums in a reused
+    buffer left zero), and counts exactly; the fault hook's bit is flipped in transit there
+    too (the sender untouched); five runs go through the upload."""
+    from kernels import triton_copy
+
+    t, mine = transport(peer)
+    faulty, _ = transport(peer, fault="corrupt")
+    before = peer.clone()
+    assert t.runs_path and faulty.runs_path and t.mapped_count
+    cases = [
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(12))),  # the whole pool, one run
+        ([3, 4, 5], [7, 8, 9]),
+        ([2, 3, 9, 10, 0], [0, 1, 5, 6, 11]),  # 3 runs
+        ([1, 5, 9, 11], [11, 2, 0, 6]),  # 4 runs of one block
+    ]
+    for k, (src, dst) in enumerate(cases):
+        for tr in (t, faulty):
+            h = handle(peer, src)
+            sums = list(h.block_checksums)
+            for j in range(len(src) - 1, -1, -2)[:k]:
+                sums[j] ^= 1 << (j % 64)
+            wrong = sum(a != b for a, b in zip(sums, h.block_checksums, strict=True))
+            h = replace(h, block_checksums=tuple(sums))
+            mine.zero_()
+            asyncio.run(fetch_verify(tr, h, src, dst))  # compiled, buffers grown
+            fast, runs = triton_copy._RUNS.fast, tr.run_fetches
+            allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
+            got = asyncio.run(fetch_verify(tr, h, src, dst))
+            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocs
+            damaged = 1 if tr.fault and sums[0] == h.block_checksums[0] else 0
+            assert got == wrong + damaged, (k, tr.fault)
+            assert (triton_copy._RUNS.fast, tr.run_fetches) == (fast + 1, runs + 1)
+            differ = (mine[dst] != peer[src]).view(len(src), -1).sum(dim=1).tolist()
+            assert differ == ([1] if tr.fault else [0]) + [0] * (len(src) - 1)
+            assert not tr._work.any() and not tr._run_sums.any()  # type: ignore[union-attr]
+    assert torch.equal(peer, before) and not triton_copy._RUNS.broken
+    assert t.device_verifies == faulty.device_verifies == 0
+    scattered = [9, 1, 7, 2, 11]
+    got = asyncio.run(fetch_verify(t, handle(peer, scattered), scattered, [0, 2, 4, 6, 8]))
+    assert got == 0 and t.run_fetches == 2 * len(cases)
+
+
+def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
+    """Many fetches of one to four runs, blocks of several programs (tickets), up to more
+    blocks than the first workspace and sums buffer hold (they grow), sixteen in flight at once
+    on one transport (one workspace, one sums buffer, on one stream): every count exact, every
+    block bit for bit, the workspace and the sums zero after."""
+    blocks, bb = 1536, 48 * 1024  # 6144 words: 3 programs per block
+    g = torch.Generator(device="cuda").manual_seed(11)
+    peer = torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device="cuda", generator=g)
+    mine = torch.zeros(blocks, bb, dtype=torch.uint8, device="cuda")
+    t = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True)
+    t._mapped = lambda name, info: peer  # type: ignore[method-assign]
+    assert t.runs_path
+    shapes = [(0, 1), (0, 1536), (100, 1100), (5, 7), (1400, 136), (0, 64)]
+    jobs = []
+    for i in range(16):
+        start, n = shapes[i % len(shapes)]
+        cuts = sorted({start, start + n // 3, start + n // 2, start + n - n // 5, start + n})
+        segs = list(zip(cuts, cuts[1:], strict=False))[: 1 + i % 4]
+        segs[-1] = (segs[-1][0], start + n)
+        src, dst, at = [], [], start + n
+        for a, z in segs:  # the source in order, its segments laid out backwards: one run each
+            at -= z - a
+            src += range(a, z)
+            dst += range(at, at + z - a)
+        assert 1 <= len(block_runs(src, dst)) <= 4
+        h = handle(peer, src, block_bytes=bb)
+        sums = list(h.block_checksums)
+        wrong = list(range(i % n, n, max(n // (i + 1), 1)))[: i + 1]
+        for k in wrong:
+            sums[k] ^= 1 << 62
+        jobs.append((f"r{i}", replace(h, block_checksums=tuple(sums)), src, dst, len(wrong)))
+
+    async def go() -> list[int | None]:
+        counts = []
+        for group in (jobs[:8], jobs[8:]):  # eight in flight (counts from what they read)
+            await asyncio.gather(*(t.fetch(r, h, s, d, 30.0) for r, h, s, d, _ in group))
+            counts += [await t.verify(r, h.block_checksums) for r, h, *_ in group]
+        return counts
+
+    assert asyncio.run(go()) == [w for *_, w in jobs]
+    assert t.run_fetches == 16 and t.device_verifies == 0
+    assert not t._work.any() and not t._run_sums.any()  # type: ignore[union-attr]

@@ -503,3 +503,75 @@ def test_a_cpu_fetch_goes_through_the_one_wait_path(monkeypatch, fault) -> None:
     assert torch.equal(mine[[7, 8, 10, 11]], peer[[1, 7, 2, 11]])
     assert torch.equal(mine[0], peer[1]) != bool(fault)
     assert not t._workspace(1).any()
+
+
+@pytest.mark.parametrize("fault", ["", "corrupt"])
+@pytest.mark.parametrize(
+    "src,dst",
+    [([2, 3, 4], [5, 6, 7]), ([0, 1, 6], [4, 5, 0]), ([5, 1, 6, 2], [0, 7, 3, 4])],
+)
+def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault) -> None:
+    """`_copy_sum` on the runs path (`kernels.runs_check`; the torch reference on CPU): the
+    sender's sums go into the pinned buffer as they are (int64 bits), the count lands right
+    behind them (the returned count is a view of it), no sums are kept, the copies are exact
+    but for the one bit the fault hook flips in transit, the count is exact, and the
+    workspace and the reused sums buffer are left zero; the same pool's check is bound once."""
+    t, mine = _transport(fault)
+    t.runs_path = True
+    peer = torch.randint(
+        0, 256, (8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+    )
+    before = peer.clone()
+    n = len(src)
+    for wrong in (None, n - 1):
+        mine.zero_()
+        want = _wsum(peer, src)
+        if wrong is not None:
+            want[wrong] ^= 1 << 63
+        sums, count, staged = t._copy_sum(peer, src, dst, want)
+        assert sums is None and staged is not None
+        assert staged[:n].tolist() == signed64(want)
+        assert int(count) == int(staged[n]) == (wrong is not None) + (fault == "corrupt")
+        assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
+        assert torch.equal(peer, before)
+        assert not t._workspace(1).any() and not t._sums_buffer(1).any()
+    assert t.run_fetches == 2 and list(t._run_checkers) == [id(peer)] and not t._checkers
+
+
+def test_more_runs_than_one_launch_takes_go_through_the_upload() -> None:
+    """Five runs: the packed path (its sums are kept for `verify`), the count still exact."""
+    t, mine = _transport("")
+    t.runs_path = True
+    peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
+    src, dst = [0, 2, 4, 6, 1], [1, 3, 5, 7, 0]
+    want = _wsum(peer, src)
+    want[4] ^= 1
+    sums, count, _ = t._copy_sum(peer, src, dst, want)
+    assert sums is not None and int(count) == 1 and t.run_fetches == 0
+    assert torch.equal(mine[dst], peer[src])
+
+
+def test_the_runs_check_is_rebound_when_its_buffers_grow_or_its_peer_is_unmapped() -> None:
+    t, mine = _transport("")
+    t.runs_path = True
+    peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
+    bound = t._run_checker(peer, 3)
+    assert t._run_checker(peer, 3) is bound
+    t._sums_buffer(t._sums_buffer(1).numel() + 1)  # more blocks than it holds: a new buffer
+    assert not t._run_checkers and t._run_checker(peer, 3) is not bound
+    t._workspace(t._workspace(1).numel())
+    assert not t._run_checkers
+    t._run_checker(peer, 3)
+    t._peers["p0@i1"], t._peers["p0@i2"], t._current["p0"] = peer, mine, "p0@i1"
+    t._mapped("p0@i2", None)  # type: ignore[arg-type]  # a new incarnation: the old unmapped
+    assert not t._run_checkers
+
+
+def test_verify_of_a_fetch_checked_as_runs_answers_its_count_or_leaves_it_to_the_caller() -> None:
+    """A runs fetch keeps no sums: `verify` answers its count for the sums it compared, and
+    None (the caller checks the blocks itself) for any other expected sums."""
+    t, _ = _transport("")
+    t._checks.keep("r", Kept(None, 2, (1, TOP), 1))
+    assert asyncio.run(t.verify("r", (1, TOP))) == 1
+    t._checks.keep("r", Kept(None, 2, (1, TOP), 0))
+    assert asyncio.run(t.verify("r", (1, 2))) is None and t.device_verifies == 0

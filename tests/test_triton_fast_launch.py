@@ -225,3 +225,59 @@ def test_the_launch_host_time_bench_runs(tmp_path):
     assert "ONE contiguous run" in lines[7]  # the transport's host work per fetch
     assert [int(ln.split()[0]) for ln in lines[9:12]] == [64, 128, 256]
     assert all(float(x) > 0 for ln in lines[9:12] for x in ln.split()[1:3])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fault", [False, True])
+@pytest.mark.parametrize(
+    "runs",
+    [[(2, 5, 3)], [(0, 1, 1), (4, 0, 1)], [(6, 2, 2), (0, 6, 1), (3, 0, 1), (9, 9, 1)]],
+)
+def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(runs, fault):
+    """`triton_copy.RunsCheck` (nothing uploaded: the runs as scalars, the sender's sums read
+    and the count written in host memory) under the interpreter, against `kernels.runs_check`'s
+    torch reference: the same blocks land (with the fault hook, the same one bit flipped in
+    block 0, in transit: the sender untouched), the count is exact, and the workspace and the
+    reused sums are left zero, call after call."""
+    from kernels import reference, triton_copy
+    from kernels import runs_check as reference_check
+
+    g = torch.Generator().manual_seed(5)
+    peer = torch.randint(0, 256, (10, 4096 * 8 + 8 * 8), dtype=torch.uint8, generator=g)
+    before = peer.clone()  # 3 programs a block (the last one partial), odd words
+    src = [s + i for s, _, k in runs for i in range(k)]
+    dst = [d + i for _, d, k in runs for i in range(k)]
+    n = len(src)
+    want = reference.block_wsum64(peer.view(torch.int64), torch.tensor(src)).tolist()
+    for wrong in range(n):
+        host = torch.tensor([*want, -1], dtype=torch.int64)
+        host[wrong] ^= 1 << 63
+        outs = []
+        for make in (triton_copy.RunsCheck, lambda *a: reference_check(*a)):
+            mine = torch.zeros_like(peer)
+            work, sums = torch.zeros(n + 1, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+            h = host.clone()
+            make(mine, peer, work, sums, fault)(runs, h)
+            assert not work.any() and not sums.any()
+            assert torch.equal(peer, before)
+            outs.append((mine, int(h[n])))
+        (got, count), (ref, ref_count) = outs
+        assert torch.equal(got, ref)
+        assert (got[dst] != peer[src]).sum().item() == (1 if fault else 0)
+        # the wrong sum, plus block 0 when its bit flipped (unless block 0 is the wrong one)
+        assert count == ref_count == 1 + (fault and wrong != 0)
+
+
+def test_run_scalars_name_each_programs_run_and_refuse_what_does_not_fit():
+    from kernels.triton_copy import RUNS, run_scalars
+
+    runs = [(6, 2, 2), (0, 6, 1), (3, 0, 1)]
+    scalars, n = run_scalars(runs)
+    a, b, e = scalars[:RUNS], scalars[RUNS : 2 * RUNS], scalars[2 * RUNS :]
+    assert n == 4
+    for i, (s, d) in enumerate([(6, 2), (7, 3), (0, 6), (3, 0)]):
+        r = sum(i >= x for x in e)  # the kernel's pick
+        assert (i + a[r], i + b[r]) == (s, d)
+    for bad in ([], [(0, 0, 1)] * (RUNS + 1), [(0, 0, 0)]):
+        with pytest.raises(ValueError):
+            run_scalars(bad)

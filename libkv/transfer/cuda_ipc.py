@@ -32,6 +32,14 @@ caller recomputes on a mismatch. Without the sender's sums on the handle the cop
 on the device and `verify` compares them with what it is given (``kernels.count_mismatches``,
 one more wait).
 
+A fetch of a few contiguous runs (at most ``MEMCPY_RUNS``, as `block_runs` finds them: the
+common case in a fresh stack) with the sender's sums uploads nothing at all
+(``kernels.runs_check``): the runs go to the kernel as scalar arguments, the kernel reads the
+sender's sums from the reused pinned buffer in place (mapped into the device, as the count is)
+and writes the count behind them, its sums accumulate in a reused device buffer that it leaves
+zero: no upload, no device allocation, one launch. Its sums are not kept:
+a `verify` with other sums than those compared returns None (the caller checks the blocks).
+
 The fetch's wait polls the copy's event on the event loop for as long as the copy should take
 (its bytes at ``POLL_RATE``, plus a margin), so a normal hand-off never pays a hop to a thread;
 only a copy that outlasts that is waited for in one (``thread_waits``).
@@ -39,8 +47,9 @@ only a copy that outlasts that is waited for in one (``thread_waits``).
 The test-only fault hook (``fault="corrupt"``, ``--kv-fault corrupt``) damages data in transit
 on this path: the first block is read not from the peer's pool but from a scratch copy of it
 with one bit flipped (a bad read or a flipped bit between the sender's memory and this copy),
-and the copy writes and sums the damaged words. The sender's pool is never touched, and the
-check sees exactly what landed in the destination block.
+and the copy writes and sums the damaged words; on the runs path the kernel flips the same bit
+of the first block in its registers, between its read and its write. The sender's pool is never
+touched, and the check sees exactly what landed in the destination block.
 """
 
 from __future__ import annotations
@@ -191,8 +200,9 @@ class Launched:
 
     done: Any  # torch.cuda.Event
     sums: torch.Tensor | None
-    count: torch.Tensor | None
+    count: Any  # a 0-dim int64 in host memory (tensor or array), or None
     staged: torch.Tensor | None
+    fused: bool = False  # sums on: the copy took them (``sums`` None where it kept none)
 
 
 class PeerRecords(Protocol):
@@ -245,6 +255,12 @@ class CudaIpcTransport:
         # Per source pool (by identity, the tensor kept with it): the fused check bound to
         # it, this pool and the workspace (`kernels.packed_check`: checked once, not per fetch).
         self._checkers: dict[int, tuple[torch.Tensor, Any]] = {}
+        # The same for a fetch of a few contiguous runs (`kernels.runs_check`: nothing
+        # uploaded, its sums in a reused device buffer), where the warm-up found it works.
+        self._run_checkers: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._run_sums: torch.Tensor | None = None
+        self.runs_path = False  # the check of runs with nothing uploaded (the warm-up: on)
+        self.run_fetches = 0  # fetches checked that way (tests, bench)
         self.mapped_count = False  # the fused check writes its count into pinned memory
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
         self.compared_fetches = 0  # of those, compared in the copy (verify waits for none)
@@ -308,6 +324,32 @@ class CudaIpcTransport:
         torch.cuda.synchronize(self.device)
         if int(out) != 1 or int(work.count_nonzero()):
             raise RuntimeError(f"the fused check counted {int(out)} of 1 in a second test")
+        if self.mapped_count:
+            self._try_runs(scratch)
+
+    def _try_runs(self, scratch: torch.Tensor) -> None:
+        """Whether the check of contiguous runs works here: it reads the sender's sums from
+        pinned memory and writes its count there, both by the host address (the device's under
+        unified addressing). A zero block whose expected sum is 1, twice (compiled, then
+        launched straight), must count 1 each time and leave its buffers zero; then once with
+        the fault hook if it is on (compiled now, not in a fetch)."""
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        try:
+            for fault in (False, True) if self.fault else (False,):
+                work, sums = self._workspace(1), self._sums_buffer(1)
+                check = kernels.runs_check(scratch, scratch, work, sums, fault)
+                for _ in range(2):  # (a flipped bit: a zero block never sums to 1 either)
+                    host[0], host[1] = 1, -1
+                    check([(0, 0, 1)], host)
+                    torch.cuda.synchronize(self.device)
+                    if int(host[1]) != 1:
+                        raise RuntimeError(f"counted {int(host[1])} of 1")
+                    if int(work.count_nonzero()) or int(sums.count_nonzero()):
+                        raise RuntimeError("left its workspace or its sums dirty")
+        except (RuntimeError, ValueError) as e:  # any way it fails here: the upload path
+            log.warning("the check of contiguous runs cannot read pinned memory (%s)", e)
+            return
+        self.runs_path = True
 
     def can_reach(self, extra: dict[str, str]) -> bool:
         return (
@@ -354,7 +396,7 @@ class CudaIpcTransport:
             raise KVTransferError(f"CUDA IPC copy from {source.worker_id} failed: {e}") from e
         if launched.staged is not None:  # its upload and count are done: reusable
             self._staged.append(launched.staged)
-        if launched.sums is not None:
+        if launched.fused:
             self.fused_fetches += 1
             if bad is not None:
                 self.compared_fetches += 1
@@ -390,7 +432,7 @@ class CudaIpcTransport:
                 staged = self._copy(src, src_blocks, dst_blocks)
             done = torch.cuda.Event()
             done.record(self._stream)
-        return Launched(done, sums, count, staged)
+        return Launched(done, sums, count, staged, self.sums)
 
     def _copy(
         self, src: torch.Tensor, src_blocks: Sequence[int], dst_blocks: Sequence[int]
@@ -429,7 +471,26 @@ class CudaIpcTransport:
         if self._work is None or self._work.numel() < n + 1:
             self._work = torch.zeros(max(n + 1, STAGING_MIN), dtype=torch.int64, device=self.device)
             self._checkers.clear()  # bound to the old workspace
+            self._run_checkers.clear()
         return self._work
+
+    def _sums_buffer(self, n: int) -> torch.Tensor:
+        """The check of runs' sums (device int64, zero, one per block; left zero by it)."""
+        if self._run_sums is None or self._run_sums.numel() < n:
+            self._run_sums = torch.zeros(max(n, STAGING_MIN), dtype=torch.int64, device=self.device)
+            self._run_checkers.clear()  # bound to the old buffer
+        return self._run_sums
+
+    def _run_checker(self, src: torch.Tensor, n: int) -> Any:
+        """The check of up to ``n`` blocks in a few runs from ``src`` into this pool (one per
+        source pool, workspace and sums buffer, made on its first fetch)."""
+        work, sums = self._workspace(n), self._sums_buffer(n)
+        kept = self._run_checkers.get(id(src))
+        if kept is None or kept[0] is not src:
+            fault = self.fault == "corrupt"
+            kept = (src, kernels.runs_check(self.pool, src, work, sums, fault))
+            self._run_checkers[id(src)] = kept
+        return kept[1]
 
     def _checker(self, src: torch.Tensor, n: int) -> Any:
         """The fused check from ``src`` into this pool for up to ``n`` blocks (one per source
@@ -447,7 +508,7 @@ class CudaIpcTransport:
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         want: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
         """The fused copy-and-sum of every block (on the current stream), and with ``want``
         (the sender's sums, unsigned, one per block) the compare in the same kernel: returns
         the sums (int64 on the device), the 0-dim host int64 that holds how many blocks' sums
@@ -456,7 +517,9 @@ class CudaIpcTransport:
         sums, from pinned memory. The kernel writes the count straight into the pinned buffer
         where the warm-up found the device can (``mapped_count``), else into the device and
         8 bytes come back behind it. With the fault hook the first block is read from a
-        scratch copy with one bit flipped (see the module)."""
+        scratch copy with one bit flipped (see the module). A fetch of at most
+        ``MEMCPY_RUNS`` contiguous runs with ``want`` uploads nothing (`_check_runs`, where the
+        warm-up found it works: ``runs_path``); its sums are not returned (None)."""
         n = len(src_blocks)
         if want is None:
             staged = self._staging(2 * n)
@@ -470,6 +533,10 @@ class CudaIpcTransport:
             head = kernels.copy_sum_blocks_between(self.pool, flipped, si[:1] * 0, di[:1])
             rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
             return torch.cat([head, rest]), None, staged
+        if self.runs_path:
+            runs = block_runs(src_blocks, dst_blocks)
+            if len(runs) <= MEMCPY_RUNS:
+                return self._check_runs(src, runs, n, want)
         staged = self._staging(4 * n + 1)
         rows = staged.numpy()
         rows[:n], rows[n : 2 * n] = src_blocks, dst_blocks
@@ -493,6 +560,22 @@ class CudaIpcTransport:
         if out is not host:  # 8 bytes back behind the kernel, into the pinned buffer
             host.copy_(out, non_blocking=True)
         return up[3 * n : 4 * n], host, staged
+
+    def _check_runs(
+        self, src: torch.Tensor, runs: list[tuple[int, int, int]], n: int, want: Sequence[int]
+    ) -> tuple[None, Any, torch.Tensor]:
+        """`_copy_sum` for a few contiguous runs, with nothing uploaded and nothing allocated
+        on the device: the runs go to the kernel as scalars, the sender's sums are written
+        into a reused pinned buffer that the kernel reads in place, and the count lands behind
+        them (returned as a 0-dim view of it). The sums stay on the device in a reused buffer
+        and are not kept (`verify` compares nothing later: the count answers). With the fault
+        hook the kernel flips one bit of the first block on its way (see the module)."""
+        staged = self._staging(n + 1)
+        rows = staged.numpy()
+        rows.view(np.uint64)[:n] = want  # as int64: the same bits
+        self._run_checker(src, n)(runs, staged)
+        self.run_fetches += 1
+        return None, rows[n, ...], staged
 
     @staticmethod
     def _flipped(src: torch.Tensor, block: int) -> torch.Tensor:
@@ -521,6 +604,8 @@ class CudaIpcTransport:
         kept = self._checks.take(request_id, expected)
         if not isinstance(kept, Kept):
             return kept
+        if kept.sums is None:  # compared in the copy, its sums not kept: checked apart
+            return None
         self.device_verifies += 1
         count = self._pinned_count()
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -564,6 +649,7 @@ class CudaIpcTransport:
             gone = self._peers.pop(old, None)
             if gone is not None:
                 self._checkers.pop(id(gone), None)
+                self._run_checkers.pop(id(gone), None)
         if name not in self._peers:
             self._peers[name] = open_pool(info, self.device)
             log.info("mapped the KV pool of %s over CUDA IPC (%d blocks)", name, info.num_blocks)
@@ -579,3 +665,4 @@ class CudaIpcTransport:
         self._peers.clear()
         self._current.clear()
         self._checkers.clear()
+        self._run_checkers.clear()
