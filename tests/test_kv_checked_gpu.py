@@ -359,7 +359,8 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
     from kernels import triton_copy
 
     t, mine = transport(peer)
-    faulty, _ = transport(peer, fault="corrupt")
+    faulty, theirs = transport(peer, fault="corrupt")  # each transport lands in its own pool
+    pools = {id(t): mine, id(faulty): theirs}
     before = peer.clone()
     assert t.runs_path and faulty.runs_path and t.mapped_count
     cases = [
@@ -376,8 +377,10 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
                 sums[j] ^= 1 << (j % 64)
             wrong = sum(a != b for a, b in zip(sums, h.block_checksums, strict=True))
             h = replace(h, block_checksums=tuple(sums))
-            mine.zero_()
+            pool = pools[id(tr)]
+            pool.zero_()
             asyncio.run(fetch_verify(tr, h, src, dst))  # compiled, buffers grown
+            pool.zero_()  # what the straight launch below writes, alone
             fast, runs = triton_copy._RUNS.fast, tr.run_fetches
             allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
             got = asyncio.run(fetch_verify(tr, h, src, dst))
@@ -385,7 +388,7 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
             damaged = 1 if tr.fault and sums[0] == h.block_checksums[0] else 0
             assert got == wrong + damaged, (k, tr.fault)
             assert (triton_copy._RUNS.fast, tr.run_fetches) == (fast + 1, runs + 1)
-            differ = (mine[dst] != peer[src]).view(len(src), -1).sum(dim=1).tolist()
+            differ = (pool[dst] != peer[src]).view(len(src), -1).sum(dim=1).tolist()
             assert differ == ([1] if tr.fault else [0]) + [0] * (len(src) - 1)
             assert not tr._work.any() and not tr._run_sums.any()  # type: ignore[union-attr]
     assert torch.equal(peer, before) and not triton_copy._RUNS.broken
@@ -398,8 +401,8 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
 def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
     """Many fetches of one to four runs, blocks of several programs (tickets), up to more
     blocks than the first workspace and sums buffer hold (they grow), sixteen in flight at once
-    on one transport (one workspace, one sums buffer, on one stream): every count exact, every
-    block bit for bit, the workspace and the sums zero after."""
+    on one transport (one workspace, one sums buffer, on one stream): every count exact, the
+    workspace and the sums zero after; then each shape alone: its blocks bit for bit."""
     blocks, bb = 1536, 48 * 1024  # 6144 words: 3 programs per block
     g = torch.Generator(device="cuda").manual_seed(11)
     peer = torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device="cuda", generator=g)
@@ -437,3 +440,12 @@ def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
     assert asyncio.run(go()) == [w for *_, w in jobs]
     assert t.run_fetches == 16 and t.device_verifies == 0
     assert not t._work.any() and not t._run_sums.any()  # type: ignore[union-attr]
+
+    async def alone(r: str, h: KVHandle, s: list[int], d: list[int]) -> int | None:
+        await t.fetch(r, h, s, d, 30.0)
+        return await t.verify(r, h.block_checksums)
+
+    for r, h, s, d, w in jobs[:6]:  # one at a time (in flight, destinations overlap)
+        mine.zero_()
+        assert asyncio.run(alone(r + "a", h, s, d)) == w
+        assert torch.equal(mine[d], peer[s]), r  # what landed is the sender's, bit for bit
