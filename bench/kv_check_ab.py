@@ -294,6 +294,9 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     d_runs_run = device_time(lambda: runs_check([(0, 0, n)], host), "cuda", repeat)
     if int(host[n]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
+    sweep = per_sm_sweep(lambda: runs_check([(0, 0, n)], host), d_memcpy_run, max(repeat, 20))
+    if int(host[n]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
+        raise AssertionError(f"the check of runs counted {int(host[n])} in the sweep")
     for key, ids, sums in (
         ("ab_transport", (src_ids, dst_ids), expected),
         ("ab_transport_runs", (list(range(n)), list(range(n))), run),
@@ -312,7 +315,34 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
         "device_memcpy_run_ms": round(d_memcpy_run * 1e3, 4),
         "device_checked_run_ms": round(d_checked_run * 1e3, 4),
         "device_runs_check_ms": round(d_runs_run * 1e3, 4),
+        "runs_check_by_programs_per_sm": sweep,
     }
+
+
+def _per_sm() -> int:
+    from kernels import triton_copy
+
+    return triton_copy.PROGRAMS_PER_SM
+
+
+PER_SM = (1, 2, 4, 8, 16, 10**6)  # 10**6: one chunk a program (no loop), as before the split
+
+
+def per_sm_sweep(check: Callable[[], None], memcpy_s: float, repeat: int) -> dict:
+    """The check of runs' device time on one run by ``triton_copy.PROGRAMS_PER_SM`` (each
+    program loops over more chunks when fewer run per SM), as a ratio to one ``copy_``."""
+    from bench.kv_checksum import device_time
+    from kernels import triton_copy
+
+    kept = triton_copy.PROGRAMS_PER_SM
+    out = {}
+    try:
+        for k in PER_SM:
+            triton_copy.PROGRAMS_PER_SM = k
+            out[str(k)] = round(device_time(check, "cuda", repeat) / memcpy_s, 4)
+    finally:
+        triton_copy.PROGRAMS_PER_SM = kept
+    return out
 
 
 def launch_counts() -> dict:
@@ -385,6 +415,12 @@ def print_check(rows: list[dict]) -> None:
                               f"{row['device_checked_run_ms']:.4f} / "
                               f"{row.get('device_runs_check_ms', float('nan')):.4f}"
                               for row in rows))  # fmt: skip
+        if key == "ab_transport_runs" and "runs_check_by_programs_per_sm" in rows[0]:
+            print("  the check of runs' device time over one copy_, by programs per SM "
+                  f"(kernels.triton_copy.PROGRAMS_PER_SM, now {_per_sm()}; 1000000: one chunk a "
+                  "program): " + "; ".join(f"{row['tokens']}: " + " ".join(
+                      f"{k}={v:.3f}" for k, v in row["runs_check_by_programs_per_sm"].items())
+                      for row in rows))  # fmt: skip
         if "compared_fetches" in r0:
             print("  transport counters (sums on, last size): " + ", ".join(
                 f"{k} {rows[-1][key][k]}" for k in

@@ -15,7 +15,24 @@ import triton.language as tl
 from triton import knobs
 
 log = logging.getLogger(__name__)
-CHUNK = 2048  # int64 words (16 KiB) per program
+CHUNK = 2048  # int64 words (16 KiB) a step of a program
+# The fused checks give each program several chunks of its block in a loop when a fetch has
+# many more chunks than the GPU runs programs at once, so that fewer programs each pay the
+# check's tail (its ordered atomics wait for the program's stores): about this many programs
+# per SM in all (`split`).
+PROGRAMS_PER_SM = 8
+_SMS: dict[int, int] = {}
+
+
+def split(chunks: int, n: int, device: int) -> tuple[int, int]:
+    """How a fused check of ``n`` blocks of ``chunks`` chunks each is cut: chunks a program
+    (``per``, looped over) and programs a block (what its ticket counts to)."""
+    sms = _SMS.get(device)
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
+        _SMS[device] = sms
+    per = max(1, min(chunks, chunks * n // (sms * PROGRAMS_PER_SM)))
+    return per, -(-chunks // per)
 
 
 class FastLaunch:
@@ -168,23 +185,39 @@ def copy_blocks_between(
 
 
 @triton.jit
-def _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, CHUNK: tl.constexpr):
-    """Copy this program's chunk of its block (program ids: block, chunk); its part of the
-    block's ``wsum64`` (wraps modulo 2^64)."""
+def _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK: tl.constexpr):
+    """Copy this program's ``per`` chunks of its block (program ids: block, part); its part of
+    the block's ``wsum64`` (wraps modulo 2^64)."""
     i = tl.program_id(0)
-    j = tl.program_id(1)
     s = tl.load(src_idx + i).to(tl.int64)
     d = tl.load(dst_idx + i).to(tl.int64)
-    offs = j * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-    mask = offs < words
-    v = tl.load(src + s * words + offs, mask=mask, other=0)
-    tl.store(dst + d * words + offs, v, mask=mask)
-    return tl.sum(v * (2 * (offs + offset) + 1), axis=0)
+    return _copy_sum_part(src, dst, s, d, words, offset, per, CHUNK, False)
+
+
+@triton.jit
+def _copy_sum_part(src, dst, s, d, words, offset, per, CHUNK: tl.constexpr, FAULT: tl.constexpr):
+    """Copy chunks ``part * per`` to ``part * per + per - 1`` (``part``: program id 1) of
+    source block ``s`` into destination block ``d``; their part of the block's ``wsum64``.
+    ``FAULT`` (the test-only hook): one bit of program 0's block is flipped on its way through
+    registers, in the middle of the block (byte ``4 * words``, bit 0), before it is written and
+    summed."""
+    j = tl.program_id(1)
+    acc = tl.zeros([CHUNK], tl.int64)
+    for c in range(per):
+        offs = (j * per + c) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+        mask = offs < words
+        v = tl.load(src + s * words + offs, mask=mask, other=0)
+        if FAULT:
+            bit = tl.full([CHUNK], 1, tl.int64) << (32 * (words % 2))
+            v = v ^ tl.where((offs == words // 2) & (tl.program_id(0) == 0), bit, 0)
+        tl.store(dst + d * words + offs, v, mask=mask)
+        acc += v * (2 * (offs + offset) + 1)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
 def _copy_sum_blocks_kernel(src, dst, src_idx, dst_idx, sums, words, offset, CHUNK: tl.constexpr):
-    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, CHUNK)
+    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, 1, CHUNK)
     tl.atomic_add(sums + tl.program_id(0), part)
 
 
@@ -217,28 +250,31 @@ def copy_sum_blocks_between(
 # specialisation on the block count, on the chunks per block, or on where the small vectors
 # start (slices of one upload); the pools' words stay specialised (16-byte accesses).
 @triton.jit(
-    do_not_specialize=["chunks", "total"],
+    do_not_specialize=["chunks", "total", "per"],
     do_not_specialize_on_alignment=[
         "src_idx", "dst_idx", "sums", "want", "tickets", "state", "out",
     ],
 )  # fmt: skip
 def _copy_sum_check_kernel(
     src, dst, src_idx, dst_idx, sums, want, tickets, state, out, words, offset, chunks, total,
-    CHUNK: tl.constexpr,
+    per, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, CHUNK)
+    """``chunks``: programs a block (each copies ``per`` chunks of it)."""
+    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
     _settle(part, sums, want, tickets, state, out, chunks, total, False)
 
 
 @triton.jit
 def _settle(part, sums, want, tickets, state, out, chunks, total, RESET: tl.constexpr):
-    """Add this program's ``part`` to its block's sum; the block's last program (split-K's
-    ticket) compares the whole sum with the sender's (``want``), and the fetch's last block
-    brings the count out (to ``out``: device or mapped host). ``RESET``: the sum is also left
-    zero (a reused buffer), not kept."""
+    """Add this program's ``part`` to its block's sum; the block's last program (of ``chunks``,
+    split-K's ticket) compares the whole sum with the sender's (``want``), and the fetch's last
+    block brings the count out (to ``out``: device or mapped host). ``RESET``: the sum is also
+    left zero (a reused buffer), not kept. The sum's add is relaxed: the ticket's release
+    (the same thread, after it) orders it before the ticket, and the last program's acquire
+    then sees every part."""
     i = tl.program_id(0)
-    tl.atomic_add(sums + i, part, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()  # this program's part is in ``sums`` before its ticket below
+    tl.atomic_add(sums + i, part, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
     if tl.atomic_add(tickets + i, 1, sem="acq_rel", scope="gpu") == chunks - 1:
         if RESET:
             got = tl.atomic_xchg(sums + i, 0, sem="acquire", scope="gpu")
@@ -315,6 +351,7 @@ def _check(
     ``small``)."""
     words = dst.shape[1] // 8
     chunks = -(-words // CHUNK)  # not triton.cdiv: a jit function, microseconds on the host
+    per, progs = split(chunks, n, _device(dst))
     # The variant: the words and the offset (specialised on), the pools' 16-byte alignment,
     # the small vectors' dtypes (their alignment and the counts' values are not specialised
     # on, only whether the counts fit 32 bits).
@@ -324,16 +361,18 @@ def _check(
     )  # fmt: skip
 
     def fast() -> tuple[Any, ...]:
-        return (src.data_ptr(), dst.data_ptr(), *pointers(), words, offset, chunks, total, CHUNK)
+        return (src.data_ptr(), dst.data_ptr(), *pointers(), words, offset, progs, total, per,
+                CHUNK)  # fmt: skip
 
     def slow() -> tuple[tuple[Any, ...], dict[str, int]]:
         vectors = tuple(small) if tensors is None else tuple(tensors())
         return (
-            (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, chunks, total),
+            (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, progs, total,
+             per),
             {"CHUNK": CHUNK},
-        )
+        )  # fmt: skip
 
-    _CHECK(key, (n, chunks), fast, slow, num_warps=8)
+    _CHECK(key, (n, progs), fast, slow, num_warps=8)
 
 
 class PackedCheck:
@@ -354,7 +393,8 @@ class PackedCheck:
         self.offset = offset
         self.blocks = work.numel() - 1  # most blocks one launch can check
         self._ptrs = (src.data_ptr(), dst.data_ptr(), work.data_ptr())
-        base = (_device(dst), self.words, offset, _aligned(src), _aligned(dst))
+        self._dev = _device(dst)
+        base = (self._dev, self.words, offset, _aligned(src), _aligned(dst))
         self._keys = tuple((*base, big, *(torch.int64,) * 7) for big in (0, 1))
 
     def __call__(self, up: torch.Tensor, n: int, out: torch.Tensor, total: int = 0) -> None:
@@ -372,25 +412,28 @@ class PackedCheck:
         u = up.data_ptr()
         words, offset, chunks, work = self.words, self.offset, self.chunks, self.work
         dst, src = self.dst, self.src
+        per, progs = split(chunks, n, self._dev)
 
         def fast() -> tuple[Any, ...]:
             return (s, d, u, u + 8 * n, u + 24 * n, u + 16 * n, w + 8, w, _host_or_ptr(out),
-                    words, offset, chunks, total, CHUNK)  # fmt: skip
+                    words, offset, progs, total, per, CHUNK)  # fmt: skip
 
         def slow() -> tuple[tuple[Any, ...], dict[str, int]]:
             vectors = (up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1:],
                        work[:1], out)  # fmt: skip
             return (
-                (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, chunks,
-                 total),
+                (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, progs,
+                 total, per),
                 {"CHUNK": CHUNK},
             )  # fmt: skip
 
-        _CHECK(self._keys[(chunks | total) >> 31 != 0], (n, chunks), fast, slow, num_warps=8)
+        _CHECK(self._keys[(chunks | total) >> 31 != 0], (n, progs), fast, slow, num_warps=8)
 
 
 RUNS = 4  # most contiguous runs one `RunsCheck` launch takes (as scalar arguments)
-_RUN_SCALARS = ["chunks", "total", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "e1", "e2", "e3"]
+_RUN_SCALARS = [
+    "chunks", "total", "per", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "e1", "e2", "e3",
+]  # fmt: skip
 
 
 # One compiled variant per pool pair for any fetch of up to ``RUNS`` runs: nothing specialised
@@ -400,27 +443,19 @@ _RUN_SCALARS = ["chunks", "total", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3
     do_not_specialize_on_alignment=["want", "out", "sums", "tickets", "state"],
 )
 def _copy_sum_check_runs_kernel(
-    src, dst, want, out, sums, tickets, state, words, offset, chunks, total,
+    src, dst, want, out, sums, tickets, state, words, offset, chunks, total, per,
     a0, a1, a2, a3, b0, b1, b2, b3, e1, e2, e3, CHUNK: tl.constexpr, FAULT: tl.constexpr,
 ):  # fmt: skip
     """The fused check for a fetch of a few contiguous runs, with nothing uploaded: program
     ``i`` (of ``total``) moves source block ``i + a_r`` to ``i + b_r``, ``r`` the run that
-    holds it (runs end at ``e1 <= e2 <= e3``); ``want`` (the sender's sums) and ``out`` (the
-    count) may be host memory mapped into the device; ``sums`` is left zero. ``FAULT`` (the
-    test-only hook): one bit of block 0 is flipped on its way through registers, in the middle
-    of the block (byte ``4 * words``, bit 0), before it is written and summed."""
+    holds it (runs end at ``e1 <= e2 <= e3``), in ``chunks`` programs of ``per`` chunks each;
+    ``want`` (the sender's sums) and ``out`` (the count) may be host memory mapped into the
+    device; ``sums`` is left zero. ``FAULT``: the
+    test-only hook (`_copy_sum_part`)."""
     i = tl.program_id(0)
-    j = tl.program_id(1)
     s = (i + tl.where(i < e1, a0, tl.where(i < e2, a1, tl.where(i < e3, a2, a3)))).to(tl.int64)
     d = (i + tl.where(i < e1, b0, tl.where(i < e2, b1, tl.where(i < e3, b2, b3)))).to(tl.int64)
-    offs = j * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-    mask = offs < words
-    v = tl.load(src + s * words + offs, mask=mask, other=0)
-    if FAULT:
-        bit = tl.full([CHUNK], 1, tl.int64) << (32 * (words % 2))
-        v = v ^ tl.where((offs == words // 2) & (i == 0), bit, 0)
-    tl.store(dst + d * words + offs, v, mask=mask)
-    part = tl.sum(v * (2 * (offs + offset) + 1), axis=0)
+    part = _copy_sum_part(src, dst, s, d, words, offset, per, CHUNK, FAULT)
     _settle(part, sums, want, tickets, state, out, chunks, total, True)
 
 
@@ -467,7 +502,8 @@ class RunsCheck:
         self.offset, self.fault = offset, bool(fault)
         self.blocks = min(work.numel() - 1, sums.numel())  # most blocks one launch can check
         self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr(), work.data_ptr())
-        base = (_device(dst), self.words, offset, _aligned(src), _aligned(dst), self.fault)
+        self._dev = _device(dst)
+        base = (self._dev, self.words, offset, _aligned(src), _aligned(dst), self.fault)
         self._keys = (("runs", *base, 0), ("runs", *base, 1))
 
     def __call__(self, runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
@@ -479,19 +515,21 @@ class RunsCheck:
         s, d, u, w = self._ptrs
         h = host.data_ptr()
         words, offset, chunks = self.words, self.offset, self.chunks
+        per, progs = split(chunks, n, self._dev)
 
         def fast() -> tuple[Any, ...]:
-            return (s, d, h, h + 8 * n, u, w + 8, w, words, offset, chunks, n, *scalars, CHUNK,
-                    self.fault)  # fmt: skip
+            return (s, d, h, h + 8 * n, u, w + 8, w, words, offset, progs, n, per, *scalars,
+                    CHUNK, self.fault)  # fmt: skip
 
         def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
             return (
                 (self.src.view(torch.int64), self.dst.view(torch.int64), host[:n], host[n],
-                 self.sums, self.work[1:], self.work[:1], words, offset, chunks, n, *scalars),
+                 self.sums, self.work[1:], self.work[:1], words, offset, progs, n, per,
+                 *scalars),
                 {"CHUNK": CHUNK, "FAULT": self.fault},
             )  # fmt: skip
 
-        _RUNS(self._keys[(chunks | n) >> 31 != 0], (n, chunks), fast, slow, num_warps=8)
+        _RUNS(self._keys[(chunks | n) >> 31 != 0], (n, progs), fast, slow, num_warps=8)
 
 
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")

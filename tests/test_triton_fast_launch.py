@@ -177,7 +177,7 @@ def test_the_bound_packed_check_launches_the_same_variant_with_the_same_argument
     u = up.data_ptr()
     assert ck.calls[0][11:15] == (u, u + 24, u + 72, u + 48)  # ids, ids, sums, want
     bound(up[:9], 2, out, 7)  # two of seven blocks: its own ``total``
-    assert ck.calls[2][0] == 2 and ck.calls[2][-2] == 7
+    assert ck.calls[2][0] == 2 and ck.calls[2][-3] == 7  # (..., total, per, CHUNK)
     with pytest.raises(ValueError):
         bound(up, 4, out)  # a workspace of 4 words checks 3 blocks at most
 
@@ -227,20 +227,43 @@ def test_the_launch_host_time_bench_runs(tmp_path):
     assert all(float(x) > 0 for ln in lines[9:12] for x in ln.split()[1:3])
 
 
+def test_split_gives_each_program_several_chunks_only_when_there_are_many(monkeypatch):
+    """`triton_copy.split`: one chunk a program while a fetch has no more chunks than about
+    ``PROGRAMS_PER_SM`` programs per SM; beyond, each program loops over several (never more
+    than its block has), and the programs a block cover every chunk."""
+    from kernels import triton_copy
+
+    monkeypatch.setattr(triton_copy, "_SMS", {0: 132})
+    monkeypatch.setattr(triton_copy, "PROGRAMS_PER_SM", 8)
+    assert triton_copy.split(23, 64, 0) == (1, 23)  # 1,472 chunks: about 1,056 programs
+    assert triton_copy.split(128, 256, 0) == (31, 5)  # 32,768 chunks
+    assert triton_copy.split(128, 1, 0) == (1, 128)
+    assert triton_copy.split(3, 10**6, 0) == (3, 1)  # never past the block
+    for chunks, n in ((128, 64), (7, 500), (1000, 3)):
+        per, progs = triton_copy.split(chunks, n, 0)
+        assert per * progs >= chunks > per * (progs - 1)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1")
+@pytest.mark.parametrize("per_sm", [8, 4, 1])  # chunks a program: 1; 1 to 3 (some masked); all 3
 @pytest.mark.parametrize("fault", [False, True])
 @pytest.mark.parametrize(
     "runs",
     [[(2, 5, 3)], [(0, 1, 1), (4, 0, 1)], [(6, 2, 2), (0, 6, 1), (3, 0, 1), (9, 9, 1)]],
 )
-def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(runs, fault):
+def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(
+    runs, fault, per_sm, monkeypatch
+):
     """`triton_copy.RunsCheck` (nothing uploaded: the runs as scalars, the sender's sums read
     and the count written in host memory) under the interpreter, against `kernels.runs_check`'s
     torch reference: the same blocks land (with the fault hook, the same one bit flipped in
     block 0, in transit: the sender untouched), the count is exact, and the workspace and the
-    reused sums are left zero, call after call."""
+    reused sums are left zero, call after call; with one chunk a program, or several in its
+    loop (`triton_copy.split`; the interpreter counts as one SM)."""
     from kernels import reference, triton_copy
     from kernels import runs_check as reference_check
+
+    monkeypatch.setattr(triton_copy, "PROGRAMS_PER_SM", per_sm)
 
     g = torch.Generator().manual_seed(5)
     peer = torch.randint(0, 256, (10, 4096 * 8 + 8 * 8), dtype=torch.uint8, generator=g)
