@@ -1,0 +1,135 @@
+"""Which Triton copy of a contiguous run of KV blocks comes closest to one ``copy_`` on this
+GPU (issue 18's checked KV on a contiguous run): the copy alone and the copy with its per-block
+``wsum64``, by chunk size, warps, chunks a program and cache hints, as device time over one
+``copy_`` of the same bytes (CUDA events, rounds interleaved). Exploration: the variants live
+here; the winner goes into ``kernels.triton_copy``.
+
+    python -m bench.kv_copy_sweep --tokens 1024 2048 4096 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference
+
+BLOCK_BYTES = (
+    2 * 1024 * 1024
+)  # the 8B shape's block: 16 tokens x 32 layers x 8 heads x 2 x 128 x 2 B
+
+
+@triton.jit
+def _sweep_kernel(src, dst, sums, words, per, CHUNK: tl.constexpr, SUM: tl.constexpr,
+                  HINT: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    acc = tl.zeros([CHUNK], tl.int64)
+    for c in range(per):
+        offs = (j * per + c) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+        mask = offs < words
+        if HINT:
+            v = tl.load(src + i * words + offs, mask=mask, other=0, eviction_policy="evict_first")
+            tl.store(dst + i * words + offs, v, mask=mask, cache_modifier=".cs")
+        else:
+            v = tl.load(src + i * words + offs, mask=mask, other=0)
+            tl.store(dst + i * words + offs, v, mask=mask)
+        if SUM:
+            acc += v * (2 * offs + 1)
+    if SUM:
+        tl.atomic_add(sums + i, tl.sum(acc, axis=0), sem="relaxed")
+
+
+VARIANTS = {  # name: (CHUNK words, num_warps, chunks a program, hints)
+    "c2048_w8": (2048, 8, 1, False),
+    "c2048_w4": (2048, 4, 1, False),
+    "c1024_w4": (1024, 4, 1, False),
+    "c4096_w8": (4096, 8, 1, False),
+    "c4096_w16": (4096, 16, 1, False),
+    "c2048_w8_hint": (2048, 8, 1, True),
+    "c2048_w4_hint": (2048, 4, 1, True),
+    "c2048_w8_per4": (2048, 8, 4, False),
+    "c2048_w8_per16": (2048, 8, 16, False),
+    "c1024_w4_per8": (1024, 4, 8, False),
+}
+
+
+def launcher(dst, src, sums, n, name, with_sum):
+    chunk, warps, per, hint = VARIANTS[name]
+    words = dst.shape[1] // 8
+    grid = (n, -(-words // (chunk * per)))
+    s64, d64 = src.view(torch.int64), dst.view(torch.int64)
+
+    def run() -> None:
+        _sweep_kernel[grid](s64, d64, sums, words, per, CHUNK=chunk, SUM=with_sum, HINT=hint,
+                            num_warps=warps)  # fmt: skip
+
+    return run
+
+
+def device_ms(fn, repeat: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
+def measure(tokens: int, repeat: int, rounds: int) -> dict:
+    n = tokens // 16
+    src = torch.randint(0, 256, (n, BLOCK_BYTES), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    want = reference.block_wsum64(src.view(torch.int64), torch.arange(n, device="cuda"))
+    sums = torch.zeros(n, dtype=torch.int64, device="cuda")
+    arms = {"copy_": lambda: dst.copy_(src, non_blocking=True)}
+    for name in VARIANTS:
+        for with_sum in (False, True):
+            dst.zero_()
+            sums.zero_()
+            fn = launcher(dst, src, sums, n, name, with_sum)
+            fn()
+            torch.cuda.synchronize()
+            if not torch.equal(dst, src) or (with_sum and not torch.equal(sums, want)):
+                raise AssertionError(f"{name} (sum {with_sum}) copied or summed wrong")
+            arms[name + ("+sum" if with_sum else "")] = fn
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(rounds):
+        for k, fn in arms.items():
+            fn()
+            times[k].append(device_ms(fn, repeat))
+    base = statistics.median(times["copy_"])
+    ratio = {k: round(statistics.median(v) / base, 4) for k, v in times.items()}
+    return {"tokens": tokens, "blocks": n, "copy_ms": round(base, 4), "ratio": ratio}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    rows = [measure(tokens, args.repeat, args.rounds) for tokens in args.tokens]
+    names = list(rows[0]["ratio"])
+    print("device time over one copy_ of the same run (2 MiB blocks), medians of "
+          f"{args.rounds} rounds of {args.repeat}")  # fmt: skip
+    print(f"{'variant':<22}" + "".join(f"{r['tokens']:>9}" for r in rows))
+    print(f"{'copy_ ms':<22}" + "".join(f"{r['copy_ms']:>9.4f}" for r in rows))
+    for k in names:
+        print(f"{k:<22}" + "".join(f"{r['ratio'][k]:>9.3f}" for r in rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_copy_sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
