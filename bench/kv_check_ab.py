@@ -286,16 +286,20 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     d_checked_run = device_time(device_checked_copy(d8, s8, first, first, run_sums), "cuda", repeat)
     # And the check of runs the transport takes there (nothing uploaded: the sender's sums
     # read from pinned memory, the count written there).
-    work = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     zeros = torch.zeros(n, dtype=torch.int64, device=dev)
     host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
     host[:n] = run_sums.cpu()
-    runs_check = kernels.runs_check(d8, s8, work, zeros)
-    d_runs_run = device_time(lambda: runs_check([(0, 0, n)], host), "cuda", repeat)
-    if int(host[n]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
+    runs_copy = kernels.runs_copy_sum(d8, s8, zeros)
+
+    def runs_check() -> None:  # the copy and sum, then the compare behind it
+        runs_copy([(0, 0, n)])
+        kernels.compare_sums(zeros, host, n)
+
+    d_runs_run = device_time(runs_check, "cuda", repeat)
+    if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
-    sweep = per_sm_sweep(lambda: runs_check([(0, 0, n)], host), d_memcpy_run, max(repeat, 20))
-    if int(host[n]) != 0 or int(work.count_nonzero()) or int(zeros.count_nonzero()):
+    sweep = per_sm_sweep(runs_check, d_memcpy_run, max(repeat, 20))
+    if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} in the sweep")
     for key, ids, sums in (
         ("ab_transport", (src_ids, dst_ids), expected),
@@ -358,6 +362,7 @@ def launch_counts() -> dict:
             ("copy", triton_copy._COPY),
             ("check", triton_copy._CHECK),
             ("runs", triton_copy._RUNS),
+            ("compare", triton_copy._COMPARE),
         )
     }
 

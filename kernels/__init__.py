@@ -8,7 +8,7 @@ imported on first use only, so CPU hosts without Triton never touch them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,7 +54,8 @@ __all__ = [
     "copy_sum_check_blocks_between",
     "copy_sum_check_packed",
     "packed_check",
-    "runs_check",
+    "runs_copy_sum",
+    "compare_sums",
     "count_mismatches",
     "linear",
     "lora_add",
@@ -282,40 +283,55 @@ def packed_check(
     return check
 
 
-def runs_check(
-    dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor, sums: torch.Tensor,
-    fault: bool = False, offset: int = 0,
-) -> Callable[..., None]:  # fmt: skip
-    """The fused copy, sum and check for a fetch of a few contiguous runs (1 to
-    ``triton_copy.RUNS``, as ``libkv.transfer.block_runs`` finds them) with nothing uploaded:
-    the returned ``check(runs, host)`` copies the runs' blocks from ``src`` into ``dst``,
-    compares each one's ``wsum64`` with the sender's in ``host[:n]`` (int64: pinned host
-    memory on CUDA, read by the kernel where it lies) and stores how many differ in
-    ``host[n]``. ``work`` (the state word then a ticket per block) and ``sums`` (one per block,
-    int64, on the device) are zero before and after. ``fault`` (test only): one bit of the
-    first block is flipped in transit (byte ``block_bytes // 2``, bit 0: what lands and is
-    summed; ``src`` is untouched). On CUDA ``triton_copy.RunsCheck``; elsewhere the same in
-    torch."""
+def runs_copy_sum(
+    dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor, fault: bool = False,
+    offset: int = 0,
+) -> Callable[[Sequence[tuple[int, int, int]]], None]:  # fmt: skip
+    """The copy and sum of a fetch of a few contiguous runs (1 to ``triton_copy.RUNS``, as
+    ``libkv.transfer.block_runs`` finds them) with nothing uploaded: the returned
+    ``copy(runs)`` copies the runs' blocks from ``src`` into ``dst`` and adds the ``k``-th
+    block's ``wsum64`` into ``sums[k]`` (int64 on the device, zero before: `compare_sums`
+    leaves it zero again). ``fault`` (test only): one bit of the first block is flipped in
+    transit (byte ``block_bytes // 2``, bit 0: what lands and is summed; ``src`` is
+    untouched). On CUDA ``triton_copy.RunsCopySum``; elsewhere the same in torch."""
     if use_triton(dst):
         from kernels import triton_copy
 
-        return triton_copy.RunsCheck(dst, src, work, sums, fault, offset)
+        return triton_copy.RunsCopySum(dst, src, sums, fault, offset)
 
-    def check(runs: list[tuple[int, int, int]], host: torch.Tensor) -> None:
+    def copy(runs: Sequence[tuple[int, int, int]]) -> None:
         if not 0 < len(runs) <= 4:
             raise ValueError(f"{len(runs)} runs: one launch takes 1 to 4")
         si = torch.cat([torch.arange(s, s + k) for s, _, k in runs]).to(dst.device)
         di = torch.cat([torch.arange(d, d + k) for _, d, k in runs]).to(dst.device)
         n = si.numel()
-        if host.numel() < n + 1 or n > min(work.numel() - 1, sums.numel()):
-            raise ValueError(f"{n} blocks need n + 1 host words and n + 1 workspace words")
+        if n > sums.numel():
+            raise ValueError(f"{n} blocks, sums for {sums.numel()}")
         reference.copy_blocks_between(dst, src, si, di)
         if fault:
             dst[di[0], dst.shape[1] // 2] ^= 1
-        got = reference.block_wsum64(dst.view(torch.int64), di, offset)
-        host[n] = int((got != host[:n].to(got.device)).sum())
+        sums[:n] += reference.block_wsum64(dst.view(torch.int64), di, offset)
 
-    return check
+    return copy
+
+
+def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
+    """Behind the copy on the current stream: how many of ``sums[:n]`` (int64, on the device,
+    what the copy took) differ from ``host[:n]`` (the sender's, the same bits as int64; on
+    CUDA pinned host memory, read by the device where it lies), stored in ``host[n]``; and
+    ``sums[:n]`` left zero for the next copy. Not waited for. On CUDA one Triton program;
+    elsewhere torch."""
+    if sums.dtype != torch.int64 or host.dtype != torch.int64:
+        raise ValueError("the sums and the host words must be int64")
+    if n > sums.numel() or host.numel() < n + 1:
+        raise ValueError(f"{n} blocks need n sums and n + 1 host words")
+    if use_triton(sums):
+        from kernels import triton_copy
+
+        triton_copy.compare_sums(sums, host, n)
+        return
+    host[n] = int((sums[:n] != host[:n].to(sums.device)).sum())
+    sums[:n] = 0
 
 
 def count_mismatches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

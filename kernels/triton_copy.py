@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from kernels._triton import num_sms
+
 log = logging.getLogger(__name__)
 CHUNK = 2048  # int64 words (16 KiB) a step of a program
 # The fused checks give each program several chunks of its block in a loop when a fetch has
@@ -21,16 +23,12 @@ CHUNK = 2048  # int64 words (16 KiB) a step of a program
 # check's tail (its ordered atomics wait for the program's stores): about this many programs
 # per SM in all (`split`).
 PROGRAMS_PER_SM = 8
-_SMS: dict[int, int] = {}
 
 
 def split(chunks: int, n: int, device: int) -> tuple[int, int]:
     """How a fused check of ``n`` blocks of ``chunks`` chunks each is cut: chunks a program
     (``per``, looped over) and programs a block (what its ticket counts to)."""
-    sms = _SMS.get(device)
-    if sms is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
-        _SMS[device] = sms
+    sms = num_sms(device) if device >= 0 else 1  # the interpreter: one
     per = max(1, min(chunks, chunks * n // (sms * PROGRAMS_PER_SM)))
     return per, -(-chunks // per)
 
@@ -261,25 +259,21 @@ def _copy_sum_check_kernel(
 ):  # fmt: skip
     """``chunks``: programs a block (each copies ``per`` chunks of it)."""
     part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
-    _settle(part, sums, want, tickets, state, out, chunks, total, False)
+    _settle(part, sums, want, tickets, state, out, chunks, total)
 
 
 @triton.jit
-def _settle(part, sums, want, tickets, state, out, chunks, total, RESET: tl.constexpr):
+def _settle(part, sums, want, tickets, state, out, chunks, total):
     """Add this program's ``part`` to its block's sum; the block's last program (of ``chunks``,
     split-K's ticket) compares the whole sum with the sender's (``want``), and the fetch's last
-    block brings the count out (to ``out``: device or mapped host). ``RESET``: the sum is also
-    left zero (a reused buffer), not kept. The sum's add is relaxed: the ticket's release
-    (the same thread, after it) orders it before the ticket, and the last program's acquire
-    then sees every part."""
+    block brings the count out (to ``out``: device or mapped host). The sum's add is relaxed:
+    the ticket's release (the same thread, after it) orders it before the ticket, and the last
+    program's acquire then sees every part."""
     i = tl.program_id(0)
     tl.atomic_add(sums + i, part, sem="relaxed", scope="gpu")
     tl.debug_barrier()
     if tl.atomic_add(tickets + i, 1, sem="acq_rel", scope="gpu") == chunks - 1:
-        if RESET:
-            got = tl.atomic_xchg(sums + i, 0, sem="acquire", scope="gpu")
-        else:
-            got = tl.atomic_add(sums + i, 0, sem="acquire", scope="gpu")
+        got = tl.atomic_add(sums + i, 0, sem="acquire", scope="gpu")
         bad = (got != tl.load(want + i)).to(tl.int64)
         tl.atomic_xchg(tickets + i, 0, sem="relaxed", scope="gpu")  # for the next call
         # One word: blocks done (high 32 bits) and mismatches (low 32 bits).
@@ -430,40 +424,35 @@ class PackedCheck:
         _CHECK(self._keys[(chunks | total) >> 31 != 0], (n, progs), fast, slow, num_warps=8)
 
 
-RUNS = 4  # most contiguous runs one `RunsCheck` launch takes (as scalar arguments)
-_RUN_SCALARS = [
-    "chunks", "total", "per", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "e1", "e2", "e3",
-]  # fmt: skip
+RUNS = 4  # most contiguous runs one `RunsCopySum` launch takes (as scalar arguments)
+_RUN_SCALARS = ["per", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "e1", "e2", "e3"]
 
 
 # One compiled variant per pool pair for any fetch of up to ``RUNS`` runs: nothing specialised
-# on the runs, the counts or the small pointers (host memory, a reused device buffer).
-@triton.jit(
-    do_not_specialize=_RUN_SCALARS,
-    do_not_specialize_on_alignment=["want", "out", "sums", "tickets", "state"],
-)
-def _copy_sum_check_runs_kernel(
-    src, dst, want, out, sums, tickets, state, words, offset, chunks, total, per,
-    a0, a1, a2, a3, b0, b1, b2, b3, e1, e2, e3, CHUNK: tl.constexpr, FAULT: tl.constexpr,
+# on the runs or the counts, nor on the sums buffer's alignment.
+@triton.jit(do_not_specialize=_RUN_SCALARS, do_not_specialize_on_alignment=["sums"])
+def _copy_sum_runs_kernel(
+    src, dst, sums, words, offset, per, a0, a1, a2, a3, b0, b1, b2, b3, e1, e2, e3,
+    CHUNK: tl.constexpr, FAULT: tl.constexpr,
 ):  # fmt: skip
-    """The fused check for a fetch of a few contiguous runs, with nothing uploaded: program
-    ``i`` (of ``total``) moves source block ``i + a_r`` to ``i + b_r``, ``r`` the run that
-    holds it (runs end at ``e1 <= e2 <= e3``), in ``chunks`` programs of ``per`` chunks each;
-    ``want`` (the sender's sums) and ``out`` (the count) may be host memory mapped into the
-    device; ``sums`` is left zero. ``FAULT``: the
-    test-only hook (`_copy_sum_part`)."""
+    """The copy and sum of a fetch of a few contiguous runs, with nothing uploaded: program
+    ``(i, j)`` moves chunks ``j * per`` to ``j * per + per - 1`` of source block ``i + a_r`` to
+    ``i + b_r`` (``r`` the run that holds the fetch's ``i``-th block; runs end at
+    ``e1 <= e2 <= e3``) and adds their part of its ``wsum64`` into ``sums[i]``. No ordering:
+    `compare_sums`, behind it on the stream, reads the sums. ``FAULT``: the test-only hook
+    (`_copy_sum_part`)."""
     i = tl.program_id(0)
     s = (i + tl.where(i < e1, a0, tl.where(i < e2, a1, tl.where(i < e3, a2, a3)))).to(tl.int64)
     d = (i + tl.where(i < e1, b0, tl.where(i < e2, b1, tl.where(i < e3, b2, b3)))).to(tl.int64)
     part = _copy_sum_part(src, dst, s, d, words, offset, per, CHUNK, FAULT)
-    _settle(part, sums, want, tickets, state, out, chunks, total, True)
+    tl.atomic_add(sums + i, part, sem="relaxed", scope="gpu")
 
 
 def run_scalars(runs: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, ...], int]:
-    """`_copy_sum_check_runs_kernel`'s run arguments for ``runs`` (``block_runs``' (source
-    start, destination start, count), 1 to ``RUNS``): the source offsets, the destination
-    offsets, the ends of the first three runs (unused runs: past every program); and the
-    blocks in all."""
+    """`_copy_sum_runs_kernel`'s run arguments for ``runs`` (``block_runs``' (source start,
+    destination start, count), 1 to ``RUNS``): the source offsets, the destination offsets,
+    the ends of the first three runs (unused runs: past every program); and the blocks in
+    all."""
     if not 0 < len(runs) <= RUNS:
         raise ValueError(f"{len(runs)} runs: one launch takes 1 to {RUNS}")
     a, b, e = [0] * RUNS, [0] * RUNS, []
@@ -478,60 +467,84 @@ def run_scalars(runs: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, ...], 
     return (*a, *b, *e[:3]), start
 
 
-class RunsCheck:
-    """The fused copy, sum and check of a fetch of up to ``RUNS`` contiguous runs between one
-    pair of pools, with nothing uploaded and nothing allocated per fetch: the runs go as scalar
-    arguments, the sender's sums are read and the count written in host memory (pinned: mapped
-    into the device; a host pointer goes to the kernel as it is, the device sees pinned
-    memory at the same address under unified addressing, which the caller checks once),
-    ``sums`` (int64, device, zero, at least as many as the blocks) and ``work`` (the state
-    word then the tickets, zero) are reused and left zero. ``fault``: the test-only flipped
+class RunsCopySum:
+    """The copy and sum of a fetch of up to ``RUNS`` contiguous runs between one pair of
+    pools, with nothing uploaded and nothing allocated per fetch: the runs go as scalar
+    arguments, the sums add into ``sums`` (int64, device, zero before, at least as many as the
+    blocks: a reused buffer that `compare_sums` leaves zero). ``fault``: the test-only flipped
     bit in transit."""
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor,
-                 sums: torch.Tensor, fault: bool = False, offset: int = 0) -> None:  # fmt: skip
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor,
+                 fault: bool = False, offset: int = 0) -> None:  # fmt: skip
         _check_pools(dst, src)
-        for t in (work, sums):
-            if t.dtype != torch.int64 or t.dim() != 1:
-                raise ValueError("the workspace and the sums must be 1-D int64 tensors")
+        if sums.dtype != torch.int64 or sums.dim() != 1:
+            raise ValueError("the sums must be a 1-D int64 tensor")
         if max(dst.shape[0], src.shape[0]) >> 31:
             raise ValueError("pools of 2^31 blocks or more")
-        self.dst, self.src, self.work, self.sums = dst, src, work, sums
+        self.dst, self.src, self.sums = dst, src, sums
         self.words = dst.shape[1] // 8
         self.chunks = -(-self.words // CHUNK)
         self.offset, self.fault = offset, bool(fault)
-        self.blocks = min(work.numel() - 1, sums.numel())  # most blocks one launch can check
-        self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr(), work.data_ptr())
+        self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr())
         self._dev = _device(dst)
-        base = (self._dev, self.words, offset, _aligned(src), _aligned(dst), self.fault)
-        self._keys = (("runs", *base, 0), ("runs", *base, 1))
+        self._key = ("runs", self._dev, self.words, offset, _aligned(src), _aligned(dst),
+                     self.fault)  # fmt: skip
 
-    def __call__(self, runs: Sequence[tuple[int, int, int]], host: torch.Tensor) -> None:
-        """Launch on the current stream for the ``n`` blocks of ``runs``: ``host`` (int64,
-        at least ``n + 1``: the sender's sums, then where the count lands)."""
+    def __call__(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Launch on the current stream for the blocks of ``runs``."""
         scalars, n = run_scalars(runs)
-        if n > self.blocks or host.numel() < n + 1 or host.dtype != torch.int64:
-            raise ValueError(f"{n} blocks need n + 1 host words and n + 1 workspace words")
-        s, d, u, w = self._ptrs
-        h = host.data_ptr()
-        words, offset, chunks = self.words, self.offset, self.chunks
-        per, progs = split(chunks, n, self._dev)
+        if n > self.sums.numel():
+            raise ValueError(f"{n} blocks, sums for {self.sums.numel()}")
+        s, d, u = self._ptrs
+        words, offset = self.words, self.offset
+        per, progs = split(self.chunks, n, self._dev)
 
         def fast() -> tuple[Any, ...]:
-            return (s, d, h, h + 8 * n, u, w + 8, w, words, offset, progs, n, per, *scalars,
-                    CHUNK, self.fault)  # fmt: skip
+            return (s, d, u, words, offset, per, *scalars, CHUNK, self.fault)
 
         def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
             return (
-                (self.src.view(torch.int64), self.dst.view(torch.int64), host[:n], host[n],
-                 self.sums, self.work[1:], self.work[:1], words, offset, progs, n, per,
-                 *scalars),
+                (self.src.view(torch.int64), self.dst.view(torch.int64), self.sums, words,
+                 offset, per, *scalars),
                 {"CHUNK": CHUNK, "FAULT": self.fault},
             )  # fmt: skip
 
-        _RUNS(self._keys[(chunks | n) >> 31 != 0], (n, progs), fast, slow, num_warps=8)
+        _RUNS(self._key, (n, progs), fast, slow, num_warps=8)
+
+
+COMPARE_BLOCK = 1024  # sums a step of the compare's one program
+
+
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["sums", "want", "out"])
+def _compare_sums_kernel(sums, want, out, n, BLOCK: tl.constexpr):
+    """One program: how many of ``sums[:n]`` differ from ``want[:n]`` (into ``out``), and the
+    sums left zero. ``want`` and ``out`` may be host memory mapped into the device."""
+    acc = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        got = tl.load(sums + offs, mask=m, other=0)
+        acc += (got != tl.load(want + offs, mask=m, other=0)).to(tl.int32)
+        tl.store(sums + offs, tl.zeros([BLOCK], tl.int64), mask=m)
+    tl.store(out, tl.sum(acc, axis=0).to(tl.int64))
+
+
+def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
+    """`kernels.compare_sums` on CUDA: ``host`` pinned (the device reads the sender's sums and
+    writes the count by the host address: CUDA's unified addressing maps pinned memory at the
+    same address; the transport's warm-up checks that it works here)."""
+    h = host.data_ptr()
+
+    def fast() -> tuple[Any, ...]:
+        return (sums.data_ptr(), h, h + 8 * n, n, COMPARE_BLOCK)
+
+    def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (sums, host[:n], host[n], n), {"BLOCK": COMPARE_BLOCK}
+
+    _COMPARE(("compare", _device(sums)), (1, 1), fast, slow, num_warps=4)
 
 
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")
-_RUNS = FastLaunch(_copy_sum_check_runs_kernel, "the fused check of contiguous runs")
+_RUNS = FastLaunch(_copy_sum_runs_kernel, "the copy and sum of contiguous runs")
+_COMPARE = FastLaunch(_compare_sums_kernel, "the compare behind a copy")
 _CHECK = FastLaunch(_copy_sum_check_kernel, "the fused copy, sum and check")

@@ -381,17 +381,19 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
             pool.zero_()
             asyncio.run(fetch_verify(tr, h, src, dst))  # compiled, buffers grown
             pool.zero_()  # what the straight launch below writes, alone
-            fast, runs = triton_copy._RUNS.fast, tr.run_fetches
+            fast, runs, cmp = triton_copy._RUNS.fast, tr.run_fetches, triton_copy._COMPARE.fast
             allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
             got = asyncio.run(fetch_verify(tr, h, src, dst))
             assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocs
             damaged = 1 if tr.fault and sums[0] == h.block_checksums[0] else 0
             assert got == wrong + damaged, (k, tr.fault)
             assert (triton_copy._RUNS.fast, tr.run_fetches) == (fast + 1, runs + 1)
+            assert triton_copy._COMPARE.fast == cmp + 1
             differ = (pool[dst] != peer[src]).view(len(src), -1).sum(dim=1).tolist()
             assert differ == ([1] if tr.fault else [0]) + [0] * (len(src) - 1)
-            assert not tr._work.any() and not tr._run_sums.any()  # type: ignore[union-attr]
-    assert torch.equal(peer, before) and not triton_copy._RUNS.broken
+            assert not tr._run_sums.any()  # type: ignore[union-attr]
+    assert torch.equal(peer, before)
+    assert not triton_copy._RUNS.broken and not triton_copy._COMPARE.broken
     assert t.device_verifies == faulty.device_verifies == 0
     scattered = [9, 1, 7, 2, 11]
     got = asyncio.run(fetch_verify(t, handle(peer, scattered), scattered, [0, 2, 4, 6, 8]))
@@ -439,7 +441,7 @@ def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
 
     assert asyncio.run(go()) == [w for *_, w in jobs]
     assert t.run_fetches == 16 and t.device_verifies == 0
-    assert not t._work.any() and not t._run_sums.any()  # type: ignore[union-attr]
+    assert not t._run_sums.any()  # type: ignore[union-attr]
 
     async def alone(r: str, h: KVHandle, s: list[int], d: list[int]) -> int | None:
         await t.fetch(r, h, s, d, 30.0)

@@ -511,11 +511,12 @@ def test_a_cpu_fetch_goes_through_the_one_wait_path(monkeypatch, fault) -> None:
     [([2, 3, 4], [5, 6, 7]), ([0, 1, 6], [4, 5, 0]), ([5, 1, 6, 2], [0, 7, 3, 4])],
 )
 def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault) -> None:
-    """`_copy_sum` on the runs path (`kernels.runs_check`; the torch reference on CPU): the
-    sender's sums go into the pinned buffer as they are (int64 bits), the count lands right
-    behind them (the returned count is a view of it), no sums are kept, the copies are exact
-    but for the one bit the fault hook flips in transit, the count is exact, and the
-    workspace and the reused sums buffer are left zero; the same pool's check is bound once."""
+    """`_copy_sum` on the runs path (`kernels.runs_copy_sum` then `kernels.compare_sums`; the
+    torch references on CPU): the copy goes first, then the sender's sums are asked for (the
+    function given, once) and go into the pinned buffer as they are (int64 bits), the count
+    lands right behind them (the returned count is a view of it), no sums are kept, the copies
+    are exact but for the one bit the fault hook flips in transit, the count is exact, and the
+    reused sums buffer is left zero; the same pool's copy is bound once."""
     t, mine = _transport(fault)
     t.runs_path = True
     peer = torch.randint(
@@ -528,14 +529,33 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
         want = _wsum(peer, src)
         if wrong is not None:
             want[wrong] ^= 1 << 63
-        sums, count, staged = t._copy_sum(peer, src, dst, want)
-        assert sums is None and staged is not None
+        asked = []
+
+        def sender(want=want, asked=asked):
+            asked.append(bool(mine.any()))  # the copy was queued before (done, on CPU)
+            return want
+
+        sums, count, staged = t._copy_sum(peer, src, dst, sender)
+        assert asked == [True] and sums is None and staged is not None
         assert staged[:n].tolist() == signed64(want)
         assert int(count) == int(staged[n]) == (wrong is not None) + (fault == "corrupt")
         assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
         assert torch.equal(peer, before)
-        assert not t._workspace(1).any() and not t._sums_buffer(1).any()
-    assert t.run_fetches == 2 and list(t._run_checkers) == [id(peer)] and not t._checkers
+        assert not t._sums_buffer(1).any()
+    assert t.run_fetches == 2 and list(t._run_copiers) == [id(peer)] and not t._checkers
+
+
+def test_a_fetch_of_runs_without_the_senders_sums_keeps_the_copys_for_verify() -> None:
+    """The runs path when the handle carries no sums: the copy's sums are kept (a copy of
+    them; the reused buffer zeroed again) and `verify` compares them later."""
+    t, mine = _transport("")
+    t.runs_path = True
+    peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
+    src, dst = [2, 3, 4], [5, 6, 7]
+    sums, count, staged = t._copy_sum(peer, src, dst, lambda: None)
+    assert count is None and staged is None and sums is not None
+    assert sums.tolist() == signed64(_wsum(peer, src)) and not t._sums_buffer(1).any()
+    assert torch.equal(mine[dst], peer[src]) and t.run_fetches == 1
 
 
 def test_more_runs_than_one_launch_takes_go_through_the_upload() -> None:
@@ -551,20 +571,17 @@ def test_more_runs_than_one_launch_takes_go_through_the_upload() -> None:
     assert torch.equal(mine[dst], peer[src])
 
 
-def test_the_runs_check_is_rebound_when_its_buffers_grow_or_its_peer_is_unmapped() -> None:
+def test_the_runs_copy_is_rebound_when_its_sums_grow_or_its_peer_is_unmapped() -> None:
     t, mine = _transport("")
     t.runs_path = True
     peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
-    bound = t._run_checker(peer, 3)
-    assert t._run_checker(peer, 3) is bound
+    bound = t._run_copier(peer, 3)
+    assert t._run_copier(peer, 3) is bound
     t._sums_buffer(t._sums_buffer(1).numel() + 1)  # more blocks than it holds: a new buffer
-    assert not t._run_checkers and t._run_checker(peer, 3) is not bound
-    t._workspace(t._workspace(1).numel())
-    assert not t._run_checkers
-    t._run_checker(peer, 3)
+    assert not t._run_copiers and t._run_copier(peer, 3) is not bound
     t._peers["p0@i1"], t._peers["p0@i2"], t._current["p0"] = peer, mine, "p0@i1"
     t._mapped("p0@i2", None)  # type: ignore[arg-type]  # a new incarnation: the old unmapped
-    assert not t._run_checkers
+    assert not t._run_copiers
 
 
 def test_verify_of_a_fetch_checked_as_runs_answers_its_count_or_leaves_it_to_the_caller() -> None:

@@ -233,7 +233,7 @@ def test_split_gives_each_program_several_chunks_only_when_there_are_many(monkey
     than its block has), and the programs a block cover every chunk."""
     from kernels import triton_copy
 
-    monkeypatch.setattr(triton_copy, "_SMS", {0: 132})
+    monkeypatch.setattr(triton_copy, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_copy, "PROGRAMS_PER_SM", 8)
     assert triton_copy.split(23, 64, 0) == (1, 23)  # 1,472 chunks: about 1,056 programs
     assert triton_copy.split(128, 256, 0) == (31, 5)  # 32,768 chunks
@@ -254,14 +254,14 @@ def test_split_gives_each_program_several_chunks_only_when_there_are_many(monkey
 def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(
     runs, fault, per_sm, monkeypatch
 ):
-    """`triton_copy.RunsCheck` (nothing uploaded: the runs as scalars, the sender's sums read
-    and the count written in host memory) under the interpreter, against `kernels.runs_check`'s
-    torch reference: the same blocks land (with the fault hook, the same one bit flipped in
-    block 0, in transit: the sender untouched), the count is exact, and the workspace and the
-    reused sums are left zero, call after call; with one chunk a program, or several in its
-    loop (`triton_copy.split`; the interpreter counts as one SM)."""
-    from kernels import reference, triton_copy
-    from kernels import runs_check as reference_check
+    """`triton_copy.RunsCopySum` then `triton_copy.compare_sums` (nothing uploaded: the runs
+    as scalars, the sender's sums read and the count written in host memory) under the
+    interpreter, against `kernels.runs_copy_sum` and `kernels.compare_sums`'s torch
+    references: the same blocks land (with the fault hook, the same one bit flipped in block
+    0, in transit: the sender untouched), the count is exact, and the reused sums are left
+    zero, call after call; with one chunk a program, or several in its loop
+    (`triton_copy.split`; the interpreter counts as one SM)."""
+    from kernels import compare_sums, reference, runs_copy_sum, triton_copy
 
     monkeypatch.setattr(triton_copy, "PROGRAMS_PER_SM", per_sm)
 
@@ -272,16 +272,19 @@ def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(
     dst = [d + i for _, d, k in runs for i in range(k)]
     n = len(src)
     want = reference.block_wsum64(peer.view(torch.int64), torch.tensor(src)).tolist()
+    triton_sums = torch.zeros(n, dtype=torch.int64)  # reused across calls: left zero
     for wrong in range(n):
         host = torch.tensor([*want, -1], dtype=torch.int64)
         host[wrong] ^= 1 << 63
         outs = []
-        for make in (triton_copy.RunsCheck, lambda *a: reference_check(*a)):
+        for make, compare in ((triton_copy.RunsCopySum, triton_copy.compare_sums),
+                              (runs_copy_sum, compare_sums)):  # fmt: skip
             mine = torch.zeros_like(peer)
-            work, sums = torch.zeros(n + 1, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+            sums = triton_sums if make is triton_copy.RunsCopySum else torch.zeros(n).long()
             h = host.clone()
-            make(mine, peer, work, sums, fault)(runs, h)
-            assert not work.any() and not sums.any()
+            make(mine, peer, sums, fault)(runs)
+            compare(sums, h, n)
+            assert not sums.any()
             assert torch.equal(peer, before)
             outs.append((mine, int(h[n])))
         (got, count), (ref, ref_count) = outs
@@ -289,6 +292,26 @@ def test_the_runs_check_copies_counts_and_resets_interpreted_as_its_reference(
         assert (got[dst] != peer[src]).sum().item() == (1 if fault else 0)
         # the wrong sum, plus block 0 when its bit flipped (unless block 0 is the wrong one)
         assert count == ref_count == 1 + (fault and wrong != 0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1")
+@pytest.mark.parametrize("n", [0, 1, 1023, 1024, 2500])
+def test_the_compare_counts_across_its_steps_and_zeroes_the_sums_interpreted(n):
+    """`triton_copy.compare_sums` (one program, ``COMPARE_BLOCK`` sums a step): the count of
+    differing sums for any ``n`` (none, one step, several with a partial last), into
+    ``host[n]``, nothing past ``n`` read or written, the sums zeroed."""
+    from kernels import triton_copy
+
+    g = torch.Generator().manual_seed(n)
+    sums = torch.randint(-(2**62), 2**62, (n + 3,), dtype=torch.int64, generator=g)
+    tail = sums[n:].clone()
+    host = torch.cat([sums[:n].clone(), torch.tensor([-1, 7])])
+    wrong = list(range(0, n, 97))
+    for k in wrong:
+        host[k] ^= 1 << 40
+    triton_copy.compare_sums(sums, host, n)
+    assert int(host[n]) == len(wrong) and int(host[n + 1]) == 7
+    assert not sums[:n].any() and torch.equal(sums[n:], tail)
 
 
 def test_run_scalars_name_each_programs_run_and_refuse_what_does_not_fit():

@@ -33,12 +33,16 @@ on the device and `verify` compares them with what it is given (``kernels.count_
 one more wait).
 
 A fetch of a few contiguous runs (at most ``MEMCPY_RUNS``, as `block_runs` finds them: the
-common case in a fresh stack) with the sender's sums uploads nothing at all
-(``kernels.runs_check``): the runs go to the kernel as scalar arguments, the kernel reads the
-sender's sums from the reused pinned buffer in place (mapped into the device, as the count is)
-and writes the count behind them, its sums accumulate in a reused device buffer that it leaves
-zero: no upload, no device allocation, one launch. Its sums are not kept:
-a `verify` with other sums than those compared returns None (the caller checks the blocks).
+common case in a fresh stack) uploads nothing at all, and the check's host work runs while the
+copy does: the copy and sum goes first (``kernels.runs_copy_sum``: the runs as scalar
+arguments, the sums into a reused zeroed device buffer), then the host reads the sender's sums
+off the handle into a reused pinned buffer and queues the compare behind the copy
+(``kernels.compare_sums``: one program that reads them where they lie, mapped into the device,
+writes the count behind them and leaves the sums zero). Two launches, no upload, no device
+allocation; a hand-off's critical path gains only the copy kernel's launch over a
+``cudaMemcpy``'s. Its sums are not kept: a `verify` with other sums than those compared
+returns None (the caller checks the blocks). Without the sender's sums on the handle the
+copy's sums are kept for `verify`, as below.
 
 The fetch's wait polls the copy's event on the event loop for as long as the copy should take
 (its bytes at ``POLL_RATE``, plus a margin), so a normal hand-off never pays a hop to a thread;
@@ -47,7 +51,7 @@ only a copy that outlasts that is waited for in one (``thread_waits``).
 The test-only fault hook (``fault="corrupt"``, ``--kv-fault corrupt``) damages data in transit
 on this path: the first block is read not from the peer's pool but from a scratch copy of it
 with one bit flipped (a bad read or a flipped bit between the sender's memory and this copy),
-and the copy writes and sums the damaged words; on the runs path the kernel flips the same bit
+and the copy writes and sums the damaged words; on the runs path the copy flips the same bit
 of the first block in its registers, between its read and its write. The sender's pool is never
 touched, and the check sees exactly what landed in the destination block.
 """
@@ -56,10 +60,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,6 +87,9 @@ from libkv.transfer import (
 from libkv.transfer.fetch_checks import FetchChecks, Kept, sender_sums, signed64
 
 log = logging.getLogger(__name__)
+# The sender's sums of a fetch's blocks (unsigned, in its order), or a function that gives them
+# when the check needs them (None: the handle carries none).
+Want = Sequence[int] | Callable[[], Sequence[int] | None] | None
 MEMCPY_RUNS = 4  # up to this many contiguous runs: cudaMemcpy each; more: one copy kernel
 # How long a fetch's wait polls on the event loop before it waits in a thread: the copy's
 # bytes at a rate every device copy beats (H100: ~1 TB/s within the GPU, hundreds of GB/s
@@ -255,9 +263,10 @@ class CudaIpcTransport:
         # Per source pool (by identity, the tensor kept with it): the fused check bound to
         # it, this pool and the workspace (`kernels.packed_check`: checked once, not per fetch).
         self._checkers: dict[int, tuple[torch.Tensor, Any]] = {}
-        # The same for a fetch of a few contiguous runs (`kernels.runs_check`: nothing
-        # uploaded, its sums in a reused device buffer), where the warm-up found it works.
-        self._run_checkers: dict[int, tuple[torch.Tensor, Any]] = {}
+        # The copy and sum of a fetch of a few contiguous runs (`kernels.runs_copy_sum`:
+        # nothing uploaded, its sums in a reused device buffer, compared behind it), bound to
+        # its source pool and that buffer, where the warm-up found it works.
+        self._run_copiers: dict[int, tuple[torch.Tensor, Any]] = {}
         self._run_sums: torch.Tensor | None = None
         self.runs_path = False  # the check of runs with nothing uploaded (the warm-up: on)
         self.run_fetches = 0  # fetches checked that way (tests, bench)
@@ -328,24 +337,25 @@ class CudaIpcTransport:
             self._try_runs(scratch)
 
     def _try_runs(self, scratch: torch.Tensor) -> None:
-        """Whether the check of contiguous runs works here: it reads the sender's sums from
-        pinned memory and writes its count there, both by the host address (the device's under
-        unified addressing). A zero block whose expected sum is 1, twice (compiled, then
-        launched straight), must count 1 each time and leave its buffers zero; then once with
-        the fault hook if it is on (compiled now, not in a fetch)."""
+        """Whether the check of contiguous runs works here: its compare reads the sender's
+        sums from pinned memory and writes its count there, both by the host address (the
+        device's under unified addressing). A zero block whose expected sum is 1, twice
+        (compiled, then launched straight), must count 1 each time and leave the sums zero;
+        then once with the fault hook if it is on (compiled now, not in a fetch)."""
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         try:
             for fault in (False, True) if self.fault else (False,):
-                work, sums = self._workspace(1), self._sums_buffer(1)
-                check = kernels.runs_check(scratch, scratch, work, sums, fault)
+                sums = self._sums_buffer(1)
+                copy = kernels.runs_copy_sum(scratch, scratch, sums, fault)
                 for _ in range(2):  # (a flipped bit: a zero block never sums to 1 either)
                     host[0], host[1] = 1, -1
-                    check([(0, 0, 1)], host)
+                    copy([(0, 0, 1)])
+                    kernels.compare_sums(sums, host, 1)
                     torch.cuda.synchronize(self.device)
                     if int(host[1]) != 1:
                         raise RuntimeError(f"counted {int(host[1])} of 1")
-                    if int(work.count_nonzero()) or int(sums.count_nonzero()):
-                        raise RuntimeError("left its workspace or its sums dirty")
+                    if int(sums.count_nonzero()):
+                        raise RuntimeError("left its sums dirty")
         except (RuntimeError, ValueError) as e:  # any way it fails here: the upload path
             log.warning("the check of contiguous runs cannot read pinned memory (%s)", e)
             return
@@ -382,7 +392,9 @@ class CudaIpcTransport:
             )
         name = agent_name(source.worker_id, source.incarnation)
         self._checks.drop(request_id)
-        want = sender_sums(source, src_blocks) if self.sums else None
+        # The sender's sums, read off the handle when the check needs them (on the runs path
+        # while the copy runs), once.
+        want = functools.cache(lambda: sender_sums(source, src_blocks)) if self.sums else None
         n = len(src_blocks)
         try:
             t1 = time.perf_counter_ns()
@@ -400,7 +412,7 @@ class CudaIpcTransport:
             self.fused_fetches += 1
             if bad is not None:
                 self.compared_fetches += 1
-            self._checks.keep(request_id, Kept(launched.sums, n, want, bad))
+            self._checks.keep(request_id, Kept(launched.sums, n, want() if want else None, bad))
         self.stats.add(n, n * self.block_bytes, time.monotonic() - t0)
         return self.name
 
@@ -410,7 +422,7 @@ class CudaIpcTransport:
         info: IpcPool,
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
-        want: Sequence[int] | None = None,
+        want: Want = None,
     ) -> Launched:
         """Map the peer's pool if new, queue the copy on this transport's stream (it overlaps
         the engine's steps: the destination blocks are reserved, no step touches them), and
@@ -471,25 +483,25 @@ class CudaIpcTransport:
         if self._work is None or self._work.numel() < n + 1:
             self._work = torch.zeros(max(n + 1, STAGING_MIN), dtype=torch.int64, device=self.device)
             self._checkers.clear()  # bound to the old workspace
-            self._run_checkers.clear()
         return self._work
 
     def _sums_buffer(self, n: int) -> torch.Tensor:
-        """The check of runs' sums (device int64, zero, one per block; left zero by it)."""
+        """The check of runs' sums (device int64, zero, one per block; the compare leaves it
+        zero)."""
         if self._run_sums is None or self._run_sums.numel() < n:
             self._run_sums = torch.zeros(max(n, STAGING_MIN), dtype=torch.int64, device=self.device)
-            self._run_checkers.clear()  # bound to the old buffer
+            self._run_copiers.clear()  # bound to the old buffer
         return self._run_sums
 
-    def _run_checker(self, src: torch.Tensor, n: int) -> Any:
-        """The check of up to ``n`` blocks in a few runs from ``src`` into this pool (one per
-        source pool, workspace and sums buffer, made on its first fetch)."""
-        work, sums = self._workspace(n), self._sums_buffer(n)
-        kept = self._run_checkers.get(id(src))
+    def _run_copier(self, src: torch.Tensor, n: int) -> Any:
+        """The copy and sum of up to ``n`` blocks in a few runs from ``src`` into this pool
+        (one per source pool and sums buffer, made on its first fetch)."""
+        sums = self._sums_buffer(n)
+        kept = self._run_copiers.get(id(src))
         if kept is None or kept[0] is not src:
             fault = self.fault == "corrupt"
-            kept = (src, kernels.runs_check(self.pool, src, work, sums, fault))
-            self._run_checkers[id(src)] = kept
+            kept = (src, kernels.runs_copy_sum(self.pool, src, sums, fault))
+            self._run_copiers[id(src)] = kept
         return kept[1]
 
     def _checker(self, src: torch.Tensor, n: int) -> Any:
@@ -507,7 +519,7 @@ class CudaIpcTransport:
         src: torch.Tensor,
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
-        want: Sequence[int] | None = None,
+        want: Want = None,
     ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
         """The fused copy-and-sum of every block (on the current stream), and with ``want``
         (the sender's sums, unsigned, one per block) the compare in the same kernel: returns
@@ -517,10 +529,17 @@ class CudaIpcTransport:
         sums, from pinned memory. The kernel writes the count straight into the pinned buffer
         where the warm-up found the device can (``mapped_count``), else into the device and
         8 bytes come back behind it. With the fault hook the first block is read from a
-        scratch copy with one bit flipped (see the module). A fetch of at most
-        ``MEMCPY_RUNS`` contiguous runs with ``want`` uploads nothing (`_check_runs`, where the
-        warm-up found it works: ``runs_path``); its sums are not returned (None)."""
+        scratch copy with one bit flipped (see the module). ``want`` may also be a function
+        that gives them (or None), called once. A fetch of at most ``MEMCPY_RUNS`` contiguous
+        runs uploads nothing (`_check_runs`, where the warm-up found it works: ``runs_path``);
+        with the sender's sums its sums are not returned (None)."""
         n = len(src_blocks)
+        if self.runs_path:
+            runs = block_runs(src_blocks, dst_blocks)
+            if len(runs) <= MEMCPY_RUNS:
+                return self._check_runs(src, runs, n, want)
+        if callable(want):
+            want = want()
         if want is None:
             staged = self._staging(2 * n)
             rows = staged.numpy()
@@ -533,10 +552,6 @@ class CudaIpcTransport:
             head = kernels.copy_sum_blocks_between(self.pool, flipped, si[:1] * 0, di[:1])
             rest = kernels.copy_sum_blocks_between(self.pool, src, si[1:], di[1:])
             return torch.cat([head, rest]), None, staged
-        if self.runs_path:
-            runs = block_runs(src_blocks, dst_blocks)
-            if len(runs) <= MEMCPY_RUNS:
-                return self._check_runs(src, runs, n, want)
         staged = self._staging(4 * n + 1)
         rows = staged.numpy()
         rows[:n], rows[n : 2 * n] = src_blocks, dst_blocks
@@ -562,19 +577,28 @@ class CudaIpcTransport:
         return up[3 * n : 4 * n], host, staged
 
     def _check_runs(
-        self, src: torch.Tensor, runs: list[tuple[int, int, int]], n: int, want: Sequence[int]
-    ) -> tuple[None, Any, torch.Tensor]:
+        self, src: torch.Tensor, runs: list[tuple[int, int, int]], n: int, want: Want
+    ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
         """`_copy_sum` for a few contiguous runs, with nothing uploaded and nothing allocated
-        on the device: the runs go to the kernel as scalars, the sender's sums are written
-        into a reused pinned buffer that the kernel reads in place, and the count lands behind
-        them (returned as a 0-dim view of it). The sums stay on the device in a reused buffer
-        and are not kept (`verify` compares nothing later: the count answers). With the fault
-        hook the kernel flips one bit of the first block on its way (see the module)."""
+        on the device: the copy and sum is queued first (the runs as scalars, the sums into a
+        reused zeroed buffer); then, while it runs, the sender's sums are written into a
+        reused pinned buffer and the compare queued behind it, which reads them in place,
+        writes the count behind them (returned as a 0-dim view of it) and zeroes the sums: not
+        kept (`verify` compares nothing later: the count answers). Without the sender's sums
+        the copy's are kept (a device copy of them; the buffer zeroed) for `verify`. With the
+        fault hook the copy flips one bit of the first block on its way (see the module)."""
+        sums = self._sums_buffer(n)
+        self._run_copier(src, n)(runs)
+        self.run_fetches += 1
+        got = want() if callable(want) else want  # host work while the copy runs
+        if got is None:
+            kept = sums[:n].clone()
+            sums[:n].zero_()
+            return kept, None, None
         staged = self._staging(n + 1)
         rows = staged.numpy()
-        rows.view(np.uint64)[:n] = want  # as int64: the same bits
-        self._run_checker(src, n)(runs, staged)
-        self.run_fetches += 1
+        rows.view(np.uint64)[:n] = got  # as int64: the same bits
+        kernels.compare_sums(sums, staged, n)
         return None, rows[n, ...], staged
 
     @staticmethod
@@ -649,7 +673,7 @@ class CudaIpcTransport:
             gone = self._peers.pop(old, None)
             if gone is not None:
                 self._checkers.pop(id(gone), None)
-                self._run_checkers.pop(id(gone), None)
+                self._run_copiers.pop(id(gone), None)
         if name not in self._peers:
             self._peers[name] = open_pool(info, self.device)
             log.info("mapped the KV pool of %s over CUDA IPC (%d blocks)", name, info.num_blocks)
@@ -665,4 +689,4 @@ class CudaIpcTransport:
         self._peers.clear()
         self._current.clear()
         self._checkers.clear()
-        self._run_checkers.clear()
+        self._run_copiers.clear()
