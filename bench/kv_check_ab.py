@@ -75,7 +75,11 @@ def kernel_arms(
     expected: Sequence[int],
 ) -> tuple[Callable[[], float], Callable[[], float]]:  # fmt: skip
     """(bare, checked) for two ``[N, block_bytes]`` uint8 pools of one device; ``expected``:
-    the sender's unsigned ``wsum64`` of ``src_ids``. The checked arm fails on a mismatch."""
+    the sender's unsigned ``wsum64`` of ``src_ids``. The checked arm fails on a mismatch. It
+    runs as the transport does: where the device reads pinned memory (and off CUDA), the ids
+    go up, the copy and sum is queued, then the sender's sums are written behind the ids and
+    the compare is queued behind the copy (`kernels.compare_sums`); elsewhere the fused check
+    with everything uploaded before it."""
     dev = dst.device
     cuda = dev.type == "cuda"
     stream = torch.cuda.Stream(dev) if cuda else None
@@ -85,6 +89,8 @@ def kernel_arms(
     rows = staged.numpy()
     work = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     mapped = cuda and _maps_pinned(dst)
+    sums = torch.zeros(n, dtype=torch.int64, device=dev)
+    copy_sum = kernels.packed_copy_sum(dst, src, sums)
     if cuda:  # the zeroed workspace before the arms' stream uses it
         torch.cuda.synchronize(dev)
 
@@ -111,17 +117,23 @@ def kernel_arms(
         t0 = time.perf_counter()
         with on_stream():
             rows[:n], rows[n : 2 * n] = src_ids, dst_ids
-            rows.view("uint64")[2 * n : 3 * n] = expected
-            rows[3 * n : 4 * n] = 0
-            up = staged.to(dev, non_blocking=cuda) if cuda else staged.clone()
-            host = staged[4 * n]
-            out = host if mapped or not cuda else up[4 * n]
-            kernels.copy_sum_check_packed(dst, src, up, n, work, out)
-            host_b.append(time.perf_counter() - t0)
-            if out is not host:
-                host.copy_(out, non_blocking=True)
-            wait()
-        bad = int(staged[4 * n])
+            if mapped or not cuda:  # the compare behind the copy
+                idx = staged[: 2 * n].to(dev, non_blocking=cuda)
+                copy_sum(idx, n)
+                rows.view("uint64")[2 * n : 3 * n] = expected
+                kernels.compare_sums(sums, staged[2 * n :], n)
+                host_b.append(time.perf_counter() - t0)
+                wait()
+                bad = int(staged[3 * n])
+            else:
+                rows.view("uint64")[2 * n : 3 * n] = expected
+                rows[3 * n : 4 * n] = 0
+                up = staged.to(dev, non_blocking=cuda)
+                kernels.copy_sum_check_packed(dst, src, up, n, work, up[4 * n])
+                staged[4 * n].copy_(up[4 * n], non_blocking=True)
+                host_b.append(time.perf_counter() - t0)
+                wait()
+                bad = int(staged[4 * n])
         elapsed = time.perf_counter() - t0
         if bad:
             raise AssertionError(f"{bad} blocks mismatched in an exact copy")
@@ -143,20 +155,18 @@ def _maps_pinned(dst: torch.Tensor) -> bool:
 
 
 def device_checked_copy(dst, src, si, di, want) -> Callable[[], None]:
-    """The checked arm's device work alone (for CUDA-event timing): the one fused kernel that
-    copies, sums, compares and counts (its count into pinned memory where the device maps
-    it, else with the 8-byte copy back)."""
+    """The checked arm's device work alone (for CUDA-event timing), as the transport queues it
+    where the device reads pinned memory: the copy and sum, then the compare behind it (the
+    sender's sums read and the count written in pinned memory; the sums left zero)."""
     n = si.numel()
     sums = torch.zeros(n, dtype=torch.int64, device=si.device)
-    work = torch.zeros(n + 1, dtype=torch.int64, device=si.device)
-    host = torch.empty((), dtype=torch.int64).pin_memory()
-    out = host if _maps_pinned(dst) else torch.empty((), dtype=torch.int64, device=si.device)
+    host = torch.zeros(n + 1, dtype=torch.int64).pin_memory()
+    host[:n] = want.cpu()
     torch.cuda.synchronize(si.device)
 
-    def run() -> None:  # sums keep adding up across repeats: the same work, unchecked
-        kernels.copy_sum_check_blocks_between(dst, src, si, di, sums, want, work[1:], work[:1], out)
-        if out is not host:
-            host.copy_(out, non_blocking=True)
+    def run() -> None:
+        kernels.copy_sum_blocks_between(dst, src, si, di, out=sums)
+        kernels.compare_sums(sums, host, n)
 
     return run
 
@@ -226,7 +236,8 @@ def transport_arms(
             "compared_fetches": checked.compared_fetches,
             "device_verifies": checked.device_verifies,
             "mapped_count": checked.mapped_count,
-            "runs_path": checked.runs_path,
+            "behind": checked.behind,
+            "behind_fetches": checked.behind_fetches,
             "run_fetches": checked.run_fetches,
             "thread_waits_off": plain.thread_waits,
             "thread_waits_on": checked.thread_waits,
@@ -360,6 +371,7 @@ def launch_counts() -> dict:
         name: {"fast": lf.fast, "slow": lf.slow, "broken": lf.broken}
         for name, lf in (
             ("copy", triton_copy._COPY),
+            ("sum", triton_copy._SUM),
             ("check", triton_copy._CHECK),
             ("runs", triton_copy._RUNS),
             ("compare", triton_copy._COMPARE),
@@ -379,7 +391,7 @@ def print_check(rows: list[dict]) -> None:
                                   for k, v in counts.items()))  # fmt: skip
     if "fused_device_overhead" in rows[0]:
         print("CUDA IPC check, device time over the plain copy kernel (CUDA events), fused "
-              "copy+sum / with compare and count: " + "; ".join(
+              "copy+sum / with the compare behind it: " + "; ".join(
             f"{r['tokens']}: {r['fused_device_overhead']:+.1%} / "
             f"{r['checked_device_overhead']:+.1%}" for r in rows))  # fmt: skip
     for key, a, b in (
@@ -414,8 +426,8 @@ def print_check(rows: list[dict]) -> None:
                 f"{row['tokens']}: {row[key]['launch_a_med_us']} / {row[key]['launch_b_med_us']}"
                 for row in rows))  # fmt: skip
         if key == "ab_transport_runs" and "device_memcpy_run_ms" in rows[0]:
-            print("  device ms (CUDA events) on that run, one copy_ (A) / the fused check with "
-                  "its upload / the check of runs (B: nothing uploaded): "
+            print("  device ms (CUDA events) on that run, one copy_ (A) / the copy+sum by ids "
+                  "and the compare / the check of runs (B: nothing uploaded): "
                   + "; ".join(f"{row['tokens']}: {row['device_memcpy_run_ms']:.4f} / "
                               f"{row['device_checked_run_ms']:.4f} / "
                               f"{row.get('device_runs_check_ms', float('nan')):.4f}"
@@ -430,4 +442,5 @@ def print_check(rows: list[dict]) -> None:
             print("  transport counters (sums on, last size): " + ", ".join(
                 f"{k} {rows[-1][key][k]}" for k in
                 ("fused_fetches", "compared_fetches", "device_verifies", "mapped_count",
-                 "runs_path", "run_fetches", "thread_waits_off", "thread_waits_on")))  # fmt: skip
+                 "behind", "behind_fetches", "run_fetches", "thread_waits_off",
+                 "thread_waits_on")))  # fmt: skip

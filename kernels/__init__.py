@@ -55,6 +55,7 @@ __all__ = [
     "copy_sum_check_packed",
     "packed_check",
     "runs_copy_sum",
+    "packed_copy_sum",
     "compare_sums",
     "count_mismatches",
     "linear",
@@ -201,16 +202,44 @@ def copy_sum_blocks_between(
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     offset: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``copy_blocks_between``, returning each moved block's ``wsum64`` (``block_wsum64`` of
     what was written) as int64 on ``dst``'s device: on CUDA one launch, the checksum taken
-    from the words the copy reads (no second read of the blocks)."""
+    from the words the copy reads (no second read of the blocks). ``out`` (int64, one per
+    block, zero): the sums are added into it and it is returned."""
     if use_triton(dst):
         from kernels import triton_copy
 
-        return triton_copy.copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset)
+        return triton_copy.copy_sum_blocks_between(dst, src, src_idx, dst_idx, offset, out)
     reference.copy_blocks_between(dst, src, src_idx, dst_idx)
-    return reference.block_wsum64(dst.view(torch.int64), dst_idx, offset)
+    sums = reference.block_wsum64(dst.view(torch.int64), dst_idx, offset)
+    if out is None:
+        return sums
+    if out.shape != sums.shape or out.dtype != torch.int64:
+        raise ValueError(f"{sums.numel()} blocks need {sums.numel()} int64 sums")
+    return out.add_(sums)
+
+
+def packed_copy_sum(
+    dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor, offset: int = 0
+) -> Callable[[torch.Tensor, int], None]:
+    """`copy_sum_blocks_between` bound to two pools and a reused sums buffer (int64, zero,
+    left zero by `compare_sums`): the returned ``copy(up, n)`` copies the ``n`` blocks whose
+    source then destination ids ``up`` holds (int64, on the device) and adds the ``k``-th
+    block's ``wsum64`` into ``sums[k]``. On CUDA ``triton_copy.PackedCopySum`` (launched
+    straight once compiled); elsewhere the same in torch."""
+    if use_triton(dst):
+        from kernels import triton_copy
+
+        return triton_copy.PackedCopySum(dst, src, sums, offset)
+
+    def copy(up: torch.Tensor, n: int) -> None:
+        if n > sums.numel() or up.numel() < 2 * n:
+            raise ValueError(f"{n} blocks need 2n uploaded ids and n sums")
+        copy_sum_blocks_between(dst, src, up[:n], up[n : 2 * n], offset, sums[:n])
+
+    return copy
 
 
 def copy_sum_check_blocks_between(

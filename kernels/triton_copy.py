@@ -213,10 +213,18 @@ def _copy_sum_part(src, dst, s, d, words, offset, per, CHUNK: tl.constexpr, FAUL
     return tl.sum(acc, axis=0)
 
 
-@triton.jit
-def _copy_sum_blocks_kernel(src, dst, src_idx, dst_idx, sums, words, offset, CHUNK: tl.constexpr):
-    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, 1, CHUNK)
-    tl.atomic_add(sums + tl.program_id(0), part)
+# One compiled variant per pool pair: nothing specialised on the chunks a program, nor on where
+# the ids and the sums start (slices of one upload, a reused buffer).
+@triton.jit(
+    do_not_specialize=["per"], do_not_specialize_on_alignment=["src_idx", "dst_idx", "sums"]
+)
+def _copy_sum_blocks_kernel(
+    src, dst, src_idx, dst_idx, sums, words, offset, per, CHUNK: tl.constexpr
+):  # fmt: skip
+    """Copy blocks ``src_idx[i]`` to ``dst_idx[i]`` and add their ``wsum64`` into ``sums[i]``
+    (relaxed: what reads them runs behind this kernel on the stream)."""
+    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
+    tl.atomic_add(sums + tl.program_id(0), part, sem="relaxed", scope="gpu")
 
 
 def copy_sum_blocks_between(
@@ -225,23 +233,72 @@ def copy_sum_blocks_between(
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     offset: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``copy_blocks_between`` that also returns each moved block's ``wsum64``
     (``engine.kv_checksum``, weights from ``2 * offset + 1`` on), taken over the words as they
     pass through registers: the copy's one read serves the checksum too (int64, on the
-    device, not waited for)."""
+    device, not waited for). ``out``: added into (zero before) and returned, instead of a
+    new tensor."""
     _check_pools(dst, src, src_idx, dst_idx)
     n = src_idx.numel()
-    sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
+    sums = torch.zeros(n, dtype=torch.int64, device=dst.device) if out is None else out
+    if sums.dtype != torch.int64 or sums.shape != (n,):
+        raise ValueError(f"{n} blocks need {n} int64 sums, got {tuple(sums.shape)}")
     if n == 0:
         return sums
     words = dst.shape[1] // 8
-    grid = (n, triton.cdiv(words, CHUNK))
-    _copy_sum_blocks_kernel[grid](
+    chunks = -(-words // CHUNK)
+    per, progs = split(chunks, n, _device(dst))
+    _copy_sum_blocks_kernel[(n, progs)](
         src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, sums, words, offset,
-        CHUNK=CHUNK, num_warps=8,
+        per, CHUNK=CHUNK, num_warps=8,
     )  # fmt: skip
     return sums
+
+
+class PackedCopySum:
+    """The copy and sum of a fetch of scattered blocks between one pair of pools, its ids in
+    one upload (``up``: the ``n`` source ids then the ``n`` destination ids, int64 on the
+    device), its sums added into ``sums`` (int64, device, zero before: a reused buffer that
+    `compare_sums` leaves zero); once compiled, launched straight with addresses by
+    arithmetic (no tensor views made on the host)."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor,
+                 offset: int = 0) -> None:  # fmt: skip
+        _check_pools(dst, src)
+        if sums.dtype != torch.int64 or sums.dim() != 1:
+            raise ValueError("the sums must be a 1-D int64 tensor")
+        self.dst, self.src, self.sums = dst, src, sums
+        self.words = dst.shape[1] // 8
+        self.chunks = -(-self.words // CHUNK)
+        self.offset = offset
+        self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr())
+        self._dev = _device(dst)
+        self._key = ("packed", self._dev, self.words, offset, _aligned(src), _aligned(dst))
+
+    def __call__(self, up: torch.Tensor, n: int) -> None:
+        """Launch on the current stream for the ``n`` blocks whose ids ``up`` holds."""
+        if n <= 0:
+            return
+        if n > self.sums.numel() or up.numel() < 2 * n or up.dtype != torch.int64:
+            raise ValueError(f"{n} blocks need 2n uploaded int64 ids and n sums")
+        s, d, u = self._ptrs
+        p = up.data_ptr()
+        words, offset = self.words, self.offset
+        per, progs = split(self.chunks, n, self._dev)
+
+        def fast() -> tuple[Any, ...]:
+            return (s, d, p, p + 8 * n, u, words, offset, per, CHUNK)
+
+        def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return (
+                (self.src.view(torch.int64), self.dst.view(torch.int64), up[:n],
+                 up[n : 2 * n], self.sums, words, offset, per),
+                {"CHUNK": CHUNK},
+            )  # fmt: skip
+
+        _SUM(self._key, (n, progs), fast, slow, num_warps=8)
 
 
 # One compiled variant for every hand-off of a pool (compiled at the transport's warm-up): no
@@ -545,6 +602,7 @@ def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
 
 
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")
+_SUM = FastLaunch(_copy_sum_blocks_kernel, "the copy and sum of scattered blocks")
 _RUNS = FastLaunch(_copy_sum_runs_kernel, "the copy and sum of contiguous runs")
 _COMPARE = FastLaunch(_compare_sums_kernel, "the compare behind a copy")
 _CHECK = FastLaunch(_copy_sum_check_kernel, "the fused copy, sum and check")

@@ -167,7 +167,7 @@ def test_concurrent_fetches_each_get_their_own_count(peer, runs) -> None:
     upload path, which keeps the copy's sums), or leaves it to the caller (None: the check of
     runs keeps none)."""
     t, _ = transport(peer)
-    t.runs_path = runs
+    t.behind = runs
     good = handle(peer, [1, 2, 3])
     sums = list(good.block_checksums)
     sums[1] ^= 1
@@ -224,16 +224,17 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
     rows = json.loads((tmp_path / "kv_checksum_cuda_wsum64.json").read_text())
     ab = rows[-1]["ab_transport"]
     assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
+    assert ab["behind_fetches"] == ab["compared_fetches"]  # the compare behind the copy
     assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
     assert ab["launch_b_us"] > 0 and rows[0]["ab_kernels"]["host_b_us"] > 0
     assert ab["launch_b_med_us"] > 0 and rows[-1]["ab_transport_runs"]["launch_a_med_us"] > 0
     runs = rows[-1]["ab_transport_runs"]  # the check of runs, nothing uploaded
-    assert runs["runs_path"] and runs["run_fetches"] == runs["compared_fetches"] > 0
+    assert runs["behind"] and runs["run_fetches"] == runs["compared_fetches"] > 0
     assert ab["run_fetches"] == 0 and rows[0]["device_runs_check_ms"] > 0
     assert rows[0]["device_memcpy_run_ms"] > 0 and rows[0]["device_checked_run_ms"] > 0
     launches = rows[-1]["triton_launches"]  # both arms' copies straight through, once compiled
-    assert launches["check"]["fast"] > 0 and launches["copy"]["fast"] > 0
-    assert launches["runs"]["fast"] > 0
+    assert launches["sum"]["fast"] > 0 and launches["copy"]["fast"] > 0
+    assert launches["runs"]["fast"] > 0 and launches["compare"]["fast"] > 0
     assert not any(v["broken"] for v in launches.values())
     out = capsys.readouterr().out
     assert "ab_transport: A = fetch+verify, sums off" in out and "Triton launches" in out
@@ -244,7 +245,7 @@ def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(pee
     memory (CUDA's unified addressing maps it: no copy back); both ways count alike: a wrong
     sum counted, a clean fetch 0, blocks bit for bit, no hop to a thread."""
     t, mine = transport(peer)
-    t.runs_path = False  # the upload path's count (4 runs would take the check of runs)
+    t.behind = False  # the upload path's count (4 runs would take the check of runs)
     found = t.mapped_count
     good = handle(peer, [3, 8, 1, 10])
     sums = list(good.block_checksums)
@@ -260,18 +261,22 @@ def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(pee
     assert found  # a 64-bit host with unified addressing: the kernel writes the pinned scalar
 
 
-def test_repeated_fetches_of_any_size_reset_the_tickets_and_count_exactly() -> None:
-    """Many fetches in a row on one transport (one workspace, one stream; no CUDA graph):
-    sizes from one block to more than the first workspace holds (it grows), blocks of
-    several programs each (tickets), a different number of wrong sums each time, the fault
-    hook's split launch in between: every count exact, every block bit for bit, the
-    workspace zero after each."""
+@pytest.mark.parametrize("behind", [True, False])
+def test_repeated_fetches_of_any_size_leave_the_buffers_zero_and_count_exactly(behind) -> None:
+    """Many fetches in a row on one transport (one sums buffer or workspace, one stream; no
+    CUDA graph): sizes from one block to more than the first buffer holds (it grows), blocks
+    of several programs each, a different number of wrong sums each time, the fault hook's
+    split launch in between: every count exact, every block bit for bit, the reused buffers
+    zero after each; with the compare behind the copy (the default here), and with the fused
+    check (tickets) that a device without mapped pinned memory takes."""
     blocks, bb = 1536, 48 * 1024  # 6144 words: 3 programs per block
     g = torch.Generator(device="cuda").manual_seed(7)
     peer = torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device="cuda", generator=g)
     mine = torch.zeros(blocks, bb, dtype=torch.uint8, device="cuda")
     clean = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True)
     faulty = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True, fault="corrupt")
+    assert clean.behind and faulty.behind
+    clean.behind = faulty.behind = behind
     perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).tolist()
     for i, n in enumerate([1, 2, 7, 1023, 1024, 1200, 3, 1536, 64, 5]):
         t = faulty if i % 3 == 2 else clean
@@ -286,9 +291,11 @@ def test_repeated_fetches_of_any_size_reset_the_tickets_and_count_exactly() -> N
         damaged = 1 if t.fault and 0 not in wrong else 0
         assert asyncio.run(fetch_verify(t, h, src, dst)) == len(wrong) + damaged, (i, n)
         assert t._work is not None and not t._work.any()
+        assert t._run_sums is None or not t._run_sums.any()
         same = (mine[dst] == peer[src]).view(n, -1).all(dim=1)
         assert same[1:].all() and bool(same[0]) == (not t.fault)
     assert clean.device_verifies == faulty.device_verifies == 0
+    assert (clean.behind_fetches > 0) == behind
 
 
 def test_many_concurrent_fetches_keep_their_own_counts(peer) -> None:
@@ -321,24 +328,30 @@ def test_many_concurrent_fetches_keep_their_own_counts(peer) -> None:
     assert {b.data_ptr() for b in t._staged} == kept
 
 
-def test_fetches_launch_straight_through_the_compiled_kernels(peer) -> None:
-    """After the warm-up every checked fetch launches the fused check through its compiled
-    kernel (`kernels.triton_copy.FastLaunch`, no ``kernel[grid]`` on the way), and so does the
-    plain copy of scattered blocks once compiled; counts and blocks are exact either way."""
+@pytest.mark.parametrize("behind", [True, False])
+def test_fetches_launch_straight_through_the_compiled_kernels(peer, behind) -> None:
+    """After the warm-up every checked fetch of scattered blocks launches its kernels through
+    their compiled kernels (`kernels.triton_copy.FastLaunch`, no ``kernel[grid]`` on the
+    way): the copy and sum then the compare behind it (once the first fetch compiled them), or
+    the fused check; and so does the plain copy of scattered blocks once compiled; counts and
+    blocks are exact either way."""
     from kernels import triton_copy
 
     t, mine = transport(peer)
+    t.behind = behind
     assert t.sums and not triton_copy._CHECK.broken
     src, dst = [9, 1, 7, 2, 11, 0], [0, 2, 4, 6, 8, 10]
     h = handle(peer, src)
-    for wrong in ([], [2], [0, 5], [1, 3, 4]):
+    launches = (triton_copy._SUM, triton_copy._COMPARE) if behind else (triton_copy._CHECK,)
+    for i, wrong in enumerate(([], [2], [0, 5], [1, 3, 4])):
         sums = list(h.block_checksums)
         for k in wrong:
             sums[k] ^= 1 << 40
-        fast, slow = triton_copy._CHECK.fast, triton_copy._CHECK.slow
+        before = [(f.fast, f.slow) for f in launches]
         got = asyncio.run(fetch_verify(t, replace(h, block_checksums=tuple(sums)), src, dst))
         assert got == len(wrong)
-        assert (triton_copy._CHECK.fast, triton_copy._CHECK.slow) == (fast + 1, slow)
+        if i:
+            assert [(f.fast, f.slow) for f in launches] == [(a + 1, b) for a, b in before]
         assert torch.equal(mine[dst], peer[src])
     plain = CudaIpcTransport(torch.zeros_like(mine), BLOCK_BYTES, Records(peer), sums=False)
     plain._mapped = lambda name, info: peer  # type: ignore[method-assign]
@@ -347,7 +360,7 @@ def test_fetches_launch_straight_through_the_compiled_kernels(peer) -> None:
         asyncio.run(plain.fetch("r", h, src[::-1], dst, 30.0))
         assert torch.equal(plain.pool[dst], peer[src[::-1]])
         assert i == 0 or triton_copy._COPY.fast == fast + 1
-    assert not triton_copy._COPY.broken and not triton_copy._CHECK.broken
+    assert not any(f.broken for f in (triton_copy._COPY, *launches))
 
 
 def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer) -> None:
@@ -362,7 +375,7 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
     faulty, theirs = transport(peer, fault="corrupt")  # each transport lands in its own pool
     pools = {id(t): mine, id(faulty): theirs}
     before = peer.clone()
-    assert t.runs_path and faulty.runs_path and t.mapped_count
+    assert t.behind and faulty.behind and t.mapped_count
     cases = [
         ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(12))),  # the whole pool, one run
         ([3, 4, 5], [7, 8, 9]),
@@ -411,7 +424,7 @@ def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
     mine = torch.zeros(blocks, bb, dtype=torch.uint8, device="cuda")
     t = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True)
     t._mapped = lambda name, info: peer  # type: ignore[method-assign]
-    assert t.runs_path
+    assert t.behind
     shapes = [(0, 1), (0, 1536), (100, 1100), (5, 7), (1400, 136), (0, 64)]
     jobs = []
     for i in range(16):

@@ -518,7 +518,7 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
     are exact but for the one bit the fault hook flips in transit, the count is exact, and the
     reused sums buffer is left zero; the same pool's copy is bound once."""
     t, mine = _transport(fault)
-    t.runs_path = True
+    t.behind = True
     peer = torch.randint(
         0, 256, (8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
     )
@@ -542,46 +542,55 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
         assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
         assert torch.equal(peer, before)
         assert not t._sums_buffer(1).any()
-    assert t.run_fetches == 2 and list(t._run_copiers) == [id(peer)] and not t._checkers
+    assert t.run_fetches == 2 and list(t._copiers) == [("runs", id(peer))] and not t._checkers
 
 
 def test_a_fetch_of_runs_without_the_senders_sums_keeps_the_copys_for_verify() -> None:
     """The runs path when the handle carries no sums: the copy's sums are kept (a copy of
     them; the reused buffer zeroed again) and `verify` compares them later."""
     t, mine = _transport("")
-    t.runs_path = True
+    t.behind = True
     peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
     src, dst = [2, 3, 4], [5, 6, 7]
     sums, count, staged = t._copy_sum(peer, src, dst, lambda: None)
-    assert count is None and staged is None and sums is not None
+    assert count is None and sums is not None  # (the pinned buffer goes back after the wait)
     assert sums.tolist() == signed64(_wsum(peer, src)) and not t._sums_buffer(1).any()
     assert torch.equal(mine[dst], peer[src]) and t.run_fetches == 1
 
 
-def test_more_runs_than_one_launch_takes_go_through_the_upload() -> None:
-    """Five runs: the packed path (its sums are kept for `verify`), the count still exact."""
-    t, mine = _transport("")
-    t.runs_path = True
+@pytest.mark.parametrize("fault", ["", "corrupt"])
+def test_more_runs_than_one_launch_takes_upload_their_ids_and_compare_behind(fault) -> None:
+    """Five runs: the ids go up (the same buffer then holds the sender's sums, asked for once
+    the copy is queued, and the count behind them), the copy and sum by ids, the compare
+    behind it: the count exact (with the fault hook's damaged first block), no sums kept,
+    the reused sums zero."""
+    t, mine = _transport(fault)
+    t.behind = True
     peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
     src, dst = [0, 2, 4, 6, 1], [1, 3, 5, 7, 0]
     want = _wsum(peer, src)
     want[4] ^= 1
-    sums, count, _ = t._copy_sum(peer, src, dst, want)
-    assert sums is not None and int(count) == 1 and t.run_fetches == 0
-    assert torch.equal(mine[dst], peer[src])
+    asked = []
+    sums, count, staged = t._copy_sum(peer, src, dst, lambda: asked.append(1) or want)
+    assert sums is None and asked == [1] and staged is not None
+    assert int(count) == int(staged[15]) == 1 + (fault == "corrupt")
+    assert staged[:10].tolist() == [*src, *dst] and staged[10:15].tolist() == signed64(want)
+    assert (t.run_fetches, t.behind_fetches) == (0, 1) and not t._sums_buffer(1).any()
+    assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
+    assert list(t._copiers) == ([] if fault else [("packed", id(peer))])
 
 
 def test_the_runs_copy_is_rebound_when_its_sums_grow_or_its_peer_is_unmapped() -> None:
     t, mine = _transport("")
-    t.runs_path = True
+    t.behind = True
     peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
-    bound = t._run_copier(peer, 3)
-    assert t._run_copier(peer, 3) is bound
+    bound = t._copier("runs", peer, 3)
+    assert t._copier("runs", peer, 3) is bound
     t._sums_buffer(t._sums_buffer(1).numel() + 1)  # more blocks than it holds: a new buffer
-    assert not t._run_copiers and t._run_copier(peer, 3) is not bound
+    assert not t._copiers and t._copier("runs", peer, 3) is not bound
     t._peers["p0@i1"], t._peers["p0@i2"], t._current["p0"] = peer, mine, "p0@i1"
     t._mapped("p0@i2", None)  # type: ignore[arg-type]  # a new incarnation: the old unmapped
-    assert not t._run_copiers
+    assert not t._copiers
 
 
 def test_verify_of_a_fetch_checked_as_runs_answers_its_count_or_leaves_it_to_the_caller() -> None:

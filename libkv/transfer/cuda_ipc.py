@@ -20,29 +20,28 @@ Checked KV (``sums=True``, a decode worker with ``--kv-checksums`` whose pool ho
 canonical blocks): every fetch runs a fused copy-and-sum kernel, which takes each moved block's
 ``wsum64`` from the words as the copy writes them, so checking what arrived costs no second
 read of the blocks. Where the handle carries the sender's ``wsum64`` of the fetched blocks
-(`fetch_checks.sender_sums`), they go up with the copy's block ids and the zeroed sums (one
-upload from a reused pinned buffer, before the copy, no host synchronisation), and the same
-kernel compares (``kernels.copy_sum_check_blocks_between``): the last program to finish a
-block (a ticket per block, as split-K takes one) compares that block's sum with the sender's,
-and the last block to finish stores the fetch's mismatch count into the pinned buffer itself
-(mapped into the device's address space; where the warm-up finds it is not, the count comes
-back by an 8-byte copy). No extra launch, and the fetch's one wait covers copy, compare and
-count; `verify` answers from the kept count with no device work and no wait of its own. The
-caller recomputes on a mismatch. Without the sender's sums on the handle the copy's sums stay
-on the device and `verify` compares them with what it is given (``kernels.count_mismatches``,
-one more wait).
-
-A fetch of a few contiguous runs (at most ``MEMCPY_RUNS``, as `block_runs` finds them: the
-common case in a fresh stack) uploads nothing at all, and the check's host work runs while the
-copy does: the copy and sum goes first (``kernels.runs_copy_sum``: the runs as scalar
-arguments, the sums into a reused zeroed device buffer), then the host reads the sender's sums
-off the handle into a reused pinned buffer and queues the compare behind the copy
-(``kernels.compare_sums``: one program that reads them where they lie, mapped into the device,
-writes the count behind them and leaves the sums zero). Two launches, no upload, no device
-allocation; a hand-off's critical path gains only the copy kernel's launch over a
-``cudaMemcpy``'s. Its sums are not kept: a `verify` with other sums than those compared
-returns None (the caller checks the blocks). Without the sender's sums on the handle the
-copy's sums are kept for `verify`, as below.
+(`fetch_checks.sender_sums`), they are compared on the device with no host round trip, and
+the check's host work runs while the copy does (``behind``, where the warm-up finds the
+device reads pinned host memory, which CUDA's unified addressing maps): the copy and sum is
+queued first, into a reused zeroed device buffer (a few contiguous runs, at most
+``MEMCPY_RUNS`` as `block_runs` finds them, the common case in a fresh stack: the runs as
+scalar arguments, nothing uploaded, ``kernels.runs_copy_sum``; scattered blocks: their ids up
+from a reused pinned buffer, as the plain copy's go, ``kernels.packed_copy_sum``); then the
+host reads the sender's sums off the handle into a reused pinned buffer and queues the compare
+behind the copy (``kernels.compare_sums``: one program that reads them where they lie, writes
+the count behind them and leaves the sums zero). No device allocation, and a hand-off's
+critical path gains only the copy kernel's launch over the unchecked copy's (a
+``cudaMemcpy`` for runs). The fetch's one wait covers copy, compare and count; `verify`
+answers from the kept count with no device work and no wait of its own; its sums are not
+kept, so a `verify` with other sums than those compared returns None (the caller checks the
+blocks). The caller recomputes on a mismatch. Where the device cannot read pinned memory, one
+fused kernel copies, sums and compares, with the ids, the sender's sums and the zeroed sums
+uploaded before it (``kernels.copy_sum_check_blocks_between``: the last program to finish a
+block, by a ticket per block as split-K takes one, compares its sum, and the last block to
+finish stores the count: into pinned memory where the device can, else brought back by an
+8-byte copy). Without the sender's sums on the
+handle the copy's sums stay on the device and `verify` compares them with what it is given
+(``kernels.count_mismatches``, one more wait).
 
 The fetch's wait polls the copy's event on the event loop for as long as the copy should take
 (its bytes at ``POLL_RATE``, plus a margin), so a normal hand-off never pays a hop to a thread;
@@ -263,13 +262,15 @@ class CudaIpcTransport:
         # Per source pool (by identity, the tensor kept with it): the fused check bound to
         # it, this pool and the workspace (`kernels.packed_check`: checked once, not per fetch).
         self._checkers: dict[int, tuple[torch.Tensor, Any]] = {}
-        # The copy and sum of a fetch of a few contiguous runs (`kernels.runs_copy_sum`:
-        # nothing uploaded, its sums in a reused device buffer, compared behind it), bound to
-        # its source pool and that buffer, where the warm-up found it works.
-        self._run_copiers: dict[int, tuple[torch.Tensor, Any]] = {}
+        # The copy and sum with the compare behind it (where the warm-up found the device
+        # reads pinned memory: ``behind``), by kind ("runs": a few contiguous runs, nothing
+        # uploaded, `kernels.runs_copy_sum`; "packed": scattered, `kernels.packed_copy_sum`)
+        # and source pool, bound to it and the reused sums buffer.
+        self._copiers: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
         self._run_sums: torch.Tensor | None = None
-        self.runs_path = False  # the check of runs with nothing uploaded (the warm-up: on)
-        self.run_fetches = 0  # fetches checked that way (tests, bench)
+        self.behind = False  # the compare goes behind the copy (the warm-up: on)
+        self.behind_fetches = 0  # fetches checked that way (tests, bench)
+        self.run_fetches = 0  # of those, a few contiguous runs with nothing uploaded
         self.mapped_count = False  # the fused check writes its count into pinned memory
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
         self.compared_fetches = 0  # of those, compared in the copy (verify waits for none)
@@ -334,22 +335,32 @@ class CudaIpcTransport:
         if int(out) != 1 or int(work.count_nonzero()):
             raise RuntimeError(f"the fused check counted {int(out)} of 1 in a second test")
         if self.mapped_count:
-            self._try_runs(scratch)
+            self._try_behind(scratch)
 
-    def _try_runs(self, scratch: torch.Tensor) -> None:
-        """Whether the check of contiguous runs works here: its compare reads the sender's
-        sums from pinned memory and writes its count there, both by the host address (the
-        device's under unified addressing). A zero block whose expected sum is 1, twice
-        (compiled, then launched straight), must count 1 each time and leave the sums zero;
-        then once with the fault hook if it is on (compiled now, not in a fetch)."""
+    def _try_behind(self, scratch: torch.Tensor) -> None:
+        """Whether the compare behind the copy works here: it reads the sender's sums from
+        pinned memory and writes its count there, both by the host address (the device's under
+        unified addressing). A zero block whose expected sum is 1, twice (compiled, then
+        launched straight), must count 1 each time and leave the sums zero: copied as a run,
+        then by ids, then as a run with the fault hook if it is on (all compiled now, not in a
+        fetch)."""
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         try:
-            for fault in (False, True) if self.fault else (False,):
+            for kind, fault in [("runs", False), ("packed", False)] + (
+                [("runs", True)] if self.fault else []
+            ):
                 sums = self._sums_buffer(1)
-                copy = kernels.runs_copy_sum(scratch, scratch, sums, fault)
+                if kind == "runs":
+                    copy = functools.partial(
+                        kernels.runs_copy_sum(scratch, scratch, sums, fault), [(0, 0, 1)]
+                    )
+                else:
+                    packed = kernels.packed_copy_sum(scratch, scratch, sums)
+                    copy = functools.partial(packed, ids, 1)
                 for _ in range(2):  # (a flipped bit: a zero block never sums to 1 either)
                     host[0], host[1] = 1, -1
-                    copy([(0, 0, 1)])
+                    copy()
                     kernels.compare_sums(sums, host, 1)
                     torch.cuda.synchronize(self.device)
                     if int(host[1]) != 1:
@@ -359,7 +370,7 @@ class CudaIpcTransport:
         except (RuntimeError, ValueError) as e:  # any way it fails here: the upload path
             log.warning("the check of contiguous runs cannot read pinned memory (%s)", e)
             return
-        self.runs_path = True
+        self.behind = True
 
     def can_reach(self, extra: dict[str, str]) -> bool:
         return (
@@ -490,18 +501,23 @@ class CudaIpcTransport:
         zero)."""
         if self._run_sums is None or self._run_sums.numel() < n:
             self._run_sums = torch.zeros(max(n, STAGING_MIN), dtype=torch.int64, device=self.device)
-            self._run_copiers.clear()  # bound to the old buffer
+            self._copiers.clear()  # bound to the old buffer
         return self._run_sums
 
-    def _run_copier(self, src: torch.Tensor, n: int) -> Any:
-        """The copy and sum of up to ``n`` blocks in a few runs from ``src`` into this pool
-        (one per source pool and sums buffer, made on its first fetch)."""
+    def _copier(self, kind: str, src: torch.Tensor, n: int) -> Any:
+        """The copy and sum of up to ``n`` blocks from ``src`` into this pool, of a few runs
+        (``kind`` "runs") or scattered ("packed"): one per kind, source pool and sums buffer,
+        made on its first fetch."""
         sums = self._sums_buffer(n)
-        kept = self._run_copiers.get(id(src))
+        kept = self._copiers.get((kind, id(src)))
         if kept is None or kept[0] is not src:
-            fault = self.fault == "corrupt"
-            kept = (src, kernels.runs_copy_sum(self.pool, src, sums, fault))
-            self._run_copiers[id(src)] = kept
+            copy: Any
+            if kind == "runs":
+                copy = kernels.runs_copy_sum(self.pool, src, sums, self.fault == "corrupt")
+            else:
+                copy = kernels.packed_copy_sum(self.pool, src, sums)
+            kept = (src, copy)
+            self._copiers[(kind, id(src))] = kept
         return kept[1]
 
     def _checker(self, src: torch.Tensor, n: int) -> Any:
@@ -530,14 +546,15 @@ class CudaIpcTransport:
         where the warm-up found the device can (``mapped_count``), else into the device and
         8 bytes come back behind it. With the fault hook the first block is read from a
         scratch copy with one bit flipped (see the module). ``want`` may also be a function
-        that gives them (or None), called once. A fetch of at most ``MEMCPY_RUNS`` contiguous
-        runs uploads nothing (`_check_runs`, where the warm-up found it works: ``runs_path``);
-        with the sender's sums its sums are not returned (None)."""
+        that gives them (or None), called once. Where the warm-up found the device reads
+        pinned memory (``behind``) the compare goes behind the copy instead (`_check_runs`,
+        `_check_scattered`): with the sender's sums, no sums are returned (None)."""
         n = len(src_blocks)
-        if self.runs_path:
+        if self.behind:
             runs = block_runs(src_blocks, dst_blocks)
             if len(runs) <= MEMCPY_RUNS:
                 return self._check_runs(src, runs, n, want)
+            return self._check_scattered(src, src_blocks, dst_blocks, want)
         if callable(want):
             want = want()
         if want is None:
@@ -588,18 +605,50 @@ class CudaIpcTransport:
         the copy's are kept (a device copy of them; the buffer zeroed) for `verify`. With the
         fault hook the copy flips one bit of the first block on its way (see the module)."""
         sums = self._sums_buffer(n)
-        self._run_copier(src, n)(runs)
+        self._copier("runs", src, n)(runs)
         self.run_fetches += 1
+        return self._compare_behind(sums, n, want, self._staging(n + 1), 0)
+
+    def _check_scattered(
+        self, src: torch.Tensor, src_blocks: Sequence[int], dst_blocks: Sequence[int], want: Want
+    ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
+        """`_copy_sum` for scattered blocks with the compare behind the copy: the block ids go
+        up from a reused pinned buffer (as the plain copy's do), the copy and sum is queued
+        (`kernels.packed_copy_sum`, its sums into the reused zeroed buffer), then the rest as
+        `_check_runs` does, the sender's sums written behind the ids. With the fault hook the
+        first block is copied from a scratch copy with one bit flipped (see the module)."""
+        n = len(src_blocks)
+        staged = self._staging(3 * n + 1)
+        rows = staged.numpy()
+        rows[:n], rows[n : 2 * n] = src_blocks, dst_blocks
+        up = staged[: 2 * n].to(self.device, non_blocking=True)
+        sums = self._sums_buffer(n)
+        if self.fault != "corrupt":
+            self._copier("packed", src, n)(up, n)
+        else:  # two launches: the first block from the damaged scratch copy
+            flipped = self._flipped(src, src_blocks[0])
+            copy = kernels.copy_sum_blocks_between
+            copy(self.pool, flipped, up[:1] * 0, up[n : n + 1], out=sums[:1])
+            copy(self.pool, src, up[1:n], up[n + 1 : 2 * n], out=sums[1:n])
+        return self._compare_behind(sums, n, want, staged, 2 * n)
+
+    def _compare_behind(
+        self, sums: torch.Tensor, n: int, want: Want, staged: torch.Tensor, at: int
+    ) -> tuple[torch.Tensor | None, Any, torch.Tensor]:
+        """While the queued copy runs: the sender's sums into ``staged[at : at + n]`` and the
+        compare queued behind the copy, its count landing at ``staged[at + n]`` (returned as a
+        0-dim view of it), the sums zeroed by it. Without the sender's sums, the copy's sums
+        (a device copy of them; the buffer zeroed) for `verify`."""
+        self.behind_fetches += 1
         got = want() if callable(want) else want  # host work while the copy runs
         if got is None:
             kept = sums[:n].clone()
             sums[:n].zero_()
-            return kept, None, None
-        staged = self._staging(n + 1)
+            return kept, None, staged
         rows = staged.numpy()
-        rows.view(np.uint64)[:n] = got  # as int64: the same bits
-        kernels.compare_sums(sums, staged, n)
-        return None, rows[n, ...], staged
+        rows.view(np.uint64)[at : at + n] = got  # as int64: the same bits
+        kernels.compare_sums(sums, staged[at:] if at else staged, n)
+        return None, rows[at + n, ...], staged
 
     @staticmethod
     def _flipped(src: torch.Tensor, block: int) -> torch.Tensor:
@@ -673,7 +722,8 @@ class CudaIpcTransport:
             gone = self._peers.pop(old, None)
             if gone is not None:
                 self._checkers.pop(id(gone), None)
-                self._run_copiers.pop(id(gone), None)
+                for kind in ("runs", "packed"):
+                    self._copiers.pop((kind, id(gone)), None)
         if name not in self._peers:
             self._peers[name] = open_pool(info, self.device)
             log.info("mapped the KV pool of %s over CUDA IPC (%d blocks)", name, info.num_blocks)
@@ -689,4 +739,4 @@ class CudaIpcTransport:
         self._peers.clear()
         self._current.clear()
         self._checkers.clear()
-        self._run_copiers.clear()
+        self._copiers.clear()
