@@ -309,6 +309,13 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     d_runs_run = device_time(runs_check, "cuda", repeat)
     if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
+    pdl, kernels.PDL = kernels.PDL, False  # the same with the compare launched plainly
+    try:
+        runs_copy = kernels.runs_copy_sum(d8, s8, zeros)
+        d_runs_nopdl = device_time(runs_check, "cuda", repeat)
+    finally:
+        kernels.PDL = pdl
+    runs_copy = kernels.runs_copy_sum(d8, s8, zeros)
     sweep = per_sm_sweep(runs_check, d_memcpy_run, max(repeat, 20))
     if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} in the sweep")
@@ -330,6 +337,7 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
         "device_memcpy_run_ms": round(d_memcpy_run * 1e3, 4),
         "device_checked_run_ms": round(d_checked_run * 1e3, 4),
         "device_runs_check_ms": round(d_runs_run * 1e3, 4),
+        "device_runs_check_no_pdl_ms": round(d_runs_nopdl * 1e3, 4),
         "runs_check_by_programs_per_sm": sweep,
     }
 
@@ -430,7 +438,8 @@ def print_check(rows: list[dict]) -> None:
                   "and the compare / the check of runs (B: nothing uploaded): "
                   + "; ".join(f"{row['tokens']}: {row['device_memcpy_run_ms']:.4f} / "
                               f"{row['device_checked_run_ms']:.4f} / "
-                              f"{row.get('device_runs_check_ms', float('nan')):.4f}"
+                              f"{row.get('device_runs_check_ms', float('nan')):.4f} "
+                              f"(PDL off: {row.get('device_runs_check_no_pdl_ms', 0.0):.4f})"
                               for row in rows))  # fmt: skip
         if key == "ab_transport_runs" and "runs_check_by_programs_per_sm" in rows[0]:
             print("  the check of runs' device time over one copy_, by programs per SM "

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels import reference
-from kernels._triton import use_triton
+from kernels._triton import pdl_on, use_triton
 from kernels.reference import (
     FP8,
     AttentionMetadata,
@@ -232,7 +232,7 @@ def packed_copy_sum(
     if use_triton(dst):
         from kernels import triton_copy
 
-        return triton_copy.PackedCopySum(dst, src, sums, offset)
+        return triton_copy.PackedCopySum(dst, src, sums, offset, pdl_on(dst))
 
     def copy(up: torch.Tensor, n: int) -> None:
         if n > sums.numel() or up.numel() < 2 * n:
@@ -326,7 +326,7 @@ def runs_copy_sum(
     if use_triton(dst):
         from kernels import triton_copy
 
-        return triton_copy.RunsCopySum(dst, src, sums, fault, offset)
+        return triton_copy.RunsCopySum(dst, src, sums, fault, offset, pdl_on(dst))
 
     def copy(runs: Sequence[tuple[int, int, int]]) -> None:
         if not 0 < len(runs) <= 4:
@@ -348,8 +348,9 @@ def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
     """Behind the copy on the current stream: how many of ``sums[:n]`` (int64, on the device,
     what the copy took) differ from ``host[:n]`` (the sender's, the same bits as int64; on
     CUDA pinned host memory, read by the device where it lies), stored in ``host[n]``; and
-    ``sums[:n]`` left zero for the next copy. Not waited for. On CUDA one Triton program;
-    elsewhere torch."""
+    ``sums[:n]`` left zero for the next copy. Not waited for. On CUDA one Triton program
+    (with ``PDL``, launched early: it reads the sender's sums while the copy still runs, and
+    waits in the kernel for the copy's end); elsewhere torch."""
     if sums.dtype != torch.int64 or host.dtype != torch.int64:
         raise ValueError("the sums and the host words must be int64")
     if n > sums.numel() or host.numel() < n + 1:
@@ -357,7 +358,7 @@ def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
     if use_triton(sums):
         from kernels import triton_copy
 
-        triton_copy.compare_sums(sums, host, n)
+        triton_copy.compare_sums(sums, host, n, pdl_on(sums))
         return
     host[n] = int((sums[:n] != host[:n].to(sums.device)).sum())
     sums[:n] = 0

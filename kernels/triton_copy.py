@@ -219,10 +219,14 @@ def _copy_sum_part(src, dst, s, d, words, offset, per, CHUNK: tl.constexpr, FAUL
     do_not_specialize=["per"], do_not_specialize_on_alignment=["src_idx", "dst_idx", "sums"]
 )
 def _copy_sum_blocks_kernel(
-    src, dst, src_idx, dst_idx, sums, words, offset, per, CHUNK: tl.constexpr
+    src, dst, src_idx, dst_idx, sums, words, offset, per, CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Copy blocks ``src_idx[i]`` to ``dst_idx[i]`` and add their ``wsum64`` into ``sums[i]``
-    (relaxed: what reads them runs behind this kernel on the stream)."""
+    (relaxed: what reads them runs behind this kernel on the stream). ``PDL``: the compare
+    behind it may launch at once (it waits in the kernel for this one's end)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
     tl.atomic_add(sums + tl.program_id(0), part, sem="relaxed", scope="gpu")
 
@@ -265,17 +269,18 @@ class PackedCopySum:
     arithmetic (no tensor views made on the host)."""
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor,
-                 offset: int = 0) -> None:  # fmt: skip
+                 offset: int = 0, pdl: bool = False) -> None:  # fmt: skip
         _check_pools(dst, src)
         if sums.dtype != torch.int64 or sums.dim() != 1:
             raise ValueError("the sums must be a 1-D int64 tensor")
+        self.pdl = pdl
         self.dst, self.src, self.sums = dst, src, sums
         self.words = dst.shape[1] // 8
         self.chunks = -(-self.words // CHUNK)
         self.offset = offset
         self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr())
         self._dev = _device(dst)
-        self._key = ("packed", self._dev, self.words, offset, _aligned(src), _aligned(dst))
+        self._key = ("packed", self._dev, self.words, offset, _aligned(src), _aligned(dst), pdl)
 
     def __call__(self, up: torch.Tensor, n: int) -> None:
         """Launch on the current stream for the ``n`` blocks whose ids ``up`` holds."""
@@ -289,13 +294,13 @@ class PackedCopySum:
         per, progs = split(self.chunks, n, self._dev)
 
         def fast() -> tuple[Any, ...]:
-            return (s, d, p, p + 8 * n, u, words, offset, per, CHUNK)
+            return (s, d, p, p + 8 * n, u, words, offset, per, CHUNK, self.pdl)
 
         def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
             return (
                 (self.src.view(torch.int64), self.dst.view(torch.int64), up[:n],
                  up[n : 2 * n], self.sums, words, offset, per),
-                {"CHUNK": CHUNK},
+                {"CHUNK": CHUNK, "PDL": self.pdl},
             )  # fmt: skip
 
         _SUM(self._key, (n, progs), fast, slow, num_warps=8)
@@ -490,14 +495,17 @@ _RUN_SCALARS = ["per", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "e1", "e2
 @triton.jit(do_not_specialize=_RUN_SCALARS, do_not_specialize_on_alignment=["sums"])
 def _copy_sum_runs_kernel(
     src, dst, sums, words, offset, per, a0, a1, a2, a3, b0, b1, b2, b3, e1, e2, e3,
-    CHUNK: tl.constexpr, FAULT: tl.constexpr,
+    CHUNK: tl.constexpr, FAULT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The copy and sum of a fetch of a few contiguous runs, with nothing uploaded: program
     ``(i, j)`` moves chunks ``j * per`` to ``j * per + per - 1`` of source block ``i + a_r`` to
     ``i + b_r`` (``r`` the run that holds the fetch's ``i``-th block; runs end at
     ``e1 <= e2 <= e3``) and adds their part of its ``wsum64`` into ``sums[i]``. No ordering:
-    `compare_sums`, behind it on the stream, reads the sums. ``FAULT``: the test-only hook
+    `compare_sums`, behind it on the stream, reads the sums (``PDL``: it may launch at once
+    and waits in the kernel for this one's end). ``FAULT``: the test-only hook
     (`_copy_sum_part`)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     s = (i + tl.where(i < e1, a0, tl.where(i < e2, a1, tl.where(i < e3, a2, a3)))).to(tl.int64)
     d = (i + tl.where(i < e1, b0, tl.where(i < e2, b1, tl.where(i < e3, b2, b3)))).to(tl.int64)
@@ -532,10 +540,11 @@ class RunsCopySum:
     bit in transit."""
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor,
-                 fault: bool = False, offset: int = 0) -> None:  # fmt: skip
+                 fault: bool = False, offset: int = 0, pdl: bool = False) -> None:  # fmt: skip
         _check_pools(dst, src)
         if sums.dtype != torch.int64 or sums.dim() != 1:
             raise ValueError("the sums must be a 1-D int64 tensor")
+        self.pdl = pdl
         if max(dst.shape[0], src.shape[0]) >> 31:
             raise ValueError("pools of 2^31 blocks or more")
         self.dst, self.src, self.sums = dst, src, sums
@@ -545,7 +554,7 @@ class RunsCopySum:
         self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr())
         self._dev = _device(dst)
         self._key = ("runs", self._dev, self.words, offset, _aligned(src), _aligned(dst),
-                     self.fault)  # fmt: skip
+                     self.fault, pdl)  # fmt: skip
 
     def __call__(self, runs: Sequence[tuple[int, int, int]]) -> None:
         """Launch on the current stream for the blocks of ``runs``."""
@@ -557,13 +566,13 @@ class RunsCopySum:
         per, progs = split(self.chunks, n, self._dev)
 
         def fast() -> tuple[Any, ...]:
-            return (s, d, u, words, offset, per, *scalars, CHUNK, self.fault)
+            return (s, d, u, words, offset, per, *scalars, CHUNK, self.fault, self.pdl)
 
         def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
             return (
                 (self.src.view(torch.int64), self.dst.view(torch.int64), self.sums, words,
                  offset, per, *scalars),
-                {"CHUNK": CHUNK, "FAULT": self.fault},
+                {"CHUNK": CHUNK, "FAULT": self.fault, "PDL": self.pdl},
             )  # fmt: skip
 
         _RUNS(self._key, (n, progs), fast, slow, num_warps=8)
@@ -573,11 +582,20 @@ COMPARE_BLOCK = 1024  # sums a step of the compare's one program
 
 
 @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["sums", "want", "out"])
-def _compare_sums_kernel(sums, want, out, n, BLOCK: tl.constexpr):
+def _compare_sums_kernel(sums, want, out, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program: how many of ``sums[:n]`` differ from ``want[:n]`` (into ``out``), and the
-    sums left zero. ``want`` and ``out`` may be host memory mapped into the device."""
-    acc = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, n, BLOCK):
+    sums left zero. ``want`` and ``out`` may be host memory mapped into the device. ``PDL``
+    (launched early, programmatic dependent launch): the first ``BLOCK`` of ``want`` are read
+    while the copy still runs, the sums once it has ended (``griddepcontrol.wait``)."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    first = tl.load(want + offs, mask=m, other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    got = tl.load(sums + offs, mask=m, other=0)
+    acc = (got != first).to(tl.int32)
+    tl.store(sums + offs, tl.zeros([BLOCK], tl.int64), mask=m)
+    for start in range(BLOCK, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
         got = tl.load(sums + offs, mask=m, other=0)
@@ -586,19 +604,21 @@ def _compare_sums_kernel(sums, want, out, n, BLOCK: tl.constexpr):
     tl.store(out, tl.sum(acc, axis=0).to(tl.int64))
 
 
-def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
+def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int, pdl: bool = False) -> None:
     """`kernels.compare_sums` on CUDA: ``host`` pinned (the device reads the sender's sums and
     writes the count by the host address: CUDA's unified addressing maps pinned memory at the
-    same address; the transport's warm-up checks that it works here)."""
+    same address; the transport's warm-up checks that it works here). ``pdl``: launched as a
+    programmatic dependent of the copy before it (which lets it start early)."""
     h = host.data_ptr()
 
     def fast() -> tuple[Any, ...]:
-        return (sums.data_ptr(), h, h + 8 * n, n, COMPARE_BLOCK)
+        return (sums.data_ptr(), h, h + 8 * n, n, COMPARE_BLOCK, pdl)
 
     def slow() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (sums, host[:n], host[n], n), {"BLOCK": COMPARE_BLOCK}
+        options = {"BLOCK": COMPARE_BLOCK, "PDL": pdl} | ({"launch_pdl": True} if pdl else {})
+        return (sums, host[:n], host[n], n), options
 
-    _COMPARE(("compare", _device(sums)), (1, 1), fast, slow, num_warps=4)
+    _COMPARE(("compare", _device(sums), pdl), (1, 1), fast, slow, num_warps=4)
 
 
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")
