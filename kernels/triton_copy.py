@@ -21,8 +21,10 @@ CHUNK = 2048  # int64 words (16 KiB) a step of a program
 # The fused checks give each program several chunks of its block in a loop when a fetch has
 # many more chunks than the GPU runs programs at once, so that fewer programs each pay the
 # check's tail (its ordered atomics wait for the program's stores): about this many programs
-# per SM in all (`split`).
-PROGRAMS_PER_SM = 8
+# per SM in all (`split`). 16: on an H100 the check of a contiguous run took 1.064-1.101x a
+# cudaMemcpy's device time with 16, 1.072-1.113x with 8, 1.074-1.115x with one chunk a program
+# (bench/results/kv_checksum_cpu.md, session 7).
+PROGRAMS_PER_SM = 16
 
 
 def split(chunks: int, n: int, device: int) -> tuple[int, int]:
