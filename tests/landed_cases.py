@@ -13,6 +13,7 @@ where an earlier fetch had put the right bytes there. Senders hold `tests.nixl_p
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -74,6 +75,41 @@ def check_landed(
     untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(dst, dtype=np.int64))
     written = [int(i) for i in untouched if not (pool[i] == SENTINEL).all()]
     assert not written, f"blocks written that no fetch asked for: {written[:8]}"
+
+
+def member_extras(etcd_endpoint: str) -> dict[str, dict[str, str]]:
+    """worker id -> the extra fields of its member record (what peers read to reach its pool)
+    of every worker registered in etcd now."""
+    from libkv.cluster.registry import MemberWatcher
+
+    async def read() -> dict[str, dict[str, str]]:
+        watcher = await MemberWatcher.start([etcd_endpoint])
+        try:
+            return {
+                m.worker_id: dict(m.extra)
+                for m in watcher.members.values()
+                if m.role in ("prefill", "decode")
+            }
+        finally:
+            await watcher.stop()
+
+    return asyncio.run(read())
+
+
+def process_blocks(pid: int, extra: dict[str, str]) -> np.ndarray:
+    """A worker's whole host-memory KV pool, ``[num_blocks, block_bytes]`` bytes, read out of
+    its memory (``/proc/PID/mem``: a process this test started, same user) at the region its
+    NIXL agent publishes (``extra``, its member record): not through any transport."""
+    from libkv.transfer import AgentInfo
+
+    info = AgentInfo.from_extra(extra)
+    assert info is not None, "the worker runs no NIXL agent: its pool's address is unknown"
+    region = info.region
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+        f.seek(region.addr)
+        raw = f.read(region.nbytes)
+    assert len(raw) == region.nbytes
+    return np.frombuffer(raw, dtype=np.uint8).reshape(region.num_blocks, region.block_bytes)
 
 
 def serve_cuda_pool(conn, seed: int, num_blocks: int, block_bytes: int) -> None:

@@ -30,7 +30,15 @@ from libkv.transfer import StaticPeers
 from libkv.transfer.grpc_stream import BlockStreamServicer, GrpcStreamTransport
 from libkv.transfer.nixl_agent import nixl_available
 from services.worker.runtime import engine_pool
-from tests.landed_cases import PATTERNS, RECEIVER_BLOCKS, SENDER_BLOCKS, SENTINEL, check_landed
+from tests.landed_cases import (
+    PATTERNS,
+    RECEIVER_BLOCKS,
+    SENDER_BLOCKS,
+    SENTINEL,
+    check_landed,
+    member_extras,
+    process_blocks,
+)
 from tests.nixl_peer import Source, pool_bytes
 
 SEED = 11
@@ -198,41 +206,6 @@ def test_the_cuda_ipc_copy_paths_land_every_pattern_byte_for_byte_on_cpu(
 
 
 # --- The real stack -------------------------------------------------------------------------
-def pool_regions(stack) -> dict[str, tuple[int, int, int]]:
-    """worker id -> (pid, address, bytes) of its KV pool, from the region its NIXL agent
-    publishes in its member record."""
-    from libkv.cluster.registry import MemberWatcher
-    from libkv.transfer import AgentInfo
-
-    async def read() -> dict[str, tuple[int, int, int]]:
-        watcher = await MemberWatcher.start([stack.etcd.endpoint])
-        try:
-            out = {}
-            for m in watcher.members.values():
-                if m.role not in ("prefill", "decode"):
-                    continue
-                info = AgentInfo.from_extra(m.extra)
-                assert info is not None, f"{m.worker_id} runs no NIXL agent"
-                pid = stack.children[m.worker_id].proc.pid
-                out[m.worker_id] = (pid, info.region.addr, info.region.nbytes)
-            return out
-        finally:
-            await watcher.stop()
-
-    return asyncio.run(read())
-
-
-def process_blocks(region: tuple[int, int, int], block_bytes: int) -> np.ndarray:
-    """A worker's whole KV pool as ``[num_blocks, block_bytes]`` bytes, read from its memory
-    (``/proc/PID/mem``: the test started it, same user), not through any transport."""
-    pid, addr, nbytes = region
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
-        f.seek(addr)
-        raw = f.read(nbytes)
-    assert len(raw) == nbytes
-    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, block_bytes)
-
-
 def prompt_rows(block: np.ndarray, shape: tuple[int, ...], rows: int) -> np.ndarray:
     """The first ``rows`` token rows of a float32 block ``[heads, layers, 2, block_size, dim]``."""
     return block.view(np.float32).reshape(shape)[:, :, :, :rows]
@@ -271,20 +244,20 @@ def test_the_stacks_decode_pool_holds_the_prefill_workers_blocks_byte_for_byte(
     from tests.stack_probe import metrics_of
 
     stack = nixl_stack
-    bb = receiver.runner.block_bytes
     block_size = receiver.config.block_size
     shape = tuple(receiver.runner.kv_pool.shape[1:])  # [heads, layers, 2, block_size, dim]
-    regions = pool_regions(stack)
+    pids = {name: stack.children[name].proc.pid for name in ("prefill-0", "decode-0")}
+    extras = member_extras(stack.etcd.endpoint)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120)
     decode_metrics = stack.scrape_targets()["decode-0"]
     lines = [f"Line {i}: the warehouse shipped {i * 7} crates to dock {i % 5}." for i in range(40)]
     for prompt in (" ".join(lines[:16]), " ".join(lines)):  # ~300, then ~720 tokens
-        before = {w: process_blocks(r, bb) for w, r in regions.items()}
+        before = {w: process_blocks(pid, extras[w]) for w, pid in pids.items()}
         counts = metrics_of(decode_metrics)
         out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
                                         max_tokens=4, temperature=0)  # fmt: skip
         assert out.usage is not None
-        after = {w: process_blocks(r, bb) for w, r in regions.items()}
+        after = {w: process_blocks(pid, extras[w]) for w, pid in pids.items()}
         now = metrics_of(decode_metrics)
         assert now["tandem_kv_transfers_total"] == counts.get("tandem_kv_transfers_total", 0) + 1
         for name in (
