@@ -306,9 +306,9 @@ def agreement(run: Run) -> list[dict]:
 def spec(run: Run) -> dict:
     from bench.spec_decode import replay
 
-    args = argparse.Namespace(
+    args = argparse.Namespace(  # replay's arguments (bench.spec_decode); n-gram only here
         trace=str(run.args.trace), shape=run.shape, context=1024 if not run.dry else 64,
-        steps=40 if not run.dry else 3,
+        steps=40 if not run.dry else 3, draft_shape="",
     )  # fmt: skip
     out = replay(args)
     print(table(out["rows"], ["workload", "decode_tokens", "steps", "step_ms_plain",

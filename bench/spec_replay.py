@@ -17,6 +17,17 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.bundled import DEFAULT_DIR
 from engine.shapes import write_shape
 
+WARMUP_STEPS = 2  # the first timed decode steps, left out of the medians
+
+
+def steady_median(times: list[float]) -> float:
+    """Median step time (ms) after the first ``WARMUP_STEPS`` steps, keeping at least the last
+    step: a run may time only a step or two (a tiny ``--steps``, or a draft that keeps every
+    token it proposes, so each step emits ``k + 1``)."""
+    if not times:
+        raise ValueError("no decode step was timed: --steps must be at least 1")
+    return statistics.median(times[min(WARMUP_STEPS, len(times) - 1) :])
+
 
 class Drafts:
     """Always drafts ``d`` tokens (random ones: a random-weight model keeps almost none, which
@@ -73,7 +84,7 @@ def step_times(
             engine.step()
             _sync()
             times.append((time.perf_counter() - t0) * 1e3)
-        out[d] = statistics.median(times[2:])
+        out[d] = steady_median(times)
         graph_rows[d] = ((graphs.rows if graphs is not None else 0) - rows0) / max(len(times), 1)
         print(f"verify {d} drafts: {out[d]:.3f} ms ({graph_rows[d]:.2f} graph rows/step)",
               flush=True)  # fmt: skip
@@ -123,10 +134,11 @@ def draft_step_time(shape: str, draft_shape: str, k: int, context: int, steps: i
     s = engine.stats().spec
     graphs = engine.proposer.runner.graphs  # type: ignore[union-attr]
     graph_runs = (graphs.runs if graphs is not None else 0) / max(len(times), 1)
-    print(f"draft {draft_shape} k={k} + verify: {statistics.median(times[2:]):.3f} ms "
+    ms = steady_median(times)
+    print(f"draft {draft_shape} k={k} + verify: {ms:.3f} ms "
           f"({s.accepted_tokens}/{s.draft_tokens} kept; {graph_runs:.2f} of the draft's passes "
           "per step replayed its CUDA graphs)", flush=True)  # fmt: skip
-    return statistics.median(times[2:])
+    return ms
 
 
 def _sync() -> None:

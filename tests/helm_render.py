@@ -51,12 +51,15 @@ def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
 def template_args(
     topology: str | None = None, sets: Sequence[str] = (), kube_version: str | None = None
 ) -> list[str]:
-    """Arguments of `helm template` for a topology (None: the chart's defaults)."""
+    """Arguments of `helm template` for a topology (None: the chart's defaults); each of
+    ``sets`` is ``key=value`` (``--set``) or ``key:=JSON`` (``--set-json``: a value with commas
+    or braces, such as a JSON document given as a string)."""
     args = ["template", "tandem", str(CHART), "--namespace", "llm"]
     if topology:
         args += ["-f", str(CHART / "topologies" / f"{topology}.yaml")]
     for s in sets:
-        args += ["--set", s]
+        key, json_sep, value = s.partition(":=")
+        args += ["--set-json", f"{key}={value}"] if json_sep else ["--set", s]
     if kube_version:
         args += ["--kube-version", kube_version]
     return args

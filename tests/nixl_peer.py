@@ -23,6 +23,18 @@ def pool_bytes(seed: int, num_blocks: int, block_bytes: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).reshape(num_blocks, block_bytes)
 
 
+@dataclass(frozen=True)
+class Source:
+    """A `libkv.transfer.KVSource`: where a request's blocks live."""
+
+    worker_id: str
+    incarnation: str
+    block_ids: tuple[int, ...]
+    block_bytes: int
+    address: str = ""
+    lease_expires_unix_ms: int = 0
+
+
 def region_of(pool: np.ndarray) -> PoolRegion:
     return PoolRegion(pool.ctypes.data, pool.shape[0], pool.shape[1])
 

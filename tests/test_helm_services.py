@@ -64,6 +64,60 @@ VARIANTS = {
         ),
     ),
     "existing-keys-secret": (None, ("apiKeys.existingSecret=my-keys", "apiKeys.secretKey=t.json")),
+    # The worker options whose values are off (or null) by default.
+    "engine-options": (
+        None,
+        tuple(
+            f"{role}.{setting}"
+            for role in ("prefill", "decode")
+            for setting in (
+                "engine.kvCacheBytes=8589934592",
+                "engine.numKvBlocks=4096",
+                "engine.maxModelLen=8192",
+                "engine.quantization=fp8",
+                "engine.kvCacheDtype=fp8",
+                'engine.speculativeConfig:="{\\"method\\": \\"ngram\\", '
+                '\\"num_speculative_tokens\\": 4}"',
+                "kvChecksums=false",
+            )
+        ),
+    ),
+}
+# Values that set the rest of the options (the gateway reads an extra model's folder, so these
+# are rendered only to see which options are set: test_helm_chart checks what they set).
+MORE_SETTINGS = (
+    "extraModels[0].name=Qwen2.5-0.5B",
+    "lora.modules={sql=/models/adapters/sql}",
+    "lora.runtimeUpdating=true",
+)
+# Options a service declares that no value of the chart sets, and why; every other option must
+# reach its service from some variant's values (`test_every_option_reaches_its_service`).
+NOT_IN_CHART = {
+    "gateway": {
+        "--trace-file": "a local file of spans; in a cluster they go to tracing.otlpEndpoint",
+        "--router-api-key": "services authenticate each other by mutual TLS (tls.enabled)",
+        "--tool-chat-template": "a template file the pod would need mounted (gateway.env with "
+        "an image that carries it)",
+    },
+    "router": {
+        "--trace-file": "a local file of spans; in a cluster they go to tracing.otlpEndpoint",
+        "--api-key": "services authenticate each other by mutual TLS (tls.enabled)",
+    },
+    **{
+        role: {
+            "--trace-file": "a local file of spans; in a cluster they go to tracing.otlpEndpoint",
+            "--kv-fault": "test only: damages KV in transit",
+            "--cuda-ipc": "a pod sees only its own GPUs, so CUDA IPC never pairs two pods",
+            **other_role,
+        }
+        for role, other_role in {
+            "prefill": {
+                f: "a decode worker's option"
+                for f in ("--nixl-mode", "--on-transfer-failure", "--kv-transfer-timeout")
+            },
+            "decode": {"--lease-seconds": "a prefill worker's option"},
+        }.items()
+    },
 }
 SECRET_DIR = "/etc/tandem/"
 SAMPLE_KEYS_FILE = json.dumps({"keys": [{"sha256": "cd" * 32, "tenant": "ops"}]})
@@ -230,3 +284,63 @@ def test_security_settings_reach_every_service(rendered, tmp_path, monkeypatch) 
             assert all("tcpSocket" in p for p in probes)  # kubelet gRPC probes speak no TLS
         if role == "router":
             assert config.policy == "session"
+
+
+def test_every_option_reaches_its_service(rendered) -> None:
+    """Every flag a service declares is set by the chart (as an argument or its TANDEM_*
+    variable, from some variant's values) or named in NOT_IN_CHART with the reason; a flag
+    added to a service without a value fails here until it gets one or a reason."""
+    from tests.test_options import SERVICES as OPTIONS
+
+    given: dict[str, set[str]] = {role: set() for role in OPTIONS}
+    for docs in [*rendered.values(), render(find_helm(), None, MORE_SETTINGS)]:
+        for workload, container in workloads(docs):
+            role = component(workload)
+            given[role] |= set(container_env(docs, container))
+            given[role] |= {a for a in container["args"] if a.startswith("--")}
+    for role, options in OPTIONS.items():
+        declared = {s.flag: s for s in options({}).specs}
+        left_out = NOT_IN_CHART[role]
+        assert set(left_out) <= set(declared), f"{role}: no such flags"
+        missing = [
+            f for f, s in declared.items() if f not in left_out and not {f, s.env} & given[role]
+        ]
+        assert missing == [], f"{role}: no chart value sets {missing}"
+        both = [f for f, s in declared.items() if f in left_out and {f, s.env} & given[role]]
+        assert both == [], f"{role}: set by the chart yet listed as left out: {both}"
+
+
+def test_admission_engine_and_kv_values_reach_their_configs(rendered, tmp_path, monkeypatch):
+    """The values added for the router's, gateway's and workers' newer options land in the
+    config field each is for, with the chart's defaults and with every engine option set."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for variant in ("defaults", "engine-options"):
+        docs = rendered[variant]
+        for workload, container in workloads(docs):
+            role = component(workload)
+            env = container_env(docs, container)
+            if role == "gateway":
+                env["TANDEM_MODEL_DIR"] = model_stand_in(tmp_path, docs, env)
+            config = parse(role, container["args"][1:], RecordingEnv(env), monkeypatch)
+            if role == "gateway":
+                v = values["gateway"]
+                assert config.refusal_memory == v["refusalMemory"]
+                assert config.tokenizer_threads == v["tokenizerThreads"]
+                assert config.tool_call_parser == v["toolCallParser"]
+            elif role == "router":
+                v = values["router"]
+                assert config.refusal_memory == v["refusalMemory"]
+                assert config.max_migrations == v["maxMigrations"]
+                assert config.kv_recent_ttl == v["kvRecentTtl"]
+            else:
+                location = values[role]["kvLocation"]
+                assert (config.kv_location_blocks, config.kv_location_interval,
+                        config.kv_location_budget) == tuple(location.values())  # fmt: skip
+                changed = variant == "engine-options"
+                assert config.kv_checksums is not changed
+                assert config.num_kv_blocks == (4096 if changed else None)
+                assert config.max_model_len == (8192 if changed else None)
+                assert config.quantization == ("fp8" if changed else "")
+                assert config.kv_cache_dtype == ("fp8" if changed else "auto")
+                spec = config.speculative_config
+                assert (spec and spec.num_speculative_tokens) == (4 if changed else None)

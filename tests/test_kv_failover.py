@@ -37,14 +37,17 @@ KV_BYTES = 64 * 1024**2
 
 
 class PrefillProc:
-    """One ``services.prefill`` process with the NIXL transport."""
+    """One ``services.prefill`` process with the NIXL transport (or ``transport``), and
+    ``extra`` flags."""
 
-    def __init__(self, model_dir: Path, etcd: EtcdServer, worker_id: str, log_dir: Path):
+    def __init__(self, model_dir: Path, etcd: EtcdServer, worker_id: str, log_dir: Path,
+                 transport: str = "nixl", extra: tuple[str, ...] = ()):  # fmt: skip
         self.worker_id = worker_id
         self.argv = [
             sys.executable, "-m", "services.prefill", "--model-dir", str(model_dir),
-            "--etcd", etcd.endpoint, "--worker-id", worker_id, "--kv-transport", "nixl",
+            "--etcd", etcd.endpoint, "--worker-id", worker_id, "--kv-transport", transport,
             "--kv-cache-bytes", str(KV_BYTES), "--member-ttl", "3", "--member-refresh", "1",
+            *extra,
         ]  # fmt: skip
         self.log = log_dir / f"{worker_id}.log"
         self.start()

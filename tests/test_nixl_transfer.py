@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -14,19 +13,9 @@ import pytest
 from libkv.transfer import KVTransferError, StalePeerError, StaticPeers, agent_name
 from libkv.transfer.nixl import NixlTransport
 from libkv.transfer.nixl_agent import NixlEndpoint, nixl_available
-from tests.nixl_peer import Peer, region_of
+from tests.nixl_peer import Peer, Source, region_of
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
-
-
-@dataclass(frozen=True)
-class Source:
-    worker_id: str
-    incarnation: str
-    block_ids: tuple[int, ...]
-    block_bytes: int
-    address: str = ""
-    lease_expires_unix_ms: int = 0
 
 
 class Decode:
