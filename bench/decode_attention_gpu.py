@@ -39,7 +39,8 @@ def candidates(b: int) -> list[dict[str, object]]:
     return [
         p(8),  # the default with the merge folded in: what the merge alone costs
         p(8, pf=True), p(8, w=8, pf=True), p(4, pf=True), p(4, w=8, pf=True),
-        p(2, w=8, pf=True), p(4, 128, 8, pf=True), p(8, 32, pf=True), p(16, 32, pf=True),
+        p(2, w=8, pf=True), p(4, 128, 8, pf=True), p(8, 32, pf=True), p(4, 32, pf=True),
+        p(16, 32, pf=True),
         p(8, 128, 8), p(8, st=5), p(4, st=5), p(16),
     ]  # fmt: skip
 

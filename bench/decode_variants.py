@@ -115,14 +115,15 @@ def lm_head_fp8(bench: LlamaBench) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def attention_plans(path: Path, b: int) -> Iterator[None]:
-    """Decode attention at batch ``b`` takes the plan of ``path`` (``--only-attention``'s
-    ``decode_attention_plans.json``: batch size -> ``DecodePlan`` knobs) instead of the rule."""
+def attention_plans(paths: list[Path], b: int) -> Iterator[None]:
+    """Decode attention at batch ``b`` takes the plan of ``paths`` (``--only-attention``'s
+    ``decode_attention_plans.json`` files: batch size -> ``DecodePlan`` knobs; a later file
+    wins) instead of the rule."""
     from kernels import triton_decode
 
-    plans = {int(k): v for k, v in json.loads(path.read_text()).items()}
+    plans = {int(k): v for path in paths for k, v in json.loads(path.read_text()).items()}
     if b not in plans:
-        raise ValueError(f"{path} has no plan for batch {b}")
+        raise ValueError(f"{[str(p) for p in paths]} have no plan for batch {b}")
     saved = triton_decode.install_plans({b: plans[b]})
     try:
         yield
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--attention-plans",
         type=Path,
+        nargs="+",
         default=None,
         help="a step variant with these decode-attention plans (--only-attention's "
         "decode_attention_plans.json)",
