@@ -30,17 +30,19 @@ BLOCK = 16
 def candidates(b: int) -> list[dict[str, object]]:
     """Knobs to time at batch ``b`` besides ``default`` (labels: ``DecodePlan.label``)."""
 
-    def p(splits: int, n: int = 64, w: int = 4, st: int = 2, pf: bool = False, m: bool = True):
+    def p(splits: int, n: int = 64, w: int = 4, st: int = 2, pf: bool = False, m: bool = True,
+          e: bool = False):  # fmt: skip
         return {"num_splits": splits, "block_n": n, "num_warps": w, "num_stages": st,
-                "merge": m, "prefetch": pf}  # fmt: skip
+                "merge": m, "prefetch": pf or e, "early": e}  # fmt: skip
 
     if b <= 2:
-        return [p(32), p(16), p(32, 32), p(16, pf=True), p(16, 32, pf=True), p(8, pf=True, w=8)]
+        return [p(32), p(16), p(32, 32), p(16, pf=True), p(16, 32, pf=True), p(8, pf=True, w=8),
+                p(16, e=True), p(16, 32, e=True)]  # fmt: skip
     return [
         p(8),  # the default with the merge folded in: what the merge alone costs
         p(8, pf=True), p(8, w=8, pf=True), p(4, pf=True), p(4, w=8, pf=True),
         p(2, w=8, pf=True), p(4, 128, 8, pf=True), p(8, 32, pf=True), p(4, 32, pf=True),
-        p(16, 32, pf=True),
+        p(16, 32, pf=True), p(8, e=True), p(4, e=True), p(4, 32, e=True),
         p(8, 128, 8), p(8, st=5), p(4, st=5), p(16),
     ]  # fmt: skip
 

@@ -30,7 +30,8 @@ class DecodePlan:
     ``merge``: the last split of each (sequence, KV head) to finish merges the splits (found
     by an atomic ticket) instead of a second kernel; with one split the output is written
     directly. ``prefetch``: the next tile's K/V loads are issued before this tile is computed
-    (a software pipeline in registers; ``num_stages`` is then 1)."""
+    (a software pipeline in registers; ``num_stages`` is then 1). ``early`` (with ``prefetch``):
+    the first tile but the new token is loaded before the PDL wait."""
 
     num_seqs: int
     num_heads: int
@@ -42,13 +43,14 @@ class DecodePlan:
     num_stages: int = 2
     merge: bool = False
     prefetch: bool = False
+    early: bool = False
 
     @property
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     def label(self) -> str:
-        stages = "pf" if self.prefetch else f"st{self.num_stages}"
+        stages = ("pfe" if self.early else "pf") if self.prefetch else f"st{self.num_stages}"
         merge = "_m" if self.merge else ""
         return f"s{self.num_splits}_n{self.block_n}_w{self.num_warps}_{stages}{merge}"
 
@@ -70,7 +72,7 @@ class DecodePlan:
         return cls(b, h, hkv, d, splits)
 
 
-KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch")
+KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")
 # Batch size -> the plan's knobs, measured on the GPU (``bench.decode_variants
 # --only-attention``); batch sizes not here take ``DecodePlan.make``'s rule.
 _PLANS: dict[int, dict[str, object]] = {}
@@ -143,8 +145,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # programmatic dependent launch: the previous kernel's results first
+    if PDL and not EARLY:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
@@ -161,11 +164,9 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & d_mask[None, :]
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gd_mask,
-        other=0.0,
-    )
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    if not EARLY:
+        q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -174,11 +175,26 @@ def _decode_split_kernel(
     if PREFETCH:
         # Software pipeline in registers (the launch has num_stages=1): the next tile's K/V
         # loads are in flight while this tile is computed, and the block ids two tiles ahead.
-        row, n_mask = _kv_rows(table, start + offs_n, end, block_size, stride_kb, stride_kt,
-                               head_off)  # fmt: skip
-        k, v = _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask)
+        row0, n_mask = _kv_rows(table, start + offs_n, end, block_size, stride_kb, stride_kt,
+                                head_off)  # fmt: skip
+        if EARLY:
+            # Before the PDL wait: the first tile but the new token (the previous kernel, the
+            # KV write, writes it; block tables, lengths and older KV are older than the kernel
+            # before it, complete once that one passed its own wait and launched this one).
+            last = start + offs_n == seq_len - 1
+            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask & ~last, offs_d, d_mask)
+        else:
+            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask, offs_d, d_mask)
         row, n_mask_next = _kv_rows(table, start + BLOCK_N + offs_n, end, block_size,
                                     stride_kb, stride_kt, head_off)  # fmt: skip
+        if EARLY:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
+            k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
+            k = tl.where(last[:, None], k_new, k)
+            v = tl.where(last[:, None], v_new, v)
         for n0 in range(start, end, BLOCK_N):
             k_next, v_next = _kv_tile(k_ptr, v_ptr, row, n_mask_next, offs_d, d_mask)
             row_next, n_mask_after = _kv_rows(table, n0 + 2 * BLOCK_N + offs_n, end, block_size,
@@ -290,6 +306,8 @@ def decode_attention(
     if block_tables.stride(-1) != 1 or block_tables.shape[0] < b or seq_lens.shape[0] < b:
         raise ValueError("block_tables must be [B, max_blocks] with unit last stride")
     plan = plan or DecodePlan.make(q, paged)
+    if plan.early and not plan.prefetch:
+        raise ValueError("DecodePlan.early needs prefetch (its tiles are loaded before the loop)")
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -308,7 +326,8 @@ def decode_attention(
         plan.num_splits,
         GROUP=plan.group, BLOCK_G=max(next_pow2(plan.group), 16), BLOCK_N=plan.block_n,
         HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
-        PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, num_warps=plan.num_warps,
+        PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
+        num_warps=plan.num_warps,
         num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q),
     )  # fmt: skip
     if merge:

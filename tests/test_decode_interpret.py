@@ -36,7 +36,9 @@ for fp8 in (False, True):
                       {"num_splits": 1, "block_n": 32, "merge": True, "prefetch": True},
                       {"num_splits": 4, "block_n": 16, "merge": True, "prefetch": True},
                       {"num_splits": 2, "block_n": 32, "prefetch": True},
-                      {"num_splits": 8, "block_n": 16, "merge": True}):
+                      {"num_splits": 8, "block_n": 16, "merge": True},
+                      {"num_splits": 2, "block_n": 16, "merge": True, "prefetch": True,
+                       "early": True}):
             plan = T.DecodePlan(len(lens), h, hkv, d, **knobs)
             for _ in range(2):  # the second call sees the tickets the first left
                 out = T.decode_attention(q, kv, 1, meta.block_tables, meta.seq_lens, 0.1, plan,
@@ -51,7 +53,7 @@ print(json.dumps({"rows": rows, "tickets_left": left}))
 def test_interpreter_matches_reference():
     res = interpreted_json(SCRIPT)
     assert isinstance(res, dict)
-    assert len(res["rows"]) == 56
+    assert len(res["rows"]) == 64
     bad = [r for r in res["rows"] if not (r[1] < 1e-2 and r[2] == 0.0)]
     assert not bad, bad[:10]
     assert res["tickets_left"] == 0
@@ -75,7 +77,7 @@ for kv in ("*bf16", "*fp8e4nv"):
         merge = (2 if plan.num_splits == 1 else 1) if plan.merge else 0
         consts = dict(GROUP=4, BLOCK_G=16, BLOCK_N=plan.block_n, HEAD_DIM=128, BLOCK_D=128,
                       DOT_PRECISION="tf32", PDL=True, MERGE=merge, PREFETCH=plan.prefetch,
-                      BLOCK_S=max(triton.next_power_of_2(plan.num_splits), 2))
+                      BLOCK_S=max(triton.next_power_of_2(plan.num_splits), 2), EARLY=plan.early)
         sig = {n: "constexpr" if n in consts else PTRS.get(n, kv if n in ("k_ptr", "v_ptr")
                else "fp32" if n in ("scale_log2", "v_scale") else "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig,
@@ -84,7 +86,10 @@ for kv in ("*bf16", "*fp8e4nv"):
                            options={"num_warps": plan.num_warps, "launch_pdl": True,
                                     "num_stages": 1 if plan.prefetch else plan.num_stages})
         ptx = k.asm["ptx"]
+        ptx = ptx[ptx.index(".entry"):]
+        first = min(ptx.index(s) for s in ("ld.global", "st.global") if s in ptx)
         out.append({"plan": f"{kv} {plan.label()}", "prefetch": plan.prefetch,
+                    "early": plan.early, "wait_first": "griddepcontrol.wait" in ptx[:first],
                     "merge": merge, "smem": k.metadata.shared,
                     "atomics": ptx.count("atom.global"),
                     "cp_async": ptx.count("cp.async.cg"),
@@ -93,15 +98,18 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 42 compilations: about a minute and a half on two cores
+@pytest.mark.slow  # 52 compilations: about a minute and a half on two cores
 def test_plans_compile_for_hopper():
     """Every benched plan compiles for sm_90 (Triton's compiler and ptxas need no device): the
     ticket's atomics only where the last split merges, the prefetch without Triton's
-    shared-memory pipeline, within the shared memory of two programs per multiprocessor."""
+    shared-memory pipeline, within the shared memory of two programs per multiprocessor, and
+    loads before the PDL wait only in ``early`` plans."""
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 2 * 21
+    assert len(rows) == 2 * 26
     for r in rows:
         assert (r["atomics"] > 0) == (r["merge"] == 1), r
         assert r["gdc"] > 0 and r["smem"] <= 113 * 1024, r
         if r["prefetch"]:
             assert r["cp_async"] == 0, r
+        # nothing read before the wait unless early (then K/V and block ids, never q)
+        assert r["wait_first"] == (not r["early"]), r

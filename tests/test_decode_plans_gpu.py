@@ -25,7 +25,7 @@ KNOBS["s3_n64_w4_st2_m"] = {"num_splits": 3, "merge": True}
 # One of each kind (the bench checks every plan's output against the rule's on its own cases)
 TESTED = ["s1_n64_w4_pf_m", "s3_n64_w4_st2_m", "s32_n64_w4_st2_m", "s16_n32_w4_pf_m",
           "s8_n64_w4_pf_m", "s2_n64_w8_pf_m", "s4_n128_w8_pf_m", "s8_n128_w8_st2_m",
-          "s4_n64_w4_st5_m"]  # fmt: skip
+          "s4_n64_w4_st5_m", "s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"]  # fmt: skip
 LENS = [1, 17, 1000, 4097, 64, 129]
 
 

@@ -38,11 +38,11 @@ CASES = {
         HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, FP8=False)),
     "decode_split": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=0, PREFETCH=False, BLOCK_S=2)),
+        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False)),
     # the register prefetch, and the last split merging (its ticket)
     "decode_split_merge": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=1, PREFETCH=True, BLOCK_S=8)),
+        MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False)),
     "decode_merge": (triton_decode._decode_merge_kernel, dict(
         HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
     "skinny": (triton_skinny._skinny_kernel, dict(
