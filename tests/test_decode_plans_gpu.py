@@ -96,3 +96,41 @@ def test_installed_plans_reach_make():
         T.install_plans(saved)
     with pytest.raises(ValueError, match="unknown decode plan fields"):
         T.install_plans({8: {"splits": 4}})
+
+
+@pytest.mark.parametrize("label", ["s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"])
+def test_early_plans_see_the_new_token_written_just_before(label):
+    """``early`` loads KV before the PDL wait: the new token, written by the KV write right
+    before (as in a step, with PDL where the GPU has it, in a CUDA graph), must still be read
+    after it. New K/V each replay, weighted so that a stale row would show."""
+    import kernels
+
+    lens = [3, 9, 2, 40]
+    q, kv, meta = make_paged_batch(
+        lens, [1] * 4, block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, seed=4
+    )
+    k = torch.zeros(4, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    ang = torch.zeros(4, 64, device="cuda")
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+    plan = T.DecodePlan(4, 32, 8, 128, **KNOBS[label])  # type: ignore[arg-type]
+
+    def step():
+        qr = kernels.rope_write_kv(q, k, v, cos, sin, kv, 0, meta)
+        return qr, T.decode_attention(qr, kv, 0, meta.block_tables, meta.seq_lens, 0.088, plan)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qr, out = step()
+    stale = None
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        k.copy_(torch.randn(k.shape, generator=g, device="cuda") * 3)
+        v.copy_(torch.randn(v.shape, generator=g, device="cuda") * 3)
+        graph.replay()
+        ref = reference_attention(qr, kv, 0, meta, 0.088)
+        assert rel_err(out, ref) < 1e-2
+        if stale is not None:  # the new token moved the output: a stale row would fail above
+            assert rel_err(stale, ref) > 5e-2
+        stale = out.clone()
