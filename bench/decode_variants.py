@@ -19,15 +19,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 import kernels
-from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
+from bench.gpu_common import measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from bench.skinny_gpu import shapes
 from engine.config import ModelConfig
@@ -38,7 +38,6 @@ from kernels import reference
 COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline"]
 LAYER = ("qkv", "o_proj", "gate_up", "down")
 PROF_COLS = ["kernel", "us_per_step", "calls_per_step"]
-ATT_COLS = ["batch", "plan", "splits", "block_n", "stages", "us_per_layer", "frac_copy"]
 # (weights, batch) -> changes to every installed layer plan, one variant each
 CHANGES: dict[tuple[str, int], list[dict[str, object]]] = {
     ("fp8", 1): [{"l2": 2}, {"l2": 4}, {"num_stages": 4}, {"num_stages": 4, "l2": 2}],
@@ -116,6 +115,23 @@ def lm_head_fp8(bench: LlamaBench) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def attention_plans(paths: list[Path], b: int) -> Iterator[None]:
+    """Decode attention at batch ``b`` takes the plan of ``paths`` (``--only-attention``'s
+    ``decode_attention_plans.json`` files: batch size -> ``DecodePlan`` knobs; a later file
+    wins) instead of the rule."""
+    from kernels import triton_decode
+
+    plans = {int(k): v for path in paths for k, v in json.loads(path.read_text()).items()}
+    if b not in plans:
+        raise ValueError(f"{[str(p) for p in paths]} have no plan for batch {b}")
+    saved = triton_decode.install_plans({b: plans[b]})
+    try:
+        yield
+    finally:
+        triton_decode.install_plans(saved)
+
+
+@contextlib.contextmanager
 def pdl_off() -> Iterator[None]:
     saved = kernels.PDL
     kernels.PDL = False
@@ -140,11 +156,25 @@ def run(args: argparse.Namespace) -> dict:
         triton_skinny.install_plans(args.plans, name)
     ceil = measure_ceilings(small=dry)
     ctx = 64 if dry else 1024
-    bench = LlamaBench(c, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx, device=device)
     res: dict = {"device": name, "date": args.date, "command": args.command, "shape": shape,
                  "torch": torch.__version__, "copy_TBps": ceil.copy_bytes_per_s / 1e12,
                  "rows": [], "profiles": []}  # fmt: skip
-    for weights in () if args.only_attention else ("bf16", "fp8"):
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # a dry run through the interpreter
+    if (device == "cuda" or interpret) and (args.attention or args.only_attention):
+        from bench import decode_attention_gpu
+
+        ctxs = args.ctxs if device == "cuda" else [40]
+        res.update(decode_attention_gpu.run(c, ceil, args.batches, ctxs, device))
+        if args.only_attention:
+            args.out.mkdir(parents=True, exist_ok=True)
+            best = {b: r["knobs"] for b, r in res["best"].items()}
+            (args.out / "decode_attention_plans.json").write_text(json.dumps(best, indent=1))
+    bench = (
+        None
+        if args.only_attention
+        else LlamaBench(c, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx, device=device)
+    )
+    for weights in () if bench is None else args.weights:
         if weights == "fp8":
             bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
         wdtype = torch.float8_e4m3fn if weights == "fp8" else torch.bfloat16
@@ -160,6 +190,8 @@ def run(args: argparse.Namespace) -> dict:
                 variants[label] = lambda change=change, b=b, wdtype=wdtype: installed_with(
                     c, b, wdtype, **change
                 )
+            if args.attention_plans is not None:
+                variants["attention_plans"] = lambda b=b: attention_plans(args.attention_plans, b)
             more = plan_variants() if device == "cuda" else {}
             for vname, plan in more.get((weights, b), {}).items():
                 variants[vname] = lambda plan=plan, b=b, wdtype=wdtype: layer_plans(
@@ -167,6 +199,8 @@ def run(args: argparse.Namespace) -> dict:
                 )
             base = None
             for vname, change in variants.items():
+                if args.variants and vname not in args.variants and vname != "installed":
+                    continue
                 try:
                     with change():
                         r = bench.decode(b, ctx, ceil)
@@ -180,48 +214,12 @@ def run(args: argparse.Namespace) -> dict:
                        "vs_installed": r["step_ms"] / base if base else None}  # fmt: skip
                 res["rows"].append(row)
                 print({k: row.get(k) for k in COLS}, flush=True)
-            if device == "cuda":
+            if device == "cuda" and not args.no_profile:
                 with pdl_off():
                     prof = bench.profile_graph(b, ctx)
                 res["profiles"].append({"weights": weights, **prof})
                 print(table(prof.get("rows", []), PROF_COLS))
-    if device == "cuda" and (args.attention or args.only_attention):
-        res["attention"] = attention(bench, ceil, ctx, args.batches)
     return res
-
-
-def attention(bench: LlamaBench, ceil: Ceilings, ctx: int, batches: list[int]) -> list[dict]:
-    """Decode attention alone (every layer back to back in one graph, as in a step) for launch
-    plans around ``DecodePlan.make``'s: time per layer and the KV read as a fraction of the copy
-    bandwidth."""
-    from kernels.triton_cache import PagedLayer
-    from kernels.triton_decode import DecodePlan, decode_attention
-
-    c = bench.c
-    rows = []
-    for b in batches:
-        q = torch.randn(b, c.num_heads, c.head_dim, device="cuda", dtype=torch.bfloat16)
-        tables = torch.tensor(bench.tables(b, ctx + 1), device="cuda", dtype=torch.int32)
-        lens = torch.full((b,), ctx + 1, device="cuda", dtype=torch.int32)
-        plans = {"default": DecodePlan.make(q, PagedLayer.of(bench.kv, 0))}
-        for splits in (4, 8, 16, 32):
-            for block_n in (32, 64):
-                for stages in (2, 3):
-                    plans[f"s{splits}_n{block_n}_st{stages}"] = DecodePlan(
-                        b, c.num_heads, c.num_kv_heads, c.head_dim, splits, block_n, 4, stages
-                    )
-        kv_bytes = b * (ctx + 1) * 2 * c.num_kv_heads * c.head_dim * 2
-        for name, plan in plans.items():
-            fns = [functools.partial(decode_attention, q, bench.kv, i, tables, lens, 0.088, plan)
-                   for i in range(c.num_layers)]  # fmt: skip
-            us = graph_time_ms(fns) * 1e3
-            rows.append({"batch": b, "plan": name, "splits": plan.num_splits,
-                         "block_n": plan.block_n, "stages": plan.num_stages, "us_per_layer": us,
-                         "frac_copy": kv_bytes / ceil.copy_bytes_per_s / (us / 1e6)})  # fmt: skip
-        mine = [r for r in rows if r["batch"] == b]
-        best = min(mine, key=lambda r: r["us_per_layer"])
-        print(table([r for r in mine if r["plan"] in ("default", best["plan"])], ATT_COLS))
-    return rows
 
 
 def report(res: dict) -> str:
@@ -230,7 +228,9 @@ def report(res: dict) -> str:
              f"shape {res['shape']}; copy bandwidth {res['copy_TBps']:.3f} TB/s", "",
              table(res["rows"], COLS + ["error"]), ""]  # fmt: skip
     if res.get("attention"):
-        lines += ["## Decode attention alone", "", table(res["attention"], ATT_COLS), ""]
+        from bench import decode_attention_gpu
+
+        lines += decode_attention_gpu.report(res)
     for p in res["profiles"]:
         lines += [f"## Profile, {p['weights']} batch {p.get('batch')}, PDL off "
                   f"(kernels {p.get('kernels_us', 0):.0f} us per step)", "",
@@ -250,7 +250,31 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time decode attention alone for launch plans around the default",
     )
-    p.add_argument("--only-attention", action="store_true", help="the attention section only")
+    p.add_argument(
+        "--only-attention",
+        action="store_true",
+        help="the attention section only (writes decode_attention_plans.json)",
+    )
+    p.add_argument(
+        "--ctxs",
+        type=int,
+        nargs="+",
+        default=[1024, 4096],
+        help="context lengths of the attention section",
+    )
+    p.add_argument(
+        "--attention-plans",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="a step variant with these decode-attention plans (--only-attention's "
+        "decode_attention_plans.json)",
+    )
+    p.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument(
+        "--variants", nargs="+", default=None, help="run only these step variants (and installed)"
+    )
+    p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
     args = parse_bench_args(p, "bench.decode_variants", argv)
     res = run(args)
     md = report(res)

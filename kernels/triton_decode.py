@@ -25,7 +25,13 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    """Launch shape of one decode-attention call (a function of the batch shape only)."""
+    """Launch shape of one decode-attention call (a function of the batch shape only).
+
+    ``merge``: the last split of each (sequence, KV head) to finish merges the splits (found
+    by an atomic ticket) instead of a second kernel; with one split the output is written
+    directly. ``prefetch``: the next tile's K/V loads are issued before this tile is computed
+    (a software pipeline in registers; ``num_stages`` is then 1). ``early`` (with ``prefetch``):
+    the first tile but the new token is loaded before the PDL wait."""
 
     num_seqs: int
     num_heads: int
@@ -35,15 +41,29 @@ class DecodePlan:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    merge: bool = False
+    prefetch: bool = False
+    early: bool = False
 
     @property
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def label(self) -> str:
+        stages = ("pfe" if self.early else "pf") if self.prefetch else f"st{self.num_stages}"
+        merge = "_m" if self.merge else ""
+        return f"s{self.num_splits}_n{self.block_n}_w{self.num_warps}_{stages}{merge}"
+
+    def knobs(self) -> dict[str, object]:
+        """The fields that are not the batch shape (what ``install_plans`` takes)."""
+        return {k: getattr(self, k) for k in KNOBS}
+
     @classmethod
     def make(cls, q: torch.Tensor, paged: PagedLayer, max_splits: int = 32) -> DecodePlan:
         b, h, d = q.shape
         hkv = paged.num_kv_heads
+        if b in _PLANS:
+            return cls(b, h, hkv, d, **_PLANS[b])  # type: ignore[arg-type]
         # About two programs per multiprocessor: on an H100 (bench.decode_variants --attention,
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
@@ -52,16 +72,82 @@ class DecodePlan:
         return cls(b, h, hkv, d, splits)
 
 
+KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")
+# Batch size -> the plan's knobs, measured on the GPU (``bench.decode_variants
+# --only-attention``); batch sizes not here take ``DecodePlan.make``'s rule.
+_PLANS: dict[int, dict[str, object]] = {}
+
+
+def install_plans(plans: dict[int, dict[str, object]]) -> dict[int, dict[str, object]]:
+    """Batch size -> knobs (``DecodePlan.knobs()``) that ``DecodePlan.make`` takes from now on
+    (the others keep its rule); returns the plans that were installed before."""
+    bad = [k for p in plans.values() for k in p if k not in KNOBS]
+    if bad:
+        raise ValueError(f"unknown decode plan fields {bad}; known: {list(KNOBS)}")
+    saved = dict(_PLANS)
+    _PLANS.clear()
+    _PLANS.update({int(b): dict(p) for b, p in plans.items()})
+    return saved
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """One counter per (sequence, KV head) for ``merge`` plans (zeroed once; every call
+    leaves them zero). Made by the first such call, which must not be inside a CUDA graph
+    capture (warm-ups run first)."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention's merge counters must be made before capture")
+        t = _TICKETS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return t
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _kv_rows(table, pos, end, block_size, stride_kb, stride_kt, head_off):
+    """Offsets of the K/V rows of tokens ``pos`` (masked past ``end``) in their paged blocks."""
+    n_mask = pos < end
+    blk = tl.load(table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
+    return blk * stride_kb + (pos % block_size).to(tl.int64) * stride_kt + head_off, n_mask
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask):
+    m = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=m, other=0.0)
+    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=m, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax (an FP8 cache's tile is upcast here; its scales are in
+    ``scale_log2`` and, at the end, ``v_scale``)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, scale_log2, v_scale,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, tickets_ptr,
+    scale_log2, v_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, block_size, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    block_size, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # programmatic dependent launch: the previous kernel's results first
+    if PDL and not EARLY:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
@@ -78,39 +164,106 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & d_mask[None, :]
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gd_mask,
-        other=0.0,
-    )
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    if not EARLY:
+        q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = tables_ptr + b * stride_tb
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        blk = tl.load(table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        row = blk * stride_kb + (pos % block_size).to(tl.int64) * stride_kt + kvh * stride_kh
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        # An FP8 cache is read as is and upcast here; its scales are in scale_log2 and v_scale.
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    head_off = kvh * stride_kh
+    if PREFETCH:
+        # Software pipeline in registers (the launch has num_stages=1): the next tile's K/V
+        # loads are in flight while this tile is computed, and the block ids two tiles ahead.
+        row0, n_mask = _kv_rows(table, start + offs_n, end, block_size, stride_kb, stride_kt,
+                                head_off)  # fmt: skip
+        if EARLY:
+            # Before the PDL wait: the first tile but the new token (the previous kernel, the
+            # KV write, writes it; block tables, lengths and older KV are older than the kernel
+            # before it, complete once that one passed its own wait and launched this one).
+            last = start + offs_n == seq_len - 1
+            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask & ~last, offs_d, d_mask)
+        else:
+            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask, offs_d, d_mask)
+        row, n_mask_next = _kv_rows(table, start + BLOCK_N + offs_n, end, block_size,
+                                    stride_kb, stride_kt, head_off)  # fmt: skip
+        if EARLY:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
+            k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
+            k = tl.where(last[:, None], k_new, k)
+            v = tl.where(last[:, None], v_new, v)
+        for n0 in range(start, end, BLOCK_N):
+            k_next, v_next = _kv_tile(k_ptr, v_ptr, row, n_mask_next, offs_d, d_mask)
+            row_next, n_mask_after = _kv_rows(table, n0 + 2 * BLOCK_N + offs_n, end, block_size,
+                                              stride_kb, stride_kt, head_off)  # fmt: skip
+            m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+            k, v, n_mask, row, n_mask_next = k_next, v_next, n_mask_next, row_next, n_mask_after
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            row, n_mask = _kv_rows(table, n0 + offs_n, end, block_size, stride_kb, stride_kt,
+                                   head_off)  # fmt: skip
+            k, v = _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask)
+            m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     nonempty = l_i > 0.0
     out = acc * v_scale / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    p_off = b * stride_pb + heads * stride_ph + split * stride_ps
-    tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=gd_mask)
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=offs_g < GROUP)
+    if MERGE == 2:  # one split: the output itself
+        o_ptr = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    else:
+        p_off = b * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=gd_mask)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=offs_g < GROUP)
+        if MERGE == 1:
+            _merge_last(part_ptr, lse_ptr, out_ptr, tickets_ptr + b * tl.num_programs(1) + kvh,
+                        b, kvh, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
+                        stride_lh, stride_ob, stride_oh, GROUP, HEAD_DIM, BLOCK_S,
+                        BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _merge_last(part_ptr, lse_ptr, out_ptr, ticket, b, kvh, num_splits,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """The last split of a (sequence, KV head) to finish (its ticket, as split-K's in
+    ``triton_skinny``) merges the group's heads as the merge kernel does; the ticket is left
+    zero for the next call."""
+    tl.debug_barrier()  # every thread's stores before the release below
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        for g in tl.static_range(GROUP):
+            _merge_head(part_ptr, lse_ptr, out_ptr, b, kvh * GROUP + g, num_splits,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+                        stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")  # fmt: skip
+        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_head(part_ptr, lse_ptr, out_ptr, b, h, num_splits,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                CACHE: tl.constexpr):  # fmt: skip
+    """Head ``h`` of sequence ``b``: its splits' outputs weighted by their sums (``CACHE``
+    ".cg": read from L2, written by other programs of the same launch)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,
+                  other=-float("inf"), cache_modifier=CACHE)  # fmt: skip
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): output 0
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    p_off = b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    part = tl.load(part_ptr + p_off, mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+                   other=0.0, cache_modifier=CACHE)  # fmt: skip
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptr = out_ptr + b * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -122,23 +275,11 @@ def _decode_merge_kernel(
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    lse = tl.load(
-        lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=-float("inf")
-    )
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): output 0
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    p_off = b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
-    part = tl.load(part_ptr + p_off, mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    o_ptr = out_ptr + b * stride_ob + h * stride_oh + offs_d
-    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    _merge_head(
+        part_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+        num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+        HEAD_DIM, BLOCK_S, BLOCK_D, "",
+    )  # fmt: skip
 
 
 def decode_attention(
@@ -165,26 +306,37 @@ def decode_attention(
     if block_tables.stride(-1) != 1 or block_tables.shape[0] < b or seq_lens.shape[0] < b:
         raise ValueError("block_tables must be [B, max_blocks] with unit last stride")
     plan = plan or DecodePlan.make(q, paged)
+    if plan.early and not plan.prefetch:
+        raise ValueError("DecodePlan.early needs prefetch (its tiles are loaded before the loop)")
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     part = torch.empty((b, h, plan.num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h, plan.num_splits), dtype=torch.float32, device=q.device)
+    merge = (2 if plan.num_splits == 1 else 1) if plan.merge else 0
+    tickets = _tickets(q.device, b * plan.num_kv_heads) if merge == 1 else lse
     block_d = max(next_pow2(d), 16)
+    block_s = max(next_pow2(plan.num_splits), 2)
     _decode_split_kernel[(b, plan.num_kv_heads, plan.num_splits)](
-        q, paged.k, paged.v, block_tables, seq_lens, part, lse, scale * k_scale * LOG2E, v_scale,
+        q, paged.k, paged.v, block_tables, seq_lens, part, lse, out, tickets,
+        scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1), paged.stride_block, paged.stride_token, paged.stride_head,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1), paged.block_size, plan.num_splits,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), paged.block_size,
+        plan.num_splits,
         GROUP=plan.group, BLOCK_G=max(next_pow2(plan.group), 16), BLOCK_N=plan.block_n,
-        HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(q),
+        HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
+        PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
+        num_warps=plan.num_warps,
+        num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q),
     )  # fmt: skip
+    if merge:
+        return out
     _decode_merge_kernel[(b, h)](
         part, lse, out, plan.num_splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=max(next_pow2(plan.num_splits), 2), BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
         **pdl_kwargs(q),
     )  # fmt: skip
     return out

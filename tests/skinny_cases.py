@@ -94,6 +94,21 @@ def prologue_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
     return out
 
 
+def interpreted_json(script: str) -> object:
+    """Run ``script`` under Triton's interpreter and return the JSON it prints last; skips the
+    test where numpy is too new for Triton 3.6's interpreter (it indexes 1-element arrays as
+    scalars, which numpy 2.3 refused)."""
+    import numpy
+
+    if tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip("Triton 3.6's interpreter needs numpy < 2.3")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def compiled_rows(script: str) -> list[dict]:
     """Run ``script`` (it compiles kernels for sm_90 off the GPU and prints a JSON list last)
     without the interpreter; skips the test where this Triton install has no ptxas."""

@@ -27,7 +27,7 @@ def ptr(name):
     if name in ("part_ptr", "lse_ptr", "cos_ptr", "sin_ptr", "scale_ptr"):
         return "*fp32"
     if name in ("tables_ptr", "seq_lens_ptr", "slot_blocks_ptr", "slot_offsets_ptr", "lock_ptr",
-                "rows_ptr", "start_ptr", "len_ptr", "slot_ptr"):
+                "rows_ptr", "start_ptr", "len_ptr", "slot_ptr", "tickets_ptr"):
         return "*i32"
     return "*bf16"
 
@@ -37,7 +37,12 @@ CASES = {
     "rope_write_kv": (triton_rope_kv._rope_write_kernel, dict(
         HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, FP8=False)),
     "decode_split": (triton_decode._decode_split_kernel, dict(
-        GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32")),
+        GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
+        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False)),
+    # the register prefetch, and the last split merging (its ticket)
+    "decode_split_merge": (triton_decode._decode_split_kernel, dict(
+        GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
+        MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False)),
     "decode_merge": (triton_decode._decode_merge_kernel, dict(
         HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
     "skinny": (triton_skinny._skinny_kernel, dict(
@@ -79,7 +84,7 @@ print(json.dumps(out))
 
 def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 18
+    assert len(rows) == 20
     for r in rows:
         # only the tensor-core product asks for weights in L2, and only with PDL
         assert r["l2_before_wait"] == (r["kernel"] == "skinny_dot" and r["pdl"]), r

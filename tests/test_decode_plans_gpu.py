@@ -1,0 +1,136 @@
+"""CUDA only: every decode-attention plan that ``bench.decode_attention_gpu`` times (the last
+split merging by ticket, the register prefetch, one to 32 splits, 32- to 128-token tiles)
+against the reference, bf16 and FP8 KV, padding rows, the tickets left zero for the next call
+and for a CUDA graph's replays, and ``install_plans`` reaching ``DecodePlan.make``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu_report import fp8_capable, require_cuda_triton
+
+pytestmark = pytest.mark.gpu
+require_cuda_triton()
+
+from bench.decode_attention_gpu import candidates  # noqa: E402
+from kernels import triton_decode as T  # noqa: E402
+from kernels.triton_cache import PagedLayer  # noqa: E402
+from tests.kernel_cases import make_paged_batch, reference_attention, rel_err  # noqa: E402
+from tests.test_fp8_spec_gpu import fp8_cache  # noqa: E402
+
+KNOBS = {T.DecodePlan(1, 1, 1, 1, **k).label(): k for b in (1, 8) for k in candidates(b)}  # type: ignore[arg-type]
+KNOBS["s1_n64_w4_pf_m"] = {"num_splits": 1, "prefetch": True, "merge": True}
+KNOBS["s3_n64_w4_st2_m"] = {"num_splits": 3, "merge": True}
+# One of each kind (the bench checks every plan's output against the rule's on its own cases)
+TESTED = ["s1_n64_w4_pf_m", "s3_n64_w4_st2_m", "s32_n64_w4_st2_m", "s16_n32_w4_pf_m",
+          "s8_n64_w4_pf_m", "s2_n64_w8_pf_m", "s4_n128_w8_pf_m", "s8_n128_w8_st2_m",
+          "s4_n64_w4_st5_m", "s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"]  # fmt: skip
+LENS = [1, 17, 1000, 4097, 64, 129]
+
+
+def _plan(knobs: dict) -> T.DecodePlan:
+    return T.DecodePlan(len(LENS), 32, 8, 128, **knobs)
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def batch(request):
+    """(q, kv, meta, k_scale, v_scale, reference) made once per KV dtype; row 4 is padding."""
+    if request.param == "fp8" and not fp8_capable():
+        pytest.skip("FP8 needs compute capability 8.9+")
+    q, kv, meta = make_paged_batch(
+        LENS, [1] * len(LENS), block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, seed=2
+    )
+    ks, vs = (0.5, 2.0) if request.param == "fp8" else (1.0, 1.0)
+    if request.param == "fp8":
+        kv = fp8_cache(kv.float(), ks, vs)
+    ref = reference_attention(q, kv, 1, meta, 0.088, ks, vs)
+    meta.seq_lens[4] = 0  # a padding row: zeros
+    ref[4] = 0
+    return q, kv, meta, ks, vs, ref
+
+
+@pytest.mark.parametrize("label", TESTED)
+def test_plan_matches_reference(label, batch):
+    q, kv, meta, ks, vs, ref = batch
+    plan = _plan(KNOBS[label])
+    for _ in range(2):  # the second call sees the tickets the first one left
+        out = T.decode_attention(q, kv, 1, meta.block_tables, meta.seq_lens, 0.088, plan, ks, vs)
+        assert out[4].abs().max().item() == 0
+        assert rel_err(out, ref) < 1e-2
+    if plan.merge and plan.num_splits > 1:
+        assert T._TICKETS[q.device].abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("label", ["s8_n64_w4_pf_m", "s32_n64_w4_st2_m"])
+def test_merge_plans_in_cuda_graph_follow_new_lengths(label):
+    q, kv, meta = make_paged_batch(
+        [300, 20], [1, 1], block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, seed=7
+    )
+    tables = torch.zeros((2, 64), dtype=torch.int32, device="cuda")
+    lens = torch.zeros(2, dtype=torch.long, device="cuda")
+    plan = T.DecodePlan(2, 32, 8, 128, **KNOBS[label])  # type: ignore[arg-type]
+    T.decode_attention(q, kv, 0, tables, lens, 0.1, plan)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = T.decode_attention(q, kv, 0, tables, lens, 0.1, plan)
+    for seq_lens in ([300, 20], [17, 250], [1, 1], [300, 300]):
+        meta.seq_lens.copy_(torch.tensor(seq_lens))
+        tables.zero_()
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        lens.copy_(meta.seq_lens)
+        for _ in range(3):
+            graph.replay()
+        assert rel_err(out, reference_attention(q, kv, 0, meta, 0.1)) < 1e-2
+
+
+def test_installed_plans_reach_make():
+    q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros((4, 1, 2, 16, 8, 128), device="cuda", dtype=torch.bfloat16)
+    knobs = KNOBS["s8_n64_w4_pf_m"]
+    saved = T.install_plans({8: knobs})
+    try:
+        assert T.DecodePlan.make(q, PagedLayer.of(kv, 0)).knobs() == knobs
+        assert not T.DecodePlan.make(q[:1], PagedLayer.of(kv, 0)).merge  # batch 1: the rule
+    finally:
+        T.install_plans(saved)
+    with pytest.raises(ValueError, match="unknown decode plan fields"):
+        T.install_plans({8: {"splits": 4}})
+
+
+@pytest.mark.parametrize("label", ["s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"])
+def test_early_plans_see_the_new_token_written_just_before(label):
+    """``early`` loads KV before the PDL wait: the new token, written by the KV write right
+    before (as in a step, with PDL where the GPU has it, in a CUDA graph), must still be read
+    after it. New K/V each replay, weighted so that a stale row would show."""
+    import kernels
+
+    lens = [3, 9, 2, 40]
+    q, kv, meta = make_paged_batch(
+        lens, [1] * 4, block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, seed=4
+    )
+    k = torch.zeros(4, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    ang = torch.zeros(4, 64, device="cuda")
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+    plan = T.DecodePlan(4, 32, 8, 128, **KNOBS[label])  # type: ignore[arg-type]
+
+    def step():
+        qr = kernels.rope_write_kv(q, k, v, cos, sin, kv, 0, meta)
+        return qr, T.decode_attention(qr, kv, 0, meta.block_tables, meta.seq_lens, 0.088, plan)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qr, out = step()
+    stale = None
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        k.copy_(torch.randn(k.shape, generator=g, device="cuda") * 3)
+        v.copy_(torch.randn(v.shape, generator=g, device="cuda") * 3)
+        graph.replay()
+        ref = reference_attention(qr, kv, 0, meta, 0.088)
+        assert rel_err(out, ref) < 1e-2
+        if stale is not None:  # the new token moved the output: a stale row would fail above
+            assert rel_err(stale, ref) > 5e-2
+        stale = out.clone()
