@@ -64,6 +64,8 @@ class DecodePlan:
         hkv = paged.num_kv_heads
         if b in _PLANS:
             return cls(b, h, hkv, d, **_PLANS[b])  # type: ignore[arg-type]
+        if paged.k.element_size() == 1 and b in FP8_KV_PLANS:
+            return cls(b, h, hkv, d, **FP8_KV_PLANS[b])  # type: ignore[arg-type]
         # About two programs per multiprocessor: on an H100 (bench.decode_variants --attention,
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
@@ -76,6 +78,15 @@ KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch"
 # Batch size -> the plan's knobs, measured on the GPU (``bench.decode_variants
 # --only-attention``); batch sizes not here take ``DecodePlan.make``'s rule.
 _PLANS: dict[int, dict[str, object]] = {}
+# The same for an FP8 KV cache, under any installed plans. Batch 8: the in-kernel merge, the
+# next tile in flight and the first tile before the PDL wait. On an H100 (session 7, 8B shape),
+# attention took 18.05 against 27.2 us a layer at ctx 1k (0.66x the rule's plan) and 51.3
+# against 62.1 at 4k (0.83x). The same plan lost on a bf16 cache (1.09-1.21x), which keeps the
+# rule (bench/results/decode_gpu_h100.md).
+FP8_KV_PLANS: dict[int, dict[str, object]] = {
+    8: {"num_splits": 8, "block_n": 64, "num_warps": 4, "num_stages": 2, "merge": True,
+        "prefetch": True, "early": True},
+}  # fmt: skip
 
 
 def install_plans(plans: dict[int, dict[str, object]]) -> dict[int, dict[str, object]]:

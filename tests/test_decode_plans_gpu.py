@@ -98,17 +98,24 @@ def test_installed_plans_reach_make():
         T.install_plans({8: {"splits": 4}})
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("label", ["s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"])
-def test_early_plans_see_the_new_token_written_just_before(label):
+def test_early_plans_see_the_new_token_written_just_before(label, kv_dtype):
     """``early`` loads KV before the PDL wait: the new token, written by the KV write right
     before (as in a step, with PDL where the GPU has it, in a CUDA graph), must still be read
-    after it. New K/V each replay, weighted so that a stale row would show."""
+    after it. New K/V each replay, weighted so that a stale row would show; a bf16 and an FP8
+    cache (scaled, as the engine writes it)."""
     import kernels
 
+    if kv_dtype == "fp8" and not fp8_capable():
+        pytest.skip("FP8 needs compute capability 8.9+")
     lens = [3, 9, 2, 40]
     q, kv, meta = make_paged_batch(
         lens, [1] * 4, block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, seed=4
     )
+    ks, vs = (0.5, 2.0) if kv_dtype == "fp8" else (1.0, 1.0)
+    if kv_dtype == "fp8":
+        kv = fp8_cache(kv.float(), ks, vs)
     k = torch.zeros(4, 8, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros_like(k)
     ang = torch.zeros(4, 64, device="cuda")
@@ -116,8 +123,9 @@ def test_early_plans_see_the_new_token_written_just_before(label):
     plan = T.DecodePlan(4, 32, 8, 128, **KNOBS[label])  # type: ignore[arg-type]
 
     def step():
-        qr = kernels.rope_write_kv(q, k, v, cos, sin, kv, 0, meta)
-        return qr, T.decode_attention(qr, kv, 0, meta.block_tables, meta.seq_lens, 0.088, plan)
+        qr = kernels.rope_write_kv(q, k, v, cos, sin, kv, 0, meta, ks, vs)
+        tables, lengths = meta.block_tables, meta.seq_lens
+        return qr, T.decode_attention(qr, kv, 0, tables, lengths, 0.088, plan, ks, vs)
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -129,8 +137,30 @@ def test_early_plans_see_the_new_token_written_just_before(label):
         k.copy_(torch.randn(k.shape, generator=g, device="cuda") * 3)
         v.copy_(torch.randn(v.shape, generator=g, device="cuda") * 3)
         graph.replay()
-        ref = reference_attention(qr, kv, 0, meta, 0.088)
+        ref = reference_attention(qr, kv, 0, meta, 0.088, ks, vs)
         assert rel_err(out, ref) < 1e-2
         if stale is not None:  # the new token moved the output: a stale row would fail above
             assert rel_err(stale, ref) > 5e-2
         stale = out.clone()
+
+
+def test_make_takes_the_measured_fp8_kv_plan_at_batch_8_and_the_rule_otherwise():
+    """``DecodePlan.make``: batch 8 over an FP8 cache takes ``FP8_KV_PLANS[8]``; a bf16 cache
+    and other batch sizes keep the rule; installed plans come first."""
+
+    q8 = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    q4 = q8[:4]
+    bf16 = torch.zeros(4, 2, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    fp8 = bf16.to(torch.float8_e4m3fn)
+    rule8 = T.DecodePlan.make(q8, PagedLayer.of(bf16, 0))
+    assert not (rule8.merge or rule8.prefetch or rule8.early)
+    got = T.DecodePlan.make(q8, PagedLayer.of(fp8, 0))
+    assert got.knobs() == T.FP8_KV_PLANS[8]
+    assert T.DecodePlan.make(q4, PagedLayer.of(fp8, 0)) == T.DecodePlan.make(
+        q4, PagedLayer.of(bf16, 0)
+    )
+    saved = T.install_plans({8: rule8.knobs()})
+    try:
+        assert T.DecodePlan.make(q8, PagedLayer.of(fp8, 0)) == rule8
+    finally:
+        T.install_plans(saved)
