@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.kv_checksum import device_time
 from kernels import reference
 
 BLOCK_BYTES = (
@@ -116,16 +117,6 @@ def launcher(dst, src, sums, n, name, with_sum):
     return run
 
 
-def device_ms(fn, repeat: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeat
-
-
 def measure(tokens: int, repeat: int, rounds: int) -> dict:
     n = tokens // 16
     src = torch.randint(0, 256, (n, BLOCK_BYTES), dtype=torch.uint8, device="cuda")
@@ -151,8 +142,7 @@ def measure(tokens: int, repeat: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(rounds):
         for k, fn in arms.items():
-            fn()
-            times[k].append(device_ms(fn, repeat))
+            times[k].append(device_time(fn, "cuda", repeat) * 1e3)
     base = statistics.median(times["copy_"])
     ratio = {k: round(statistics.median(v) / base, 4) for k, v in times.items()}
     return {"tokens": tokens, "blocks": n, "copy_ms": round(base, 4), "ratio": ratio}
