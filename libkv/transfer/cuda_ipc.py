@@ -368,7 +368,7 @@ class CudaIpcTransport:
                     if int(sums.count_nonzero()):
                         raise RuntimeError("left its sums dirty")
         except (RuntimeError, ValueError) as e:  # any way it fails here: the upload path
-            log.warning("the check of contiguous runs cannot read pinned memory (%s)", e)
+            log.warning("the compare behind the copy cannot read pinned memory (%s)", e)
             return
         self.behind = True
 
@@ -497,8 +497,8 @@ class CudaIpcTransport:
         return self._work
 
     def _sums_buffer(self, n: int) -> torch.Tensor:
-        """The check of runs' sums (device int64, zero, one per block; the compare leaves it
-        zero)."""
+        """The sums of a copy with the compare behind it (device int64, zero, one per block;
+        the compare leaves them zero)."""
         if self._run_sums is None or self._run_sums.numel() < n:
             self._run_sums = torch.zeros(max(n, STAGING_MIN), dtype=torch.int64, device=self.device)
             self._copiers.clear()  # bound to the old buffer
