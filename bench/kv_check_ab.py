@@ -373,14 +373,14 @@ def launch_counts() -> dict:
     kernel (``fast``) or through ``kernel[grid](...)`` (``slow``: compiles, or the fallback)."""
     if not torch.cuda.is_available():
         return {}
-    from kernels import triton_copy
+    from kernels import triton_copy, triton_copy_check
 
     return {
         name: {"fast": lf.fast, "slow": lf.slow, "broken": lf.broken}
         for name, lf in (
             ("copy", triton_copy._COPY),
             ("sum", triton_copy._SUM),
-            ("check", triton_copy._CHECK),
+            ("check", triton_copy_check._CHECK),
             ("runs", triton_copy._RUNS),
             ("compare", triton_copy._COMPARE),
         )
@@ -393,7 +393,7 @@ def print_check(rows: list[dict]) -> None:
     if counts:
         rows[-1]["triton_launches"] = counts  # into the JSON the bench writes
         print("Triton launches, both arms alike: once compiled, straight through the compiled "
-              "kernel (kernels.triton_copy.FastLaunch), the plain copy (A) as the fused check "
+              "kernel (kernels.triton_launch.FastLaunch), the plain copy (A) as the fused check "
               "(B): " + ", ".join(f"{k} {v['fast']} direct / {v['slow']} via kernel[grid]"
                                   f"{' (direct path BROKEN)' if v['broken'] else ''}"
                                   for k, v in counts.items()))  # fmt: skip

@@ -1,5 +1,5 @@
 """Host time of one launch of the CUDA IPC hand-off's Triton copies, on a machine without a
-GPU: Triton 3.6's ``kernel[grid](...)`` path against `kernels.triton_copy.FastLaunch` (the
+GPU: Triton 3.6's ``kernel[grid](...)`` path against `kernels.triton_launch.FastLaunch` (the
 compiled kernel's launcher called directly), with the launcher itself (the C extension that
 calls ``cuLaunchKernel``) replaced by a no-op, so both paths are timed up to the same point.
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import kernels
     from kernels import triton_copy as tc
+    from kernels import triton_copy_check as tcc
 
     target = GPUTarget("cuda", 90, 32)  # an H100's
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._C._cuda_getCurrentRawStream = lambda d: 0  # type: ignore[attr-defined]
     kernels.use_triton = lambda t: True  # type: ignore[assignment]
     backend = make_backend(target)
-    for fl in (tc._COPY, tc._CHECK):
+    for fl in (tc._COPY, tcc._CHECK):
         binder = create_function_from_signature(fl.kernel.signature, fl.kernel.params, backend)
         fl.kernel.device_caches[0] = (Compiled(), {}, target, backend, binder)
 
@@ -109,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, fn in (("copy (sums off)", copy), ("check, views", check_views),
                      ("check, packed (sums on)", check_packed)):  # fmt: skip
-        tc._COPY.broken = tc._CHECK.broken = True  # every call through kernel[grid]
+        tc._COPY.broken = tcc._CHECK.broken = True  # every call through kernel[grid]
         slow = per_call_us(fn, args.calls)
-        tc._COPY.broken = tc._CHECK.broken = False
+        tc._COPY.broken = tcc._CHECK.broken = False
         fn()  # kernel[grid] once: FastLaunch keeps the (no-op) compiled kernel
         fast = per_call_us(fn, args.calls)
         rows.append((name, slow, fast))

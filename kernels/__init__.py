@@ -260,9 +260,9 @@ def copy_sum_check_blocks_between(
         )
     total = n if total is None else total
     if use_triton(dst):
-        from kernels import triton_copy
+        from kernels import triton_copy_check
 
-        triton_copy.copy_sum_check_blocks_between(
+        triton_copy_check.copy_sum_check_blocks_between(
             dst, src, src_idx, dst_idx, sums, want, tickets, state, out, total, offset
         )
         return
@@ -279,14 +279,14 @@ def copy_sum_check_packed(
     ``up`` (int64, at least ``4 * n``) holds the source ids, the destination ids, the sender's
     sums and the zeroed sums, one after another; ``work`` (int64, at least ``n + 1``, zero)
     the state word then the tickets. On CUDA, once compiled, launched with no tensor views
-    made (``triton_copy.FastLaunch``)."""
+    made (``triton_launch.FastLaunch``)."""
     if up.numel() < 4 * n or work.numel() < n + 1:
         raise ValueError(f"{n} blocks need {4 * n} uploaded words and {n + 1} workspace words")
     total = n if total is None else total
     if use_triton(dst):
-        from kernels import triton_copy
+        from kernels import triton_copy_check
 
-        triton_copy.copy_sum_check_packed(dst, src, up, n, work, out, total, offset)
+        triton_copy_check.copy_sum_check_packed(dst, src, up, n, work, out, total, offset)
         return
     copy_sum_check_blocks_between(
         dst, src, up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1 : n + 1],
@@ -299,12 +299,12 @@ def packed_check(
 ) -> Callable[..., None]:
     """`copy_sum_check_packed` bound to two pools and a workspace, checked once: the returned
     ``check(up, n, out, total=0)`` launches it for ``n`` blocks (``total`` 0: ``n``). On CUDA
-    ``triton_copy.PackedCheck`` (a fetch's launch computes no views, keys or checks of the
+    ``triton_copy_check.PackedCheck`` (a fetch's launch computes no views, keys or checks of the
     pools); elsewhere the same call through `copy_sum_check_packed`."""
     if use_triton(dst):
-        from kernels import triton_copy
+        from kernels import triton_copy_check
 
-        return triton_copy.PackedCheck(dst, src, work, offset)
+        return triton_copy_check.PackedCheck(dst, src, work, offset)
 
     def check(up: torch.Tensor, n: int, out: torch.Tensor, total: int = 0) -> None:
         copy_sum_check_packed(dst, src, up, n, work, out, total or None, offset)

@@ -5,18 +5,16 @@ here every program moves one ``CHUNK`` of one block with 16-byte accesses."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from kernels._triton import num_sms
+from kernels.triton_launch import FastLaunch, aligned16, launch_device
 
-log = logging.getLogger(__name__)
 CHUNK = 2048  # int64 words (16 KiB) a step of a program
 # The fused checks give each program several chunks of its block in a loop when a fetch has
 # many more chunks than the GPU runs programs at once, so that fewer programs each pay the
@@ -35,91 +33,6 @@ def split(chunks: int, n: int, device: int) -> tuple[int, int]:
     return per, -(-chunks // per)
 
 
-class FastLaunch:
-    """A Triton kernel launched through its compiled kernel once it has one.
-
-    ``kernel[grid](...)`` spends tens of microseconds on the host per call in Triton 3.6
-    (binding and specialising every argument, hashing the options into the cache key, the
-    launch hooks' metadata) before the launch itself. The copy kernels here are launched
-    with arguments whose specialisation the caller can name in a few values (``key``: the
-    device, the pools' words and alignment, the index dtypes); the first call for a key goes
-    through ``kernel[grid](...)``, which compiles (or finds) the variant and returns its
-    ``CompiledKernel``; later calls for that key call the compiled kernel's launcher directly
-    with the runtime arguments (pointers as ints, as Triton's launcher accepts them) and the
-    current stream, as ``CompiledKernel.__getitem__``'s runner does.
-
-    Any exception on that direct path (another Triton's calling convention, say) is logged
-    once and the launcher goes back to ``kernel[grid](...)`` for good. Under Triton's
-    interpreter (``TRITON_INTERPRET=1``) ``kernel[grid](...)`` returns no compiled kernel and
-    every call takes it."""
-
-    def __init__(self, kernel: Any, name: str) -> None:
-        self.kernel = kernel
-        self.name = name
-        self.compiled: dict[Hashable, Any] = {}
-        self.fast = 0  # launches that took the direct path (tests, bench)
-        self.slow = 0  # launches through ``kernel[grid](...)``
-        self.broken = False  # the direct path failed once: never tried again
-
-    def __call__(
-        self,
-        key: Hashable,
-        grid: tuple[int, int],
-        fast_args: Callable[[], Sequence[Any]],
-        slow_args: Callable[[], tuple[Sequence[Any], dict[str, Any]]],
-        **options: Any,
-    ) -> None:
-        """Launch on the current device and stream. ``key``: everything the compiled variant
-        depends on besides the kernel; ``fast_args()``: every kernel argument in order,
-        constexprs included, pointers as ints or tensors; ``slow_args()``: the same as
-        ``kernel[grid]`` takes them (tensors), the constexprs and ``options`` as keywords."""
-        ck = None if self.broken else self.compiled.get(key)
-        if ck is not None:
-            try:
-                self._direct(ck, grid, fast_args())
-                self.fast += 1
-                return
-            except Exception as e:  # any kind: the slow path below still launches it
-                self.broken = True
-                log.warning("direct launch of %s failed (%r): back to kernel[grid]", self.name, e)
-        args, constexprs = slow_args()
-        got = self.kernel[grid](*args, **constexprs, **options)
-        self.slow += 1
-        if not self.broken and hasattr(got, "packed_metadata") and hasattr(got, "function"):
-            self.compiled[key] = got  # a CompiledKernel (the interpreter returns none)
-
-    @staticmethod
-    def _direct(ck: Any, grid: tuple[int, int], args: Sequence[Any]) -> None:
-        device = torch.cuda.current_device()
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        enter = knobs.runtime.launch_enter_hook
-        leave = knobs.runtime.launch_exit_hook
-        run = ck.run  # loads the module on first use (the first launch did already)
-        if getattr(enter, "calls", True) or getattr(leave, "calls", True):  # a profiler's
-            meta = ck.launch_metadata((grid[0], grid[1], 1), stream, *args)
-            run(grid[0], grid[1], 1, stream, ck.function, ck.packed_metadata, meta, enter,
-                leave, *args)  # fmt: skip
-        else:  # no hooks registered: nothing to call around the launch
-            run(grid[0], grid[1], 1, stream, ck.function, ck.packed_metadata, None, None, None,
-                *args)  # fmt: skip
-
-
-def _device(t: torch.Tensor) -> int:
-    """The device a launch for ``t`` goes to (Triton's: the current one); -1 off CUDA (the
-    interpreter, which compiles nothing to keep)."""
-    return torch.cuda.current_device() if t.is_cuda else -1
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
-
-
-def _host_or_ptr(t: torch.Tensor) -> Any:
-    """A pointer argument for Triton's launcher: a device tensor's address as an int; a host
-    tensor itself (the launcher asks CUDA for its device address: pinned memory mapped)."""
-    return t.data_ptr() if t.is_cuda else t
-
-
 @triton.jit
 def _copy_blocks_kernel(src, dst, src_idx, dst_idx, words, CHUNK: tl.constexpr):
     i = tl.program_id(0)
@@ -132,7 +45,7 @@ def _copy_blocks_kernel(src, dst, src_idx, dst_idx, words, CHUNK: tl.constexpr):
     tl.store(dst + d * words + offs, v, mask=mask)
 
 
-def _check_pools(
+def check_pools(
     dst: torch.Tensor,
     src: torch.Tensor,
     src_idx: torch.Tensor | None = None,
@@ -155,15 +68,15 @@ def copy_blocks_between(
 ) -> None:
     """``dst``/``src``: ``[num_blocks, block_bytes]`` uint8, contiguous, block bytes a multiple
     of 8; ``src_idx``/``dst_idx``: int tensors of equal length on the same device."""
-    _check_pools(dst, src, src_idx, dst_idx)
+    check_pools(dst, src, src_idx, dst_idx)
     n = src_idx.numel()
     if n == 0:
         return
     words = dst.shape[1] // 8
     # The variant: the words, each pointer's 16-byte alignment, the index dtypes.
     key = (
-        _device(dst), words, _aligned(src), _aligned(dst), _aligned(src_idx),
-        _aligned(dst_idx), src_idx.dtype, dst_idx.dtype,
+        launch_device(dst), words, aligned16(src), aligned16(dst), aligned16(src_idx),
+        aligned16(dst_idx), src_idx.dtype, dst_idx.dtype,
     )  # fmt: skip
     _COPY(
         key,
@@ -185,7 +98,7 @@ def copy_blocks_between(
 
 
 @triton.jit
-def _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK: tl.constexpr):
+def copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK: tl.constexpr):
     """Copy this program's ``per`` chunks of its block (program ids: block, part); its part of
     the block's ``wsum64`` (wraps modulo 2^64)."""
     i = tl.program_id(0)
@@ -229,7 +142,7 @@ def _copy_sum_blocks_kernel(
     behind it may launch at once (it waits in the kernel for this one's end)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
+    part = copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
     tl.atomic_add(sums + tl.program_id(0), part, sem="relaxed", scope="gpu")
 
 
@@ -246,7 +159,7 @@ def copy_sum_blocks_between(
     pass through registers: the copy's one read serves the checksum too (int64, on the
     device, not waited for). ``out``: added into (zero before) and returned, instead of a
     new tensor."""
-    _check_pools(dst, src, src_idx, dst_idx)
+    check_pools(dst, src, src_idx, dst_idx)
     n = src_idx.numel()
     sums = torch.zeros(n, dtype=torch.int64, device=dst.device) if out is None else out
     if sums.dtype != torch.int64 or sums.shape != (n,):
@@ -255,7 +168,7 @@ def copy_sum_blocks_between(
         return sums
     words = dst.shape[1] // 8
     chunks = -(-words // CHUNK)
-    per, progs = split(chunks, n, _device(dst))
+    per, progs = split(chunks, n, launch_device(dst))
     _copy_sum_blocks_kernel[(n, progs)](
         src.view(torch.int64), dst.view(torch.int64), src_idx, dst_idx, sums, words, offset,
         per, CHUNK=CHUNK, num_warps=8,
@@ -272,7 +185,7 @@ class PackedCopySum:
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor,
                  offset: int = 0, pdl: bool = False) -> None:  # fmt: skip
-        _check_pools(dst, src)
+        check_pools(dst, src)
         if sums.dtype != torch.int64 or sums.dim() != 1:
             raise ValueError("the sums must be a 1-D int64 tensor")
         self.pdl = pdl
@@ -281,8 +194,8 @@ class PackedCopySum:
         self.chunks = -(-self.words // CHUNK)
         self.offset = offset
         self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr())
-        self._dev = _device(dst)
-        self._key = ("packed", self._dev, self.words, offset, _aligned(src), _aligned(dst), pdl)
+        self._dev = launch_device(dst)
+        self._key = ("packed", self._dev, self.words, offset, aligned16(src), aligned16(dst), pdl)
 
     def __call__(self, up: torch.Tensor, n: int) -> None:
         """Launch on the current stream for the ``n`` blocks whose ids ``up`` holds."""
@@ -306,186 +219,6 @@ class PackedCopySum:
             )  # fmt: skip
 
         _SUM(self._key, (n, progs), fast, slow, num_warps=8)
-
-
-# One compiled variant for every hand-off of a pool (compiled at the transport's warm-up): no
-# specialisation on the block count, on the chunks per block, or on where the small vectors
-# start (slices of one upload); the pools' words stay specialised (16-byte accesses).
-@triton.jit(
-    do_not_specialize=["chunks", "total", "per"],
-    do_not_specialize_on_alignment=[
-        "src_idx", "dst_idx", "sums", "want", "tickets", "state", "out",
-    ],
-)  # fmt: skip
-def _copy_sum_check_kernel(
-    src, dst, src_idx, dst_idx, sums, want, tickets, state, out, words, offset, chunks, total,
-    per, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """``chunks``: programs a block (each copies ``per`` chunks of it)."""
-    part = _copy_chunk_sum(src, dst, src_idx, dst_idx, words, offset, per, CHUNK)
-    _settle(part, sums, want, tickets, state, out, chunks, total)
-
-
-@triton.jit
-def _settle(part, sums, want, tickets, state, out, chunks, total):
-    """Add this program's ``part`` to its block's sum; the block's last program (of ``chunks``,
-    split-K's ticket) compares the whole sum with the sender's (``want``), and the fetch's last
-    block brings the count out (to ``out``: device or mapped host). The sum's add is relaxed:
-    the ticket's release (the same thread, after it) orders it before the ticket, and the last
-    program's acquire then sees every part."""
-    i = tl.program_id(0)
-    tl.atomic_add(sums + i, part, sem="relaxed", scope="gpu")
-    tl.debug_barrier()
-    if tl.atomic_add(tickets + i, 1, sem="acq_rel", scope="gpu") == chunks - 1:
-        got = tl.atomic_add(sums + i, 0, sem="acquire", scope="gpu")
-        bad = (got != tl.load(want + i)).to(tl.int64)
-        tl.atomic_xchg(tickets + i, 0, sem="relaxed", scope="gpu")  # for the next call
-        # One word: blocks done (high 32 bits) and mismatches (low 32 bits).
-        seen = tl.atomic_add(state, bad + 4294967296, sem="acq_rel", scope="gpu") + bad
-        if (seen >> 32) == total - 1:
-            tl.store(out, seen & 4294967295)
-            tl.atomic_xchg(state, 0, sem="relaxed", scope="gpu")  # for the next call
-
-
-def copy_sum_check_blocks_between(
-    dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-    sums: torch.Tensor, want: torch.Tensor, tickets: torch.Tensor, state: torch.Tensor,
-    out: torch.Tensor, total: int, offset: int = 0,
-) -> None:  # fmt: skip
-    """`copy_sum_blocks_between` that also compares, in the same launch: ``sums`` (int64,
-    zeroed, one per block) receive the moved blocks' ``wsum64``; the last program of each block
-    compares its sum with ``want`` and the last block of ``total`` (this launch's blocks, or
-    several launches' on one stream that share ``state``) stores how many differed in ``out``
-    (a 0-dim int64 on the device, or pinned host memory the device can write). ``tickets``
-    (one per block) and ``state`` (one word) are zero before and left zero after."""
-    _check_pools(dst, src, src_idx, dst_idx)
-    n = src_idx.numel()
-    if n == 0:
-        return
-    small = (src_idx, dst_idx, sums, want, tickets, state, out)
-    _check(
-        dst, src, n, total, offset, small,
-        lambda: (src_idx.data_ptr(), dst_idx.data_ptr(), sums.data_ptr(), want.data_ptr(),
-                 tickets.data_ptr(), state.data_ptr(), _host_or_ptr(out)),
-    )  # fmt: skip
-
-
-def copy_sum_check_packed(
-    dst: torch.Tensor, src: torch.Tensor, up: torch.Tensor, n: int, work: torch.Tensor,
-    out: torch.Tensor, total: int, offset: int = 0,
-) -> None:  # fmt: skip
-    """`copy_sum_check_blocks_between` with its vectors in two buffers, as the CUDA IPC
-    transport uploads them: ``up`` (int64, on the device) holds the ``n`` source ids, the
-    destination ids, the sender's sums and the zeroed sums, one after another; ``work`` the
-    state word then the tickets. Once compiled, its launch takes their addresses by
-    arithmetic: no tensor views made on the host."""
-    _check_pools(dst, src)
-    if n == 0:
-        return
-    if up.dtype != torch.int64 or work.dtype != torch.int64:
-        raise ValueError("the upload and the workspace must be int64")
-    if up.numel() < 4 * n or work.numel() < n + 1:
-        raise ValueError(f"{n} blocks need 4n uploaded words and n + 1 workspace words")
-    u, w = up.data_ptr(), work.data_ptr()
-
-    def slices() -> tuple[torch.Tensor, ...]:
-        return up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1:], work[:1], out
-
-    _check(
-        dst, src, n, total, offset, (up, up, up, up, work, work, out),
-        lambda: (u, u + 8 * n, u + 24 * n, u + 16 * n, w + 8, w, _host_or_ptr(out)),
-        slices,
-    )  # fmt: skip
-
-
-def _check(
-    dst: torch.Tensor, src: torch.Tensor, n: int, total: int, offset: int,
-    small: Sequence[torch.Tensor], pointers: Callable[[], tuple[Any, ...]],
-    tensors: Callable[[], Sequence[torch.Tensor]] | None = None,
-) -> None:  # fmt: skip
-    """Launch the fused check: ``small`` (src_idx, dst_idx, sums, want, tickets, state, out
-    or what holds them: only their dtypes name the variant), ``pointers()`` their addresses
-    (or tensors) for the direct launch, ``tensors()`` the tensors themselves (default
-    ``small``)."""
-    words = dst.shape[1] // 8
-    chunks = -(-words // CHUNK)  # not triton.cdiv: a jit function, microseconds on the host
-    per, progs = split(chunks, n, _device(dst))
-    # The variant: the words and the offset (specialised on), the pools' 16-byte alignment,
-    # the small vectors' dtypes (their alignment and the counts' values are not specialised
-    # on, only whether the counts fit 32 bits).
-    key = (
-        _device(dst), words, offset, _aligned(src), _aligned(dst), (chunks | total) >> 31,
-        *(t.dtype for t in small),
-    )  # fmt: skip
-
-    def fast() -> tuple[Any, ...]:
-        return (src.data_ptr(), dst.data_ptr(), *pointers(), words, offset, progs, total, per,
-                CHUNK)  # fmt: skip
-
-    def slow() -> tuple[tuple[Any, ...], dict[str, int]]:
-        vectors = tuple(small) if tensors is None else tuple(tensors())
-        return (
-            (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, progs, total,
-             per),
-            {"CHUNK": CHUNK},
-        )  # fmt: skip
-
-    _CHECK(key, (n, progs), fast, slow, num_warps=8)
-
-
-class PackedCheck:
-    """`copy_sum_check_packed` for one pair of pools and one workspace, checked once here: a
-    fetch's launch then only checks its counts and names its variant from two precomputed
-    keys (the pools' words, alignment and addresses do not change; the same keys as
-    ``_check``'s, so both share the compiled variant). What the CUDA IPC transport keeps per
-    mapped peer pool (its check's host time before the copy is queued)."""
-
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, work: torch.Tensor,
-                 offset: int = 0) -> None:  # fmt: skip
-        _check_pools(dst, src)
-        if work.dtype != torch.int64 or work.dim() != 1:
-            raise ValueError("the workspace must be a 1-D int64 tensor")
-        self.dst, self.src, self.work = dst, src, work
-        self.words = dst.shape[1] // 8
-        self.chunks = -(-self.words // CHUNK)
-        self.offset = offset
-        self.blocks = work.numel() - 1  # most blocks one launch can check
-        self._ptrs = (src.data_ptr(), dst.data_ptr(), work.data_ptr())
-        self._dev = _device(dst)
-        base = (self._dev, self.words, offset, _aligned(src), _aligned(dst))
-        self._keys = tuple((*base, big, *(torch.int64,) * 7) for big in (0, 1))
-
-    def __call__(self, up: torch.Tensor, n: int, out: torch.Tensor, total: int = 0) -> None:
-        """Launch on the current stream for ``n`` blocks whose vectors ``up`` holds (int64,
-        at least ``4 * n``, on the pools' device); the count to ``out`` (0-dim int64)
-        once ``total`` blocks (default ``n``) are done."""
-        if n <= 0:
-            return
-        total = total or n
-        if n > self.blocks or up.numel() < 4 * n or up.dtype != torch.int64:
-            raise ValueError(f"{n} blocks need 4n uploaded int64 words and n + 1 workspace words")
-        if out.dtype != torch.int64:
-            raise ValueError("the count must be int64")
-        s, d, w = self._ptrs
-        u = up.data_ptr()
-        words, offset, chunks, work = self.words, self.offset, self.chunks, self.work
-        dst, src = self.dst, self.src
-        per, progs = split(chunks, n, self._dev)
-
-        def fast() -> tuple[Any, ...]:
-            return (s, d, u, u + 8 * n, u + 24 * n, u + 16 * n, w + 8, w, _host_or_ptr(out),
-                    words, offset, progs, total, per, CHUNK)  # fmt: skip
-
-        def slow() -> tuple[tuple[Any, ...], dict[str, int]]:
-            vectors = (up[:n], up[n : 2 * n], up[3 * n : 4 * n], up[2 * n : 3 * n], work[1:],
-                       work[:1], out)  # fmt: skip
-            return (
-                (src.view(torch.int64), dst.view(torch.int64), *vectors, words, offset, progs,
-                 total, per),
-                {"CHUNK": CHUNK},
-            )  # fmt: skip
-
-        _CHECK(self._keys[(chunks | total) >> 31 != 0], (n, progs), fast, slow, num_warps=8)
 
 
 RUNS = 4  # most contiguous runs one `RunsCopySum` launch takes (as scalar arguments)
@@ -543,7 +276,7 @@ class RunsCopySum:
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, sums: torch.Tensor,
                  fault: bool = False, offset: int = 0, pdl: bool = False) -> None:  # fmt: skip
-        _check_pools(dst, src)
+        check_pools(dst, src)
         if sums.dtype != torch.int64 or sums.dim() != 1:
             raise ValueError("the sums must be a 1-D int64 tensor")
         self.pdl = pdl
@@ -554,8 +287,8 @@ class RunsCopySum:
         self.chunks = -(-self.words // CHUNK)
         self.offset, self.fault = offset, bool(fault)
         self._ptrs = (src.data_ptr(), dst.data_ptr(), sums.data_ptr())
-        self._dev = _device(dst)
-        self._key = ("runs", self._dev, self.words, offset, _aligned(src), _aligned(dst),
+        self._dev = launch_device(dst)
+        self._key = ("runs", self._dev, self.words, offset, aligned16(src), aligned16(dst),
                      self.fault, pdl)  # fmt: skip
 
     def __call__(self, runs: Sequence[tuple[int, int, int]]) -> None:
@@ -620,11 +353,10 @@ def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int, pdl: bool = Fal
         options = {"BLOCK": COMPARE_BLOCK, "PDL": pdl} | ({"launch_pdl": True} if pdl else {})
         return (sums, host[:n], host[n], n), options
 
-    _COMPARE(("compare", _device(sums), pdl), (1, 1), fast, slow, num_warps=4)
+    _COMPARE(("compare", launch_device(sums), pdl), (1, 1), fast, slow, num_warps=4)
 
 
 _COPY = FastLaunch(_copy_blocks_kernel, "the block copy")
 _SUM = FastLaunch(_copy_sum_blocks_kernel, "the copy and sum of scattered blocks")
 _RUNS = FastLaunch(_copy_sum_runs_kernel, "the copy and sum of contiguous runs")
 _COMPARE = FastLaunch(_compare_sums_kernel, "the compare behind a copy")
-_CHECK = FastLaunch(_copy_sum_check_kernel, "the fused copy, sum and check")

@@ -303,7 +303,7 @@ def test_the_fused_check_counts_exactly_under_concurrent_programs(block_bytes, n
     one workspace, each with other wrong sums: every count exact, every block copied bit for
     bit, the sums the reference's, the workspace zero after each call, the count stored into
     a device scalar and into pinned host memory alike."""
-    from kernels.triton_copy import copy_sum_check_blocks_between
+    from kernels.triton_copy_check import copy_sum_check_blocks_between
 
     g = torch.Generator(device="cuda").manual_seed(n)
     src = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, device="cuda", generator=g)

@@ -331,18 +331,18 @@ def test_many_concurrent_fetches_keep_their_own_counts(peer) -> None:
 @pytest.mark.parametrize("behind", [True, False])
 def test_fetches_launch_straight_through_the_compiled_kernels(peer, behind) -> None:
     """After the warm-up every checked fetch of scattered blocks launches its kernels through
-    their compiled kernels (`kernels.triton_copy.FastLaunch`, no ``kernel[grid]`` on the
+    their compiled kernels (`kernels.triton_launch.FastLaunch`, no ``kernel[grid]`` on the
     way): the copy and sum then the compare behind it (once the first fetch compiled them), or
     the fused check; and so does the plain copy of scattered blocks once compiled; counts and
     blocks are exact either way."""
-    from kernels import triton_copy
+    from kernels import triton_copy, triton_copy_check
 
     t, mine = transport(peer)
     t.behind = behind
-    assert t.sums and not triton_copy._CHECK.broken
+    assert t.sums and not triton_copy_check._CHECK.broken
     src, dst = [9, 1, 7, 2, 11, 0], [0, 2, 4, 6, 8, 10]
     h = handle(peer, src)
-    launches = (triton_copy._SUM, triton_copy._COMPARE) if behind else (triton_copy._CHECK,)
+    launches = (triton_copy._SUM, triton_copy._COMPARE) if behind else (triton_copy_check._CHECK,)
     for i, wrong in enumerate(([], [2], [0, 5], [1, 3, 4])):
         sums = list(h.block_checksums)
         for k in wrong:

@@ -349,7 +349,7 @@ def test_the_fused_check_counts_once_and_leaves_its_workspace_zero() -> None:
 @interpreted
 @pytest.mark.parametrize("words", [40, 4500])  # one program per block; three (tickets)
 def test_the_triton_fused_check_counts_once_and_leaves_its_workspace_zero(words) -> None:
-    from kernels.triton_copy import copy_sum_check_blocks_between
+    from kernels.triton_copy_check import copy_sum_check_blocks_between
 
     _fused_check_case(copy_sum_check_blocks_between, words)
 

@@ -1,4 +1,4 @@
-"""`kernels.triton_copy.FastLaunch` on any machine: the first launch of a variant goes through
+"""`kernels.triton_launch.FastLaunch` on any machine: the first launch of a variant goes through
 ``kernel[grid](...)`` and keeps the compiled kernel it returns, later ones call that kernel's
 launcher directly with the runtime arguments and the current stream (Triton 3.6's calling
 convention, as ``CompiledKernel.__getitem__`` calls it), a failure there is logged once and
@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is None:
 
 from triton import knobs  # noqa: E402
 
-from kernels.triton_copy import FastLaunch  # noqa: E402
+from kernels.triton_launch import FastLaunch  # noqa: E402
 
 
 class Compiled:
@@ -131,7 +131,7 @@ def test_nothing_is_kept_when_kernel_grid_returns_no_compiled_kernel(cuda_state)
 def test_the_packed_check_runs_interpreted_through_kernel_grid_and_counts_exactly():
     """The transport's packed launch under the interpreter: the slices of the one upload, the
     count exact, the workspace zero, and no compiled kernel kept (every call interpreted)."""
-    from kernels import reference, triton_copy
+    from kernels import reference, triton_copy_check
 
     g = torch.Generator().manual_seed(3)
     peer = torch.randint(0, 256, (6, 4096 * 8), dtype=torch.uint8, generator=g)  # 2 programs
@@ -142,37 +142,38 @@ def test_the_packed_check_runs_interpreted_through_kernel_grid_and_counts_exactl
     up = torch.tensor([*src, *dst, *want, 0, 0, 0], dtype=torch.int64)
     work = torch.zeros(4, dtype=torch.int64)
     out = torch.full((), -1, dtype=torch.int64)
-    slow = triton_copy._CHECK.slow
+    slow = triton_copy_check._CHECK.slow
     for _ in range(2):
         up[9:] = 0
-        triton_copy.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)
+        triton_copy_check.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)
         assert int(out) == 1 and not work.any()
         assert torch.equal(mine[dst], peer[src])
-    assert triton_copy._CHECK.slow == slow + 2 and triton_copy._CHECK.fast == 0
-    assert not triton_copy._CHECK.compiled
+    assert triton_copy_check._CHECK.slow == slow + 2 and triton_copy_check._CHECK.fast == 0
+    assert not triton_copy_check._CHECK.compiled
 
 
 def test_the_bound_packed_check_launches_the_same_variant_with_the_same_arguments(
     cuda_state, monkeypatch
 ):
-    """`triton_copy.PackedCheck` (the transport's check bound to its pools once) goes straight
-    to the variant `copy_sum_check_packed` compiled, with the very arguments that launch would
-    pass (the upload's slices by address), and refuses what does not fit its workspace."""
-    from kernels import triton_copy
+    """`triton_copy_check.PackedCheck` (the transport's check bound to its pools once) goes
+    straight to the variant `copy_sum_check_packed` compiled, with the very arguments that
+    launch would pass (the upload's slices by address), and refuses what does not fit its
+    workspace."""
+    from kernels import triton_copy_check
 
     ck = Compiled()
     k = Kernel(ck)
-    monkeypatch.setattr(triton_copy, "_CHECK", FastLaunch(k, "the check"))
+    monkeypatch.setattr(triton_copy_check, "_CHECK", FastLaunch(k, "the check"))
     peer = torch.zeros(6, 4096 * 8, dtype=torch.uint8)
     mine = torch.zeros_like(peer)
     up = torch.zeros(13, dtype=torch.int64)
     work = torch.zeros(4, dtype=torch.int64)
     out = up[12]
-    triton_copy.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)  # compiles (records)
-    bound = triton_copy.PackedCheck(mine, peer, work)
+    triton_copy_check.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)  # compiles
+    bound = triton_copy_check.PackedCheck(mine, peer, work)
     bound(up, 3, out)
-    triton_copy.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)
-    assert len(k.launches) == 1 and triton_copy._CHECK.fast == 2
+    triton_copy_check.copy_sum_check_packed(mine, peer, up, 3, work, out, 3)
+    assert len(k.launches) == 1 and triton_copy_check._CHECK.fast == 2
     assert ck.calls[0] == ck.calls[1]
     u = up.data_ptr()
     assert ck.calls[0][11:15] == (u, u + 24, u + 72, u + 48)  # ids, ids, sums, want
@@ -184,9 +185,9 @@ def test_the_bound_packed_check_launches_the_same_variant_with_the_same_argument
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1")
 def test_the_bound_packed_check_runs_interpreted_and_counts_exactly():
-    """`triton_copy.PackedCheck` under the interpreter (through ``kernel[grid]``): the blocks
+    """`triton_copy_check.PackedCheck` under the interpreter (through ``kernel[grid]``): the blocks
     copied, the count exact, the workspace left zero, twice in a row."""
-    from kernels import reference, triton_copy
+    from kernels import reference, triton_copy_check
 
     g = torch.Generator().manual_seed(4)
     peer = torch.randint(0, 256, (6, 4096 * 8), dtype=torch.uint8, generator=g)  # 2 programs
@@ -197,7 +198,7 @@ def test_the_bound_packed_check_runs_interpreted_and_counts_exactly():
     up = torch.tensor([*src, *dst, *want, 0, 0, 0], dtype=torch.int64)
     work = torch.zeros(4, dtype=torch.int64)
     out = torch.full((), -1, dtype=torch.int64)
-    check = triton_copy.PackedCheck(mine, peer, work)
+    check = triton_copy_check.PackedCheck(mine, peer, work)
     for _ in range(2):
         up[9:] = 0
         check(up, 3, out)

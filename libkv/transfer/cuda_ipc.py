@@ -326,7 +326,7 @@ class CudaIpcTransport:
                 raise RuntimeError(f"the fused check counted {int(out)} of 1 in a test")
             log.info("the fused check's store into pinned memory did not arrive")
         # Once more as a fetch launches it (the vectors packed in one upload), which now goes
-        # straight to the compiled kernel (`kernels.triton_copy.FastLaunch`; if that fails
+        # straight to the compiled kernel (`kernels.triton_launch.FastLaunch`; if that fails
         # here it says so once and every launch takes Triton's usual path).
         up = torch.tensor([0, 0, 1, 0], dtype=torch.int64, device=self.device)
         out.fill_(-1)
