@@ -44,6 +44,7 @@ def greedy(
         dtype="float32",
         enforce_eager=eager,
         num_kv_blocks=512,
+        max_model_len=2048,  # 512 blocks of 16 cannot hold the shape's 8,192 (refused at start)
         max_num_seqs=16,
         **options,
     ) as llm:
