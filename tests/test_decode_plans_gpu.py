@@ -25,7 +25,8 @@ KNOBS["s3_n64_w4_st2_m"] = {"num_splits": 3, "merge": True}
 # One of each kind (the bench checks every plan's output against the rule's on its own cases)
 TESTED = ["s1_n64_w4_pf_m", "s3_n64_w4_st2_m", "s32_n64_w4_st2_m", "s16_n32_w4_pf_m",
           "s8_n64_w4_pf_m", "s2_n64_w8_pf_m", "s4_n128_w8_pf_m", "s8_n128_w8_st2_m",
-          "s4_n64_w4_st5_m", "s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"]  # fmt: skip
+          "s4_n64_w4_st5_m", "s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m",
+          "s8_n64_w4_pfe_m"]  # fmt: skip  # (the last: FP8_KV_PLANS[8])
 LENS = [1, 17, 1000, 4097, 64, 129]
 
 
@@ -99,7 +100,7 @@ def test_installed_plans_reach_make():
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("label", ["s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m"])
+@pytest.mark.parametrize("label", ["s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m", "s8_n64_w4_pfe_m"])
 def test_early_plans_see_the_new_token_written_just_before(label, kv_dtype):
     """``early`` loads KV before the PDL wait: the new token, written by the KV write right
     before (as in a step, with PDL where the GPU has it, in a CUDA graph), must still be read
