@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+import kernels
 from bench.kv_checksum import device_time
 from kernels import reference
 
@@ -104,6 +106,78 @@ VARIANTS = {  # name: (CHUNK words, num_warps, chunks a program, hints)
 ALL = [*VARIANTS, *TMA]
 
 
+@triton.jit
+def _l2_sum_kernel(words_ptr, sums, first, words, per, CHUNK: tl.constexpr):
+    """Read-only ``wsum64`` of block ``first + i`` (program ``(i, j)``: its chunks ``j * per``
+    on), added into ``sums[first + i]``: behind a DMA copy of those blocks, while they are
+    still in L2."""
+    i = (tl.program_id(0) + first).to(tl.int64)
+    j = tl.program_id(1)
+    acc = tl.zeros([CHUNK], tl.int64)
+    for c in range(per):
+        offs = (j * per + c) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+        mask = offs < words
+        v = tl.load(words_ptr + i * words + offs, mask=mask, other=0)
+        acc += v * (2 * offs + 1)
+    tl.atomic_add(sums + i, tl.sum(acc, axis=0), sem="relaxed")
+
+
+L2_CHUNK, L2_PER = 2048, 4
+
+
+def dma_l2_launcher(dst, src, sums, n, chunk_blocks, with_sum, side):
+    """One ``copy_`` (DMA) per ``chunk_blocks`` blocks on the current stream, each followed on
+    ``side`` (a second stream) by the read-only sum of the blocks it landed, so the sum of one
+    chunk runs beside the copy of the next; the current stream then waits for ``side``."""
+    from kernels.triton_launch import FastLaunch
+
+    words = dst.shape[1] // 8
+    d64 = dst.view(torch.int64)
+    launch = FastLaunch(_l2_sum_kernel, "l2_sum")
+    per_prog = L2_CHUNK * L2_PER
+    cols = -(-words // per_prog)
+    starts = list(range(0, n, chunk_blocks))
+    events = [torch.cuda.Event() for _ in starts]
+    dptr, sptr = d64.data_ptr(), sums.data_ptr()
+
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        for a, ev in zip(starts, events, strict=True):
+            b = min(a + chunk_blocks, n)
+            dst[a:b].copy_(src[a:b], non_blocking=True)
+            if not with_sum:
+                continue
+            ev.record(main)
+            side.wait_event(ev)
+            with torch.cuda.stream(side):
+                launch(
+                    ("l2", words), (b - a, cols),
+                    lambda a=a: (dptr, sptr, a, words, L2_PER, L2_CHUNK),
+                    lambda a=a: ((d64, sums, a, words, L2_PER), {"CHUNK": L2_CHUNK}),
+                    num_warps=8,
+                )  # fmt: skip
+        if with_sum:
+            main.wait_stream(side)
+
+    return run
+
+
+DMA_CHUNKS = (2, 4, 8, 16, 0)  # blocks a DMA chunk (2 MiB each); 0: the whole run
+
+
+def wall_time(fn, repeat: int) -> float:
+    """Milliseconds from the host call to the device's end, one call at a time (launch and
+    host overhead included), median of ``repeat``."""
+    out = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out)
+
+
 def launcher(dst, src, sums, n, name, with_sum):
     chunk, warps, per, hint = VARIANTS[name]
     words = dst.shape[1] // 8
@@ -117,14 +191,16 @@ def launcher(dst, src, sums, n, name, with_sum):
     return run
 
 
-def measure(tokens: int, repeat: int, rounds: int) -> dict:
+def measure(tokens: int, repeat: int, rounds: int, only: str | None = None) -> dict:
     n = tokens // 16
     src = torch.randint(0, 256, (n, BLOCK_BYTES), dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)
     want = reference.block_wsum64(src.view(torch.int64), torch.arange(n, device="cuda"))
     sums = torch.zeros(n, dtype=torch.int64, device="cuda")
     arms = {"copy_": lambda: dst.copy_(src, non_blocking=True)}
-    for name in ALL:
+    runs = kernels.runs_copy_sum(dst, src, sums)
+    arms["runs_copy_sum"] = lambda: runs([(0, 0, n)])
+    for name in [a for a in ALL if only is None or only in a]:
         for with_sum in (False, True):
             dst.zero_()
             sums.zero_()
@@ -139,13 +215,29 @@ def measure(tokens: int, repeat: int, rounds: int) -> dict:
             if not torch.equal(dst, src) or (with_sum and not torch.equal(sums, want)):
                 raise AssertionError(f"{name} (sum {with_sum}) copied or summed wrong")
             arms[name + ("+sum" if with_sum else "")] = fn
+    side = torch.cuda.Stream()
+    for k in DMA_CHUNKS:
+        for with_sum in (False, True):
+            dst.zero_()
+            sums.zero_()
+            fn = dma_l2_launcher(dst, src, sums, n, k or n, with_sum, side)
+            fn()
+            torch.cuda.synchronize()
+            if not torch.equal(dst, src) or (with_sum and not torch.equal(sums, want)):
+                raise AssertionError(f"dma b{k} (sum {with_sum}) copied or summed wrong")
+            arms[f"dma_b{k}" + ("+l2sum" if with_sum else "")] = fn
     times: dict[str, list[float]] = {k: [] for k in arms}
+    walls: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(rounds):
         for k, fn in arms.items():
             times[k].append(device_time(fn, "cuda", repeat) * 1e3)
+            walls[k].append(wall_time(fn, repeat))
     base = statistics.median(times["copy_"])
     ratio = {k: round(statistics.median(v) / base, 4) for k, v in times.items()}
-    return {"tokens": tokens, "blocks": n, "copy_ms": round(base, 4), "ratio": ratio}
+    wbase = statistics.median(walls["copy_"])
+    wall = {k: round(statistics.median(v) - wbase, 4) for k, v in walls.items()}
+    return {"tokens": tokens, "blocks": n, "copy_ms": round(base, 4), "ratio": ratio,
+            "copy_wall_ms": round(wbase, 4), "wall_over_ms": wall}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--only", default=None, help="only the SM variants whose name has this")
     args = p.parse_args(argv)
-    rows = [measure(tokens, args.repeat, args.rounds) for tokens in args.tokens]
+    rows = [measure(tokens, args.repeat, args.rounds, args.only) for tokens in args.tokens]
     names = list(dict.fromkeys(k for r in rows for k in r["ratio"]))
     print("device time over one copy_ of the same run (2 MiB blocks), medians of "
           f"{args.rounds} rounds of {args.repeat}")  # fmt: skip
@@ -163,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'copy_ ms':<22}" + "".join(f"{r['copy_ms']:>9.4f}" for r in rows))
     for k in names:
         print(f"{k:<22}" + "".join(f"{r['ratio'].get(k, float('nan')):>9.3f}" for r in rows))
+    print("\nwall time (host call to device end, one at a time) over one copy_'s, in us")
+    print(f"{'copy_ wall ms':<22}" + "".join(f"{r['copy_wall_ms']:>9.4f}" for r in rows))
+    for k in names:
+        over = [r["wall_over_ms"].get(k, float("nan")) * 1e3 for r in rows]
+        print(f"{k:<22}" + "".join(f"{x:>9.1f}" for x in over))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kv_copy_sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
