@@ -6,7 +6,9 @@ seconds spent obtaining KV blocks, plus failed transfers and prompts recomputed 
 KV did not arrive. From those and the run's records:
 
 - hand-off time: mean seconds per transfer (sum over count of
-  ``tandem_kv_transfer_duration_seconds``);
+  ``tandem_kv_transfer_duration_seconds``), and its p50 and p99 from the histogram's buckets
+  (interpolated inside a bucket, as Prometheus' ``histogram_quantile``; the buckets go down to
+  0.1 ms), which a few stalls do not move as they move the mean;
 - its share of TTFT: hand-off mean over the run's TTFT p50. The first token is streamed by the
   prefill worker before the hand-off starts, so the hand-off delays the *second* token: the
   first inter-token gap (``first_gap_p50``) is where a client sees it;
@@ -19,6 +21,7 @@ import math
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.metrics import RequestRecord, percentile
 
@@ -33,6 +36,7 @@ class HandoffCounters:
     failures: float = 0.0
     recomputed: float = 0.0
     slow: float = 0.0  # GPU transfers caught on an emulated/TCP path
+    buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
 
 
 def parse_metrics(text: str) -> HandoffCounters:
@@ -42,6 +46,7 @@ def parse_metrics(text: str) -> HandoffCounters:
     transfers: dict[str, float] = {}
     nbytes: dict[str, float] = {}
     seconds: dict[str, float] = {}
+    buckets: dict[float, float] = {}
     failures = recomputed = slow = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -50,6 +55,9 @@ def parse_metrics(text: str) -> HandoffCounters:
                 transfers[transport] = transfers.get(transport, 0.0) + s.value
             elif s.name == "tandem_kv_transfer_bytes_total":
                 nbytes[transport] = nbytes.get(transport, 0.0) + s.value
+            elif s.name == "tandem_kv_transfer_duration_seconds_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
             elif s.name == "tandem_kv_transfer_duration_seconds_sum":
                 seconds[transport] = seconds.get(transport, 0.0) + s.value
             elif s.name == "tandem_kv_transfer_failures_total":
@@ -58,10 +66,10 @@ def parse_metrics(text: str) -> HandoffCounters:
                 recomputed += s.value
             elif s.name == "tandem_kv_slow_transfers_total":
                 slow += s.value
-    return HandoffCounters(transfers, nbytes, seconds, failures, recomputed, slow)
+    return HandoffCounters(transfers, nbytes, seconds, failures, recomputed, slow, buckets)
 
 
-def _add(a: Mapping[str, float], b: Mapping[str, float], sign: float = 1.0) -> dict[str, float]:
+def _add(a: Mapping[Any, float], b: Mapping[Any, float], sign: float = 1.0) -> dict[Any, float]:
     return {k: a.get(k, 0.0) + sign * b.get(k, 0.0) for k in set(a) | set(b)}
 
 
@@ -77,6 +85,7 @@ def combine(parts: Sequence[HandoffCounters], sign: float = 1.0) -> HandoffCount
             out.failures + k * p.failures,
             out.recomputed + k * p.recomputed,
             out.slow + k * p.slow,
+            _add(out.buckets, p.buckets, k),
         )
     return out
 
@@ -100,6 +109,8 @@ class HandoffReport:
     transfers: int
     gbytes_per_s: float
     mean_ms: float
+    p50_ms: float
+    p99_ms: float
     share_of_ttft_p50: float
     first_gap_p50_ms: float
     failures: int
@@ -123,12 +134,37 @@ def report(
         transfers=round(count),
         gbytes_per_s=nbytes / seconds / 1e9 if seconds > 0 else math.nan,
         mean_ms=mean * 1000,
+        p50_ms=quantile(d.buckets, 0.5) * 1000,
+        p99_ms=quantile(d.buckets, 0.99) * 1000,
         share_of_ttft_p50=mean / ttft_p50 if count and ttft_p50 > 0 else math.nan,
         first_gap_p50_ms=percentile(gaps, 50) * 1000 if gaps else math.nan,
         failures=round(d.failures),
         recomputed=round(d.recomputed),
         slow=round(d.slow),
     )
+
+
+def quantile(buckets: Mapping[float, float], q: float) -> float:
+    """The ``q`` quantile of a histogram (upper bound -> cumulative count, ``+Inf`` included),
+    interpolated linearly inside its bucket from the bucket below (0 for the first), as
+    Prometheus' ``histogram_quantile`` does; the largest finite bound when it falls in
+    ``+Inf``'s bucket; NaN with no observations."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    lo_bound, lo_count = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lo_bound
+            if count == lo_count:
+                return le
+            return lo_bound + (le - lo_bound) * (rank - lo_count) / (count - lo_count)
+        lo_bound, lo_count = le, count
+    return lo_bound
 
 
 def render(rows: Sequence[tuple[str, str, str, HandoffReport]]) -> str:
@@ -138,14 +174,15 @@ def render(rows: Sequence[tuple[str, str, str, HandoffReport]]) -> str:
         return "-" if math.isnan(x) else format(x, spec)
 
     lines = [
-        "| endpoint | workload | rate | transports | hand-off mean ms | share of TTFT p50 "
-        "| first gap p50 ms | GB/s | failed | recomputed | slow path |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| endpoint | workload | rate | transports | hand-off mean ms | p50 ms | p99 ms "
+        "| share of TTFT p50 | first gap p50 ms | GB/s | failed | recomputed | slow path |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for endpoint, workload, rate, h in rows:
         used = ", ".join(f"{k} {v}" for k, v in h.transports.items()) or "none"
         lines.append(
             f"| {endpoint} | {workload} | {rate} | {used} | {f(h.mean_ms, '.2f')} "
+            f"| {f(h.p50_ms, '.2f')} | {f(h.p99_ms, '.2f')} "
             f"| {f(h.share_of_ttft_p50 * 100, '.1f')}% | {f(h.first_gap_p50_ms, '.1f')} "
             f"| {f(h.gbytes_per_s, '.1f')} | {h.failures} | {h.recomputed} | {h.slow} |"
         )

@@ -35,6 +35,12 @@ LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75,
     1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0,
 )  # fmt: skip
+# A KV hand-off: a GPU copy takes a fraction of a millisecond, a network path up to seconds
+# (the latency buckets start at 5 ms, where every same-host hand-off would land at once).
+HANDOFF_BUCKETS = (
+    0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
 # Batch sizes in sequences or tokens.
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Etcd operations whose errors are counted (every one retries with backoff).
@@ -167,7 +173,7 @@ class KVTransferMetrics:
                 "tandem_kv_transfer_duration_seconds",
                 "Time to obtain a request's KV blocks from the prefill worker.",
                 by,
-                buckets=LATENCY_BUCKETS,
+                buckets=HANDOFF_BUCKETS,
                 registry=registry,
             ),
         )  # fmt: skip
