@@ -42,6 +42,19 @@ def test_speculative_config_flag_and_variable(capsys):
     assert "--speculative-config: unknown speculative config keys" in capsys.readouterr().err
 
 
+def test_a_prefill_worker_loads_no_speculation(smol_dir):
+    """Drafts run where tokens are decoded: a prefill worker's engine gets no speculative
+    config (no draft model loaded, no room set aside for one), though the flag is checked."""
+    draft = json.dumps({"method": "draft_model", "model": str(smol_dir),
+                        "num_speculative_tokens": 3})  # fmt: skip
+    for spec in (SPEC_JSON, draft):
+        argv = ["--model-dir", "/m", "--speculative-config", spec]
+        assert parse_config("prefill", argv, {}).engine_config().speculative_config is None
+        assert parse_config("decode", argv, {}).engine_config().speculative_config is not None
+    with pytest.raises(SystemExit):  # still refused when wrong
+        parse_config("prefill", ["--model-dir", "/m", "--speculative-config", "{"], {})
+
+
 class _Engine:
     num_held = 0
 

@@ -158,7 +158,8 @@ class WorkerConfig:
         + ", or method draft_model (model: a draft folder sharing the tokenizer, "
         "num_speculative_tokens), e.g. "
         + json.dumps({"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4})
-        + " (default: off)",
+        + " (default: off). Speculation runs where tokens are decoded: a prefill worker "
+        "checks the value and loads nothing for it (no draft model, no room set aside)",
         convert=SpeculativeConfig.parse,
         raw="str",
         metavar="JSON",
@@ -225,7 +226,9 @@ class WorkerConfig:
             enable_lora=self.enable_lora or bool(self.lora_modules),
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
-            speculative_config=self.speculative_config,
+            # Only decode runs drafts: a prefill worker's first token is the model's own, and the
+            # decode worker drafts from the whole history after the hand-off.
+            speculative_config=None if self.role == "prefill" else self.speculative_config,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization or None,
             # A prefill worker sums each block once, when it is sealed; a hand-off reads them.
