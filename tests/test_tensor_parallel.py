@@ -175,3 +175,22 @@ def test_a_rank_killed_with_sigkill_takes_the_engine_process_down(llama_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stack_dumps_of_every_rank_for_a_hang(llama_dir):
+    """``TANDEM_DUMP_STACKS_S``: rank 0 and every other rank write their threads' stacks to
+    stderr every so often (what a hang inside a collective needs to be found); off unless set."""
+    code = (
+        "import time\n"
+        "from engine import LLM\n"
+        f"with LLM({str(llama_dir)!r}, tensor_parallel_size=2, num_kv_blocks=40) as llm:\n"
+        "    time.sleep(1.5)\n"
+    )
+    env = {**os.environ, "TANDEM_DUMP_STACKS_S": "0.5"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    dumps = out.stderr.count("Timeout (0:00:00.500000)!")
+    assert dumps >= 2, out.stderr[-2000:]
+    assert "rank_main" in out.stderr  # rank 1's main thread, in its command loop
+    assert "<string>" in out.stderr  # rank 0's, in the script

@@ -80,9 +80,11 @@ class RankGroup:
         then joins the process group as rank 0 (``store``)."""
         size = config.tensor_parallel_size
         group = cls(size)
+        from engine.parallel.worker import DUMP_STACKS_ENV, dump_stacks_every, rank_main
+
+        dump_stacks_every(os.environ.get(DUMP_STACKS_ENV, ""))  # this process is rank 0
         group.store = master_store(size)
         ctx = multiprocessing.get_context("spawn")
-        from engine.parallel.worker import rank_main
 
         ready: list[Connection] = []
         for rank in range(1, size):

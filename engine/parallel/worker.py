@@ -7,6 +7,7 @@ runs every command rank 0 sends until ``stop`` or until rank 0 is gone.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import threading
@@ -47,6 +48,7 @@ def rank_main(spec: RankSpec, commands: Connection, calls: Connection) -> None:
         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s",
     )
     _watch_parent(os.getppid())
+    dump_stacks_every(os.environ.get(DUMP_STACKS_ENV, ""))
     device = rank_device(spec.config, spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -72,6 +74,25 @@ def rank_main(spec: RankSpec, commands: Connection, calls: Connection) -> None:
             break
         runner.follow(op, args)
     dist.destroy_process_group()
+
+
+# Diagnosis of a hang (a collective one rank never reaches): every N seconds each rank process
+# writes every thread's Python stack to stderr, from C, so even a thread blocked inside NCCL or
+# CUDA shows where it is. Off unless set (rank 0, the engine's own process, takes it in
+# ``RankGroup.start``).
+DUMP_STACKS_ENV = "TANDEM_DUMP_STACKS_S"
+
+
+def dump_stacks_every(seconds: str) -> None:
+    """``faulthandler``'s repeated dump of every thread's stack every ``seconds`` (the value of
+    ``TANDEM_DUMP_STACKS_S``; empty or 0: off)."""
+    try:
+        every = float(seconds) if seconds else 0.0
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds: no stack dumps", DUMP_STACKS_ENV, seconds)
+        return
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True)
 
 
 def _watch_parent(parent: int) -> None:
