@@ -248,6 +248,10 @@ class EngineConfig:
     # stores it in e4m3; quantization "fp8" holds the layers' matrices in e4m3.
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # With quantization "fp8": the LM head in e4m3 too (per-row scales; the embedding stays in
+    # the model dtype, so a tied model holds both). A Tandem extension, off by default: vLLM
+    # keeps the head unquantized.
+    quantize_lm_head: bool = False
     # Checked KV (engine.kv_checksum): checksum each block once, when it is sealed (full and
     # computed), and keep the sum, so a hand-off only reads it (prefill workers turn this on).
     seal_checksums: bool = False
@@ -294,6 +298,11 @@ class EngineConfig:
             )
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', not {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization != "fp8":
+            raise ValueError(
+                "quantize_lm_head needs quantization='fp8' (the LM head is quantized like the "
+                f"layers' matrices), not quantization={self.quantization!r}"
+            )
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"

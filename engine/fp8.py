@@ -10,6 +10,10 @@ per-channel scales made at load (``quantization="fp8"``), as vLLM names them.
   (e4m3 plus one float32 scale per output row); embeddings, norms and the LM head stay in the
   model dtype. Decode batches read them at one byte per weight (the skinny Triton kernel);
   larger batches run on the FP8 tensor cores (``torch._scaled_mm``).
+- The LM head, with ``quantize_lm_head`` (a Tandem extension; vLLM keeps it unquantized): an
+  ``Fp8Weight`` of its own like the layers' matrices (``quantize_head``). The embedding stays in
+  the model dtype, so a model with tied embeddings then holds both. Its scales are per vocab
+  row, so a tensor-parallel shard's rows carry exactly their own scales.
 
 On CUDA both need FP8 support in hardware (compute capability 8.9 or newer: Ada, Hopper); the
 CPU runs the pure-PyTorch references (dequantizing), for tests.
@@ -58,3 +62,20 @@ def quantize_layer(lw: LayerWeights) -> LayerWeights:
     return dataclasses.replace(
         lw, qkv=q(lw.qkv), o_proj=q(lw.o_proj), gate_up=q(lw.gate_up), down=q(lw.down)
     )
+
+
+# Rows of the LM head quantized at a time: its float32 copies stay at 2 x rows x hidden x 4
+# bytes (128 MiB at hidden 4096) instead of two copies of the whole head (4 GiB for the 8B).
+HEAD_CHUNK_ROWS = 4096
+
+
+def quantize_head(w: torch.Tensor) -> kernels.Fp8Weight:
+    """The LM head ``[vocab, hidden]`` in FP8 with one scale per vocab row, as
+    ``kernels.quantize_fp8_rows`` makes it, a chunk of rows at a time (same values)."""
+    weight = torch.empty(w.shape, dtype=kernels.FP8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for lo in range(0, w.shape[0], HEAD_CHUNK_ROWS):
+        part = kernels.quantize_fp8_rows(w[lo : lo + HEAD_CHUNK_ROWS])
+        weight[lo : lo + HEAD_CHUNK_ROWS] = part.weight
+        scale[lo : lo + HEAD_CHUNK_ROWS] = part.scale
+    return kernels.Fp8Weight(weight, scale)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
-from engine.fp8 import quantize_layer
+from engine.fp8 import quantize_head, quantize_layer
 from engine.model import LayerWeights, ModelWeights
 from engine.parallel.shard import ModelShard
 
@@ -93,10 +93,12 @@ def load_weights(
     dtype: torch.dtype,
     shard: ModelShard | None = None,
     fp8: bool = False,
+    fp8_head: bool = False,
 ) -> ModelWeights:
     """Read and fuse the checkpoint's weights (only ``shard``'s part of them); ``fp8``: quantize
     each layer's matrices as it is read (engine.fp8), so at most one layer is held in ``dtype``
-    beside the rest."""
+    beside the rest; ``fp8_head``: the LM head (its shard's rows) too, apart from the
+    embedding even when tied."""
     src = _Tensors(Path(model_dir), device, dtype)
     cut = _Cuts.of(config, shard)
     qkv_cuts, mlp_cuts = (cut.q, cut.kv, cut.kv), (cut.mlp, cut.mlp)
@@ -128,7 +130,8 @@ def load_weights(
         lm_head = embed
     else:
         lm_head = src.get("lm_head.weight", cut.vocab)
-    return ModelWeights(embed, layers, src.get("model.norm.weight"), lm_head)
+    head = quantize_head(lm_head) if fp8_head else lm_head
+    return ModelWeights(embed, layers, src.get("model.norm.weight"), head)
 
 
 def dummy_weights(
@@ -138,8 +141,10 @@ def dummy_weights(
     seed: int = 0,
     shard: ModelShard | None = None,
     fp8: bool = False,
+    fp8_head: bool = False,
 ) -> ModelWeights:
     """Random weights of the config's shapes (std 0.02; norms 1): for speed, not for text.
+    ``fp8``, ``fp8_head``: as in `load_weights`.
 
     Drawn on ``device`` from a generator seeded with ``seed``, so every engine of one device
     type gets the same weights (an 8B model is drawn in seconds on a GPU, minutes on a CPU);
@@ -179,7 +184,8 @@ def dummy_weights(
         layers.append(quantize_layer(lw) if fp8 else lw)
     embed = rand(c.vocab_size, c.hidden_size, rows=vocab_cut)
     lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size, rows=vocab_cut)
-    return ModelWeights(embed, layers, ones(c.hidden_size), lm_head)
+    head = quantize_head(lm_head) if fp8_head else lm_head
+    return ModelWeights(embed, layers, ones(c.hidden_size), head)
 
 
 def _fused_rows(c: ModelConfig, cut: _Cuts) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -89,6 +89,7 @@ class Reserve:
         block_size: int,
         quantize: bool,
         graph_sizes: list[int] | None = None,
+        quantize_head: bool = False,
     ) -> Reserve:
         layout = KVLayout(
             num_layers=draft.num_layers,
@@ -98,7 +99,9 @@ class Reserve:
             dtype=str(kv_dtype).removeprefix("torch."),
             element_size=kv_dtype.itemsize,
         )
-        weights = weight_bytes(draft, dtype.itemsize, None, 1 if quantize else None)
+        weights = weight_bytes(
+            draft, dtype.itemsize, None, 1 if quantize else None, 1 if quantize_head else None
+        )
         # A decode row's intermediates (float32 at most): the residual stream and a few
         # hidden-sized copies, QKV, gate/up; the logits are counted by the estimate.
         row = 4 * (4 * draft.hidden_size + 3 * draft.intermediate_size)
@@ -189,10 +192,12 @@ def weight_bytes(
     element_size: int,
     shard: ModelShard | None = None,
     matrix_size: int | None = None,
+    head_size: int | None = None,
 ) -> int:
     """Bytes of a model's weights (of one tensor-parallel ``shard``), from its config alone;
     ``matrix_size``: bytes per element of the layers' matrices where it differs (1 for FP8
-    weights, whose row scales are counted)."""
+    weights, whose row scales are counted); ``head_size``: the same for the LM head (1: an FP8
+    head with its row scales, held apart from the embedding even when tied)."""
     c = config
     s = shard or ModelShard.of(c, 1, 0)
     heads, kv_heads = s.num_heads, s.num_kv_heads
@@ -204,8 +209,12 @@ def weight_bytes(
     msize = element_size if matrix_size is None else matrix_size
     scales = 0 if msize == element_size else c.num_layers * rows * 4
     layers = c.num_layers * ((attn + mlp) * msize + 2 * c.hidden_size * element_size)
-    embed = vocab * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return layers + scales + (embed + c.hidden_size) * element_size
+    table = vocab * c.hidden_size  # elements of the embedding, and of the LM head
+    if head_size is None:  # the head in the model dtype: the embedding itself when tied
+        embed, head = table * (1 if c.tie_word_embeddings else 2), 0
+    else:  # a quantized head of its own, with a float32 scale per row
+        embed, head = table, table * head_size + vocab * 4
+    return layers + scales + head + (embed + c.hidden_size) * element_size
 
 
 def check_weights_fit(start: CudaStart, weights: int, utilization: float) -> None:

@@ -46,7 +46,8 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    # The embedding itself when tied; an ``Fp8Weight`` of its own with ``quantize_lm_head``.
+    lm_head: torch.Tensor | kernels.Fp8Weight
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

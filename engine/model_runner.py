@@ -121,6 +121,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = fp8.kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         quantize = config.quantization == "fp8"
+        fp8_head = quantize and config.quantize_lm_head
         if quantize:
             fp8.check_device(self.device, "--quantization fp8")
         on_cuda = self.device.type == "cuda"
@@ -133,26 +134,30 @@ class ModelRunner:
                     config.cuda_graph_batch_sizes, config.max_draft_rows
                 )
             reserve = memory.Reserve.of(
-                draft, self.dtype, self.kv_dtype, config.block_size, quantize, draft_sizes
-            )
+                draft, self.dtype, self.kv_dtype, config.block_size, quantize, draft_sizes,
+                config.quantize_lm_head,
+            )  # fmt: skip
         shard = self.comm.shard
         planned = num_blocks is None
         if on_cuda:  # for this thread; the threads that run steps call bind_thread()
             torch.cuda.set_device(self.device)
             start = memory.CudaStart.now(self.device)
             size = self.dtype.itemsize
-            need = memory.weight_bytes(model_config, size, shard, 1 if quantize else None)
+            need = memory.weight_bytes(
+                model_config, size, shard, 1 if quantize else None, 1 if fp8_head else None
+            )
             if planned:
                 need += reserve.weight_bytes + reserve.graph_bytes
                 memory.check_weights_fit(start, need, config.gpu_memory_utilization)
         if config.load_format == "dummy":
             weights = dummy_weights(
-                model_config, self.device, self.dtype, config.seed, shard, quantize
+                model_config, self.device, self.dtype, config.seed, shard, quantize, fp8_head
             )
         else:
             weights = load_weights(
-                Path(config.model_dir), model_config, self.device, self.dtype, shard, quantize
-            )
+                Path(config.model_dir), model_config, self.device, self.dtype, shard, quantize,
+                fp8_head,
+            )  # fmt: skip
         self.model = DecoderModel(model_config, weights, max_len, self.comm)
         # Before the KV plan, so that on CUDA the slots count as weights.
         self.lora: LoRAManager | None = None

@@ -75,6 +75,7 @@ VARIANTS = {
                 "engine.numKvBlocks=4096",
                 "engine.maxModelLen=8192",
                 "engine.quantization=fp8",
+                "engine.quantizeLmHead=true",
                 "engine.kvCacheDtype=fp8",
                 'engine.speculativeConfig:="{\\"method\\": \\"ngram\\", '
                 '\\"num_speculative_tokens\\": 4}"',
@@ -341,6 +342,7 @@ def test_admission_engine_and_kv_values_reach_their_configs(rendered, tmp_path, 
                 assert config.num_kv_blocks == (4096 if changed else None)
                 assert config.max_model_len == (8192 if changed else None)
                 assert config.quantization == ("fp8" if changed else "")
+                assert config.quantize_lm_head is changed
                 assert config.kv_cache_dtype == ("fp8" if changed else "auto")
                 spec = config.speculative_config
                 assert (spec and spec.num_speculative_tokens) == (4 if changed else None)

@@ -178,6 +178,12 @@ class WorkerConfig:
         choices=("", "fp8"),
         metavar="{fp8}",
     )
+    quantize_lm_head: bool = option(
+        False,
+        "with --quantization fp8: the LM head in e4m3 too, with per-row scales (a Tandem "
+        "extension; off by default, as vLLM keeps it in the model dtype): a decode step reads "
+        "one byte per head weight instead of two, and every logit changes by the rounding",
+    )
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -231,6 +237,7 @@ class WorkerConfig:
             speculative_config=None if self.role == "prefill" else self.speculative_config,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization or None,
+            quantize_lm_head=self.quantize_lm_head,
             # A prefill worker sums each block once, when it is sealed; a hand-off reads them.
             seal_checksums=self.kv_checksums and self.role == "prefill",
         )
@@ -257,6 +264,8 @@ def parse_config(
         parse_lora_modules(config.lora_modules)
         if config.max_loras < 1 or config.max_lora_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")
+        if config.quantize_lm_head and config.quantization != "fp8":
+            raise ValueError("--quantize-lm-head needs --quantization fp8")
     except ValueError as e:
         opts.error(str(e))
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
