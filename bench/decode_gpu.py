@@ -12,20 +12,24 @@ short still returns what it did), and one that fails is recorded without stoppin
    1 and 8, ctx 1k, as a fraction of the bandwidth roofline (bytes read / copy bandwidth):
    fusions off, on, and on with split-K 2 and 4 for the products with few row tiles;
 4. ``fp8_weights``: the same steps with the layers' matrices in FP8, against bf16 (target: the
-   FP8 step <= 0.6x the bf16 one at batch 1);
+   FP8 step <= 0.6x the bf16 one at batch 1), then with the LM head in FP8 too (the engine's
+   ``quantize_lm_head``: rows ``weights+lm_head``, with their ratio to the FP8 step);
 5. ``fp8_kv``: a step where the KV dominates (batch 16, ctx 8k), KV in bf16 against FP8 (the
    weights as section 4 left them);
 6. ``gemv``: each product of the 8B shape alone at 1 and 8 rows: the skinny kernel, split-K 2
    and 4, and each fused prologue against the unfused pair of kernels;
 7. ``handoff``: bytes per block and per 1k-token prompt and the CUDA IPC gather, bf16 vs FP8;
-8. ``agreement``: greedy agreement and mean |logprob change| of FP8 KV and FP8 weights against
-   bf16 through the engine (SmolLM2 shape, shared random weights: the GPU host has no
-   checkpoint; ``--model DIR`` takes one);
+8. ``agreement``: greedy agreement and mean |logprob change| of FP8 KV and FP8 weights (the LM
+   head in bf16, then in FP8 too) against bf16 through the engine (SmolLM2 shape, shared random
+   weights: the GPU host has no checkpoint; ``--model DIR`` takes one);
 9. ``spec``: n-gram speculative decoding at batch 1 on the 8B shape: a step verifying d drafts
    timed for each d, then the measured CPU run's per-step traces replayed (a projection:
    random weights accept no drafts; ``bench.spec_decode --mode replay``).
 
     SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.decode_gpu --out $OUT
+    # the FP8 steps (bf16, FP8, FP8 with the LM head) and the agreement alone:
+    bash bench/device/run.sh bench bench.decode_gpu --out $OUT --skip checks roofline fp8_kv \
+        gemv handoff spec
     python -m bench.decode_gpu --dry-run --out /tmp/dry     # off the GPU: tiny shapes, no
                                                            # Triton; checks that it runs
 
@@ -49,7 +53,7 @@ from bench import gpu_fp8
 from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
-from engine.fp8 import quantize_layer
+from engine.fp8 import quantize_head, quantize_layer
 from engine.shapes import SHAPES
 from tests.kernel_cases import rel_err
 
@@ -62,6 +66,8 @@ MODES = {"unfused": (False, 1), "fused": (True, 1), "fused_splitk2": (True, 2),
          "fused_splitk4": (True, 4)}  # fmt: skip
 ROOF_COLS = ["mode", "batch", "ctx", "step_ms", "roofline_ms", "frac_roofline",
              "step_with_host_ms"]  # fmt: skip
+FP8_COLS = ["fp8", "batch", "ctx", "bf16_ms", "fp8_ms", "ratio", "vs_fp8", "bf16_frac_roofline",
+            "fp8_frac_roofline"]  # fmt: skip
 
 
 class Run:
@@ -219,14 +225,24 @@ def roofline(run: Run) -> list[dict]:
 
 
 def fp8_weights(run: Run) -> list[dict]:
-    """FP8 layer matrices against the bf16 steps of the roofline section (same mode)."""
+    """FP8 layer matrices against the bf16 steps of the roofline section (same mode); then the
+    LM head in FP8 too (``quantize_lm_head``), against the same bf16 steps (``ratio``) and the
+    FP8 steps with a bf16 head (``vs_fp8``). The head goes back to bf16 after."""
     bench, ceil = bench_for(run), run.ceil or measure_ceilings(small=run.dry)
     ctx = 1024 if not run.dry else 64
     base = {b: bench.decode(b, ctx, ceil) for b in (1, 8)}
     bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
     run.free()
     rows = [gpu_fp8._pair("weights", b, ctx, base[b], bench.decode(b, ctx, ceil)) for b in (1, 8)]
-    print(table(rows, ["fp8", "batch", "bf16_ms", "fp8_ms", "ratio", "fp8_frac_roofline"]))
+    head = bench.w.lm_head
+    bench.w.lm_head = quantize_head(head)
+    try:
+        for b, w8 in zip((1, 8), list(rows), strict=True):
+            row = gpu_fp8._pair("weights+lm_head", b, ctx, base[b], bench.decode(b, ctx, ceil))
+            rows.append({**row, "vs_fp8": row["fp8_ms"] / w8["fp8_ms"]})
+    finally:
+        bench.w.lm_head = head
+    print(table(rows, FP8_COLS), flush=True)
     return rows
 
 
@@ -334,9 +350,8 @@ def report(res: dict) -> str:
     parts = [
         ("checks", "Kernel checks (relative error vs reference)", ["kernel", "rel_err", "ok"]),
         ("roofline", "Decode step vs the bandwidth roofline (CUDA graph replay)", ROOF_COLS),
-        ("fp8_weights", "FP8 weights vs bf16",
-         ["fp8", "batch", "ctx", "bf16_ms", "fp8_ms", "ratio", "bf16_frac_roofline",
-          "fp8_frac_roofline"]),
+        ("fp8_weights", "FP8 weights vs bf16 (weights+lm_head: the LM head in FP8 too; vs_fp8: "
+         "against the FP8 step with a bf16 head)", FP8_COLS),
         ("fp8_kv", "FP8 KV vs bf16", ["fp8", "batch", "ctx", "bf16_ms", "fp8_ms", "ratio"]),
         ("gemv", "Products alone (us; fraction of copy bandwidth)", None),
         ("handoff", "KV hand-off of a 1,024-token prompt (64 blocks)",

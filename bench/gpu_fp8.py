@@ -7,9 +7,9 @@
 3. decode steps with the KV cache in bf16 and in FP8 where the KV dominates (batch 32, 8k);
 4. the KV hand-off: bytes per block and the CUDA IPC gather kernel moving a 1k-token prompt of
    the 8B shape, bf16 against FP8;
-5. greedy agreement and mean logprob changes of FP8 KV and of FP8 weights against bf16 through
-   the engine, on the SmolLM2 shape with shared random weights (the GPU host has no real
-   checkpoint; ``--model DIR`` takes one).
+5. greedy agreement and mean logprob changes of FP8 KV and of FP8 weights (the LM head in bf16,
+   then in FP8 too) against bf16 through the engine, on the SmolLM2 shape with shared random
+   weights (the GPU host has no real checkpoint; ``--model DIR`` takes one).
 
     python -m bench.gpu_fp8 [--out bench/results] [--model DIR]
 
@@ -135,8 +135,9 @@ def handoff_rows(c: ModelConfig | None = None, device: str = "cuda") -> list[dic
 
 
 def agreement_rows(model: Path | None, n: int = 20, max_tokens: int = 32) -> list[dict]:
-    """Greedy agreement and mean |logprob change| of FP8 KV / FP8 weights against bf16, over
-    ``n`` random prompts of up to 200 tokens and ``max_tokens`` each."""
+    """Greedy agreement and mean |logprob change| of FP8 KV / FP8 weights (the LM head in bf16,
+    then in FP8 too) against bf16, over ``n`` random prompts of up to 200 tokens and
+    ``max_tokens`` each."""
     from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +145,9 @@ def agreement_rows(model: Path | None, n: int = 20, max_tokens: int = 32) -> lis
         prompts = random_prompts(n, SMOL_CONFIG["vocab_size"], seed=1, hi=200)
         runs = {}
         for name, opts in (("bf16", {}), ("fp8_kv", {"kv_cache_dtype": "fp8"}),
-                           ("fp8_weights", {"quantization": "fp8"})):  # fmt: skip
+                           ("fp8_weights", {"quantization": "fp8"}),
+                           ("fp8_weights_lm_head", {"quantization": "fp8",
+                                                    "quantize_lm_head": True})):  # fmt: skip
             llm = LLM(folder, num_kv_blocks=2048, max_num_seqs=32, dtype="bfloat16", **opts)
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             outs = [o.token_ids for o in llm.generate(prompts, params)]
@@ -155,7 +158,7 @@ def agreement_rows(model: Path | None, n: int = 20, max_tokens: int = 32) -> lis
                 torch.cuda.empty_cache()
     rows = []
     base_outs, base_scores = runs["bf16"]
-    for name in ("fp8_kv", "fp8_weights"):
+    for name in ("fp8_kv", "fp8_weights", "fp8_weights_lm_head"):
         outs, scores = runs[name]
         deltas = []
         for a, b in zip(base_scores, scores, strict=True):

@@ -36,3 +36,20 @@ def test_every_section_runs_dry(tmp_path) -> None:
     res = run_dry(tmp_path)
     assert res["errors"] == {}
     assert set(res["seconds"]) == set(decode_gpu.SECTIONS)
+
+
+def test_the_fp8_weights_section_times_the_lm_head_in_fp8_too(tmp_path, capsys) -> None:
+    """FP8 steps with the LM head in bf16 and in FP8 (``quantize_lm_head``), each against the
+    same bf16 steps; the head goes back to bf16 for the sections after."""
+    res = run_dry(
+        tmp_path, *(s for s in decode_gpu.SECTIONS if s not in ("ceilings", "fp8_weights"))
+    )
+    assert res["errors"] == {}
+    rows = res["fp8_weights"]
+    assert [(r["fp8"], r["batch"]) for r in rows] == [
+        ("weights", 1), ("weights", 8), ("weights+lm_head", 1), ("weights+lm_head", 8)
+    ]  # fmt: skip
+    for head, w8 in zip(rows[2:], rows[:2], strict=True):
+        assert head["bf16_ms"] == w8["bf16_ms"] and head["ratio"] == head["fp8_ms"] / w8["bf16_ms"]
+        assert head["vs_fp8"] == head["fp8_ms"] / w8["fp8_ms"] > 0
+    assert "weights+lm_head" in capsys.readouterr().out
