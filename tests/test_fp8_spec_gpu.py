@@ -329,3 +329,67 @@ def test_fp8_kv_handoff_on_cuda_is_token_exact_against_fp8_colocated(smol_shape_
         "fp8_kv_handoff_cuda", bytes=moved, bf16_bytes=[n * bf16.runner.block_bytes for n in blocks]
     )
     assert moved == [n * bf16.runner.block_bytes // 2 for n in blocks]
+
+
+# -- the LM head in FP8 (quantize_lm_head) -------------------------------------------------------
+@needs_fp8
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fp8_lm_head_of_the_8b_shape_through_linear(rows):
+    """The 8B shape's LM head (128256 x 4096) in FP8 through ``kernels.linear``, as the engine
+    runs it: the skinny kernel at 1 row (weight-only) and 8 (the H100's measured plan: W8A8),
+    ``torch._scaled_mm`` above (a prefill's or a large batch's rows)."""
+    from engine.fp8 import quantize_head
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    head = quantize_head(torch.randn(128256, 4096, device="cuda", generator=g).bfloat16() * 0.02)
+    x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+    got = kernels.linear(x, head)
+    err = rel_err(got, reference.linear(x.float(), head))
+    report("fp8_lm_head_8b_linear", rows=rows, rel_err=err)
+    assert got.shape == (rows, 128256) and got.dtype == torch.bfloat16
+    assert err < (1e-2 if rows == 1 else 5e-2)  # more rows: x in e4m3 too
+
+
+@needs_fp8
+def test_fp8_lm_head_engine_on_cuda(smol_shape_dir):
+    """``quantize_lm_head`` on CUDA: the head is the CPU-quantized one; the prompts' logits (the
+    head through ``torch._scaled_mm``) are those of the FP8 engine given that head dequantized
+    (to x's e4m3 rounding); greedy decoding (the head in the skinny kernel, CUDA graphs) stays
+    near the bf16 head's and equals eager steps'."""
+    from engine.config import ModelConfig
+    from engine.loader import load_weights
+
+    opts = {"num_kv_blocks": 256, "max_model_len": 512, "quantization": "fp8"}
+    plain = LLM(smol_shape_dir, **opts)
+    quant = LLM(smol_shape_dir, **opts, quantize_lm_head=True)
+    w, w_plain = quant.engine.runner.model.w, plain.engine.runner.model.w
+    assert isinstance(w.lm_head, kernels.Fp8Weight) and w.embed.dtype == torch.bfloat16
+    cpu = load_weights(smol_shape_dir, ModelConfig.from_dir(smol_shape_dir), torch.device("cpu"),
+                       torch.bfloat16, fp8_head=True).lm_head  # fmt: skip
+    assert isinstance(cpu, kernels.Fp8Weight)
+    torch.testing.assert_close(w.lm_head.scale.cpu(), cpu.scale, rtol=1e-6, atol=0)
+    differ = (w.lm_head.weight.cpu().view(torch.uint8) != cpu.weight.view(torch.uint8)).sum()
+    assert differ <= cpu.weight.numel() * 1e-5, int(differ)
+    prompts = random_prompts(6, SMOL_CONFIG["vocab_size"], seed=8, lo=20, hi=120)
+    deq = (w.lm_head.weight.float() * w.lm_head.scale[:, None]).bfloat16()
+    saved, w_plain.lm_head = w_plain.lm_head, deq
+    try:
+        want = [plain.engine.score(p) for p in prompts]
+    finally:
+        w_plain.lm_head = saved
+    got = [quant.engine.score(p) for p in prompts]
+    errs = [rel_err(a, b) for a, b in zip(got, want, strict=True)]
+    same = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, want, strict=True))
+    report("fp8_lm_head_scores_cuda", rel_err=max(errs), argmax_same=same / sum(map(len, prompts)))
+    assert max(errs) < 5e-2
+    del plain, quant
+    torch.cuda.empty_cache()
+    prompts = random_prompts(12, SMOL_CONFIG["vocab_size"], seed=9, hi=200)
+    w8 = generate(smol_shape_dir, prompts, quantization="fp8")
+    head = generate(smol_shape_dir, prompts, quantization="fp8", quantize_lm_head=True)
+    first = [first_difference(a, b) for a, b in zip(w8, head, strict=True)]
+    report("fp8_lm_head_vs_bf16_head_cuda", match_rate=agreement(w8, head), first=first)
+    assert all(len(o) == 24 for o in head) and sum(first) / len(first) >= 2
+    eager = generate(smol_shape_dir, prompts, quantization="fp8", quantize_lm_head=True,
+                     enforce_eager=True)  # fmt: skip
+    assert agreement(head, eager) >= 0.9  # CUDA graphs run the FP8 head like eager steps
