@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): greedy output token-exact against TP=1 in fp32 for
 random Llama and Qwen2 models and the bundled SmolLM2 (whose 9 heads split 3+6), with chunked
 prefill, prefix-cache hits and preemption in the batch; canonical block bytes that move between
-engines of different TP sizes; a rank killed with -9 takes its engine's process down.
+engines of different TP sizes; an FP8 LM head's shards (rows with their scales); a rank killed
+with -9 takes its engine's process down.
 
 All-reduce sums the ranks' partial products in another order than one matmul does, so TP=2
 logits differ from TP=1 by rounding (checked to 1e-4); the random models' logits are peaked
@@ -24,6 +25,7 @@ from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.parallel.ranks import RANK_DIED
 from engine.parallel.shard import ModelShard
+from kernels import Fp8Weight, reference
 from tests.conftest import make_random_model_dir
 
 MAX_TOKENS = 24
@@ -102,6 +104,29 @@ def test_scores_and_canonical_blocks_match_across_tp_sizes(llama_dir):
         assert continue_from(two, prompt, ref_blocks) == ref_tokens
     with LLM(llama_dir, num_kv_blocks=40) as one:
         assert continue_from(one, prompt, blocks) == ref_tokens
+
+
+def test_tp2_fp8_lm_head_shards_are_the_whole_heads_rows(llama_dir):
+    """``quantize_lm_head`` at TP=2 (the random Llama's head is its own, untied): rank 0 holds the
+    first rows of the TP=1 engine's quantized head with their scales, and the gathered logits
+    of both ranks are the TP=2 model's hidden states times that whole head."""
+    prompt = prompts()[4]
+    opts = dict(num_kv_blocks=40, quantization="fp8", quantize_lm_head=True)
+    with LLM(llama_dir, **opts) as one:
+        head = one.engine.runner.model.w.lm_head
+    assert isinstance(head, Fp8Weight)
+    with LLM(llama_dir, tensor_parallel_size=2, **opts) as two:
+        part = two.engine.runner.model.w.lm_head
+        lo, hi = two.engine.runner.comm.shard.vocab
+        assert isinstance(part, Fp8Weight) and lo == 0 < hi < head.shape[0]
+        assert torch.equal(part.scale, head.scale[:hi])
+        assert torch.equal(part.weight.view(torch.uint8), head.weight[:hi].view(torch.uint8))
+        hidden = two.engine._alone(prompt, None, two.engine.runner.hidden_all)
+        logits = two.engine.score(prompt)
+        assert logits.shape == (len(prompt), head.shape[0])
+        torch.testing.assert_close(logits, reference.linear(hidden, head), atol=1e-4, rtol=0)
+        out = two.generate([prompt], GREEDY)[0].token_ids
+        assert len(out) == MAX_TOKENS
 
 
 def held_blocks(llm: LLM, prompt: list[int]) -> list[bytes]:
