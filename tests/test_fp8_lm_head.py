@@ -45,7 +45,7 @@ def nbytes(w: ModelWeights) -> int:
     )
 
 
-def test_config_and_worker_flags_refuse_it_without_fp8_weights(smol_dir):
+def test_config_and_worker_flags_refuse_it_without_fp8_weights(smol_dir, capsys):
     for other in (None, "fp8_kv"):
         kw = {"kv_cache_dtype": "fp8"} if other else {}
         with pytest.raises(ValueError, match="quantize_lm_head needs quantization='fp8'"):
@@ -53,6 +53,7 @@ def test_config_and_worker_flags_refuse_it_without_fp8_weights(smol_dir):
     assert EngineConfig(model_dir=str(smol_dir), quantization="fp8").quantize_lm_head is False
     with pytest.raises(SystemExit):
         parse_config("decode", ["--model-dir", "/m", "--quantize-lm-head"], {})
+    assert "--quantize-lm-head needs --quantization fp8" in capsys.readouterr().err
     env = {"TANDEM_QUANTIZATION": "fp8", "TANDEM_QUANTIZE_LM_HEAD": "1"}
     engine = parse_config("decode", ["--model-dir", "/m"], env).engine_config()
     assert engine.quantization == "fp8" and engine.quantize_lm_head is True
