@@ -359,7 +359,7 @@ def test_fp8_lm_head_engine_on_cuda(smol_shape_dir):
     from engine.config import ModelConfig
     from engine.loader import load_weights
 
-    opts = {"num_kv_blocks": 256, "max_model_len": 512, "quantization": "fp8"}
+    opts = {"num_kv_blocks": 256, "max_model_len": 512, "max_num_seqs": 8, "quantization": "fp8"}
     plain = LLM(smol_shape_dir, **opts)
     quant = LLM(smol_shape_dir, **opts, quantize_lm_head=True)
     w, w_plain = quant.engine.runner.model.w, plain.engine.runner.model.w
