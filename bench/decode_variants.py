@@ -4,7 +4,8 @@ CUDA-graph replay, ctx 1k) with one change at a time against the installed plans
 what helps:
 
 - other skinny plans for the layers' four products (every product of the step takes the plan);
-- the LM head in FP8 too (``--quantization fp8`` keeps it in bf16, as vLLM does);
+- the LM head in FP8 too (``--quantization fp8`` keeps it in bf16, as vLLM does, unless
+  ``--quantize-lm-head``);
 - programmatic dependent launch off.
 
 Then a per-kernel profile of the plain step with PDL off (with PDL on a kernel's time includes

@@ -154,7 +154,7 @@ def products(run: Run) -> dict:
     rows_out, fused_out = [], []
     for name, (n, k) in shapes(run.config).items():
         for fp8 in (False, True):
-            # (the LM head stays bf16 under --quantization fp8: its FP8 row is for comparison)
+            # (the LM head stays bf16 under --quantization fp8 unless --quantize-lm-head)
             ws = _weights(n, k, fp8)
             wdtype = ws[0][0].dtype
             nbytes = ws[0][0].numel() * ws[0][0].element_size()
