@@ -44,6 +44,10 @@ def candidates(b: int) -> list[dict[str, object]]:
         p(2, w=8, pf=True), p(4, 128, 8, pf=True), p(8, 32, pf=True), p(4, 32, pf=True),
         p(16, 32, pf=True), p(8, e=True), p(4, e=True), p(4, 32, e=True),
         p(8, 128, 8), p(8, st=5), p(4, st=5), p(16),
+        # the merge kernel kept (what the rule's plan does), other shapes around it
+        p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
+        p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
+        p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
     ]  # fmt: skip
 
 
