@@ -359,7 +359,9 @@ def test_fp8_lm_head_engine_on_cuda(smol_shape_dir):
     from engine.config import ModelConfig
     from engine.loader import load_weights
 
-    opts = {"num_kv_blocks": 256, "max_model_len": 512, "max_num_seqs": 8, "quantization": "fp8"}
+    # Two engines at once, after other tests in this process: a share each that both fit in.
+    opts = {"num_kv_blocks": 256, "max_model_len": 512, "max_num_seqs": 8, "quantization": "fp8",
+            "gpu_memory_utilization": 0.3}  # fmt: skip
     plain = LLM(smol_shape_dir, **opts)
     quant = LLM(smol_shape_dir, **opts, quantize_lm_head=True)
     w, w_plain = quant.engine.runner.model.w, plain.engine.runner.model.w
@@ -368,8 +370,13 @@ def test_fp8_lm_head_engine_on_cuda(smol_shape_dir):
                        torch.bfloat16, fp8_head=True).lm_head  # fmt: skip
     assert isinstance(cpu, kernels.Fp8Weight)
     torch.testing.assert_close(w.lm_head.scale.cpu(), cpu.scale, rtol=1e-6, atol=0)
-    differ = (w.lm_head.weight.cpu().view(torch.uint8) != cpu.weight.view(torch.uint8)).sum()
-    assert differ <= cpu.weight.numel() * 1e-5, int(differ)
+    # The same scales; the division by them rounds differently on the GPU now and then (0.12%
+    # of the bytes on an H100), each such value one e4m3 step from the CPU's at most.
+    got_q, want_q = w.lm_head.weight.cpu(), cpu.weight
+    differ = got_q.view(torch.uint8) != want_q.view(torch.uint8)
+    assert int(differ.sum()) <= cpu.weight.numel() * 5e-3, int(differ.sum())
+    a, b = got_q[differ].float(), want_q[differ].float()
+    assert bool(((a - b).abs() <= b.abs() / 8 + 2.0**-9).all())  # 3 mantissa bits; subnormals
     prompts = random_prompts(6, SMOL_CONFIG["vocab_size"], seed=8, lo=20, hi=120)
     deq = (w.lm_head.weight.float() * w.lm_head.scale[:, None]).bfloat16()
     saved, w_plain.lm_head = w_plain.lm_head, deq
