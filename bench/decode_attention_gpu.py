@@ -48,6 +48,10 @@ def candidates(b: int) -> list[dict[str, object]]:
         p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
         p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
         p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
+        # no split at all (one program per sequence and KV head streams its whole context, the
+        # output written directly: no merge kernel), the next tiles in flight
+        p(1, pf=True), p(1, w=8, pf=True), p(1, e=True), p(1, w=8, e=True), p(1, 32, e=True),
+        p(1, 128, 8, e=True), p(2, e=True), p(2, w=8, e=True),
     ]  # fmt: skip
 
 
@@ -62,10 +66,16 @@ def _pool(c: ModelConfig, blocks: int, dtype: torch.dtype, device: str) -> torch
 
 
 def run(
-    c: ModelConfig, ceil: Ceilings, batches: list[int], ctxs: list[int], device: str = "cuda"
+    c: ModelConfig,
+    ceil: Ceilings,
+    batches: list[int],
+    ctxs: list[int],
+    device: str = "cuda",
+    labels: list[str] | None = None,
 ) -> dict:
     """Rows for every (batch, ctx, KV dtype, plan) and the best knobs per batch size
-    (``device`` "cpu": a dry run through Triton's interpreter, one layer, fp16 queries)."""
+    (``device`` "cpu": a dry run through Triton's interpreter, one layer, fp16 queries);
+    ``labels``: only the candidates whose label starts with one of them, beside the default."""
     from kernels import triton_decode as T
     from kernels.triton_cache import PagedLayer
 
@@ -84,8 +94,10 @@ def run(
             default = T.DecodePlan(b, c.num_heads, c.num_kv_heads, c.head_dim, 4)
             if device == "cuda":
                 default = T.DecodePlan.make(q, PagedLayer.of(kv, 0))
-            plans = [default] + [T.DecodePlan(b, c.num_heads, c.num_kv_heads, c.head_dim, **k)
-                                 for k in candidates(b)]  # type: ignore[arg-type]  # fmt: skip
+            more = [T.DecodePlan(b, c.num_heads, c.num_kv_heads, c.head_dim, **k)
+                    for k in candidates(b)]  # type: ignore[arg-type]  # fmt: skip
+            keep = tuple(labels) if labels else ("",)
+            plans = [default] + [p for p in more if p.label().startswith(keep)]
             for ctx in ctxs:
                 nb = -(-(ctx + 1) // BLOCK)
                 tables = torch.tensor([perm[i * per_seq : i * per_seq + nb] for i in range(b)],

@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> dict:
         from bench import decode_attention_gpu
 
         ctxs = args.ctxs if device == "cuda" else [40]
-        res.update(decode_attention_gpu.run(c, ceil, args.batches, ctxs, device))
+        res.update(decode_attention_gpu.run(c, ceil, args.batches, ctxs, device,
+                                            args.attention_labels))  # fmt: skip
         if args.only_attention:
             args.out.mkdir(parents=True, exist_ok=True)
             best = {b: r["knobs"] for b, r in res["best"].items()}
@@ -270,6 +271,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="a step variant with these decode-attention plans (--only-attention's "
         "decode_attention_plans.json)",
+    )
+    p.add_argument(
+        "--attention-labels",
+        nargs="+",
+        default=None,
+        help="the attention section times only candidates whose label starts with one of "
+        "these (DecodePlan.label: s1_, s8_n32, ...), beside the default",
     )
     p.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument(
