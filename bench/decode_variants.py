@@ -71,7 +71,6 @@ def plan_variants() -> dict[tuple[str, int], dict[str, object]]:
 
 
 @contextlib.contextmanager
-@contextlib.contextmanager
 def swapped_plans(
     c: ModelConfig, b: int, wdtype: torch.dtype, make: Callable[[object], object]
 ) -> Iterator[None]:
