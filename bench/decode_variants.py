@@ -131,29 +131,6 @@ def attention_plans(paths: list[Path], b: int) -> Iterator[None]:
         triton_decode.install_plans(saved)
 
 
-EARLY_KERNELS = ("rms_norm", "silu_and_mul", "decode_merge")
-
-
-@contextlib.contextmanager
-def early_dependents(names: tuple[str, ...] = EARLY_KERNELS) -> Iterator[None]:
-    """The small kernels before each product let it launch before their own wait
-    (``kernels.PDL_EARLY``), so the product's first tiles go into L2 sooner."""
-    saved = kernels.PDL_EARLY
-    kernels.PDL_EARLY = frozenset(names)
-    try:
-        yield
-    finally:
-        kernels.PDL_EARLY = saved
-
-
-@contextlib.contextmanager
-def both(*managers: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for m in managers:
-            stack.enter_context(m())
-        yield
-
-
 @contextlib.contextmanager
 def pdl_off() -> Iterator[None]:
     saved = kernels.PDL
@@ -209,14 +186,6 @@ def run(args: argparse.Namespace) -> dict:
             }
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
-            variants["early_deps"] = early_dependents
-            for l2 in (4, 8) if device == "cuda" else ():
-                variants[f"installed_l2_{l2}"] = lambda b=b, wdtype=wdtype, l2=l2: installed_with(
-                    c, b, wdtype, l2=l2
-                )
-                variants[f"early_deps_l2_{l2}"] = lambda b=b, wdtype=wdtype, l2=l2: both(
-                    early_dependents, lambda: installed_with(c, b, wdtype, l2=l2)
-                )
             for change in CHANGES.get((weights, b), []) if device == "cuda" else []:
                 label = "installed_" + "_".join(f"{k}{v}" for k, v in change.items())
                 variants[label] = lambda change=change, b=b, wdtype=wdtype: installed_with(

@@ -41,12 +41,6 @@ FUSE_DECODE = False
 # 5.77 ms without at batch 1 (91.8% of the roofline), the same at batch 8, with logits bit for
 # bit equal (``bench/results/decode_gpu_h100.md``, ``bench.skinny_gpu``'s ``pdl`` modes).
 PDL = True
-# Small kernels that let the next kernel launch before they wait for their own inputs (PDL 2)
-# instead of right after: the next one, a matrix product, then starts asking its first weight
-# tiles into L2 (``SkinnyPlan.l2``) while this kernel's predecessor still runs, not only while
-# this kernel does. Safe in any order: the next kernel's wait is for this kernel's completion,
-# which comes after this kernel's own wait. Names: "rms_norm", "silu_and_mul", "decode_merge".
-PDL_EARLY: frozenset[str] = frozenset()
 
 __all__ = [
     "FP8",

@@ -38,16 +38,11 @@ def pdl_on(t: torch.Tensor) -> bool:
     return bool(kernels.PDL) and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-def pdl_kwargs(t: torch.Tensor, name: str = "") -> dict:
+def pdl_kwargs(t: torch.Tensor) -> dict:
     """A taking-part kernel's launch options: ``PDL`` (its constexpr: ``griddepcontrol.wait``
-    before it reads or writes anything) and ``launch_pdl`` where on. ``PDL`` is 2 for a kernel
-    named in ``kernels.PDL_EARLY``: it lets the next kernel launch before its own wait (see
-    there), else 1 (right after it)."""
-    import kernels
-
-    if not pdl_on(t):
-        return {"PDL": 0}
-    return {"PDL": 2 if name and name in kernels.PDL_EARLY else 1, "launch_pdl": True}
+    before it reads or writes anything) and ``launch_pdl`` where on."""
+    on = pdl_on(t)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def next_pow2(n: int) -> int:

@@ -283,12 +283,9 @@ def _decode_merge_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL == 2:  # the next kernel may launch now (kernels.PDL_EARLY)
-        tl.extra.cuda.gdc_launch_dependents()
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     _merge_head(
         part_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
         num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -351,6 +348,6 @@ def decode_attention(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
-        **pdl_kwargs(q, "decode_merge"),
+        **pdl_kwargs(q),
     )  # fmt: skip
     return out

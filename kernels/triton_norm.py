@@ -31,12 +31,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL == 2:  # the next kernel may launch now (kernels.PDL_EARLY)
-        tl.extra.cuda.gdc_launch_dependents()
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -83,7 +80,7 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
-        **pdl_kwargs(x, "rms_norm"),
+        **pdl_kwargs(x),
     )
     return out, res_out
 
@@ -91,12 +88,9 @@ def rms_norm(
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):  # fmt: skip
-    if PDL == 2:  # the next kernel may launch now (kernels.PDL_EARLY)
-        tl.extra.cuda.gdc_launch_dependents()
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -116,13 +110,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(n), 2048)
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-        x,
-        out,
-        x.stride(0),
-        out.stride(0),
-        n,
-        BLOCK=block,
-        num_warps=4,
-        **pdl_kwargs(x, "silu_and_mul"),
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs(x)
     )
     return out

@@ -60,16 +60,15 @@ CASES = {
         BLOCK_M=16, BLOCK_R=16, BLOCK_N=128, SPLITS=4, PREC="tf32")),
 }
 out = []
-EARLY = ("rms_norm", "silu_and_mul", "decode_merge")  # kernels.PDL_EARLY's
 for name, (fn, consts) in CASES.items():
-    for pdl in (False, True, 2) if name in EARLY else (False, True):
+    for pdl in (False, True):
         c = {**consts, "PDL": pdl}
         sig = {n: "constexpr" if n in c else ptr(n) if n.endswith("_ptr") else
                "fp32" if n in ("eps", "scale_log2", "v_scale", "k_inv", "v_inv") else "i32"
                for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig,
                         constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
-        opts = {"num_warps": 4, "launch_pdl": bool(pdl)}
+        opts = {"num_warps": 4, "launch_pdl": pdl}
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
         body = ptx[ptx.index(".entry"):]
         first = min((body.index(s) for s in ("ld.global", "st.global") if s in body),
@@ -77,8 +76,6 @@ for name, (fn, consts) in CASES.items():
         out.append({"kernel": name, "pdl": pdl, "wait": body.count("griddepcontrol.wait"),
                     "launch": body.count("griddepcontrol.launch_dependents"),
                     "wait_first": "griddepcontrol.wait" in body[:first],
-                    "launch_before_wait": 0 <= body.find("griddepcontrol.launch_dependents")
-                    < body.find("griddepcontrol.wait"),
                     "l2_before_wait": "prefetch.global.L2" in body.split("griddepcontrol.wait")[0]
                     if pdl else "prefetch.global.L2" in body})
 print(json.dumps(out))
@@ -87,10 +84,8 @@ print(json.dumps(out))
 
 def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 23
+    assert len(rows) == 20
     for r in rows:
-        # kernels.PDL_EARLY: the dependents' launch before the wait, else after it
-        assert r["launch_before_wait"] == (r["pdl"] == 2), r
         # only the tensor-core product asks for weights in L2, and only with PDL
         assert r["l2_before_wait"] == (r["kernel"] == "skinny_dot" and r["pdl"]), r
         if r["pdl"]:
