@@ -132,6 +132,18 @@ def attention_plans(paths: list[Path], b: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fused() -> Iterator[None]:
+    """RMSNorm folded into the QKV and gate/up products and SiLU-and-multiply into down
+    (``kernels.FUSE_DECODE``, off by default) with the installed plans."""
+    saved = kernels.FUSE_DECODE
+    kernels.FUSE_DECODE = True
+    try:
+        yield
+    finally:
+        kernels.FUSE_DECODE = saved
+
+
+@contextlib.contextmanager
 def pdl_off() -> Iterator[None]:
     saved = kernels.PDL
     kernels.PDL = False
@@ -186,6 +198,7 @@ def run(args: argparse.Namespace) -> dict:
             }
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
+            variants["fused"] = fused
             for change in CHANGES.get((weights, b), []) if device == "cuda" else []:
                 label = "installed_" + "_".join(f"{k}{v}" for k, v in change.items())
                 variants[label] = lambda change=change, b=b, wdtype=wdtype: installed_with(
