@@ -176,7 +176,7 @@ def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> tor
         if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return _skinny_module().linear(x, w.weight, bias, scale=w.scale)
         n, k = w.shape
-        if x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+        if x.dtype in (torch.bfloat16, torch.float16) and n % 16 == 0 and k % 16 == 0:
             from kernels import fp8_gemm
 
             return fp8_gemm.scaled_mm_linear(x, w, bias)

@@ -20,10 +20,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def scaled_mm_linear(
     x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` in bf16 for a bf16 ``x`` ``[M, K]`` and an FP8 weight ``[N, K]``
-    (K and N multiples of 16, as the FP8 tensor cores need)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2:
-        raise ValueError(f"scaled_mm_linear takes a 2-d bfloat16 x, got {x.dtype} {x.dim()}-d")
+    """``x @ W.T + bias`` in x's dtype for a bf16 or fp16 ``x`` ``[M, K]`` and an FP8 weight
+    ``[N, K]`` (K and N multiples of 16, as the FP8 tensor cores need)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+        raise ValueError(
+            f"scaled_mm_linear takes a 2-d bfloat16 or float16 x, got {x.dtype} {x.dim()}-d"
+        )
     n, k = w.weight.shape
     if x.shape[1] != k or k % 16 or n % 16:
         raise ValueError(f"x {list(x.shape)} / w {[n, k]}: K and N must be multiples of 16")
@@ -32,6 +34,6 @@ def scaled_mm_linear(
         x = torch.cat([x, x.new_zeros(16 - m % 16, k)])
     xq, xs = quantize_rows(x)
     out = torch._scaled_mm(
-        xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16
+        xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=x.dtype
     )[:m]
     return out if bias is None else out + bias
