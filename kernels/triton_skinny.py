@@ -580,5 +580,14 @@ def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPl
             SkinnyPlan(block_n=64, block_k=256, num_stages=3, dot=True),
             SkinnyPlan(block_n=128, block_k=64, num_stages=6, dot=True),
             SkinnyPlan(block_n=64, block_k=128, num_stages=4, split_k=split, dot=True),
+            SkinnyPlan(block_n=64, block_k=64, num_stages=8, dot=True),
+            SkinnyPlan(block_n=128, block_k=128, num_stages=4, dot=True),
         ]
+        if prologue != 1:  # more programs for the products with few 64-row tiles (o_proj and
+            # down: N = 4096 is 64 tiles for 132 SMs): split-K with the deep pipelines
+            dot += [
+                SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=2, dot=True),
+                SkinnyPlan(block_n=64, block_k=256, num_stages=3, split_k=2, dot=True),
+                SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=4, dot=True),
+            ]
     return fma + dot + qx
