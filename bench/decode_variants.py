@@ -144,6 +144,22 @@ def fused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def what_if_without(name: str) -> Iterator[None]:
+    """An upper bound, not a model: the step with the RMSNorm kernels (``rms_norm``) or the
+    SiLU-and-multiply kernels (``silu``) left out (the products read their input unchanged, so
+    the logits are wrong): what folding them into the products could save at most."""
+    saved = kernels.rms_norm, kernels.silu_and_mul
+    if name == "rms_norm":
+        kernels.rms_norm = lambda x, weight, eps, residual=None: (x, x)  # type: ignore[assignment]
+    else:
+        kernels.silu_and_mul = lambda x: x[:, : x.shape[1] // 2]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        kernels.rms_norm, kernels.silu_and_mul = saved
+
+
+@contextlib.contextmanager
 def pdl_off() -> Iterator[None]:
     saved = kernels.PDL
     kernels.PDL = False
@@ -199,6 +215,8 @@ def run(args: argparse.Namespace) -> dict:
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
             variants["fused"] = fused
+            variants["what_if_no_rms_norm"] = lambda: what_if_without("rms_norm")
+            variants["what_if_no_silu"] = lambda: what_if_without("silu")
             for change in CHANGES.get((weights, b), []) if device == "cuda" else []:
                 label = "installed_" + "_".join(f"{k}{v}" for k, v in change.items())
                 variants[label] = lambda change=change, b=b, wdtype=wdtype: installed_with(
