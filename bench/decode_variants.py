@@ -132,41 +132,36 @@ def attention_plans(paths: list[Path], b: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fused() -> Iterator[None]:
-    """RMSNorm folded into the QKV and gate/up products and SiLU-and-multiply into down
-    (``kernels.FUSE_DECODE``, off by default) with the installed plans."""
-    saved = kernels.FUSE_DECODE
-    kernels.FUSE_DECODE = True
+def kernels_set(**values: object) -> Iterator[None]:
+    """``kernels``' module settings (``PDL``, ``FUSE_DECODE``, ``rms_norm``...) replaced for the
+    block, put back after."""
+    saved = {name: getattr(kernels, name) for name in values}
+    for name, value in values.items():
+        setattr(kernels, name, value)
     try:
         yield
     finally:
-        kernels.FUSE_DECODE = saved
+        for name, value in saved.items():
+            setattr(kernels, name, value)
 
 
-@contextlib.contextmanager
-def what_if_without(name: str) -> Iterator[None]:
+def fused() -> contextlib.AbstractContextManager:
+    """RMSNorm folded into the QKV and gate/up products and SiLU-and-multiply into down
+    (``kernels.FUSE_DECODE``, off by default) with the installed plans."""
+    return kernels_set(FUSE_DECODE=True)
+
+
+def what_if_without(name: str) -> contextlib.AbstractContextManager:
     """An upper bound, not a model: the step with the RMSNorm kernels (``rms_norm``) or the
     SiLU-and-multiply kernels (``silu``) left out (the products read their input unchanged, so
     the logits are wrong): what folding them into the products could save at most."""
-    saved = kernels.rms_norm, kernels.silu_and_mul
     if name == "rms_norm":
-        kernels.rms_norm = lambda x, weight, eps, residual=None: (x, x)  # type: ignore[assignment]
-    else:
-        kernels.silu_and_mul = lambda x: x[:, : x.shape[1] // 2]  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        kernels.rms_norm, kernels.silu_and_mul = saved
+        return kernels_set(rms_norm=lambda x, weight, eps, residual=None: (x, x))
+    return kernels_set(silu_and_mul=lambda x: x[:, : x.shape[1] // 2])
 
 
-@contextlib.contextmanager
-def pdl_off() -> Iterator[None]:
-    saved = kernels.PDL
-    kernels.PDL = False
-    try:
-        yield
-    finally:
-        kernels.PDL = saved
+def pdl_off() -> contextlib.AbstractContextManager:
+    return kernels_set(PDL=False)
 
 
 def run(args: argparse.Namespace) -> dict:
