@@ -223,6 +223,42 @@ async def test_abort_cancels_the_running_request():
     assert core.inflight["d0"] == 0
 
 
+async def test_abort_while_the_handler_sends_an_event_still_ends_the_stream():
+    """gRPC's handler task spends part of its life in gRPC's own send, between two of
+    `generate`'s yields; a cancel landing there ended the RPC with no status at all (the
+    client waited for its deadline; seen once in CI). The abort now waits for `generate` to
+    resume, and the stream ends with an abort event all the same."""
+    closed = []
+
+    class Slow(Clients):
+        async def decode(self, worker, call):
+            try:
+                for i in range(1000):
+                    yield Event(call.job.request_id, [i], "a")
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.append(worker.worker_id)
+
+    core = RouterCore(Directory([member("d0", "decode")]), Slow())
+    in_send = asyncio.Event()
+    events = []
+
+    async def consume_all():  # as gRPC does: next event, then its own await to send it
+        async for ev in core.generate(job(5)):
+            events.append(ev)
+            if len(events) == 3:
+                in_send.set()
+            await asyncio.sleep(0.2 if len(events) == 3 else 0)
+
+    task = asyncio.ensure_future(consume_all())
+    await asyncio.wait_for(in_send.wait(), 5)
+    assert core.abort("r1")  # while consume_all waits in its "send"
+    await asyncio.wait_for(task, 5)  # not cancelled: it ends with an abort event
+    assert [e.finish_reason for e in events] == [None, None, None, "abort"]
+    assert closed == ["d0"] and core.inflight["d0"] == 0
+    assert not core.abort("r1")
+
+
 async def test_kv_transfer_failure_prefills_again_on_another_worker():
     """Decode policy "retry": the decode worker could not obtain the KV from p0 (it died), so
     the router prefills again on p1 and decodes from that KV, keeping the first token."""

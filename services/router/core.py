@@ -66,6 +66,7 @@ class RouterCore:
         self.max_migrations = max_migrations
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
+        self._sending: set[str] = set()  # requests whose handler is in gRPC's send
         self.records, self.model = records, model
         self.admission = DecodeAdmission(refusal_memory)
 
@@ -96,9 +97,19 @@ class RouterCore:
                     else:
                         events = self._attempt(job, failed, started)
                     async for ev in events:
+                        if job.request_id in self._aborted:
+                            # An abort whose cancel came due with no wait inside `events`:
+                            # take it here, before the gRPC send (see `abort`).
+                            await asyncio.sleep(0)
                         if ev.index == 0:
                             streamed.extend(ev.token_ids)
-                        yield ev
+                        self._sending.add(job.request_id)
+                        try:
+                            yield ev
+                        finally:
+                            self._sending.discard(job.request_id)
+                        if job.request_id in self._aborted and task is not None:
+                            task.cancel()  # abort() came while gRPC sent `ev`
                     return
                 except HandedOver as h:
                     self._migrate(job, Unavailable(str(h)), streamed, migrations)
@@ -131,10 +142,12 @@ class RouterCore:
             if task is None or job.request_id not in self._aborted:
                 raise
             task.uncancel()
+            self._tasks.pop(job.request_id, None)  # a second abort finds nothing to cancel
             yield Event(job.request_id, finish_reason="abort")
         finally:
             self._tasks.pop(job.request_id, None)
             self._aborted.discard(job.request_id)
+            self._sending.discard(job.request_id)
 
     def _migrate(self, job: RouteJob, e: Exception, streamed: list[int], done: int) -> None:
         """Decide on a stream whose worker failed after its first token (killed, or drained
@@ -423,12 +436,17 @@ class RouterCore:
             await asyncio.sleep(0.05)
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a running request; the cancellation reaches every worker it touched."""
+        """Cancel a running request; the cancellation reaches every worker it touched, and
+        the stream ends with an abort event. While the handler is in gRPC's send of an event
+        (between two of `generate`'s yields), the cancel waits until `generate` resumes: a
+        cancel landing in gRPC's own code ends the RPC with no status at all, and the client
+        would wait for its deadline."""
         task = self._tasks.get(request_id)
         if task is None:
             return False
         self._aborted.add(request_id)
-        task.cancel()
+        if request_id not in self._sending:
+            task.cancel()
         return True
 
     async def close(self) -> None:
