@@ -71,6 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{child.name:<9} {child.address:<22} {metrics}log: {child.log_path}")
         print(f"\nOpenAI endpoint: {stack.url}/v1  (models: {', '.join(config.models)})")
         print(f"topology: {config.topology}")
+        if stack.kv_note:
+            print(stack.kv_note)
         for name, placement in config.placements().items():
             if placement.device is not None:
                 gpus = ",".join(placement.devices)

@@ -198,7 +198,7 @@ def test_bad_inputs_get_clear_errors_while_good_request_completes(stack):
             (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "many"}).encode(), 400),
             (json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404),
             (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}).encode(), 400),
-            (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400),
+            (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}).encode(), 400),
         ]
         for body, status in cases:
             r = httpx.post(url, content=body, headers={"content-type": "application/json"})
@@ -209,6 +209,23 @@ def test_bad_inputs_get_clear_errors_while_good_request_completes(stack):
         assert "8192" in too_long.json()["error"]["message"]
         assert good.result().status_code == 200
         assert good.result().json()["usage"]["completion_tokens"] == 30
+    assert_all_free(stack)
+
+
+def test_a_request_without_max_tokens_is_served(stack, client):
+    """OpenAI's clients often leave out max_tokens: the gateway's default (up to 4,096 tokens)
+    must fit a worker's pool. On the CPU stack it did not (128 MiB held 2,912 tokens: a 400
+    about KV blocks); the stack's pools now hold the context it advertises
+    (`services.launcher.kv_budget`)."""
+    (model,) = [m for m in client.models.list().data if m.id == MODEL]
+    assert model.model_extra["max_model_len"] == 8192
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        temperature=0,
+        stop=[" ", "."],  # a word: the default max_tokens is admitted, not used up
+    )
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
     assert_all_free(stack)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from services.common.models import parse_models
 from services.launcher import process
 from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
+from services.launcher.kv_budget import fit_cpu_pools
 from services.launcher.placement import Placement, place
 from services.launcher.process import Child
 from services.launcher.supervisor import RestartPolicy, Supervisor
@@ -24,7 +25,6 @@ from services.launcher.supervisor import RestartPolicy, Supervisor
 # The decode-only threshold of a colocated stack: longer than any prompt, so every request goes
 # decode-only (the router also falls back to decode-only when no prefill worker is live).
 COLOCATED_THRESHOLD = 1 << 30
-CPU_KV_CACHE_BYTES = 128 * 1024**2  # a CPU stack worker's pool unless kv_cache_bytes is set
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +37,9 @@ class StackConfig:
     num_decode: int = 1
     prefill_tp: int = 1  # --tensor-parallel-size of each prefill worker
     decode_tp: int = 1  # and of each decode worker (colocated workers too)
-    # Worker options (None / "": the worker's own default). kv_cache_bytes None: 128 MiB on a
-    # CPU stack; on GPUs each worker sizes its pool from its memory share.
+    # Worker options (None / "": the worker's own default). kv_cache_bytes None: on a CPU
+    # stack, a pool that holds the model's context (`kv_budget`); on GPUs each worker sizes
+    # its pool from its memory share.
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int | None = 256
@@ -115,11 +116,8 @@ class StackConfig:
 
     def worker_option_args(self) -> list[str]:
         """The engine flags every worker of this stack gets."""
-        kv = self.kv_cache_bytes
-        if kv is None and not self.gpus:
-            kv = CPU_KV_CACHE_BYTES
         options = [
-            ("--kv-cache-bytes", kv),
+            ("--kv-cache-bytes", self.kv_cache_bytes),
             ("--num-kv-blocks", self.num_kv_blocks),
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
             ("--max-num-seqs", self.max_num_seqs),
@@ -141,7 +139,8 @@ class Stack:
     """Starts and stops the whole local stack; each child logs to ``run_dir/logs/NAME.log``."""
 
     def __init__(self, config: StackConfig) -> None:
-        self.config = config
+        # On the CPU: pools that hold the context, or the context capped to the pools.
+        self.config, self.kv_note = fit_cpu_pools(config)
         self.run_dir = Path(config.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.etcd = EtcdServer(self.run_dir / "etcd", tls=config.etcd_tls)
