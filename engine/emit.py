@@ -105,9 +105,11 @@ class EmitMixin:
         if stop is not None:
             choice.stop_reason = stop
             return FinishReason.STOP
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            choice.stop_reason = token
+        if token in p.stop_token_ids:
+            choice.stop_reason = token  # vLLM's: the stop token's id
             return FinishReason.STOP
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP  # the model's end: no stop reason, as in vLLM
         if p.ignore_eos and seq.matcher is not None and seq.matcher.is_stopped():
             return FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -45,7 +45,7 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str = ""
+    stop_reason: str | int | None = None  # a stop string, a stop token's id, or None
     logprobs: list = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
 

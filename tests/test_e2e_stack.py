@@ -229,6 +229,23 @@ def test_a_request_without_max_tokens_is_served(stack, client):
     assert_all_free(stack)
 
 
+def test_stop_reason_is_null_at_eos_and_the_id_of_a_stop_token(client, offline):
+    """vLLM's stop_reason: null when the model ends (EOS), the id (a JSON number) when a token
+    of stop_token_ids does, the string when a stop string does. It was the string "2" for
+    SmolLM2's EOS."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    eos = client.chat.completions.create(**chat, max_tokens=40).choices[0]
+    assert eos.finish_reason == "stop" and eos.model_extra["stop_reason"] is None
+    end = offline.tokenizer.eos_token_id  # <|im_end|>, SmolLM2-Instruct's EOS
+    assert isinstance(end, int)
+    by_id = client.chat.completions.create(
+        **chat, max_tokens=40, extra_body={"stop_token_ids": [end]}
+    ).choices[0]
+    assert by_id.message.content == eos.message.content
+    assert by_id.finish_reason == "stop" and by_id.model_extra["stop_reason"] == end
+    assert type(by_id.model_extra["stop_reason"]) is int
+
+
 def test_internal_grpc_client(stack, client, offline):
     from services.client import TandemClient, TandemClientError
 

@@ -84,8 +84,11 @@ def test_stop_token_ids_and_ignore_eos(llm):
         SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target]),
     )[0]
     assert out.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == target  # vLLM's: the id
     chat_ids = llm.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    # The model's own end (EOS) is a stop with no stop reason, as in vLLM.
+    ended = llm.generate([chat_ids], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert ended.finish_reason == "stop" and ended.stop_reason is None
     forced = llm.generate(
         [chat_ids], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     )[0]

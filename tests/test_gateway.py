@@ -422,6 +422,17 @@ def test_prompt_too_long(gw: Gateway) -> None:
     assert "512" in err["message"] and "500 in the completion" in err["message"]
 
 
+def test_stop_token_ids_reach_the_sampling_params(gw: Gateway, tok: Tokenizer) -> None:
+    """vLLM's ``stop_token_ids`` extension: it was silently ignored (a field no OpenAI API
+    defines); now it reaches the workers, and a bad id is a 400 naming it."""
+    body = ChatCompletionRequest.model_validate(chat_body(stop_token_ids=[5, 7]))
+    p = prepare_chat(CONFIG, tok, body, "chatcmpl-1", "t")
+    assert p.backend_request.sampling.stop_token_ids == (5, 7)
+    assert_error(gw.post("/v1/chat/completions", chat_body(stop_token_ids=[-1])), 400,
+                 "stop_token_ids")  # fmt: skip
+    assert_error(gw.post("/v1/chat/completions", chat_body(stop_token_ids=["a"])), 400)
+
+
 def test_default_max_tokens_fills_the_rest_of_the_context(tok: Tokenizer) -> None:
     ids = list(range(20, 20 + 450))
     body = CompletionRequest(model=MODEL, prompt=ids)

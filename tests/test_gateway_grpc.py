@@ -66,6 +66,21 @@ def test_decode_event() -> None:
     assert mid.finish_reason is None and mid.usage is None
 
 
+@pytest.mark.parametrize("reason", [None, " 8", 0, 2])
+def test_stop_reason_keeps_its_type_through_the_services(reason) -> None:
+    """A stop string stays a string and a stop token's id an int (token 0 too), from the
+    worker's event to the gateway's; None (EOS, a length) stays None. It used to arrive as
+    the string "2" for a stop token, and for the model's EOS too."""
+    from services.common.codec import Event, event_from_pb, event_to_pb
+
+    ev = Event("r", [5], "x", finish_reason="stop", stop_reason=reason)
+    pb = event_to_pb(ev)
+    assert event_from_pb(pb).stop_reason == reason
+    assert type(event_from_pb(pb).stop_reason) is type(reason)
+    back = codec.decode_event(common_pb2.TokenEvent.FromString(pb.SerializeToString()))
+    assert back.stop_reason == reason and type(back.stop_reason) is type(reason)
+
+
 @pytest.mark.parametrize(
     "code, status",
     [

@@ -276,6 +276,15 @@ def test_tools_for_a_template_without_tool_support(tmp_path, tok: Tokenizer) -> 
         ("/v1/chat/completions", {"prediction": {"type": "content"}}, "prediction"),
         ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
+        # vLLM's extensions that Tandem does not implement.
+        ("/v1/chat/completions", {"min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+        ("/v1/chat/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_unimplemented_openai_fields_are_400(gw: Gateway, path, extra, param) -> None:
@@ -287,6 +296,9 @@ def test_unimplemented_openai_fields_are_400(gw: Gateway, path, extra, param) ->
 def test_fields_that_ask_for_nothing_are_accepted(gw: Gateway) -> None:
     body = chat_body(store=False, modalities=["text"], service_tier="auto", metadata=None)
     assert gw.post("/v1/chat/completions", body).status_code == 200
+    vllm = chat_body(min_tokens=0, skip_special_tokens=True, use_beam_search=False,
+                     include_stop_str_in_output=False, bad_words=[])  # fmt: skip
+    assert gw.post("/v1/chat/completions", vllm).status_code == 200
 
 
 def test_tool_flags_and_their_environment_variables(tmp_path, tok: Tokenizer) -> None:

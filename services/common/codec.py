@@ -65,7 +65,7 @@ class Event:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str = ""
+    stop_reason: str | int | None = None  # a stop string, a stop token's id, or None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -167,7 +167,7 @@ def event_from_output(out: RequestOutput) -> Event:
         text=out.new_text,
         logprobs=list(out.new_logprobs),
         finish_reason=out.finish_reason,
-        stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+        stop_reason=out.stop_reason,
         index=out.index,
     )
     if out.finished:
@@ -184,9 +184,12 @@ def event_to_pb(ev: Event) -> common_pb2.TokenEvent:
         text=ev.text,
         logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
         finish_reason=FINISH_TO_PB[ev.finish_reason],
-        stop_reason=ev.stop_reason,
         index=ev.index,
     )
+    if isinstance(ev.stop_reason, int):
+        msg.stop_token_id = ev.stop_reason
+    elif ev.stop_reason:
+        msg.stop_reason = ev.stop_reason
     if ev.moved is not None:
         msg.moved.kv.CopyFrom(handle_to_pb(ev.moved.kv))
         msg.moved.generator_state = ev.moved.generator_state
@@ -201,6 +204,11 @@ def event_to_pb(ev: Event) -> common_pb2.TokenEvent:
     return msg
 
 
+def stop_reason_from_pb(msg: common_pb2.TokenEvent) -> str | int | None:
+    """What ended a choice: its stop string, its stop token's id, or None (EOS, a length)."""
+    return msg.stop_token_id if msg.HasField("stop_token_id") else msg.stop_reason or None
+
+
 def event_from_pb(msg: common_pb2.TokenEvent) -> Event:
     return Event(
         request_id=msg.request_id,
@@ -208,7 +216,7 @@ def event_from_pb(msg: common_pb2.TokenEvent) -> Event:
         text=msg.text,
         logprobs=[logprob_from_pb(lp) for lp in msg.logprobs],
         finish_reason=FINISH_FROM_PB[msg.finish_reason],
-        stop_reason=msg.stop_reason,
+        stop_reason=stop_reason_from_pb(msg),
         prompt_tokens=msg.usage.prompt_tokens,
         completion_tokens=msg.usage.completion_tokens,
         cached_tokens=msg.usage.cached_tokens,

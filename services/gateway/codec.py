@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from services.common.codec import PRIORITY_TO_PB, sampling_to_pb
+from services.common.codec import PRIORITY_TO_PB, sampling_to_pb, stop_reason_from_pb
 from services.common.errors import RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY
 from services.gateway.core import (
     APIError,
@@ -84,7 +84,7 @@ def decode_event(ev: common_pb2.TokenEvent) -> BackendEvent:
             for lp in ev.logprobs
         ),
         finish_reason=_FINISH.get(ev.finish_reason),
-        stop_reason=ev.stop_reason or None,
+        stop_reason=stop_reason_from_pb(ev),
         usage=usage,
         index=ev.index,
     )

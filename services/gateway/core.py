@@ -101,7 +101,7 @@ class BackendEvent:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     usage: Usage | None = None
     index: int = 0
 
@@ -187,7 +187,7 @@ class Generation:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     cached_tokens: int = 0
 
     def add(self, event: BackendEvent) -> None:

@@ -284,6 +284,7 @@ def _sampling(
             max_tokens=max_tokens,
             stop=stop,
             ignore_eos=bool(body.ignore_eos),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=top_logprobs,
             n=n,
             logit_bias=_logit_bias(body.logit_bias),

@@ -2,8 +2,9 @@
 
 Strict means JSON types must match (``"5"`` is not an integer, ``1`` is not a boolean); a
 JSON integer is still accepted where a number is expected. Fields no OpenAI API defines are
-ignored. OpenAI fields Tandem does not implement are parsed loosely (``NOT_IMPLEMENTED``) so
-that ``prepare`` can refuse them with a 400 naming the field instead of ignoring them.
+ignored. OpenAI fields Tandem does not implement, and vLLM's extensions it does not, are parsed
+loosely (``NOT_IMPLEMENTED``) so that ``prepare`` can refuse them with a 400 naming the field
+instead of ignoring them.
 Semantic checks (ranges, limits, the model name, schemas) happen in ``prepare``, where the
 tokenizer and the config are at hand.
 """
@@ -31,6 +32,25 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "prompt_cache_key": (None,),
     "safety_identifier": (None,),
     "suffix": (None, ""),
+    # vLLM's extensions that Tandem does not implement: refused the same way, so that a client
+    # written for vLLM learns at once instead of getting output that ignored them.
+    "min_tokens": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False),
 }
 
 
@@ -143,6 +163,7 @@ class _Sampling(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     # Tandem extensions: scheduling class (batch is shed first under load) and a deadline in
     # seconds for the whole request (capped by the server's --max-request-timeout).
@@ -163,6 +184,24 @@ class _Sampling(_Body):
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     suffix: Any = None
+    # vLLM extensions Tandem does not implement (NOT_IMPLEMENTED).
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
 
 
 class ChatCompletionRequest(_Sampling):

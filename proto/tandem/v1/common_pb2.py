@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x93\x04\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12#\n\x07grammar\x18\x10 \x01(\x0b\x32\x12.tandem.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"=\n\x07Grammar\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x84\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\x05\x12!\n\x05moved\x18\t \x01(\x0b\x32\x12.tandem.v1.MovedKV\"C\n\x07MovedKV\x12\x1f\n\x02kv\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x17\n\x0fgenerator_state\x18\x02 \x01(\x0c\"\xf6\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x03\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\x06\x12\x1a\n\x12\x63hecksum_algorithm\x18\x0b \x01(\t\"\xf1\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x14\n\x0cqueue_length\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x15\n\rprompt_tokens\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x15\n\rheld_requests\x18\x0b \x01(\x05\x12\x14\n\x0cintegrity_ok\x18\x0c \x01(\x08\x12\x0c\n\x04role\x18\r \x01(\t\x12\x15\n\rlocation_txns\x18\x0e \x01(\x03\x12\x15\n\rlocation_puts\x18\x0f \x01(\x03\x12\x18\n\x10location_deletes\x18\x10 \x01(\x03\"\x0e\n\x0cStatsRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\")\n\x13LoraAdapterResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"\x13\n\x11ListModelsRequest\"\'\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"X\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.tandem.v1.EmbedInput\x12\r\n\x05model\x18\x03 \x01(\t\"P\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.tandem.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"\x1f\n\nEmbedInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02*x\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03*8\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x12\n\x0ePRIORITY_BATCH\x10\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x93\x04\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12#\n\x07grammar\x18\x10 \x01(\x0b\x32\x12.tandem.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"=\n\x07Grammar\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xb2\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\x05\x12!\n\x05moved\x18\t \x01(\x0b\x32\x12.tandem.v1.MovedKV\x12\x1a\n\rstop_token_id\x18\n \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"C\n\x07MovedKV\x12\x1f\n\x02kv\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x17\n\x0fgenerator_state\x18\x02 \x01(\x0c\"\xf6\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x03\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\x06\x12\x1a\n\x12\x63hecksum_algorithm\x18\x0b \x01(\t\"\xf1\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x14\n\x0cqueue_length\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x15\n\rprompt_tokens\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x15\n\rheld_requests\x18\x0b \x01(\x05\x12\x14\n\x0cintegrity_ok\x18\x0c \x01(\x08\x12\x0c\n\x04role\x18\r \x01(\t\x12\x15\n\rlocation_txns\x18\x0e \x01(\x03\x12\x15\n\rlocation_puts\x18\x0f \x01(\x03\x12\x18\n\x10location_deletes\x18\x10 \x01(\x03\"\x0e\n\x0cStatsRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\")\n\x13LoraAdapterResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"\x13\n\x11ListModelsRequest\"\'\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"X\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.tandem.v1.EmbedInput\x12\r\n\x05model\x18\x03 \x01(\t\"P\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.tandem.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"\x1f\n\nEmbedInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02*x\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03*8\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x12\n\x0ePRIORITY_BATCH\x10\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_GRAMMARKIND']._serialized_start=2399
-  _globals['_GRAMMARKIND']._serialized_end=2519
-  _globals['_PRIORITY']._serialized_start=2521
-  _globals['_PRIORITY']._serialized_end=2577
-  _globals['_FINISHREASON']._serialized_start=2579
-  _globals['_FINISHREASON']._serialized_end=2699
+  _globals['_GRAMMARKIND']._serialized_start=2445
+  _globals['_GRAMMARKIND']._serialized_end=2565
+  _globals['_PRIORITY']._serialized_start=2567
+  _globals['_PRIORITY']._serialized_end=2623
+  _globals['_FINISHREASON']._serialized_start=2625
+  _globals['_FINISHREASON']._serialized_end=2745
   _globals['_SAMPLINGOPTIONS']._serialized_start=38
   _globals['_SAMPLINGOPTIONS']._serialized_end=569
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=450
@@ -52,37 +52,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=770
   _globals['_USAGE']._serialized_end=850
   _globals['_TOKENEVENT']._serialized_start=853
-  _globals['_TOKENEVENT']._serialized_end=1113
-  _globals['_MOVEDKV']._serialized_start=1115
-  _globals['_MOVEDKV']._serialized_end=1182
-  _globals['_KVHANDLE']._serialized_start=1185
-  _globals['_KVHANDLE']._serialized_end=1431
-  _globals['_WORKERSTATS']._serialized_start=1434
-  _globals['_WORKERSTATS']._serialized_end=1803
-  _globals['_STATSREQUEST']._serialized_start=1805
-  _globals['_STATSREQUEST']._serialized_end=1819
-  _globals['_ABORTREQUEST']._serialized_start=1821
-  _globals['_ABORTREQUEST']._serialized_end=1855
-  _globals['_ABORTRESPONSE']._serialized_start=1857
-  _globals['_ABORTRESPONSE']._serialized_end=1887
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1889
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1951
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1953
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1998
-  _globals['_LORAADAPTERRESPONSE']._serialized_start=2000
-  _globals['_LORAADAPTERRESPONSE']._serialized_end=2041
-  _globals['_LISTMODELSREQUEST']._serialized_start=2043
-  _globals['_LISTMODELSREQUEST']._serialized_end=2062
-  _globals['_MODELINFO']._serialized_start=2064
-  _globals['_MODELINFO']._serialized_end=2103
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2105
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2163
-  _globals['_EMBEDREQUEST']._serialized_start=2165
-  _globals['_EMBEDREQUEST']._serialized_end=2253
-  _globals['_EMBEDRESPONSE']._serialized_start=2255
-  _globals['_EMBEDRESPONSE']._serialized_end=2335
-  _globals['_EMBEDINPUT']._serialized_start=2337
-  _globals['_EMBEDINPUT']._serialized_end=2368
-  _globals['_EMBEDDING']._serialized_start=2370
-  _globals['_EMBEDDING']._serialized_end=2397
+  _globals['_TOKENEVENT']._serialized_end=1159
+  _globals['_MOVEDKV']._serialized_start=1161
+  _globals['_MOVEDKV']._serialized_end=1228
+  _globals['_KVHANDLE']._serialized_start=1231
+  _globals['_KVHANDLE']._serialized_end=1477
+  _globals['_WORKERSTATS']._serialized_start=1480
+  _globals['_WORKERSTATS']._serialized_end=1849
+  _globals['_STATSREQUEST']._serialized_start=1851
+  _globals['_STATSREQUEST']._serialized_end=1865
+  _globals['_ABORTREQUEST']._serialized_start=1867
+  _globals['_ABORTREQUEST']._serialized_end=1901
+  _globals['_ABORTRESPONSE']._serialized_start=1903
+  _globals['_ABORTRESPONSE']._serialized_end=1933
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1935
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1997
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1999
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2044
+  _globals['_LORAADAPTERRESPONSE']._serialized_start=2046
+  _globals['_LORAADAPTERRESPONSE']._serialized_end=2087
+  _globals['_LISTMODELSREQUEST']._serialized_start=2089
+  _globals['_LISTMODELSREQUEST']._serialized_end=2108
+  _globals['_MODELINFO']._serialized_start=2110
+  _globals['_MODELINFO']._serialized_end=2149
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2151
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2209
+  _globals['_EMBEDREQUEST']._serialized_start=2211
+  _globals['_EMBEDREQUEST']._serialized_end=2299
+  _globals['_EMBEDRESPONSE']._serialized_start=2301
+  _globals['_EMBEDRESPONSE']._serialized_end=2381
+  _globals['_EMBEDINPUT']._serialized_start=2383
+  _globals['_EMBEDINPUT']._serialized_end=2414
+  _globals['_EMBEDDING']._serialized_start=2416
+  _globals['_EMBEDDING']._serialized_end=2443
 # @@protoc_insertion_point(module_scope)
