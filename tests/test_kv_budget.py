@@ -92,6 +92,13 @@ def test_a_draft_models_kv_counts_too(smol_dir, tmp_path):
     assert fitted.kv_cache_bytes == 2 * plain.kv_cache_bytes  # the same shape drafts
 
 
+def test_a_folder_that_cannot_be_read_is_left_to_its_workers(tmp_path):
+    """Its workers refuse it with the reason; the launcher does not fail first."""
+    fitted, note = fit_cpu_pools(StackConfig(str(tmp_path / "missing"), str(tmp_path)))
+    assert (fitted.kv_cache_bytes, fitted.max_model_len) == (CPU_KV_CACHE_MIN_BYTES, None)
+    assert "128 MiB" in note
+
+
 def test_gpu_stacks_are_left_as_they_are(smol_dir, tmp_path):
     cfg = StackConfig(str(smol_dir), str(tmp_path), gpus=("0",))
     assert fit_cpu_pools(cfg) == (cfg, "")

@@ -23,6 +23,7 @@ import json
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, ModelConfig
+from engine.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from services.launcher.stack import StackConfig
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 CPU_KV_CACHE_MIN_BYTES = 128 * 1024**2  # a CPU worker's pool at least, when none is given
 CPU_KV_CACHE_MAX_BYTES = 2 * 1024**3  # and at most (then the context is capped)
 BLOCK_SIZE = EngineConfig.__dataclass_fields__["block_size"].default  # the workers' default
+# A model folder that cannot be read: its workers refuse it with the reason; sized without it.
+UNREADABLE = (UnsupportedModelError, OSError, ValueError, KeyError)
 
 
 def token_bytes(model_dir: str, dtype: str) -> int:
@@ -59,19 +62,26 @@ def fit_cpu_pools(config: StackConfig) -> tuple[StackConfig, str]:
     says (unchanged on GPUs), and a line saying what was chosen ("" when nothing was)."""
     if config.gpus:
         return config, ""
-    draft = draft_dir(config.worker_args)
-    extra = token_bytes(draft, config.dtype) if draft else 0
+    try:
+        draft = draft_dir(config.worker_args)
+        extra = token_bytes(draft, config.dtype) if draft else 0
+    except UNREADABLE:
+        extra = 0  # the worker refuses the draft's folder with the reason
     need: dict[str, tuple[int, int]] = {}  # model -> (its context, KV bytes of a token)
     for name, folder in config.models.items():
-        context = ModelConfig.from_dir(folder).max_position_embeddings
+        try:
+            context = ModelConfig.from_dir(folder).max_position_embeddings
+            tb = token_bytes(folder, config.dtype) + extra
+        except UNREADABLE:
+            continue  # its workers refuse the folder, saying why
         if config.max_model_len:
             context = min(context, config.max_model_len)
-        need[name] = (context, token_bytes(folder, config.dtype) + extra)
+        need[name] = (context, tb)
     pool = config.kv_cache_bytes
     chosen = pool is None and config.num_kv_blocks is None
     if chosen:
-        full = max((-(-ctx // BLOCK_SIZE) + 1) * BLOCK_SIZE * tb for ctx, tb in need.values())
-        pool = min(max(full, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES)
+        sizes = [(-(-ctx // BLOCK_SIZE) + 1) * BLOCK_SIZE * tb for ctx, tb in need.values()]
+        pool = min(max([*sizes, CPU_KV_CACHE_MIN_BYTES]), CPU_KV_CACHE_MAX_BYTES)
     held: dict[str, int] = {}
     for name, (_, tb) in need.items():
         blocks = config.num_kv_blocks or (pool or 0) // (BLOCK_SIZE * tb)
