@@ -229,6 +229,20 @@ def test_a_request_without_max_tokens_is_served(stack, client):
     assert_all_free(stack)
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(stack, client, offline):
+    """A completions batch (a list of prompts) runs one request per prompt through the real
+    stack; each prompt's greedy text is what it gets alone, in the order given."""
+    prompts = ["The capital of France is", "1, 2, 3, 4,", LONG]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    refs = [offline_greedy(offline, offline.tokenizer.encode(p), 8) for p in prompts]
+    assert [c.text for c in batch.choices] == [r.text for r in refs]
+    sizes = [len(offline.tokenizer.encode(p)) for p in prompts]
+    assert batch.usage.prompt_tokens == sum(sizes)
+    assert batch.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    assert_all_free(stack)
+
+
 def test_stop_reason_is_null_at_eos_and_the_id_of_a_stop_token(client, offline):
     """vLLM's stop_reason: null when the model ends (EOS), the id (a JSON number) when a token
     of stop_token_ids does, the string when a stop string does. It was the string "2" for

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -290,6 +291,56 @@ def test_completion(gw: Gateway, tok: Tokenizer, prompt) -> None:
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
 
 
+@pytest.mark.parametrize("kind", ["text", "ids"])
+def test_completion_batch_of_prompts(gw: Gateway, tok: Tokenizer, kind) -> None:
+    """OpenAI's and vLLM's batch: ``prompt`` as a list of strings or of token-id lists. One
+    backend request per prompt, choices numbered prompt after prompt, usage summed (it was a
+    400: "a list of strings must hold exactly one")."""
+    texts = ["Say hi", "Bye now", "x"]
+    ids = [tok.encode(t) for t in texts]
+    resp = gw.client.completions.create(
+        model=MODEL, prompt=texts if kind == "text" else ids, n=2, max_tokens=20, seed=5
+    )
+    by_id = {r.request_id: r for r in gw.fake.requests}
+    assert sorted(by_id) == [f"{resp.id}-{i}" for i in range(3)]
+    assert [list(by_id[f"{resp.id}-{i}"].token_ids) for i in range(3)] == ids
+    assert all(r.sampling.n == 2 and r.sampling.seed == 5 for r in by_id.values())
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert all(c.text == REPLY and c.finish_reason == "stop" for c in resp.choices)
+    assert resp.usage.prompt_tokens == sum(map(len, ids))
+    assert resp.usage.completion_tokens == 6 * len(gw.fake.reply_ids())
+    assert resp.usage.prompt_tokens_details.cached_tokens == 3 * CACHED
+
+
+def test_completion_batch_streams_every_prompts_choices(gw: Gateway) -> None:
+    chunks = list(
+        gw.client.completions.create(
+            model=MODEL, prompt=["a", "b"], n=2, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert texts == dict.fromkeys(range(4), REPLY)
+    assert finishes == {i: ["stop"] for i in range(4)}
+    assert len({c.id for c in chunks}) == 1  # one response
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4 * len(
+        gw.fake.reply_ids()
+    )
+
+
+def test_a_failing_batch_fails_whole(gw: Gateway) -> None:
+    gw.fake.fail = APIError(503, "no live decode worker", "server_error")
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": ["a", "b"], "stream": stream}
+        assert_error(gw.post("/v1/completions", body), 503)
+
+
 def test_completion_streaming(gw: Gateway) -> None:
     chunks = list(
         gw.client.completions.create(
@@ -387,7 +438,9 @@ def test_bad_chat_request_is_400(gw: Gateway, body, param) -> None:
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", ""]}, "prompt"),  # a batch with an empty prompt
+        ({"model": MODEL, "prompt": [[1], [2, 10**9]]}, "prompt"),
+        ({"model": MODEL, "prompt": ["a"] * 65}, "prompt"),  # over MAX_BATCH
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
         ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
@@ -514,6 +567,25 @@ def test_non_streaming_disconnect_aborts_within_1s(gw: Gateway) -> None:
         gw.post("/v1/chat/completions", chat_body(), timeout=0.3)
     assert gw.fake.abort_called.wait(1.0)
     assert gw.fake.aborted == [gw.fake.requests[0].request_id]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_batchs_disconnect_aborts_every_prompt(gw: Gateway, stream: bool) -> None:
+    gw.fake.hang_after = 2
+    body = {"model": MODEL, "prompt": ["x", "y", "z"], "stream": stream}
+    with httpx.Client(timeout=10) as client:
+        if stream:
+            with client.stream("POST", f"{gw.url}/v1/completions", json=body, headers=AUTH) as r:
+                assert r.status_code == 200
+                assert next(r.iter_lines()).startswith("data: {")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(f"{gw.url}/v1/completions", json=body, headers=AUTH, timeout=0.3)
+    deadline = time.monotonic() + 2
+    while len(gw.fake.aborted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(gw.fake.aborted) == sorted(r.request_id for r in gw.fake.requests)
+    assert len(gw.fake.aborted) == 3
 
 
 # --- Config -------------------------------------------------------------------------------------

@@ -152,9 +152,9 @@ def prepare_completion(
         _check_range("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     best_of = _best_of(body)
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError(400, "prompt: a list of strings must hold exactly one", param="prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:  # `prepare_completions` splits a batch
+            raise APIError(400, "prompt: a batch of prompts goes to prepare_completions")
         prompt = prompt[0]
     room(_least_cost(body, best_of or body.n or 1))
     if isinstance(prompt, str):
@@ -166,6 +166,46 @@ def prepare_completion(
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is not in [0, {vocab})", param="prompt")
     return _prepare(cfg, body, ids, body.logprobs, request_id, tenant, best_of=best_of)
+
+
+MAX_BATCH = 64  # prompts in one completions request
+
+
+def prepare_completions(
+    cfg: GatewayConfig,
+    tok: Tokenizer,
+    body: CompletionRequest,
+    request_id: str,
+    tenant: str,
+    room: RoomCheck = _no_room_check,
+) -> list[Prepared]:
+    """`prepare_completion` for each prompt of ``body``: one for a single prompt (a string or
+    token ids), one per prompt of a batch (a list of strings or of token-id lists, as OpenAI's
+    and vLLM's completions take), request ids ``REQUEST_ID-i``. A bad prompt refuses the whole
+    batch, naming its place."""
+    prompt = body.prompt
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [prepare_completion(cfg, tok, body, request_id, tenant, room)]
+    if len(prompt) == 1:
+        one = body.model_copy(update={"prompt": prompt[0]})
+        return [prepare_completion(cfg, tok, one, request_id, tenant, room)]
+    if len(prompt) > MAX_BATCH:
+        raise APIError(
+            400, f"prompt: at most {MAX_BATCH} prompts in one request (got {len(prompt)})",
+            param="prompt",
+        )  # fmt: skip
+    out = []
+    for i, one_prompt in enumerate(prompt):
+        one = body.model_copy(update={"prompt": one_prompt})
+        try:
+            out.append(prepare_completion(cfg, tok, one, f"{request_id}-{i}", tenant, room))
+        except APIError as e:
+            if e.status != 400:
+                raise
+            raise APIError(
+                400, f"prompt {i} of the batch: {e.message}", param=e.param, code=e.code
+            ) from e
+    return out
 
 
 def _best_of(body: CompletionRequest) -> int | None:

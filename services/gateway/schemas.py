@@ -218,10 +218,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    """Body of ``POST /v1/completions``. ``prompt``: a string, a list holding exactly one
-    string, or a list of token ids."""
+    """Body of ``POST /v1/completions``. ``prompt``: a string or a list of token ids, or a
+    batch of them (a list of strings, a list of token-id lists)."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from services.gateway.batch import merge_responses, merged_chunks
 from services.gateway.config import GatewayConfig
 from services.gateway.core import (
     APIError,
@@ -46,7 +47,7 @@ from services.gateway.limits import Limits
 from services.gateway.models import Served
 from services.gateway.observe import GatewayMetrics, ObserveMiddleware
 from services.gateway.openapi import install_openapi
-from services.gateway.prepare import Prepared, RoomCheck, prepare_chat, prepare_completion
+from services.gateway.prepare import Prepared, RoomCheck, prepare_chat, prepare_completions
 from services.gateway.responses import TokenText, full_response
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -131,8 +132,11 @@ def create_app(
         m, adapter = await pick(body.model)
         base = body.model_copy(update={"model": m.name}) if adapter else body
         room = _room_check(request, m, body)
-        p = await prepare(prepare_completion, m.config, m.tokenizer, base, rid, tenant, room)
-        return await _respond(request, backend, _for_model(p, body.model), m)
+        ps = await prepare(prepare_completions, m.config, m.tokenizer, base, rid, tenant, room)
+        ps = [_for_model(p, body.model) for p in ps]
+        if len(ps) == 1:
+            return await _respond(request, backend, ps[0], m)
+        return await _respond_batch(request, backend, rid, ps, m)
 
     def model_card(m: Served, name: str) -> dict[str, Any]:
         """OpenAI's model object; an adapter's names its base model as ``parent`` (vLLM)."""
@@ -281,9 +285,85 @@ async def _respond(request: Request, backend: Backend, p: Prepared, m: Served) -
         return Response(status_code=499)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **exchange.headers}
     return _SSEResponse(
-        exchange, _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
+        [exchange], _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
         headers=headers,
     )  # fmt: skip
+
+
+async def _respond_batch(
+    request: Request, backend: Backend, request_id: str, ps: list[Prepared], m: Served
+) -> Response:
+    """`_respond` for a batch of prompts (`services.gateway.batch`): every prompt is admitted
+    before any runs (a refusal closes those admitted and answers with it), they run at once,
+    and a stream starts once each prompt's first event is in."""
+    app = request.app.state
+    session = request.headers.get(SESSION_HEADER, "")
+    exchanges: list[Exchange] = []
+
+    async def close_all() -> None:
+        for e in exchanges:
+            await e.close()
+
+    try:
+        for p in ps:
+            req = _with_session(p.backend_request, session)
+            exchanges.append(Exchange.open(app.limits, backend, req, app.metrics, m.name))
+    except BaseException:
+        await close_all()
+        raise
+    headers = exchanges[-1].headers  # the rate-limit headers after the last admission
+    n = ps[0].n
+    if not ps[0].stream:
+        try:
+            runs = [
+                collect(e.events, p.backend_request.sampling.n)
+                for e, p in zip(exchanges, ps, strict=True)
+            ]
+            all_gens = await _unless_disconnected(request, _all(runs))
+        finally:
+            await close_all()
+        if all_gens is _GONE:
+            return Response(status_code=499)
+        answers = [full_response(p, gens, m.text_of) for p, gens in zip(ps, all_gens, strict=True)]
+        return JSONResponse(merge_responses(request_id, answers, n), headers=headers)
+    try:
+        firsts = await _unless_disconnected(
+            request, _all([anext(e.events, None) for e in exchanges])
+        )
+        if firsts is not _GONE:
+            for first in firsts:
+                if first is None:
+                    raise unfinished()
+                check_event(first)
+    except BaseException:
+        await close_all()
+        raise
+    if firsts is _GONE:
+        await close_all()
+        return Response(status_code=499)
+    parts = [
+        stream_chunks(p, e.events, m.text_of, first)
+        for p, e, first in zip(ps, exchanges, firsts, strict=True)
+    ]
+    chunks = merged_chunks(request_id, parts, n)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
+    return _SSEResponse(
+        exchanges, _sse_lines(request_id, chunks), media_type="text/event-stream",
+        headers=headers,
+    )  # fmt: skip
+
+
+async def _all(aws: list[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` that cancels and awaits the others when one fails (or this is
+    cancelled), so that none still runs inside a generator that is closed next."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):  # a disconnect's scope cancels again and again
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_lora_updating(config: GatewayConfig) -> None:
@@ -322,16 +402,28 @@ def _with_session(req: BackendRequest, session: str) -> BackendRequest:
 async def _sse(
     p: Prepared, first: BackendEvent, events: AsyncGenerator[BackendEvent, None], text_of: TokenText
 ) -> AsyncGenerator[str, None]:
-    """SSE lines of a streamed response. An error after the stream started is sent as a
-    ``data: {"error": ...}`` event, then ``[DONE]``."""
-    async with aclosing(events), aclosing(stream_chunks(p, events, text_of, first)) as chunks:
+    """SSE lines of a streamed response (`_sse_lines`)."""
+    async with (
+        aclosing(events),
+        aclosing(_sse_lines(p.request_id, stream_chunks(p, events, text_of, first))) as lines,
+    ):
+        async for line in lines:
+            yield line
+
+
+async def _sse_lines(
+    request_id: str, chunks: AsyncGenerator[dict[str, Any], None]
+) -> AsyncGenerator[str, None]:
+    """SSE lines of ``chunks`` (closed at the end). An error after the stream started is sent
+    as a ``data: {"error": ...}`` event, then ``[DONE]``."""
+    async with aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception:
-            log.exception("stream of %s failed", p.request_id)
+            log.exception("stream of %s failed", request_id)
             yield f"data: {json.dumps(internal_error().body())}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -341,16 +433,17 @@ class _SSEResponse(StreamingResponse):
     disconnect, cancellation), so the generation is aborted and settled at once instead of
     whenever it is collected."""
 
-    def __init__(self, exchange: Exchange, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, exchanges: list[Exchange], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.exchange = exchange
+        self.exchanges = exchanges
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await _close(self.body_iterator)  # type: ignore[arg-type]
-            await self.exchange.close()
+            for exchange in self.exchanges:
+                await exchange.close()
 
 
 async def _close(gen: Any) -> None:
