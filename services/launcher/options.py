@@ -37,7 +37,13 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
             "one GPU per rank; default 1)"
             + ("; colocated workers are decode workers" if role == "decode" else ""),
         )
-    g.add_argument("--kv-cache-mib", type=int, default=None, help="each worker's KV pool (MiB)")
+    g.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="each worker's KV pool (MiB; default on CPU: one sequence of the model's context, "
+        "128 MiB to 2 GiB, the context capped past that; on GPUs: what the memory share leaves)",
+    )
     g.add_argument("--num-kv-blocks", type=int, default=None, help="each worker's KV pool")
     g.add_argument(
         "--max-num-batched-tokens",
