@@ -151,11 +151,9 @@ def prepare_completion(
     if body.logprobs is not None:
         _check_range("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     best_of = _best_of(body)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:  # `prepare_completions` splits a batch
-            raise APIError(400, "prompt: a batch of prompts goes to prepare_completions")
-        prompt = prompt[0]
+    prompt = body.prompt  # one prompt: `prepare_completions` splits a batch
+    if _is_batch(prompt):
+        raise APIError(400, "prompt: a batch of prompts goes through prepare_completions")
     room(_least_cost(body, best_of or body.n or 1))
     if isinstance(prompt, str):
         ids = tok.encode(prompt)
@@ -184,8 +182,9 @@ def prepare_completions(
     and vLLM's completions take), request ids ``REQUEST_ID-i``. A bad prompt refuses the whole
     batch, naming its place."""
     prompt = body.prompt
-    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+    if not _is_batch(prompt):
         return [prepare_completion(cfg, tok, body, request_id, tenant, room)]
+    assert isinstance(prompt, list)
     if len(prompt) == 1:
         one = body.model_copy(update={"prompt": prompt[0]})
         return [prepare_completion(cfg, tok, one, request_id, tenant, room)]
@@ -206,6 +205,11 @@ def prepare_completions(
                 400, f"prompt {i} of the batch: {e.message}", param=e.param, code=e.code
             ) from e
     return out
+
+
+def _is_batch(prompt: object) -> bool:
+    """Whether a completions ``prompt`` is a batch (a list of strings or of token-id lists)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 def _best_of(body: CompletionRequest) -> int | None:
