@@ -40,6 +40,7 @@ from engine.parallel.comm import TPComm
 from engine.parallel.ranks import rank_device
 from engine.parallel.shard import ModelShard
 from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import TokenLogprob
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
@@ -70,6 +71,10 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         config.dtype
     ]
+
+
+# Logits a prompt-logprobs pass holds at once (float32: 64 MiB), LM head rows at a time.
+SCORE_ELEMENTS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -354,6 +359,7 @@ class ModelRunner:
             "seal": self._seal,
             "sealed": self._read_sealed,
             "write": self._write,
+            "score": self._score,
         }
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
@@ -508,6 +514,41 @@ class ModelRunner:
         out = self._command("forward", plan)
         assert out is not None
         return out
+
+    def prompt_logprobs(self, sched: SchedulerOutput, k: int) -> list[TokenLogprob]:
+        """Raw-model logprob and rank of every scheduled token after the first, given the tokens
+        before it, with the ``k`` most likely tokens at its place (one sequence's whole prompt,
+        ``engine.pooling``)."""
+        plan = self._plan(sched)
+        plan.sample_rows = list(range(len(plan.token_ids)))
+        plan.hidden = True
+        chosen, ranks, top_lp, top_ids = self._command("score", plan, k)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids, top_lp, strict=True)]
+        return [
+            TokenLogprob(t, lp, top, rank)
+            for t, lp, rank, top in zip(plan.token_ids[1:], chosen, ranks, tops, strict=True)
+        ]
+
+    def _score(self, plan: StepPlan, k: int) -> tuple[list, list, list, list]:
+        """``prompt_logprobs``' forward pass (every rank: the LM head gathers the vocabulary),
+        the LM head and softmax taken ``SCORE_ELEMENTS`` logits at a time."""
+        hidden = self._forward(plan)
+        assert hidden is not None
+        targets = torch.tensor(plan.token_ids[1:], device=self.device)
+        n = len(targets)
+        step = max(1, SCORE_ELEMENTS // max(self.sampler_width, 1))
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for lo in range(0, n, step):
+            lp = torch.log_softmax(self.model.logits(hidden[lo : min(n, lo + step)]), dim=-1)
+            t = targets[lo : lo + lp.shape[0], None]
+            chosen = lp.gather(1, t)
+            rank = (lp > chosen).sum(1) + 1
+            top_lp, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+            parts.append((chosen.squeeze(1), rank, top_lp, top_ids))
+        if not parts:
+            return [], [], [], []
+        chosen, rank, top_lp, top_ids = (torch.cat(x).cpu() for x in zip(*parts, strict=True))
+        return chosen.tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
 
     def _lora_batch(self, plan: StepPlan) -> LoRABatch | None:
         """Place the step's adapters in slots; None when no token of the step has one."""

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.errors import KVCapacityError, UnsupportedModelError
-from engine.sampling_params import SamplingParams
+from engine.errors import InvalidRequestError, KVCapacityError, UnsupportedModelError
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from libkv.hashing import encode_extra_keys
@@ -106,6 +106,19 @@ class PoolingMixin:
         """The prompt's embedding (float32 [hidden], on the CPU), pooled by ``self.pooling``."""
         hidden = self._alone(prompt, lora, self.runner.hidden_all)
         return self.pooling.pool(hidden).cpu()
+
+    def prompt_logprobs(
+        self, prompt: list[int], k: int = 0, lora: str | None = None
+    ) -> list[TokenLogprob]:
+        """For each prompt token after the first: its raw-model logprob and rank given the
+        tokens before it, and the ``k`` most likely tokens there (vLLM's ``prompt_logprobs``;
+        the first token has none). One prefill of the whole prompt outside the batch, as
+        ``embed``; the prefix cache is not read, so every position is computed."""
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt logprobs: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {k})"
+            )
+        return self._alone(prompt, lora, lambda sched: self.runner.prompt_logprobs(sched, k))
 
     def score(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill);

@@ -149,9 +149,11 @@ class TokenLogprob:
     """Raw-model log-probability of the chosen token and of the ``params.logprobs`` best ones.
 
     ``top`` holds ``(token_id, logprob)`` pairs, most likely first; it is empty when
-    ``params.logprobs == 0``.
+    ``params.logprobs == 0``. ``rank``: the token's 1-based rank in its distribution (1: the
+    most likely), where computed (prompt logprobs); 0 where not.
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int = 0

@@ -243,6 +243,47 @@ def test_a_batch_of_prompts_answers_each_as_alone(stack, client, offline):
     assert_all_free(stack)
 
 
+def test_echo_with_logprobs_scores_prompts_as_lm_eval_asks(stack, client, offline):
+    """lm-evaluation-harness's loglikelihood request (a batch of token-id prompts, echo,
+    logprobs 1, max_tokens 1, greedy): each prompt's tokens' logprobs come from a worker's
+    scoring pass and match the offline engine's; the generated token's, from the decode
+    worker's sampler, matches the scoring pass of the prompt with it appended."""
+    tok = offline.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode(LONG)[:300]]
+    out = client.completions.create(
+        model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    for choice, ids in zip(out.choices, prompts, strict=True):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = offline.prompt_logprobs(ids, 1)
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in ref], abs=1e-4)
+        # The greedy token is the top-1 alternative, so lm-eval's "is greedy" test holds.
+        assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()))
+        greedy = offline_greedy(offline, ids, 1).token_ids
+        assert choice.text == tok.decode(ids, skip_special_tokens=False) + tok.decode(greedy)
+        again = offline.prompt_logprobs(ids + greedy, 0)[-1]
+        assert lp.token_logprobs[-1] == pytest.approx(again.logprob, abs=1e-3)
+    # The prompt alone (max_tokens 0), and vLLM's prompt_logprobs in chat.
+    alone = client.completions.create(
+        model=MODEL, prompt=prompts[0], echo=True, logprobs=0, max_tokens=0
+    )
+    assert alone.choices[0].text == "The capital of France is"
+    assert alone.usage.completion_tokens == 0
+    chat = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 2, "prompt_logprobs": 2},
+        timeout=60,
+    )  # fmt: skip
+    body = chat.json()
+    assert chat.status_code == 200, body
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(1 <= len(place) <= 3 for place in body["prompt_logprobs"][1:])
+    assert_all_free(stack)
+
+
 def test_stop_reason_is_null_at_eos_and_the_id_of_a_stop_token(client, offline):
     """vLLM's stop_reason: null when the model ends (EOS), the id (a JSON number) when a token
     of stop_token_ids does, the string when a stop string does. It was the string "2" for

@@ -171,6 +171,38 @@ def test_smol_logits_match_transformers(smol_dir, smol_hf, smol_prompts):
     assert engine.pool.num_used == 0
 
 
+def test_prompt_logprobs_match_transformers(smol_dir, smol_hf, smol_prompts, monkeypatch):
+    """Each prompt token's logprob, rank and top 3 (vLLM's prompt_logprobs, what echo with
+    logprobs answers) against transformers' log-softmax, with the LM head taken 5 rows at a
+    time so that the pass's chunks join up; nothing is left in the pool."""
+    from engine import model_runner
+
+    engine = make_engine(smol_dir)
+    monkeypatch.setattr(model_runner, "SCORE_ELEMENTS", 5 * engine.runner.sampler_width)
+    # The prefix cache is not read: a prompt that was just prefilled is scored in full again.
+    run_with_arrivals(engine, [smol_prompts[-1]], SamplingParams(max_tokens=1), waves=[1])
+    for p in [smol_prompts[0], smol_prompts[-1], smol_prompts[1][:1]]:
+        ours = engine.prompt_logprobs(p, 3)
+        assert [e.token_id for e in ours] == p[1:]
+        with torch.no_grad():
+            ref = torch.log_softmax(smol_hf(torch.tensor([p])).logits[0].float(), dim=-1)
+        for i, e in enumerate(ours):
+            row, want = ref[i], ref[i, p[i + 1]].item()
+            assert abs(e.logprob - want) < LOGIT_ATOL
+            # The rank, allowing for ties within the tolerance.
+            lo, hi = ((row > want + d).sum().item() + 1 for d in (LOGIT_ATOL, -LOGIT_ATOL))
+            assert lo <= e.rank <= hi
+            top_lp, top_ids = row.topk(3)
+            assert len(e.top) == 3
+            for (t, lp), rt, rlp in zip(e.top, top_ids.tolist(), top_lp.tolist(), strict=True):
+                assert abs(lp - rlp) < LOGIT_ATOL
+                assert t == rt or abs(row[t].item() - rlp) < LOGIT_ATOL
+    assert engine.prompt_logprobs(smol_prompts[0], 0)[0].top == ()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        engine.prompt_logprobs(smol_prompts[0], 21)
+    assert engine.pool.num_used == 0
+
+
 @pytest.mark.parametrize("fixture", ["qwen2_dir", "llama3_rope_dir"])
 def test_random_models_match_transformers(fixture, request, smol_prompts):
     model_dir = request.getfixturevalue(fixture)

@@ -159,3 +159,26 @@ def test_a_prefill_on_cuda_hands_off_the_sums_taken_at_sealing(smol_shape_dir):
     assert [eng.pool.blocks[i].sealed for i in ids] == [True] * 9 + [False]
     assert eng.handoff_checksums(ids) == eng.block_checksums(ids)
     assert eng.release("g")
+
+
+def test_prompt_logprobs_on_cuda_match_the_cpu(smol_shape_dir, prompts, monkeypatch):
+    """The prompt-logprobs pass (echo with logprobs, vLLM's prompt_logprobs) on CUDA in
+    float32 against the CPU's, with the LM head taken 7 rows at a time on both."""
+    from engine import model_runner
+
+    def scores(**options):
+        llm = LLM(smol_shape_dir, num_kv_blocks=512, **options)
+        monkeypatch.setattr(model_runner, "SCORE_ELEMENTS", 7 * llm.engine.runner.sampler_width)
+        out = [llm.engine.prompt_logprobs(p, 2) for p in prompts[:4]]
+        del llm
+        return out
+
+    cpu = scores(device="cpu", dtype="float32")
+    gpu = scores(device="cuda", dtype="float32")
+    diffs = []
+    for c, g, p in zip(cpu, gpu, prompts, strict=False):
+        assert [e.token_id for e in g] == p[1:] == [e.token_id for e in c]
+        diffs += [abs(a.logprob - b.logprob) for a, b in zip(c, g, strict=True)]
+        assert all(len(e.top) == 2 and e.rank >= 1 for e in g)
+    print(json.dumps({"check": "prompt_logprobs_cuda_fp32_vs_cpu", "max_abs": max(diffs)}))
+    assert max(diffs) < 2e-2 and sum(diffs) / len(diffs) < 2e-3

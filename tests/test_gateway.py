@@ -66,6 +66,7 @@ class FakeBackend:
         self.reply = REPLY
         self.loras: dict[str, str] = {}
         self.embedded: list[tuple[str, list[list[int]]]] = []
+        self.scored: list[tuple[str, list[list[int]], int]] = []
 
     def reply_ids(self) -> list[int]:
         return self.tok.encode(self.reply)
@@ -122,6 +123,23 @@ class FakeBackend:
     ) -> tuple[list[list[float]], int]:
         self.embedded.append((model, inputs))
         return [[float(len(ids)), 0.5, -0.25] for ids in inputs], sum(map(len, inputs))
+
+    async def prompt_logprobs(
+        self, request_id: str, model: str, inputs: list[list[int]], k: int
+    ) -> tuple[list[list[TokenLogprob]], int]:
+        """Made-up scores: token i of a prompt (i >= 1) gets -i/10 and rank i, and ``k``
+        alternatives 300, 301, ..."""
+        self.scored.append((model, inputs, k))
+        if self.fail is not None:
+            raise self.fail
+        out = [
+            [
+                TokenLogprob(t, -i / 10, tuple((300 + j, -0.01 * j) for j in range(k)), i)
+                for i, t in enumerate(ids[1:], start=1)
+            ]
+            for ids in inputs
+        ]
+        return out, sum(map(len, inputs))
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -354,6 +372,103 @@ def test_completion_streaming(gw: Gateway) -> None:
     )
 
 
+def test_completion_echo_puts_the_prompt_and_its_logprobs_first(gw: Gateway, tok: Tokenizer):
+    """OpenAI's echo (what lm-evaluation-harness scores with: echo, logprobs, max_tokens 1):
+    the text is the prompt's then the completion's; with logprobs, the prompt's tokens come
+    first (the first with none), from one scoring pass, and the offsets run on."""
+    ids = tok.encode("Say hi there")
+    resp = gw.client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2)
+    [(model, inputs, k)] = gw.fake.scored
+    assert (model, inputs, k) == (MODEL, [ids], 2)
+    [choice] = resp.choices
+    assert choice.text == tok.decode(ids, skip_special_tokens=False) + REPLY
+    lp = choice.logprobs
+    n = len(ids)
+    assert lp.tokens[:n] == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[:n] == [None] + [-i / 10 for i in range(1, n)]
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[n:] == [-0.25] * len(gw.fake.reply_ids())
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert resp.usage.prompt_tokens == n
+    assert resp.usage.completion_tokens == len(gw.fake.reply_ids())
+    # Echo without logprobs needs no scoring pass.
+    gw.fake.reset()
+    resp = gw.client.completions.create(model=MODEL, prompt="Say hi", echo=True)
+    assert resp.choices[0].text == "Say hi" + REPLY and resp.choices[0].logprobs is None
+    assert gw.fake.scored == []
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(gw: Gateway, tok: Tokenizer) -> None:
+    texts = ["Say hi", "Bye now"]
+    resp = gw.client.completions.create(
+        model=MODEL, prompt=texts, echo=True, logprobs=1, max_tokens=0
+    )
+    assert gw.fake.requests == []  # nothing generated
+    [(_, inputs, k)] = gw.fake.scored  # one pass for the batch
+    assert inputs == [tok.encode(t) for t in texts] and k == 1
+    assert [c.text for c in resp.choices] == texts
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    for c, ids in zip(resp.choices, inputs, strict=True):
+        assert c.logprobs.token_logprobs == [None] + [-i / 10 for i in range(1, len(ids))]
+    assert resp.usage.prompt_tokens == sum(map(len, inputs))
+    assert resp.usage.completion_tokens == 0
+
+
+def test_prompt_logprobs_in_vllms_shape(gw: Gateway, tok: Tokenizer) -> None:
+    """vLLM's prompt_logprobs: per choice in completions, beside the choices in chat; None
+    for the first token, then a dict by token id of the prompt's token (with its rank) and
+    the top k."""
+    ids = tok.encode("Say hi there")
+    r = gw.post("/v1/completions", {"model": MODEL, "prompt": ids, "prompt_logprobs": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        pl = choice["prompt_logprobs"]
+        assert len(pl) == len(ids) and pl[0] is None
+        for i, place in enumerate(pl[1:], start=1):
+            assert list(place)[0] == str(ids[i])
+            assert place[str(ids[i])]["logprob"] == pytest.approx(-i / 10)
+            assert place[str(ids[i])]["rank"] == i
+            assert place["300"]["rank"] == 1 and place["301"]["rank"] == 2
+            assert place["301"]["decoded_token"] == tok.decode([301], skip_special_tokens=False)
+        assert choice["text"] == REPLY  # no echo
+    r = gw.post("/v1/chat/completions", chat_body(prompt_logprobs=0))
+    [(_, [chat_ids], k)] = gw.fake.scored[1:]
+    body = r.json()
+    assert k == 0 and len(body["prompt_logprobs"]) == len(chat_ids)
+    assert len(chat_ids) == body["usage"]["prompt_tokens"]
+    assert all(len(place) == 1 for place in body["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in body["choices"][0]
+
+
+def test_streamed_echo_starts_with_the_prompt(gw: Gateway) -> None:
+    chunks = list(
+        gw.client.completions.create(
+            model=MODEL, prompt=["Say hi", "Bye"], echo=True, logprobs=0, stream=True
+        )
+    )
+    texts: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
+    first = {}
+    for c in chunks:
+        for choice in c.choices:
+            first.setdefault(choice.index, choice)
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+    assert texts == {0: "Say hi" + REPLY, 1: "Bye" + REPLY}
+    assert [first[i].text for i in (0, 1)] == ["Say hi", "Bye"]  # each choice's first chunk
+    assert all(f.logprobs.token_logprobs[0] is None for f in first.values())
+    assert all(o == sorted(o) and o[0] == 0 for o in offsets.values())
+
+
+def test_a_failing_scoring_pass_fails_the_request(gw: Gateway) -> None:
+    gw.fake.fail = APIError(503, "no live worker to score on", "server_error")
+    for body in (
+        {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 0},
+        {"model": MODEL, "prompt": "a", "prompt_logprobs": 1},
+    ):
+        assert_error(gw.post("/v1/completions", body), 503)
+
+
 def test_client_request_id_echoed(gw: Gateway) -> None:
     r = gw.post("/v1/chat/completions", chat_body(), headers={"X-Request-Id": "trace-42"})
     assert r.status_code == 200
@@ -423,6 +538,8 @@ def test_models_and_health(gw: Gateway) -> None:
         (chat_body(stop=["s"] * 17), "stop"),
         (chat_body(stream_options={"include_usage": True}), "stream_options"),
         (chat_body(seed=2**63), "seed"),
+        (chat_body(prompt_logprobs=-1), "prompt_logprobs"),
+        (chat_body(prompt_logprobs=2, stream=True), "prompt_logprobs"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages.[0].content.[0].type",
@@ -445,7 +562,15 @@ def test_bad_chat_request_is_400(gw: Gateway, body, param) -> None:
         ({"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
         ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
         ({"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
-        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        (
+            {"model": MODEL, "prompt": "x", "echo": True, "max_tokens": 0, "stream": True},
+            "max_tokens",
+        ),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": True}, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "echo": 1}, "echo"),
     ],
 )
 def test_bad_completion_request_is_400(gw: Gateway, body, param) -> None:

@@ -284,7 +284,10 @@ def test_tools_for_a_template_without_tool_support(tmp_path, tok: Tokenizer) -> 
         ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
         ("/v1/chat/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),  # vLLM's chat echo, not completions'
+        ("/v1/chat/completions", {"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
+        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ],
 )
 def test_unimplemented_openai_fields_are_400(gw: Gateway, path, extra, param) -> None:
@@ -297,7 +300,8 @@ def test_fields_that_ask_for_nothing_are_accepted(gw: Gateway) -> None:
     body = chat_body(store=False, modalities=["text"], service_tier="auto", metadata=None)
     assert gw.post("/v1/chat/completions", body).status_code == 200
     vllm = chat_body(min_tokens=0, skip_special_tokens=True, use_beam_search=False,
-                     include_stop_str_in_output=False, bad_words=[])  # fmt: skip
+                     include_stop_str_in_output=False, bad_words=[], echo=False,
+                     add_generation_prompt=True, chat_template_kwargs={})  # fmt: skip
     assert gw.post("/v1/chat/completions", vllm).status_code == 200
 
 

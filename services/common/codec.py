@@ -152,11 +152,13 @@ def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
         token_id=lp.token_id,
         logprob=lp.logprob,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
 
 
 def logprob_from_pb(lp: common_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+    top = tuple((t.token_id, t.logprob) for t in lp.top)
+    return TokenLogprob(lp.token_id, lp.logprob, top, lp.rank)
 
 
 def event_from_output(out: RequestOutput) -> Event:

@@ -8,7 +8,7 @@ from services.common.codec import Event, Moved, event_to_pb, priority_from_pb
 from services.decode.codec import job_from_pb, output_to_pb
 from services.decode.core import DecodeCore
 from services.worker.codec import stats_to_pb
-from services.worker.embed import embed
+from services.worker.embed import embed, prompt_logprobs
 
 DEFAULT_LEASE_MS = 60_000  # a Reserve that names no lease
 
@@ -41,3 +41,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     async def Embed(self, request, context):  # noqa: N802
         return await embed(self.core.engine, self.core.ledger, request)
+
+    async def PromptLogprobs(self, request, context):  # noqa: N802
+        return await prompt_logprobs(self.core.engine, self.core.ledger, request)

@@ -79,15 +79,17 @@ def decode_event(ev: common_pb2.TokenEvent) -> BackendEvent:
     return BackendEvent(
         token_ids=tuple(ev.token_ids),
         text=ev.text,
-        logprobs=tuple(
-            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-            for lp in ev.logprobs
-        ),
+        logprobs=tuple(_logprob(lp) for lp in ev.logprobs),
         finish_reason=_FINISH.get(ev.finish_reason),
         stop_reason=stop_reason_from_pb(ev),
         usage=usage,
         index=ev.index,
     )
+
+
+def _logprob(lp: common_pb2.TokenLogprob) -> TokenLogprob:
+    top = tuple((t.token_id, t.logprob) for t in lp.top)
+    return TokenLogprob(lp.token_id, lp.logprob, top, lp.rank)
 
 
 def abort_request(request_id: str) -> common_pb2.AbortRequest:
@@ -155,3 +157,18 @@ def embed_request(request_id: str, model: str, inputs: list[list[int]]) -> commo
 
 def embeddings_of(reply: common_pb2.EmbedResponse) -> tuple[list[list[float]], int]:
     return [list(e.values) for e in reply.embeddings], reply.prompt_tokens
+
+
+def prompt_logprobs_request(
+    request_id: str, model: str, inputs: list[list[int]], k: int
+) -> common_pb2.PromptLogprobsRequest:
+    req = common_pb2.PromptLogprobsRequest(request_id=request_id, model=model, top_logprobs=k)
+    for ids in inputs:
+        req.inputs.add(token_ids=ids)
+    return req
+
+
+def prompt_logprobs_of(
+    reply: common_pb2.PromptLogprobsResponse,
+) -> tuple[list[list[TokenLogprob]], int]:
+    return [[_logprob(lp) for lp in p.tokens] for p in reply.prompts], reply.prompt_tokens

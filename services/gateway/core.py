@@ -54,11 +54,13 @@ class APIError(Exception):
 
 
 class TokenLogprob(NamedTuple):
-    """A generated token's logprob and the top alternatives ``((token_id, logprob), ...)``."""
+    """A token's logprob and the top alternatives ``((token_id, logprob), ...)``; ``rank``
+    (1: the most likely) where the backend computed it (prompt tokens), else 0."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,13 @@ class Backend(Protocol):
         self, request_id: str, model: str, inputs: list[list[int]]
     ) -> tuple[list[list[float]], int]:
         """(one embedding per input, prompt tokens) from the workers of ``model``."""
+        ...
+
+    async def prompt_logprobs(
+        self, request_id: str, model: str, inputs: list[list[int]], k: int
+    ) -> tuple[list[list[TokenLogprob]], int]:
+        """(for each input, the logprobs of its tokens after the first with the ``k`` most
+        likely tokens at each place; prompt tokens) from the workers of ``model``."""
         ...
 
 

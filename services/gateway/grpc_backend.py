@@ -21,7 +21,7 @@ from services.common.channels import internal_channel
 from services.common.health import model_service
 from services.common.tls import TLSFiles
 from services.gateway import codec
-from services.gateway.core import APIError, BackendEvent, BackendRequest
+from services.gateway.core import APIError, BackendEvent, BackendRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,12 @@ class GrpcBackend:
     ) -> tuple[list[list[float]], int]:
         reply = await self._unary("Embed", codec.embed_request(request_id, model, inputs))
         return codec.embeddings_of(reply)
+
+    async def prompt_logprobs(
+        self, request_id: str, model: str, inputs: list[list[int]], k: int
+    ) -> tuple[list[list[TokenLogprob]], int]:
+        req = codec.prompt_logprobs_request(request_id, model, inputs, k)
+        return codec.prompt_logprobs_of(await self._unary("PromptLogprobs", req))
 
     async def readiness(self, model: str = "") -> str | None:
         """None when some router can route to a live decode worker of ``model`` (default: the

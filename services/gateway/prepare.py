@@ -9,6 +9,7 @@ cannot fit whatever its prompt is refused (429) without that work (`Limits.check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,12 @@ from engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError, BackendRequest
-from services.gateway.schemas import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import (
+    CHAT_NOT_IMPLEMENTED,
+    NOT_IMPLEMENTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from services.gateway.structured import response_format_grammar
 from services.gateway.tools import ToolRequest, ToolSupport, template_messages, tool_request
 
@@ -58,6 +64,20 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolRequest | None = None  # tool calls are read out of chat output
     n: int = 1  # choices in the response; best_of samples more and keeps the n best
+    echo: str | None = None  # completions' echo: the prompt's text, put before each choice's
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the top k of each place
+    generate: bool = True  # False: echo with max_tokens 0, which answers the prompt alone
+
+    @property
+    def score_k(self) -> int | None:
+        """The top k of the prompt's scoring pass this response needs (None: it needs none):
+        prompt logprobs, and echo with logprobs (whose prompt entries come from that pass)."""
+        ks = [k for k in (self.prompt_logprobs, self.echo_logprobs) if k is not None]
+        return max(ks) if ks else None
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        return self.top_logprobs if self.echo is not None else None
 
     @property
     def best_of(self) -> bool:
@@ -85,6 +105,9 @@ def prepare_chat(
     """Validate a chat request, apply the chat template (content is data, never template code)
     and tokenize it. ``tools``: how this model calls tools (``tools.tool_support``)."""
     _check_common(cfg, body)
+    for name, allowed in CHAT_NOT_IMPLEMENTED.items():
+        if getattr(body, name) not in allowed:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -144,10 +167,18 @@ def prepare_completion(
     room: RoomCheck = _no_room_check,
 ) -> Prepared:
     """Validate a text-completion request and tokenize its prompt (no special tokens added).
-    ``best_of`` samples that many choices and answers with the ``n`` most likely per token."""
+    ``best_of`` samples that many choices and answers with the ``n`` most likely per token.
+    ``echo`` puts the prompt before each choice (with logprobs, its tokens' logprobs first);
+    with ``max_tokens`` 0 nothing is generated and the prompt alone is answered."""
     _check_common(cfg, body)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+    echo_only = bool(body.echo) and body.max_tokens == 0
+    if echo_only:
+        if body.stream:
+            raise APIError(
+                400, "max_tokens 0 (echo the prompt alone) cannot be used with stream",
+                param="max_tokens",
+            )  # fmt: skip
+        body = body.model_copy(update={"max_tokens": 1})  # checked as one token; never run
     if body.logprobs is not None:
         _check_range("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     best_of = _best_of(body)
@@ -163,7 +194,11 @@ def prepare_completion(
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is not in [0, {vocab})", param="prompt")
-    return _prepare(cfg, body, ids, body.logprobs, request_id, tenant, best_of=best_of)
+    p = _prepare(cfg, body, ids, body.logprobs, request_id, tenant, best_of=best_of)
+    if not body.echo:
+        return p
+    text = prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
+    return dataclasses.replace(p, echo=text, generate=not echo_only)
 
 
 MAX_BATCH = 64  # prompts in one completions request
@@ -278,8 +313,9 @@ def _prepare(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     kind = "chat" if chat else "completion"
     return Prepared(
-        req, kind, bool(body.stream), include_usage, top_logprobs, tools=tools, n=body.n or 1
-    )
+        req, kind, bool(body.stream), include_usage, top_logprobs, tools=tools, n=body.n or 1,
+        prompt_logprobs=body.prompt_logprobs,
+    )  # fmt: skip
 
 
 def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -296,6 +332,13 @@ def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRe
     for name, allowed in NOT_IMPLEMENTED.items():
         if getattr(body, name) not in allowed:
             raise APIError(400, f"{name} is not supported by this server", param=name)
+    if body.prompt_logprobs is not None:
+        _check_range("prompt_logprobs", body.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+        if body.stream:
+            raise APIError(
+                400, "prompt_logprobs are not available when stream is true",
+                param="prompt_logprobs",
+            )  # fmt: skip
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"

@@ -7,7 +7,7 @@ from the backend. Logprob token strings are single-id decodes (special tokens ke
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from engine.tokenizer import Tokenizer
@@ -65,20 +65,53 @@ class CompletionLogprobs:
         self._text_of, self._k, self._offset = text_of, k, 0
 
     def __call__(self, entries: Iterable[TokenLogprob]) -> dict[str, Any]:
-        out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        out = _no_entries()
         for e in entries:
-            s = self._text_of(e.token_id)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({self._text_of(t): lp for t, lp in e.top[: self._k]})
-            out["text_offset"].append(self._offset)
-            self._offset += len(s)
+            top = {self._text_of(t): lp for t, lp in e.top[: self._k]}
+            self._add(out, e.token_id, e.logprob, top)
         return out
+
+    def prompt(self, token_ids: Sequence[int], scored: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The entries of an echoed prompt: its first token has no logprob (nothing comes
+        before it), the others the scoring pass's (``scored``: one per token after the first)."""
+        out = _no_entries()
+        if token_ids:
+            self._add(out, token_ids[0], None, None)
+        tail = self(scored)
+        return {key: out[key] + tail[key] for key in out}
+
+    def _add(
+        self, out: dict[str, list[Any]], token_id: int, lp: float | None, top: dict | None
+    ) -> None:
+        s = self._text_of(token_id)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self._offset)
+        self._offset += len(s)
+
+
+def _no_entries() -> dict[str, list[Any]]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def prompt_logprobs(
+    token_ids: Sequence[int], scored: Sequence[TokenLogprob], k: int, text_of: TokenText
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each token a dict
+    by token id of that token and the ``k`` most likely at its place, each with its logprob,
+    rank and text."""
+
+    def one(lp: float, rank: int, token_id: int) -> dict[str, Any]:
+        return {"logprob": lp, "rank": rank, "decoded_token": text_of(token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None] if token_ids else []
+    for e in scored:
+        place = {str(e.token_id): one(e.logprob, e.rank, e.token_id)}
+        for r, (t, lp) in enumerate(e.top[:k], start=1):
+            place.setdefault(str(t), one(lp, r, t))
+        out.append(place)
+    return out
 
 
 def head(p: Prepared, obj: str) -> dict[str, Any]:
@@ -91,22 +124,32 @@ def head(p: Prepared, obj: str) -> dict[str, Any]:
     }
 
 
-def full_response(p: Prepared, gens: list[Generation], text_of: TokenText) -> dict[str, Any]:
+def full_response(
+    p: Prepared,
+    gens: list[Generation],
+    text_of: TokenText,
+    scored: Sequence[TokenLogprob] | None = None,
+) -> dict[str, Any]:
     """A ``chat.completion`` or ``text_completion`` object for finished generations (one per
-    sampled choice; with ``best_of``, the ``p.n`` most likely per token are answered)."""
+    sampled choice; with ``best_of``, the ``p.n`` most likely per token are answered).
+    ``scored``: the prompt's scoring pass, where ``p.score_k`` asked for one."""
     chosen = best_choices(gens, p.n) if p.best_of else gens
     chat = p.kind == "chat"
     choices = [
-        _chat_choice(p, i, gen, text_of) if chat else _text_choice(p, i, gen, text_of)
+        _chat_choice(p, i, gen, text_of) if chat else _text_choice(p, i, gen, text_of, scored)
         for i, gen in enumerate(chosen)
     ]
-    return {
+    out = {
         **head(p, "chat.completion" if chat else "text_completion"),
         "choices": choices,
         "usage": usage(
             p.prompt_len, sum(g.num_tokens for g in gens), max(g.cached_tokens for g in gens)
         ),
     }
+    if chat and p.prompt_logprobs is not None:  # vLLM answers them beside the choices in chat
+        ids = p.backend_request.token_ids
+        out["prompt_logprobs"] = prompt_logprobs(ids, scored or (), p.prompt_logprobs, text_of)
+    return out
 
 
 def best_choices(gens: list[Generation], n: int) -> list[Generation]:
@@ -144,11 +187,25 @@ def _chat_choice(p: Prepared, i: int, gen: Generation, text_of: TokenText) -> di
     return choice
 
 
-def _text_choice(p: Prepared, i: int, gen: Generation, text_of: TokenText) -> dict[str, Any]:
+def _text_choice(
+    p: Prepared,
+    i: int,
+    gen: Generation,
+    text_of: TokenText,
+    scored: Sequence[TokenLogprob] | None,
+) -> dict[str, Any]:
     choice = _base_choice(i, gen, gen.finish_reason)
-    choice["text"] = gen.text
+    choice["text"] = gen.text if p.echo is None else p.echo + gen.text
+    ids = p.backend_request.token_ids
     if p.top_logprobs is not None:
-        choice["logprobs"] = CompletionLogprobs(text_of, p.top_logprobs)(gen.logprobs)
+        lp = CompletionLogprobs(text_of, p.top_logprobs)
+        if p.echo is None:
+            choice["logprobs"] = lp(gen.logprobs)
+        else:
+            head, tail = lp.prompt(ids, scored or ()), lp(gen.logprobs)
+            choice["logprobs"] = {key: head[key] + tail[key] for key in head}
+    if p.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(ids, scored or (), p.prompt_logprobs, text_of)
     return choice
 
 

@@ -43,7 +43,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "prompt_logprobs": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -51,6 +50,19 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
+}
+
+
+# vLLM's extensions of chat requests that Tandem does not implement, refused as NOT_IMPLEMENTED.
+CHAT_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "add_special_tokens": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
 }
 
 
@@ -165,6 +177,7 @@ class _Sampling(_Body):
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # the logprobs of the prompt's own tokens, top k
     # Tandem extensions: scheduling class (batch is shed first under load) and a deadline in
     # seconds for the whole request (capped by the server's --max-request-timeout).
     priority: Literal["interactive", "batch"] | None = None
@@ -194,7 +207,6 @@ class _Sampling(_Body):
     truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -215,6 +227,15 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM extensions Tandem does not implement (CHAT_NOT_IMPLEMENTED).
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class CompletionRequest(_Sampling):

@@ -35,6 +35,8 @@ from services.gateway.core import (
     Backend,
     BackendEvent,
     BackendRequest,
+    Generation,
+    TokenLogprob,
     check_event,
     collect,
     internal_error,
@@ -134,6 +136,8 @@ def create_app(
         room = _room_check(request, m, body)
         ps = await prepare(prepare_completions, m.config, m.tokenizer, base, rid, tenant, room)
         ps = [_for_model(p, body.model) for p in ps]
+        if not ps[0].generate:
+            return await _respond_prompt_only(request, backend, rid, ps, m)
         if len(ps) == 1:
             return await _respond(request, backend, ps[0], m)
         return await _respond_batch(request, backend, rid, ps, m)
@@ -265,28 +269,34 @@ async def _respond(request: Request, backend: Backend, p: Prepared, m: Served) -
     text_of = m.text_of
     if not p.stream:
         try:
-            gens = await _unless_disconnected(request, collect(exchange.events, req.sampling.n))
+            got = await _unless_disconnected(
+                request, _and_scores(collect(exchange.events, req.sampling.n), backend, [p])
+            )
         finally:
             await exchange.close()
-        if gens is _GONE:
+        if got is _GONE:
             return Response(status_code=499)
-        return JSONResponse(full_response(p, gens, text_of), headers=exchange.headers)
+        gens, (scored,) = got
+        return JSONResponse(full_response(p, gens, text_of, scored), headers=exchange.headers)
     try:
-        first = await _unless_disconnected(request, anext(exchange.events, None))
-        if first is None:
-            raise unfinished()
-        if first is not _GONE:
+        got = await _unless_disconnected(
+            request, _and_scores(anext(exchange.events, None), backend, [p])
+        )
+        if got is not _GONE:
+            first, (scored,) = got
+            if first is None:
+                raise unfinished()
             check_event(first)
     except BaseException:
         await exchange.close()
         raise
-    if first is _GONE:
+    if got is _GONE:
         await exchange.close()
         return Response(status_code=499)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **exchange.headers}
     return _SSEResponse(
-        [exchange], _sse(p, first, exchange.events, text_of), media_type="text/event-stream",
-        headers=headers,
+        [exchange], _sse(p, first, exchange.events, text_of, scored),
+        media_type="text/event-stream", headers=headers,
     )  # fmt: skip
 
 
@@ -319,18 +329,23 @@ async def _respond_batch(
                 collect(e.events, p.backend_request.sampling.n)
                 for e, p in zip(exchanges, ps, strict=True)
             ]
-            all_gens = await _unless_disconnected(request, _all(runs))
+            got = await _unless_disconnected(request, _and_scores(_all(runs), backend, ps))
         finally:
             await close_all()
-        if all_gens is _GONE:
+        if got is _GONE:
             return Response(status_code=499)
-        answers = [full_response(p, gens, m.text_of) for p, gens in zip(ps, all_gens, strict=True)]
+        all_gens, scores = got
+        answers = [
+            full_response(p, gens, m.text_of, scored)
+            for p, gens, scored in zip(ps, all_gens, scores, strict=True)
+        ]
         return JSONResponse(merge_responses(request_id, answers, n), headers=headers)
     try:
-        firsts = await _unless_disconnected(
-            request, _all([anext(e.events, None) for e in exchanges])
+        got = await _unless_disconnected(
+            request, _and_scores(_all([anext(e.events, None) for e in exchanges]), backend, ps)
         )
-        if firsts is not _GONE:
+        if got is not _GONE:
+            firsts, scores = got
             for first in firsts:
                 if first is None:
                     raise unfinished()
@@ -338,12 +353,12 @@ async def _respond_batch(
     except BaseException:
         await close_all()
         raise
-    if firsts is _GONE:
+    if got is _GONE:
         await close_all()
         return Response(status_code=499)
     parts = [
-        stream_chunks(p, e.events, m.text_of, first)
-        for p, e, first in zip(ps, exchanges, firsts, strict=True)
+        stream_chunks(p, e.events, m.text_of, first, scored)
+        for p, e, first, scored in zip(ps, exchanges, firsts, scores, strict=True)
     ]
     chunks = merged_chunks(request_id, parts, n)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
@@ -351,6 +366,58 @@ async def _respond_batch(
         exchanges, _sse_lines(request_id, chunks), media_type="text/event-stream",
         headers=headers,
     )  # fmt: skip
+
+
+async def _respond_prompt_only(
+    request: Request, backend: Backend, request_id: str, ps: list[Prepared], m: Served
+) -> Response:
+    """Completions' ``echo`` with ``max_tokens`` 0: each prompt answered alone, with its
+    tokens' logprobs where asked (one scoring pass of every prompt), metered like embeddings
+    (a prompt with no completion)."""
+    req = ps[0].backend_request
+    flat = tuple(t for p in ps for t in p.backend_request.token_ids)
+    metered = BackendRequest(request_id, flat, SamplingParams(max_tokens=1), req.tenant, req.model)
+    ticket = request.app.state.limits.admit(metered, m.name)
+    try:
+        scores = await _unless_disconnected(request, _prompt_scores(backend, ps))
+    except BaseException:
+        ticket.settle(0)
+        raise
+    ticket.settle(0, prompt_only=True)
+    if scores is _GONE:
+        return Response(status_code=499)
+    answers = [
+        full_response(
+            p, [Generation(finish_reason="length") for _ in range(p.n)], m.text_of, scored
+        )
+        for p, scored in zip(ps, scores, strict=True)
+    ]
+    body = answers[0] if len(ps) == 1 else merge_responses(request_id, answers, ps[0].n)
+    return JSONResponse(body, headers=ticket.headers)
+
+
+async def _prompt_scores(
+    backend: Backend, ps: list[Prepared]
+) -> list[Sequence[TokenLogprob] | None]:
+    """Each prompt's scoring pass (``Prepared.score_k``; None where none is needed), all in one
+    backend call."""
+    k = ps[0].score_k
+    if k is None:
+        return [None] * len(ps)
+    req = ps[0].backend_request
+    inputs = [list(p.backend_request.token_ids) for p in ps]
+    scored, _ = await backend.prompt_logprobs(req.request_id, req.model, inputs, k)
+    return list(scored)
+
+
+async def _and_scores(
+    aw: Awaitable[T], backend: Backend, ps: list[Prepared]
+) -> tuple[T, list[Sequence[TokenLogprob] | None]]:
+    """``aw`` and, at the same time, the prompts' scoring pass (`_prompt_scores`)."""
+    if ps[0].score_k is None:
+        return await aw, [None] * len(ps)
+    got, scores = await _all([aw, _prompt_scores(backend, ps)])
+    return got, scores  # type: ignore[return-value]
 
 
 async def _all(aws: list[Awaitable[T]]) -> list[T]:
@@ -400,13 +467,15 @@ def _with_session(req: BackendRequest, session: str) -> BackendRequest:
 
 
 async def _sse(
-    p: Prepared, first: BackendEvent, events: AsyncGenerator[BackendEvent, None], text_of: TokenText
+    p: Prepared,
+    first: BackendEvent,
+    events: AsyncGenerator[BackendEvent, None],
+    text_of: TokenText,
+    scored: Sequence[TokenLogprob] | None = None,
 ) -> AsyncGenerator[str, None]:
     """SSE lines of a streamed response (`_sse_lines`)."""
-    async with (
-        aclosing(events),
-        aclosing(_sse_lines(p.request_id, stream_chunks(p, events, text_of, first))) as lines,
-    ):
+    chunks = stream_chunks(p, events, text_of, first, scored)
+    async with aclosing(events), aclosing(_sse_lines(p.request_id, chunks)) as lines:
         async for line in lines:
             yield line
 

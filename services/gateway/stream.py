@@ -3,12 +3,12 @@ OpenAI tool-call deltas, an optional last chunk with the usage of every choice."
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.core import BackendEvent, check_event, unfinished
+from services.gateway.core import BackendEvent, TokenLogprob, check_event, unfinished
 from services.gateway.prepare import Prepared
 from services.gateway.responses import (
     CompletionLogprobs,
@@ -42,11 +42,14 @@ async def stream_chunks(
     events: AsyncIterator[BackendEvent],
     text_of: TokenText,
     first: BackendEvent | None = None,
+    scored: Sequence[TokenLogprob] | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The chunks of a streamed response, in order (``first``, if given, was taken from
-    ``events`` already). Chat starts with a ``delta.role`` chunk per choice; events carrying no
-    text, tool call, logprobs or finish are skipped; with ``include_usage`` every chunk has
-    ``usage: null`` and a last chunk has empty ``choices`` and the usage of all choices."""
+    ``events`` already). Chat starts with a ``delta.role`` chunk per choice, and completions
+    with ``echo`` with a chunk per choice holding the prompt (and, with logprobs, its tokens'
+    from ``scored``, the prompt's scoring pass); events carrying no text, tool call, logprobs
+    or finish are skipped; with ``include_usage`` every chunk has ``usage: null`` and a last
+    chunk has empty ``choices`` and the usage of all choices."""
     chat = p.kind == "chat"
     top = head(p, "chat.completion.chunk" if chat else "text_completion")
     extra = {"usage": None} if p.include_usage else {}
@@ -62,6 +65,13 @@ async def stream_chunks(
         for i in range(p.n):
             delta = {"role": "assistant", "content": ""}
             yield {**top, "choices": [_choice(i, {"delta": delta})], **extra}
+    elif p.echo is not None:
+        for i in range(p.n):
+            body: dict[str, Any] = {"text": p.echo}
+            if p.top_logprobs is not None:
+                ids = p.backend_request.token_ids
+                body["logprobs"] = states[i].logprobs.prompt(ids, scored or ())
+            yield {**top, "choices": [_choice(i, body)], **extra}
     totals = _Totals(pending=set(range(p.n)))
     async with aclosing(_prepend(first, events)) as all_events:
         async for ev in all_events:

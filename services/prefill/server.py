@@ -9,7 +9,7 @@ from services.common.codec import priority_from_pb, sampling_from_pb
 from services.prefill.codec import prefill_response
 from services.prefill.core import PrefillCore
 from services.worker.codec import stats_to_pb
-from services.worker.embed import embed
+from services.worker.embed import embed, prompt_logprobs
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
@@ -40,3 +40,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Embed(self, request, context):  # noqa: N802
         return await embed(self.core.engine, self.core.ledger, request)
+
+    async def PromptLogprobs(self, request, context):  # noqa: N802
+        return await prompt_logprobs(self.core.engine, self.core.ledger, request)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.cluster.registry import Member
 from services.common.codec import ChoiceStart, Event, KVHandle, Moved
 from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
@@ -129,6 +129,10 @@ class WorkerClients(Protocol):
     async def embed(
         self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
     ) -> tuple[list[list[float]], int]: ...
+
+    async def prompt_logprobs(
+        self, worker: Member, request_id: str, inputs: list[list[int]], k: int, lora: str
+    ) -> tuple[list[list[TokenLogprob]], int]: ...
 
     async def reserve(self, worker: Member, job: RouteJob, lease: float) -> None:
         """Book ``job.cost`` on a decode worker (ResourceExhausted at once when it is full)."""

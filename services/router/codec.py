@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.errors import InvalidRequestError, RequestNotFoundError
+from engine.sampling_params import TokenLogprob
 from engine.tokenizer import Tokenizer
 from libkv.cluster.registry import Member
 from services.common import codec as common
@@ -175,20 +177,34 @@ class GrpcWorkerClients:
     async def embed(
         self, worker: Member, request_id: str, inputs: list[list[int]], lora: str
     ) -> tuple[list[list[float]], int]:
+        req = common_pb2.EmbedRequest(request_id=request_id, model=lora)
+        for ids in inputs:
+            req.inputs.add(token_ids=ids)
+        reply = await self._prompt_rpc(worker, "Embed", req)
+        return [list(e.values) for e in reply.embeddings], reply.prompt_tokens
+
+    async def prompt_logprobs(
+        self, worker: Member, request_id: str, inputs: list[list[int]], k: int, lora: str
+    ) -> tuple[list[list[TokenLogprob]], int]:
+        req = common_pb2.PromptLogprobsRequest(request_id=request_id, model=lora, top_logprobs=k)
+        for ids in inputs:
+            req.inputs.add(token_ids=ids)
+        reply = await self._prompt_rpc(worker, "PromptLogprobs", req)
+        scored = [[common.logprob_from_pb(lp) for lp in p.tokens] for p in reply.prompts]
+        return scored, reply.prompt_tokens
+
+    async def _prompt_rpc(self, worker: Member, method: str, req: Any) -> Any:
+        """Prefill-only work (``method`` of the Prefill or Decode service, by the worker's role)."""
         channel = self._channel(worker.address)
         stub = (
             worker_pb2_grpc.PrefillStub(channel)
             if worker.role == "prefill"
             else worker_pb2_grpc.DecodeStub(channel)
         )
-        req = common_pb2.EmbedRequest(request_id=request_id, model=lora)
-        for ids in inputs:
-            req.inputs.add(token_ids=ids)
         try:
-            reply = await stub.Embed(req, timeout=self.prefill_timeout)
+            return await getattr(stub, method)(req, timeout=self.prefill_timeout)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, f"{worker.role} {worker.worker_id}") from e
-        return [list(e.values) for e in reply.embeddings], reply.prompt_tokens
 
     async def reserve(self, worker: Member, job: RouteJob, lease: float) -> None:
         stub = worker_pb2_grpc.DecodeStub(self._channel(worker.address))

@@ -11,9 +11,11 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
+from engine.sampling_params import TokenLogprob
 from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import Event, Moved
@@ -34,6 +36,7 @@ from services.router.calls import (
 )
 from services.router.policy import Chooser, LocationLookup, PolicyConfig
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -358,14 +361,41 @@ class RouterCore:
     ) -> tuple[list[list[float]], int]:
         """(one vector per input, prompt tokens), from a prefill worker (retried once on
         another worker when one is unavailable or full)."""
+
+        def call(worker: Member) -> Awaitable[tuple[list[list[float]], int]]:
+            return self.clients.embed(worker, request_id, inputs, lora)
+
+        return await self._prompt_work("embed", inputs, lora, call)
+
+    async def prompt_logprobs(
+        self, request_id: str, inputs: list[list[int]], k: int, lora: str = ""
+    ) -> tuple[list[list[TokenLogprob]], int]:
+        """(the logprobs of each input's tokens after its first, with the ``k`` most likely
+        tokens at each place; prompt tokens), from a worker chosen and retried as for
+        ``embed``."""
+
+        def call(worker: Member) -> Awaitable[tuple[list[list[TokenLogprob]], int]]:
+            return self.clients.prompt_logprobs(worker, request_id, inputs, k, lora)
+
+        return await self._prompt_work("score", inputs, lora, call)
+
+    async def _prompt_work(
+        self,
+        what: str,
+        inputs: list[list[int]],
+        lora: str,
+        call: Callable[[Member], Awaitable[T]],
+    ) -> T:
+        """``call(worker)`` on the least loaded prefill worker holding ``lora`` (a decode
+        worker when none is live), retried once on another when one is unavailable or full."""
         failed: set[str] = set()
         while True:
             worker = self.chooser.pick_embedder(lora, failed)
             if worker is None:
-                raise NoWorker("no live worker to embed on")
+                raise NoWorker(f"no live worker to {what} on")
             with self.chooser.working(worker, sum(map(len, inputs))):
                 try:
-                    return await self.clients.embed(worker, request_id, inputs, lora)
+                    return await call(worker)
                 except RETRYABLE:
                     failed.add(worker.worker_id)
                     if len(failed) > 1:

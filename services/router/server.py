@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from tandem.v1 import common_pb2, router_pb2_grpc
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
+from engine.sampling_params import MAX_TOP_LOGPROBS
 from engine.tokenizer import Tokenizer
-from services.common.codec import event_to_pb
+from services.common.codec import event_to_pb, logprob_to_pb
 from services.common.errors import Unauthenticated
 from services.router.codec import job_from_pb
 from services.router.core import RouterCore
@@ -94,18 +95,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return common_pb2.LoraAdapterResponse(worker_ids=ids)
 
     async def Embed(self, request, context):  # noqa: N802
-        self._authorize(context)
-        base, lora = self._resolve(request.model)
-        core = self.routes[base][0]
-        inputs = [list(i.token_ids) for i in request.inputs]
-        if not inputs or any(not ids for ids in inputs):
-            raise InvalidRequestError("every input to embed needs at least one token")
-        rid = request.request_id or core.new_request_id()
+        core, lora, rid, inputs = self._prompts(request, context, "embed")
         vectors, tokens = await core.embed(rid, inputs, lora)
         reply = common_pb2.EmbedResponse(prompt_tokens=tokens)
         for v in vectors:
             reply.embeddings.add(values=v)
         return reply
+
+    async def PromptLogprobs(self, request, context):  # noqa: N802
+        core, lora, rid, inputs = self._prompts(request, context, "score")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {request.top_logprobs})"
+            )
+        scored, tokens = await core.prompt_logprobs(rid, inputs, request.top_logprobs, lora)
+        reply = common_pb2.PromptLogprobsResponse(prompt_tokens=tokens)
+        for lps in scored:
+            reply.prompts.add(tokens=[logprob_to_pb(lp) for lp in lps])
+        return reply
+
+    def _prompts(self, request, context, what: str) -> tuple[RouterCore, str, str, list[list[int]]]:
+        """(the model's router core, the adapter, the request id, the prompts) of prefill-only
+        work (Embed, PromptLogprobs), once the caller is authorized and every prompt has a
+        token."""
+        self._authorize(context)
+        base, lora = self._resolve(request.model)
+        core = self.routes[base][0]
+        inputs = [list(i.token_ids) for i in request.inputs]
+        if not inputs or any(not ids for ids in inputs):
+            raise InvalidRequestError(f"every input to {what} needs at least one token")
+        return core, lora, request.request_id or core.new_request_id(), inputs
 
     async def ListModels(self, request, context):  # noqa: N802
         self._authorize(context)

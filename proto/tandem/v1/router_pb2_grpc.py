@@ -66,6 +66,11 @@ class RouterStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.PromptLogprobs = channel.unary_unary(
+                '/tandem.v1.Router/PromptLogprobs',
+                request_serializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -117,6 +122,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptLogprobs(self, request, context):
+        """Logprobs of prompts' own tokens, on a worker chosen and retried as for Embed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +161,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
+            ),
+            'PromptLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptLogprobs,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +331,33 @@ class Router:
             '/tandem.v1.Router/Embed',
             tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Router/PromptLogprobs',
+            tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

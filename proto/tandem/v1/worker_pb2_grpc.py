@@ -61,6 +61,11 @@ class PrefillStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.PromptLogprobs = channel.unary_unary(
+                '/tandem.v1.Prefill/PromptLogprobs',
+                request_serializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -103,6 +108,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptLogprobs(self, request, context):
+        """Logprobs of prompts' own tokens (one prefill of each, outside the batch, as Embed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +142,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
+            ),
+            'PromptLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptLogprobs,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +295,33 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def PromptLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Prefill/PromptLogprobs',
+            tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """A decode worker: continues requests from their prefilled KV, or prefills short ones itself.
@@ -313,6 +357,11 @@ class DecodeStub:
                 '/tandem.v1.Decode/Embed',
                 request_serializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.PromptLogprobs = channel.unary_unary(
+                '/tandem.v1.Decode/PromptLogprobs',
+                request_serializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.FromString,
                 _registered_method=True)
 
 
@@ -358,6 +407,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptLogprobs(self, request, context):
+        """Prompt logprobs, as Prefill.PromptLogprobs (for stacks without prefill workers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -385,6 +441,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.EmbedRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
+            ),
+            'PromptLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptLogprobs,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -523,6 +584,33 @@ class Decode:
             '/tandem.v1.Decode/Embed',
             tandem_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/PromptLogprobs',
+            tandem_dot_v1_dot_common__pb2.PromptLogprobsRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.PromptLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
