@@ -167,7 +167,7 @@ def test_prompt_logprobs_on_cuda_match_the_cpu(smol_shape_dir, prompts, monkeypa
     from engine import model_runner
 
     def scores(**options):
-        llm = LLM(smol_shape_dir, num_kv_blocks=512, **options)
+        llm = LLM(smol_shape_dir, num_kv_blocks=2048, **options)
         monkeypatch.setattr(model_runner, "SCORE_ELEMENTS", 7 * llm.engine.runner.sampler_width)
         out = [llm.engine.prompt_logprobs(p, 2) for p in prompts[:4]]
         del llm
