@@ -117,6 +117,17 @@ def test_openai_client_on_one_gpu_with_two_workers(disagg):
     assert text and chunks[-1].usage.completion_tokens == 12
     done = client.completions.create(model=MODEL, prompt=long, max_tokens=8, temperature=0)
     assert done.choices[0].text and done.usage.prompt_tokens > 16
+    # Echo with logprobs: the prompt's logprobs from the scoring pass on a GPU worker, the
+    # generated token's from the decode worker's sampler; greedy, so it is the top-1 there.
+    scored = client.completions.create(
+        model=MODEL, prompt=long, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(long)
+    assert len(lp.token_logprobs) == scored.usage.prompt_tokens + 1
+    assert lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-3)
 
 
 def _via_stack(stack: Stack, prompts: list[str], max_tokens: int) -> list[str]:
