@@ -161,7 +161,7 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         unless every choice already finished.
         """
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
         with self._lock:
             adapter = self.check_lora(lora)

@@ -78,10 +78,19 @@ class Tokenizer:
         return self.hf.token_to_id(self.eos_token) if self.eos_token else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Through the batch call, which releases the GIL while it runs
+        """Token ids of ``text``; ``add_special_tokens``: with those the tokenizer's own
+        post-processor adds (a Llama tokenizer's BOS), as vLLM and transformers tokenize a raw
+        prompt (`encode_prompt`). Through the batch call, which releases the GIL while it runs
         (the single one holds it): a server tokenizing in worker threads keeps its event loop
         and other threads running meanwhile. The ids are the same."""
         return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt's token ids (completions, embeddings, the offline API's strings): with
+        the tokenizer's special tokens by default, as vLLM's ``add_special_tokens`` (a Llama
+        model's prompt starts with its BOS; a chat template writes its own, so chat does not
+        come here)."""
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

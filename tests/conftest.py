@@ -23,6 +23,33 @@ def smol_dir() -> Path:
     return convert(DEFAULT_DIR)
 
 
+BOS_ID = 1  # <|im_start|>, SmolLM2's bos_token
+
+
+def make_bos_model_dir(base: Path, smol: Path) -> Path:
+    """SmolLM2's folder (files linked) with a tokenizer whose post-processor puts a BOS before
+    every sequence, as a Llama tokenizer's does (SmolLM2's adds nothing)."""
+    import json
+
+    base.mkdir(parents=True, exist_ok=True)
+    for f in smol.iterdir():
+        if f.name != "tokenizer.json":
+            (base / f.name).symlink_to(f.resolve())
+    spec = json.loads((smol / "tokenizer.json").read_text())
+    bos = "<|im_start|>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [BOS_ID], "tokens": [bos]}},
+    }
+    (base / "tokenizer.json").write_text(json.dumps(spec))
+    return base
+
+
 def make_random_model_dir(base: Path, smol: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """A small random-weight Llama or Qwen2 folder that reuses SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -160,3 +160,17 @@ def test_dummy_weights_from_config_only(smol_dir):
     llm = LLM(smol_dir, load_format="dummy", num_kv_blocks=64)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos(smol_dir, tmp_path) -> None:
+    """As vLLM's and transformers': a string prompt is tokenized with the tokenizer's own
+    special tokens (a Llama tokenizer's BOS; here a SmolLM2 tokenizer made to add one)."""
+    from tests.conftest import BOS_ID, make_bos_model_dir
+
+    llm = LLM(make_bos_model_dir(tmp_path / "bos", smol_dir), num_kv_blocks=64, max_model_len=1024)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    [text] = llm.generate("The capital of France is", params)
+    ids = llm.tokenizer.encode("The capital of France is")
+    assert text.prompt_token_ids == [BOS_ID, *ids]
+    [by_ids] = llm.generate([BOS_ID, *ids], params)
+    assert by_ids.token_ids == text.token_ids

@@ -30,6 +30,7 @@ from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.server import create_app
 from tests.app_server import serving
+from tests.conftest import BOS_ID, make_bos_model_dir
 
 MODEL = "smol"
 KEY, TENANT = "sk-test-key", "acme"
@@ -467,6 +468,32 @@ def test_a_failing_scoring_pass_fails_the_request(gw: Gateway) -> None:
         {"model": MODEL, "prompt": "a", "prompt_logprobs": 1},
     ):
         assert_error(gw.post("/v1/completions", body), 503)
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_as_in_vllm(tmp_path, smol_dir) -> None:
+    """With a tokenizer that adds a BOS (as Llama's do), a completions or embeddings text
+    prompt starts with it (vLLM's add_special_tokens, on by default), unless turned off; token
+    ids are used as given, and chat does not get a second BOS (the template writes its own)."""
+    bos_tok = Tokenizer(make_bos_model_dir(tmp_path / "bos", smol_dir))
+    plain = bos_tok.encode("Say hi")
+    fake = FakeBackend(bos_tok)
+    with serving(create_app(CONFIG, fake, bos_tok)) as port:
+        url = f"http://127.0.0.1:{port}"
+
+        def post(path: str, **body) -> httpx.Response:
+            r = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, headers=AUTH, timeout=10)
+            assert r.status_code == 200, r.text
+            return r
+
+        post("/v1/completions", prompt="Say hi", max_tokens=2)
+        post("/v1/completions", prompt="Say hi", max_tokens=2, add_special_tokens=False)
+        post("/v1/completions", prompt=plain, max_tokens=2)
+        post("/v1/chat/completions", messages=USER_HI, max_tokens=2)
+        post("/v1/embeddings", input="Say hi")
+    sent = [list(r.token_ids) for r in fake.requests]
+    assert sent[:3] == [[BOS_ID, *plain], plain, plain]
+    assert sent[3] == Tokenizer(smol_dir).encode_chat(USER_HI)  # what it is without the BOS
+    assert fake.embedded == [(MODEL, [[BOS_ID, *plain]])]
 
 
 def test_client_request_id_echoed(gw: Gateway) -> None:

@@ -311,7 +311,7 @@ class CountingTokenizer:
     def __init__(self) -> None:
         self.calls = 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str) -> list[int]:
         self.calls += 1
         return [ord(c) for c in text]
 

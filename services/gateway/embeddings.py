@@ -35,7 +35,10 @@ def embedding_inputs(cfg: GatewayConfig, tok: Tokenizer, body: EmbeddingRequest)
         raise APIError(400, "input must not be empty", param="input")
     if len(items) > MAX_INPUTS:
         raise APIError(400, f"input holds {len(items)} items; at most {MAX_INPUTS}", param="input")
-    out = [tok.encode(x) if isinstance(x, str) else [int(t) for t in x] for x in items]
+    special = body.add_special_tokens
+    out = [
+        tok.encode_prompt(x, special) if isinstance(x, str) else [int(t) for t in x] for x in items
+    ]
     vocab, limit = tok.vocab_size, cfg.max_model_len
     for i, ids in enumerate(out):
         if not ids:

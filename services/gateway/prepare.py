@@ -187,7 +187,7 @@ def prepare_completion(
         raise APIError(400, "prompt: a batch of prompts goes through prepare_completions")
     room(_least_cost(body, best_of or body.n or 1))
     if isinstance(prompt, str):
-        ids = tok.encode(prompt)
+        ids = tok.encode_prompt(prompt, add_special_tokens=body.add_special_tokens)
     else:
         ids = [int(t) for t in prompt]
         vocab = tok.vocab_size

@@ -246,6 +246,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) before a text prompt
 
 
 class LoadLoraAdapterRequest(_Body):
@@ -272,3 +273,4 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) before a text input

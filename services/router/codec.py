@@ -42,7 +42,7 @@ def job_from_pb(
     ``lora``: the adapter its ``model`` names."""
     which = req.WhichOneof("prompt")
     if which == "text":
-        prompt = tokenizer.encode(req.text)
+        prompt = tokenizer.encode_prompt(req.text)
     elif which == "token_ids":
         prompt = list(req.token_ids.ids)
     else:
