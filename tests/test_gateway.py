@@ -496,6 +496,38 @@ def test_a_text_prompt_gets_the_tokenizers_bos_as_in_vllm(tmp_path, smol_dir) ->
     assert fake.embedded == [(MODEL, [[BOS_ID, *plain]])]
 
 
+def test_tokenize_gives_the_ids_a_request_runs(gw: Gateway, tok: Tokenizer) -> None:
+    """vLLM's /tokenize: a prompt's ids as completions tokenizes it, and chat messages' as
+    chat does (compared with what the backend got for the same input), with the context for
+    counting against it; /detokenize gives the text back. No backend call."""
+    r = gw.post("/tokenize", {"model": MODEL, "prompt": "Say hi", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = tok.encode_prompt("Say hi")
+    assert r.json() == {
+        "count": len(ids), "max_model_len": CONFIG.max_model_len, "tokens": ids,
+        "token_strs": [tok.decode([t], skip_special_tokens=False) for t in ids],
+    }  # fmt: skip
+    chat = gw.post("/tokenize", {"prompt": None, "messages": USER_HI}).json()  # model: optional
+    assert chat["token_strs"] is None and gw.fake.requests == []
+    gw.post("/v1/chat/completions", chat_body(max_tokens=1))
+    assert chat["tokens"] == list(gw.fake.requests[0].token_ids)
+    bare = gw.post("/tokenize", {"messages": USER_HI, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][: bare["count"]] and bare["count"] < chat["count"]
+    back = gw.post("/detokenize", {"model": MODEL, "tokens": chat["tokens"]}).json()
+    assert back == {"prompt": tok.decode(chat["tokens"], skip_special_tokens=False)}
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "a", "messages": USER_HI}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL}, 400, "prompt"),
+        ("/tokenize", {"messages": USER_HI, "add_special_tokens": True}, 400,
+         "add_special_tokens"),
+        ("/tokenize", {"messages": USER_HI, "chat_template": "{{ x }}"}, 400, "chat_template"),
+        ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ]:  # fmt: skip
+        assert_error(gw.post(path, body), status, param)
+
+
 def test_client_request_id_echoed(gw: Gateway) -> None:
     r = gw.post("/v1/chat/completions", chat_body(), headers={"X-Request-Id": "trace-42"})
     assert r.status_code == 200

@@ -164,6 +164,15 @@ def test_tools_reach_the_template_and_a_named_choice_forces_a_call(
     assert "<tools>" not in prompt_text(gw, tok)
 
 
+def test_tokenize_with_tools_counts_the_prompt_a_chat_with_them_runs(gw: Gateway) -> None:
+    body = chat_body(tools=[WEATHER])
+    counted = gw.post("/tokenize", {"messages": body["messages"], "tools": [WEATHER]}).json()
+    gw.post("/v1/chat/completions", body)
+    assert counted["tokens"] == list(gw.fake.requests[-1].token_ids)
+    r = gw.post("/tokenize", {"prompt": "x", "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
 def test_tool_calls_in_the_output_are_parsed_and_streamed(gw: Gateway) -> None:
     gw.fake.reply = CALL_TEXT
     messages = chat_body()["messages"]

@@ -129,15 +129,28 @@ def prepare_chat(
     return _prepare(cfg, body, ids, top, request_id, tenant, grammar, req_tools)
 
 
+def chat_ids(
+    tok: Tokenizer,
+    messages: Sequence[Any],
+    support: ToolSupport,
+    req_tools: ToolRequest | None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The token ids of chat ``messages`` (request models), as a chat request runs them."""
+    dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
+    return _encode_chat(tok, dicts, support, req_tools, add_generation_prompt)
+
+
 def _encode_chat(
     tok: Tokenizer,
     messages: list[dict[str, Any]],
     support: ToolSupport,
     req_tools: ToolRequest | None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Template and tokenize; requests with tools, tool calls or tool results go through the
     tool template (their tool definitions and calls may not hold special-token text)."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
     history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if req_tools is not None or history:
         if support.parser is None:
@@ -149,7 +162,7 @@ def _encode_chat(
                 400, "tools and tool calls may not contain special-token text", param="tools"
             )
         messages = template_messages(messages)
-        kwargs = {"tools": defined, "template": support.template}
+        kwargs |= {"tools": defined, "template": support.template}
     try:
         return tok.encode_chat(messages, **kwargs)
     except InvalidRequestError as e:

@@ -264,6 +264,30 @@ class UnloadLoraAdapterRequest(_Body):
     lora_int_id: int | None = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``POST /tokenize`` body: a completions ``prompt`` or chat ``messages`` (with
+    ``tools``), tokenized as those requests would be."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    # vLLM's fields Tandem does not implement, refused as NOT_IMPLEMENTED.
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize`` body."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class EmbeddingRequest(_Body):
     """OpenAI's ``POST /v1/embeddings`` body: ``input`` is a string, a list of strings, a list of
     token ids or a list of token-id lists."""

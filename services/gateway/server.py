@@ -54,11 +54,15 @@ from services.gateway.responses import TokenText, full_response
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     LoadLoraAdapterRequest,
+    TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
 from services.gateway.stream import stream_chunks
+from services.gateway.tokenize import detokenize as detokenize_ids
+from services.gateway.tokenize import tokenize as tokenize_ids
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +199,21 @@ def create_app(
         ticket.settle(0, prompt_only=True)
         answer = embedding_response(body.model, vectors, tokens, body.encoding_format)
         return JSONResponse(answer, headers=ticket.headers)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's: the ids of a completions prompt or of chat messages, as a request runs them."""
+        body = await _parse(request, TokenizeRequest)
+        m = await known(body.model) if body.model is not None else served[0]
+        args = (m.config, m.tokenizer, m.tools, m.text_of, body)
+        return JSONResponse(await prepare(tokenize_ids, *args))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's: the text of token ids."""
+        body = await _parse(request, DetokenizeRequest)
+        m = await known(body.model) if body.model is not None else served[0]
+        return JSONResponse(await prepare(detokenize_ids, m.tokenizer, body))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
