@@ -528,6 +528,55 @@ def test_tokenize_gives_the_ids_a_request_runs(gw: Gateway, tok: Tokenizer) -> N
         assert_error(gw.post(path, body), status, param)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(gw: Gateway, tok: Tokenizer) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens (-1: as many as fit with max_tokens),
+    in completions, chat and embeddings; out of range is a 400."""
+    ids = list(range(1000, 1600))  # longer than the 512-token context
+    r = gw.post("/v1/completions", {"model": MODEL, "prompt": ids, "truncate_prompt_tokens": 7})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 7
+    body = {"model": MODEL, "prompt": ids, "truncate_prompt_tokens": -1, "max_tokens": 12}
+    assert gw.post("/v1/completions", body).status_code == 200
+    gw.post("/v1/chat/completions", chat_body(truncate_prompt_tokens=3))
+    sent = [list(r.token_ids) for r in gw.fake.requests]
+    assert sent[0] == ids[-7:] and sent[1] == ids[-(CONFIG.max_model_len - 12) :]
+    assert sent[2] == tok.encode_chat(USER_HI)[-3:]
+    gw.post("/v1/embeddings", {"model": MODEL, "input": [ids[:9]], "truncate_prompt_tokens": 2})
+    assert gw.fake.embedded[-1][1] == [ids[7:9]]
+    for bad in (0, -2, CONFIG.max_model_len + 1):
+        body = {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": bad}
+        assert_error(gw.post("/v1/completions", body), 400, "truncate_prompt_tokens")
+
+
+def test_logprobs_name_tokens_by_id_when_asked(gw: Gateway) -> None:
+    """vLLM's return_tokens_as_token_ids: ``token_id:ID`` for every token in logprobs."""
+    ids = gw.fake.reply_ids()
+    text = gw.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "logprobs": 1,
+                                       "return_tokens_as_token_ids": True}).json()  # fmt: skip
+    lp = text["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(
+        list(top) == [f"token_id:{t}"] for top, t in zip(lp["top_logprobs"], ids, strict=True)
+    )
+    asked = chat_body(logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)
+    chat = gw.post("/v1/chat/completions", asked).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in ids]
+    assert text["choices"][0]["text"] == REPLY  # the text itself is unchanged
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(gw: Gateway) -> None:
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = gw.post("/v1/chat/completions", chat_body(stream=True, stream_options=opts))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] for c in chunks)
+    assert done == sorted(done) and done[0] == 0 and done[-1] == len(gw.fake.reply_ids())
+    assert chunks[-1]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == done[-1]
+    body = chat_body(stream=True, stream_options={"continuous_usage_stats": True})
+    assert_error(gw.post("/v1/chat/completions", body), 400, "stream_options")
+
+
 def test_client_request_id_echoed(gw: Gateway) -> None:
     r = gw.post("/v1/chat/completions", chat_body(), headers={"X-Request-Id": "trace-42"})
     assert r.status_code == 200

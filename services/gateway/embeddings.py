@@ -11,6 +11,7 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError
+from services.gateway.prepare import truncated
 from services.gateway.schemas import EmbeddingRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -35,9 +36,10 @@ def embedding_inputs(cfg: GatewayConfig, tok: Tokenizer, body: EmbeddingRequest)
         raise APIError(400, "input must not be empty", param="input")
     if len(items) > MAX_INPUTS:
         raise APIError(400, f"input holds {len(items)} items; at most {MAX_INPUTS}", param="input")
-    special = body.add_special_tokens
+    special, keep = body.add_special_tokens, body.truncate_prompt_tokens
     out = [
-        tok.encode_prompt(x, special) if isinstance(x, str) else [int(t) for t in x] for x in items
+        list(truncated(cfg, tok.encode_prompt(x, special) if isinstance(x, str) else x, keep))
+        for x in items
     ]
     vocab, limit = tok.vocab_size, cfg.max_model_len
     for i, ids in enumerate(out):

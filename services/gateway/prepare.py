@@ -67,6 +67,8 @@ class Prepared:
     echo: str | None = None  # completions' echo: the prompt's text, put before each choice's
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the top k of each place
     generate: bool = True  # False: echo with max_tokens 0, which answers the prompt alone
+    continuous_usage: bool = False  # every chunk of a stream carries the usage so far
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:ID" (vLLM's option)
 
     @property
     def score_k(self) -> int | None:
@@ -210,7 +212,10 @@ def prepare_completion(
     p = _prepare(cfg, body, ids, body.logprobs, request_id, tenant, best_of=best_of)
     if not body.echo:
         return p
-    text = prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
+    if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+        text = prompt
+    else:
+        text = tok.decode(p.backend_request.token_ids, skip_special_tokens=False)
     return dataclasses.replace(p, echo=text, generate=not echo_only)
 
 
@@ -291,6 +296,8 @@ def _prepare(
     max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
+    room = max_tokens if max_tokens is not None and max_tokens > 0 else 1
+    ids = truncated(cfg, ids, body.truncate_prompt_tokens, room)
     n, ctx = len(ids), cfg.max_model_len
     if n == 0:
         raise APIError(400, f"{prompt_param} must not be empty", param=prompt_param)
@@ -324,11 +331,31 @@ def _prepare(
         session=body.user or "",
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     kind = "chat" if chat else "completion"
     return Prepared(
         req, kind, bool(body.stream), include_usage, top_logprobs, tools=tools, n=body.n or 1,
-        prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs=body.prompt_logprobs, continuous_usage=continuous,
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )  # fmt: skip
+
+
+def truncated(
+    cfg: GatewayConfig, ids: Sequence[int], keep: int | None, room: int = 1
+) -> Sequence[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (None: all; -1: as
+    many as the context holds with ``room`` tokens after them, the completion's)."""
+    if keep is None:
+        return ids
+    ctx = cfg.max_model_len
+    if keep == -1:
+        keep = max(ctx - room, 1)
+    if not 1 <= keep <= ctx:
+        raise APIError(
+            400, f"truncate_prompt_tokens must be -1 or in [1, {ctx}] (the context; got {keep})",
+            param="truncate_prompt_tokens",
+        )  # fmt: skip
+    return ids[-keep:]
 
 
 def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -356,6 +383,12 @@ def _check_common(cfg: GatewayConfig, body: ChatCompletionRequest | CompletionRe
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
+    opts = body.stream_options
+    if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+        raise APIError(
+            400, "stream_options.continuous_usage_stats needs include_usage",
+            param="stream_options",
+        )  # fmt: skip
     if body.seed is not None:
         _check_range("seed", body.seed, INT64_MIN, INT64_MAX)
 

@@ -7,7 +7,7 @@ from the backend. Logprob token strings are single-id decodes (special tokens ke
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from engine.tokenizer import Tokenizer
@@ -31,6 +31,19 @@ class TokenText:
         return text
 
 
+TokenName = Callable[[int], str]  # a token id's name in logprobs (TokenText, or its id)
+
+
+def token_names(p: Prepared, text_of: TokenName) -> TokenName:
+    """How logprobs name a token: its text, or ``token_id:ID`` with vLLM's
+    ``return_tokens_as_token_ids`` (which tells apart tokens of the same text)."""
+    return _as_id if p.tokens_as_ids else text_of
+
+
+def _as_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -41,7 +54,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def chat_logprobs(
-    entries: Iterable[TokenLogprob], text_of: TokenText, k: int
+    entries: Iterable[TokenLogprob], text_of: TokenName, k: int
 ) -> dict[str, Any] | None:
     """``choices[].logprobs`` of a chat completion: ``{"content": [{token, logprob, bytes,
     top_logprobs}]}``."""
@@ -61,7 +74,7 @@ class CompletionLogprobs:
     """``choices[].logprobs`` of text completions; keeps ``text_offset`` running across chunks
     (offsets count characters of the single-token strings, as vLLM does)."""
 
-    def __init__(self, text_of: TokenText, k: int) -> None:
+    def __init__(self, text_of: TokenName, k: int) -> None:
         self._text_of, self._k, self._offset = text_of, k, 0
 
     def __call__(self, entries: Iterable[TokenLogprob]) -> dict[str, Any]:
@@ -96,7 +109,7 @@ def _no_entries() -> dict[str, list[Any]]:
 
 
 def prompt_logprobs(
-    token_ids: Sequence[int], scored: Sequence[TokenLogprob], k: int, text_of: TokenText
+    token_ids: Sequence[int], scored: Sequence[TokenLogprob], k: int, text_of: TokenName
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each token a dict
     by token id of that token and the ``k`` most likely at its place, each with its logprob,
@@ -127,12 +140,13 @@ def head(p: Prepared, obj: str) -> dict[str, Any]:
 def full_response(
     p: Prepared,
     gens: list[Generation],
-    text_of: TokenText,
+    text_of: TokenName,
     scored: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` or ``text_completion`` object for finished generations (one per
     sampled choice; with ``best_of``, the ``p.n`` most likely per token are answered).
     ``scored``: the prompt's scoring pass, where ``p.score_k`` asked for one."""
+    text_of = token_names(p, text_of)
     chosen = best_choices(gens, p.n) if p.best_of else gens
     chat = p.kind == "chat"
     choices = [
@@ -170,7 +184,7 @@ def _base_choice(i: int, gen: Generation, finish_reason: str | None) -> dict[str
     }
 
 
-def _chat_choice(p: Prepared, i: int, gen: Generation, text_of: TokenText) -> dict[str, Any]:
+def _chat_choice(p: Prepared, i: int, gen: Generation, text_of: TokenName) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": gen.text, "refusal": None}
     finish = gen.finish_reason
     if p.tools is not None and p.tools.parse:
@@ -191,7 +205,7 @@ def _text_choice(
     p: Prepared,
     i: int,
     gen: Generation,
-    text_of: TokenText,
+    text_of: TokenName,
     scored: Sequence[TokenLogprob] | None,
 ) -> dict[str, Any]:
     choice = _base_choice(i, gen, gen.finish_reason)

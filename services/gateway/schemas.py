@@ -40,7 +40,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "truncate_prompt_tokens": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "guided_json": (None,),
@@ -49,7 +48,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "logits_processors": (None,),
-    "return_tokens_as_token_ids": (None, False),
 }
 
 
@@ -153,6 +151,7 @@ class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds a last chunk with usage and no choices."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far in every chunk
 
 
 class _Sampling(_Body):
@@ -178,6 +177,8 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # the logprobs of the prompt's own tokens, top k
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:ID"
     # Tandem extensions: scheduling class (batch is shed first under load) and a deadline in
     # seconds for the whole request (capped by the server's --max-request-timeout).
     priority: Literal["interactive", "batch"] | None = None
@@ -204,7 +205,6 @@ class _Sampling(_Body):
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     guided_json: Any = None
@@ -213,7 +213,6 @@ class _Sampling(_Body):
     guided_grammar: Any = None
     structured_outputs: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -298,3 +297,4 @@ class EmbeddingRequest(_Body):
     dimensions: int | None = None
     user: str | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) before a text input
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens

@@ -12,9 +12,10 @@ from services.gateway.core import BackendEvent, TokenLogprob, check_event, unfin
 from services.gateway.prepare import Prepared
 from services.gateway.responses import (
     CompletionLogprobs,
-    TokenText,
+    TokenName,
     chat_logprobs,
     head,
+    token_names,
     tool_finish,
     usage,
 )
@@ -40,7 +41,7 @@ class _Totals:
 async def stream_chunks(
     p: Prepared,
     events: AsyncIterator[BackendEvent],
-    text_of: TokenText,
+    text_of: TokenName,
     first: BackendEvent | None = None,
     scored: Sequence[TokenLogprob] | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
@@ -48,11 +49,21 @@ async def stream_chunks(
     ``events`` already). Chat starts with a ``delta.role`` chunk per choice, and completions
     with ``echo`` with a chunk per choice holding the prompt (and, with logprobs, its tokens'
     from ``scored``, the prompt's scoring pass); events carrying no text, tool call, logprobs
-    or finish are skipped; with ``include_usage`` every chunk has ``usage: null`` and a last
-    chunk has empty ``choices`` and the usage of all choices."""
+    or finish are skipped; with ``include_usage`` every chunk has ``usage: null`` (with
+    ``continuous_usage``: the usage so far) and a last chunk has empty ``choices`` and the usage
+    of all choices."""
     chat = p.kind == "chat"
+    text_of = token_names(p, text_of)
     top = head(p, "chat.completion.chunk" if chat else "text_completion")
-    extra = {"usage": None} if p.include_usage else {}
+    totals = _Totals(pending=set(range(p.n)))
+
+    def extra() -> dict[str, Any]:
+        if not p.include_usage:
+            return {}
+        if not p.continuous_usage:
+            return {"usage": None}
+        return {"usage": usage(p.prompt_len, totals.completion_tokens, totals.cached_tokens)}
+
     parse = chat and p.tools is not None and p.tools.parse
     states = [
         _ChoiceStream(
@@ -64,15 +75,14 @@ async def stream_chunks(
     if chat:
         for i in range(p.n):
             delta = {"role": "assistant", "content": ""}
-            yield {**top, "choices": [_choice(i, {"delta": delta})], **extra}
+            yield {**top, "choices": [_choice(i, {"delta": delta})], **extra()}
     elif p.echo is not None:
         for i in range(p.n):
             body: dict[str, Any] = {"text": p.echo}
             if p.top_logprobs is not None:
                 ids = p.backend_request.token_ids
                 body["logprobs"] = states[i].logprobs.prompt(ids, scored or ())
-            yield {**top, "choices": [_choice(i, body)], **extra}
-    totals = _Totals(pending=set(range(p.n)))
+            yield {**top, "choices": [_choice(i, body)], **extra()}
     async with aclosing(_prepend(first, events)) as all_events:
         async for ev in all_events:
             check_event(ev)
@@ -83,7 +93,7 @@ async def stream_chunks(
                 totals.pending.discard(ev.index)
             body = _event_body(p, states[ev.index], ev, text_of) if ev.index < p.n else None
             if body is not None:
-                yield {**top, "choices": [_choice(ev.index, body)], **extra}
+                yield {**top, "choices": [_choice(ev.index, body)], **extra()}
     if totals.pending:
         raise unfinished()
     if p.include_usage:
@@ -96,7 +106,7 @@ def _choice(index: int, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _event_body(
-    p: Prepared, st: _ChoiceStream, ev: BackendEvent, text_of: TokenText
+    p: Prepared, st: _ChoiceStream, ev: BackendEvent, text_of: TokenName
 ) -> dict[str, Any] | None:
     """The choice fields of the chunk for ``ev`` (None: nothing to send)."""
     finished = ev.finish_reason is not None
