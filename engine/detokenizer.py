@@ -15,7 +15,8 @@ prompt tokens so the first output token decodes as it would after the prompt.
 
 Stop strings are matched on text. The last ``max(len(stop)) - 1`` characters are held back so a
 stop split across tokens is never partly emitted; the text before a stop is emitted, the stop
-itself never is.
+itself only with ``include_stop`` (vLLM's ``include_stop_str_in_output``). The text of the
+first ``min_tokens`` outputs is not searched for stops (vLLM's ``min_tokens``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             stop = (stop,)
@@ -64,6 +67,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         seed = self._safe_seed(list(prompt_token_ids[-PROMPT_SEED_TOKENS:]))
         self._ids: list[int] = seed
@@ -174,6 +179,9 @@ class IncrementalDetokenizer:
         if not delta:
             return ""
         self._pending += delta
+        if len(self._ids) - self._num_seed <= self._min_tokens:  # no stop in these yet
+            text, self._pending = self._pending, ""
+            return text
         index, matched = self._find_stop(self._pending)
         if matched is not None:
             text = self._pending[:index]
@@ -187,7 +195,8 @@ class IncrementalDetokenizer:
         return text
 
     def _find_stop(self, text: str) -> tuple[int, str | None]:
-        """Earliest occurrence of any stop string in ``text``; ties go to the one listed first.
+        """Where the text ends at the earliest occurrence of any stop string in ``text`` (before
+        it, or after it with ``include_stop``), and that stop; ties go to the one listed first.
 
         Emitted text never holds a stop and ``text`` holds the last ``hold`` characters before
         the new ones, so an occurrence here is the earliest in the whole output.
@@ -197,4 +206,6 @@ class IncrementalDetokenizer:
             index = text.find(s)
             if index != -1 and (best is None or index < best_index):
                 best_index, best = index, s
+        if best is not None and self._include_stop:
+            best_index += len(best)
         return best_index, best

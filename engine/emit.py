@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from engine.choices import Choice, Request
+from engine.detokenizer import DetokenizerDelta
 from engine.sampling_params import TokenLogprob
 from engine.sequence import FinishReason, SeqStatus, Sequence
 
@@ -77,7 +78,10 @@ class EmitMixin:
             if choice.logprobs is not None and lp is not None:
                 choice.logprobs.append(lp)
                 new_lps.append(lp)
-            delta = choice.detok.push([token])
+            if self._stop_token(seq, token) and not seq.params.include_stop_str_in_output:
+                delta = DetokenizerDelta("", None)  # vLLM's: the stop token's text is left out
+            else:
+                delta = choice.detok.push([token])
             new_text += delta.text
             reason = self._finish_reason(choice, token, delta.stop_matched)
             if reason is not None:
@@ -95,6 +99,14 @@ class EmitMixin:
         choice.text += new_text
         return self._output(choice, new_ids, new_text, new_lps)
 
+    def _stop_token(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` (just appended) ends ``seq``: one of its ``stop_token_ids``, or an
+        EOS unless it ignores them, past its ``min_tokens`` (the sampler masks them before)."""
+        p = seq.params
+        if len(seq.output_token_ids) < p.min_tokens:
+            return False
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+
     def _finish_reason(self, choice: Choice, token: int, stop: str | None) -> FinishReason | None:
         seq, p = choice.seq, choice.seq.params
         if seq.matcher is not None and not seq.matcher.consume_token(token):
@@ -105,11 +117,10 @@ class EmitMixin:
         if stop is not None:
             choice.stop_reason = stop
             return FinishReason.STOP
-        if token in p.stop_token_ids:
-            choice.stop_reason = token  # vLLM's: the stop token's id
-            return FinishReason.STOP
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP  # the model's end: no stop reason, as in vLLM
+        if self._stop_token(seq, token):
+            if token in p.stop_token_ids:
+                choice.stop_reason = token  # vLLM's: the stop token's id
+            return FinishReason.STOP  # at the model's EOS no stop reason, as in vLLM
         if p.ignore_eos and seq.matcher is not None and seq.matcher.is_stopped():
             return FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -194,11 +194,16 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(
                 (params.seed + seq.index) % 2**64
             )
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            seq.stop_ids = tuple(sorted({*params.stop_token_ids, *eos}))
         detok = IncrementalDetokenizer(
             self.tokenizer.hf,
             seq.prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
+            include_stop=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
         return Choice(seq, detok, [] if params.logprobs is not None else None)
 

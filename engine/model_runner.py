@@ -268,6 +268,7 @@ class ModelRunner:
                 seq.prompt_token_ids,
                 seq.output_token_ids,
                 seq.matcher is not None,
+                seq.stop_ids,
             )
             for _, seq in due
         ]

@@ -37,7 +37,8 @@ class SamplingRow:
     ``generator`` is the request's own generator when ``params.seed`` is set (made by the engine
     on the logits' device with ``torch.Generator(device=...).manual_seed(seed)``), else ``None``.
     Token ids must be smaller than the vocabulary size ``V``. ``guided`` rows follow a grammar:
-    the sampler's bitmask row of theirs says which tokens they may take.
+    the sampler's bitmask row of theirs says which tokens they may take. ``stop_ids`` (EOS and
+    ``stop_token_ids``) are masked while the row has fewer than ``params.min_tokens`` outputs.
     """
 
     params: SamplingParams
@@ -45,6 +46,12 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     guided: bool = False
+    stop_ids: Sequence[int] = ()
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether its stop tokens are masked now (fewer than ``min_tokens`` outputs)."""
+        return bool(self.stop_ids) and len(self.output_token_ids) < self.params.min_tokens
 
 
 @dataclass(slots=True)
@@ -67,9 +74,10 @@ class Sampler:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype, CPU or CUDA).
 
         Order: logprobs of the raw logits; the grammar mask of guided rows (``bitmask``, int32
-        ``[B, ceil(V / 32)]`` on the logits' device, see ``engine.structured``); logit bias;
-        penalties; then greedy argmax, or temperature, top-k, top-p, min-p and sampling. Work is
-        done in float32; ``logits`` is never modified.
+        ``[B, ceil(V / 32)]`` on the logits' device, see ``engine.structured``); the stop tokens
+        of rows short of ``min_tokens``; logit bias; penalties; then greedy argmax, or
+        temperature, top-k, top-p, min-p and sampling. Work is done in float32; ``logits`` is
+        never modified.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
@@ -85,8 +93,9 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         guided = [i for i, r in enumerate(rows) if r.guided] if bitmask is not None else []
         biased = [i for i, p in enumerate(params) if p.logit_bias]
+        held = [i for i, r in enumerate(rows) if r.holds_stops]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        x = logits.to(torch.float32, copy=bool(penalised or guided or biased))
+        x = logits.to(torch.float32, copy=bool(penalised or guided or biased or held))
         raw_logprobs = torch.log_softmax(_take(x, want_lp), dim=-1) if want_lp else None
         if guided:
             assert bitmask is not None
@@ -94,6 +103,8 @@ class Sampler:
             apply_bitmask_(masked, _take(bitmask, guided))
             if masked is not x:
                 _put(x, guided, masked)
+        if held:
+            mask_stops_(x, rows, held)
         if biased:
             _apply_logit_bias_(x, params, biased)
         if penalised:
@@ -117,7 +128,19 @@ def _is_plain(r: SamplingRow) -> bool:
         and not p.has_penalties
         and not p.logit_bias
         and not (r.guided)
+        and not r.holds_stops
     )
+
+
+def mask_stops_(x: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]) -> None:
+    """``x[i, t] = -inf`` for each stop token ``t`` of ``rows[i]``, ``i`` in ``idx`` (rows short
+    of ``min_tokens``: they may not end yet)."""
+    # An id past the vocabulary (a stop_token_ids typo) cannot be drawn anyway.
+    pairs = [(i, t) for i in idx for t in rows[i].stop_ids if t < x.shape[1]]
+    if pairs:
+        dev = x.device
+        r, t = zip(*pairs, strict=True)
+        x[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
 
 
 def _apply_logit_bias_(

@@ -34,6 +34,12 @@ class SamplingParams:
     ``logit_bias`` holds ``(token_id, bias)`` pairs added to the logits before sampling.
     ``grammar`` constrains every output token to keep the text a prefix of the grammar's language
     (JSON schema, Lark or regex; see ``engine.grammar``).
+
+    vLLM's: ``min_tokens`` outputs come before the sequence may end (EOS and ``stop_token_ids``
+    are masked until then, and stop strings are not looked for in their text);
+    ``include_stop_str_in_output`` keeps the stop string, or the text of the stop token (EOS or
+    one of ``stop_token_ids``), that ended the sequence in its text, which leaves it out by
+    default; ``skip_special_tokens=False`` keeps special tokens' text.
     """
 
     max_tokens: int = 16
@@ -50,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     grammar: GrammarSpec | None = None
@@ -84,6 +92,7 @@ class SamplingParams:
             return InvalidSamplingParamsError(f"{name}: {why} (got {got})")
 
         _check_int(self, "max_tokens", 1, None, bad)
+        _check_int(self, "min_tokens", 0, self.max_tokens, bad)
         _check_float(self, "temperature", 0.0, 100.0, bad)
         _check_float(self, "top_p", 0.0, 1.0, bad)
         if self.top_p == 0.0:
@@ -115,6 +124,9 @@ class SamplingParams:
         self._validate_logit_bias(bad)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise bad("grammar", "must be a GrammarSpec")
+        if self.grammar is not None and self.min_tokens:
+            # A finished grammar allows nothing but EOS, which min_tokens would mask.
+            raise bad("min_tokens", "cannot be combined with a grammar (structured output)")
 
     def _validate_logit_bias(self, bad) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:

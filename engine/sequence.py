@@ -55,6 +55,8 @@ class Sequence:
     index: int = 0  # which choice of its request (0 <= index < params.n)
     matcher: Any = None  # llguidance matcher of a grammar-constrained sequence (engine-owned)
     lora: str = ""  # the LoRA adapter it runs with ("" = the base model)
+    # Token ids that would end it (EOS, stop_token_ids), masked until params.min_tokens outputs.
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def key(self) -> Hashable:

@@ -37,6 +37,7 @@ from engine.sampler import (
     apply_penalties_,
     filtered_probs,
     host_output,
+    mask_stops_,
     race,
 )
 
@@ -107,7 +108,8 @@ def expand_rows(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]) ->
         outputs = list(r.output_token_ids)
         for j in range(len(d) + 1):
             seen = outputs + list(d[:j]) if j else r.output_token_ids
-            out.append(SamplingRow(r.params, r.generator, r.prompt_token_ids, seen, r.guided))
+            row = SamplingRow(r.params, r.generator, r.prompt_token_ids, seen, r.guided, r.stop_ids)
+            out.append(row)
     return out
 
 
@@ -137,7 +139,13 @@ def verify(
 
 def _plain(r: SamplingRow) -> bool:
     p = r.params
-    return p.greedy and p.logprobs is None and not p.has_penalties and not p.logit_bias
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.has_penalties
+        and not p.logit_bias
+        and not r.holds_stops
+    )
 
 
 def _candidates(
@@ -150,10 +158,13 @@ def _candidates(
     params = [r.params for r in flat]
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
+    held = [i for i, r in enumerate(flat) if r.holds_stops]
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    x = logits.to(torch.float32, copy=bool(penalised or biased))
+    x = logits.to(torch.float32, copy=bool(penalised or biased or held))
     raw_lp = torch.log_softmax(x[_index(want, dev)], dim=-1) if want else None
-    if biased:  # the sampler's order: logit bias, then penalties
+    if held:  # the sampler's order: stop tokens short of min_tokens, logit bias, penalties
+        mask_stops_(x, flat, held)
+    if biased:
         _apply_logit_bias_(x, params, biased)
     if penalised:
         apply_penalties_(x, flat, penalised)

@@ -50,9 +50,10 @@ def make_detok(
     *,
     stop: Sequence[str] = (),
     skip_special_tokens: bool = True,
+    **kw,
 ) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(
-        tokenizer, prompt, skip_special_tokens=skip_special_tokens, stop=stop
+        tokenizer, prompt, skip_special_tokens=skip_special_tokens, stop=stop, **kw
     )
 
 
@@ -185,6 +186,30 @@ def test_stop_split_across_tokens(tokenizer: tokenizers.Tokenizer) -> None:
     assert detok.text == "Hello "
     assert detok.stop_matched == "world"
     assert detok.output_token_ids == [HELLO, SP_WOR, LD]
+
+
+def test_include_stop_keeps_the_stop_split_across_tokens(tokenizer: tokenizers.Tokenizer):
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string (held back
+    as usual until it is complete), and what follows it in the same token is dropped."""
+    detok = make_detok(tokenizer, stop=["wo"], include_stop=True)
+    assert detok.push([HELLO, SP_WOR, LD]) == DetokenizerDelta("Hello wo", "wo")  # not the "r"
+    assert detok.output_token_ids == [HELLO, SP_WOR]
+    detok = make_detok(tokenizer, stop=["world"], include_stop=True)
+    deltas = push_each(detok, [HELLO, SP_WOR, LD])
+    assert deltas[-1] == DetokenizerDelta(" world", "world")
+    assert detok.text == "Hello world" and detok.flush() == ""
+
+
+def test_no_stop_is_looked_for_in_the_first_min_tokens(tokenizer: tokenizers.Tokenizer) -> None:
+    """vLLM's min_tokens: the text of the first outputs is never searched for stop strings (it
+    is emitted at once); a stop after them ends the text as usual."""
+    ids = [HELLO, SP_WORLD, SP_AGAIN, HELLO, SP_WORLD]
+    detok = make_detok(tokenizer, stop=["world"], min_tokens=2)
+    deltas = push_each(detok, ids)
+    assert [d.text for d in deltas[:2]] == ["Hello", " world"]  # not held back either
+    assert detok.stop_matched == "world"
+    assert detok.text == "Hello world againHello "
+    assert detok.output_token_ids == ids
 
 
 def test_finished_by_stop_refuses_pushes_and_flushes_empty(

@@ -284,6 +284,32 @@ def test_echo_with_logprobs_scores_prompts_as_lm_eval_asks(stack, client, offlin
     assert_all_free(stack)
 
 
+def test_min_tokens_holds_the_stop_token_back_on_the_prefill_worker(stack, client, offline):
+    """vLLM's min_tokens through the disaggregated path: the prefill worker samples the first
+    token, so it must mask the stop token there (the answer equals the offline engine's); the
+    stop token's text is left out, as vLLM does, unless include_stop_str_in_output."""
+    ids = offline.tokenizer.encode(LONG)  # over the decode-only threshold: prefilled first
+    first = offline_greedy(offline, ids, 1).token_ids[0]
+    greedy = {"model": MODEL, "prompt": LONG, "max_tokens": 8, "temperature": 0}
+    stopped = client.completions.create(**greedy, extra_body={"stop_token_ids": [first]})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].text == ""
+    asked = {"stop_token_ids": [first], "min_tokens": 2, "include_stop_str_in_output": True}
+    held = client.completions.create(**greedy, extra_body=asked)
+    rid = f"ref-{time.monotonic_ns()}"
+    offline.add_request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=8, temperature=0, **asked),  # type: ignore[arg-type]
+    )
+    ref = None
+    while offline.has_unfinished():
+        ref = next((o for o in offline.step() if o.finished), ref)
+    assert ref is not None and held.choices[0].text == ref.text
+    assert held.usage.completion_tokens == len(ref.token_ids) >= 2
+    assert first not in ref.token_ids[:2]
+    assert_all_free(stack)
+
+
 def test_stop_reason_is_null_at_eos_and_the_id_of_a_stop_token(client, offline):
     """vLLM's stop_reason: null when the model ends (EOS), the id (a JSON number) when a token
     of stop_token_ids does, the string when a stop string does. It was the string "2" for

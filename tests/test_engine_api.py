@@ -174,3 +174,49 @@ def test_a_text_prompt_gets_the_tokenizers_bos(smol_dir, tmp_path) -> None:
     assert text.prompt_token_ids == [BOS_ID, *ids]
     [by_ids] = llm.generate([BOS_ID, *ids], params)
     assert by_ids.token_ids == text.token_ids
+
+
+def test_stop_tokens_text_min_tokens_and_special_tokens_follow_vllm(llm) -> None:
+    """vLLM's semantics: the text of the token that stopped a sequence (a stop_token_ids token,
+    or EOS) is left out unless include_stop_str_in_output; a stop string likewise;
+    min_tokens masks EOS and stop tokens until reached; skip_special_tokens=False keeps the
+    special tokens' text."""
+    tok = llm.tokenizer
+    prompt = "The capital of France is"
+    base = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0]
+    stop_id = base.token_ids[1]  # "."
+    stopped = llm.generate(
+        prompt, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id])
+    )[0]
+    assert stopped.token_ids == base.token_ids[:2] and stopped.stop_reason == stop_id
+    assert stopped.text == tok.decode(base.token_ids[:1])  # " Paris", without the "."
+    kept = llm.generate(
+        prompt,
+        SamplingParams(
+            max_tokens=8, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=True
+        ),
+    )[0]
+    assert kept.text == tok.decode(base.token_ids[:2])
+    by_string = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=8, temperature=0, stop=["ari"], include_stop_str_in_output=True),
+    )[0]
+    assert by_string.text == " Pari" and by_string.stop_reason == "ari"
+    # A chat answer that ends with EOS early; with min_tokens it goes on past that point.
+    chat = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    short = llm.generate(chat, SamplingParams(max_tokens=60, temperature=0))[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] == tok.eos_token_id
+    n = len(short.token_ids)
+    longer = llm.generate(chat, SamplingParams(max_tokens=60, temperature=0, min_tokens=n + 4))[0]
+    assert len(longer.token_ids) >= n + 4
+    assert tok.eos_token_id not in longer.token_ids[: n + 4]
+    assert longer.token_ids[: n - 1] == short.token_ids[:-1]  # the same until the masked EOS
+    special = llm.generate(
+        chat,
+        SamplingParams(
+            max_tokens=60, temperature=0, skip_special_tokens=False, include_stop_str_in_output=True
+        ),
+    )[0]
+    assert special.text == short.text + "<|im_end|>"
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

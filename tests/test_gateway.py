@@ -719,6 +719,33 @@ def test_stop_token_ids_reach_the_sampling_params(gw: Gateway, tok: Tokenizer) -
     assert_error(gw.post("/v1/chat/completions", chat_body(stop_token_ids=["a"])), 400)
 
 
+def test_min_tokens_stop_text_and_special_tokens_reach_the_sampling_params(
+    gw: Gateway, tok: Tokenizer
+) -> None:
+    """vLLM's min_tokens, include_stop_str_in_output and skip_special_tokens were refused as not
+    implemented; now they reach the workers (through the router's codec as well)."""
+    from services.common.codec import sampling_from_pb, sampling_to_pb
+
+    asked = dict(min_tokens=3, max_tokens=9, include_stop_str_in_output=True,
+                 skip_special_tokens=False)  # fmt: skip
+    p = prepare_chat(
+        CONFIG, tok, ChatCompletionRequest.model_validate(chat_body(**asked)), "c", "t"
+    )
+    sp = p.backend_request.sampling
+    assert (sp.min_tokens, sp.include_stop_str_in_output, sp.skip_special_tokens) == (
+        3,
+        True,
+        False,
+    )
+    assert sampling_from_pb(sampling_to_pb(sp)) == sp
+    plain = prepare_chat(CONFIG, tok, ChatCompletionRequest.model_validate(chat_body()), "c", "t")
+    assert sampling_from_pb(sampling_to_pb(plain.backend_request.sampling)).skip_special_tokens
+    body = chat_body(min_tokens=10, max_tokens=9)
+    assert_error(gw.post("/v1/chat/completions", body), 400, "min_tokens")
+    body = chat_body(min_tokens=2, response_format={"type": "json_object"})
+    assert_error(gw.post("/v1/chat/completions", body), 400, "min_tokens")
+
+
 def test_default_max_tokens_fills_the_rest_of_the_context(tok: Tokenizer) -> None:
     ids = list(range(20, 20 + 450))
     body = CompletionRequest(model=MODEL, prompt=ids)

@@ -286,13 +286,12 @@ def test_tools_for_a_template_without_tool_support(tmp_path, tok: Tokenizer) -> 
         ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         # vLLM's extensions that Tandem does not implement.
-        ("/v1/chat/completions", {"min_tokens": 5}, "min_tokens"),
-        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
         ("/v1/chat/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/chat/completions", {"cache_salt": "user-7"}, "cache_salt"),
+        ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("/v1/chat/completions", {"echo": True}, "echo"),  # vLLM's chat echo, not completions'
         ("/v1/chat/completions", {"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
         ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),

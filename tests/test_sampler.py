@@ -389,3 +389,16 @@ def test_logit_bias_moves_greedy_choice_and_sampling() -> None:
     counts = draw_counts(PROBS_4, 2000, logit_bias=((0, -100.0),))
     assert counts[0] == 0 and chi_square(counts, [0, 0.6, 0.3, 0.1], 2000) < 13.8  # df 2, p = 0.001
     assert logits.equal(log_probs(PROBS_4, 2))  # the input is never modified
+
+
+def test_min_tokens_masks_the_stop_tokens_until_reached() -> None:
+    """vLLM's min_tokens: a row's stop tokens (EOS and stop_token_ids, given by the engine as
+    ``stop_ids``) cannot be drawn while it has fewer outputs; the raw logprobs stay unmasked."""
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 1.0]] * 3)  # 1 (EOS) is the argmax, then 2
+    p = SamplingParams(temperature=0, min_tokens=2, max_tokens=5, logprobs=1)
+    rows = [SamplingRow(p, None, [0], out, stop_ids=(1, 2)) for out in ([], [3], [3, 3])]
+    out = sample(logits, rows)
+    assert out.token_ids == [3, 3, 1]  # 1 and 2 masked while short of 2 outputs
+    assert out.logprobs[0].top[0][0] == 1  # the raw distribution's best is still reported
+    hot = SamplingRow(SamplingParams(temperature=1.0, min_tokens=1), None, [0], [], stop_ids=(1,))
+    assert all(sample(logits[:1], [hot]).token_ids[0] != 1 for _ in range(50))

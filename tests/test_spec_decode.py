@@ -126,6 +126,18 @@ def test_greedy_penalties_count_the_drafts_before_each_position() -> None:
     assert out.token_ids == [[4, 6]]
 
 
+def test_min_tokens_masks_stop_tokens_at_each_draft_position() -> None:
+    """A row short of min_tokens may not draw its stop token (EOS 7 here); each draft position
+    counts the drafts before it, so the mask lifts exactly at min_tokens."""
+    logits = peaked([7, 7, 7])  # the model wants to stop at every position
+    logits[:, 5] = 4.0  # second best
+    p = SamplingParams(temperature=0, min_tokens=3, max_tokens=10)
+    short = SamplingRow(p, None, [1, 2, 3], [9], stop_ids=(7,))  # one output so far
+    out = verify(logits, [short], [[5, 5]])
+    assert out.token_ids == [[5, 5, 7]]  # outputs 2 and 3 masked; the 4th may stop
+    assert out.num_accepted == [2]
+
+
 # -- verifier: rejection sampling --------------------------------------------------------------
 def chi2_critical(df: int, z: float = 3.09) -> float:
     """Upper 0.1% point of chi-square (Wilson-Hilferty approximation)."""

@@ -112,6 +112,11 @@ def sampling_from_pb(opts: common_pb2.SamplingOptions) -> SamplingParams:
         n=opts.n or 1,
         logit_bias=tuple(sorted(opts.logit_bias.items())),
         grammar=_grammar_from_pb(opts.grammar) if opts.HasField("grammar") else None,
+        min_tokens=opts.min_tokens,
+        include_stop_str_in_output=opts.include_stop_str_in_output,
+        skip_special_tokens=(
+            opts.skip_special_tokens if opts.HasField("skip_special_tokens") else True
+        ),
     )
 
 
@@ -135,7 +140,11 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingOptions:
         ignore_eos=p.ignore_eos,
         n=p.n,
         logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
+    if not p.skip_special_tokens:
+        opts.skip_special_tokens = False
     if p.grammar is not None:
         opts.grammar.CopyFrom(
             common_pb2.Grammar(kind=GRAMMAR_TO_PB[p.grammar.kind], text=p.grammar.text)

@@ -410,6 +410,9 @@ def _sampling(
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": body.skip_special_tokens,
     }
     kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     try:

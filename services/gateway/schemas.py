@@ -34,9 +34,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     # vLLM's extensions that Tandem does not implement: refused the same way, so that a client
     # written for vLLM learns at once instead of getting output that ignored them.
-    "min_tokens": (None, 0),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
@@ -46,6 +43,10 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    # Prefix caches are isolated per tenant (API key) already; a finer salt is not carried.
+    "cache_salt": (None,),
     "structured_outputs": (None,),
     "logits_processors": (None,),
 }
@@ -175,6 +176,9 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # the logprobs of the prompt's own tokens, top k
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
@@ -199,9 +203,6 @@ class _Sampling(_Body):
     safety_identifier: Any = None
     suffix: Any = None
     # vLLM extensions Tandem does not implement (NOT_IMPLEMENTED).
-    min_tokens: Any = None
-    include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -211,6 +212,9 @@ class _Sampling(_Body):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    cache_salt: Any = None
     structured_outputs: Any = None
     logits_processors: Any = None
 
