@@ -63,7 +63,7 @@ model: $(STAMP)
 	$(BIN)/python -m engine.bundled --out $(MODEL_DIR)
 
 test: install helm
-	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q
+	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q --durations=30
 
 test-all: install helm
 	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q -m ''
