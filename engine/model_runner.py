@@ -516,26 +516,28 @@ class ModelRunner:
         assert out is not None
         return out
 
-    def prompt_logprobs(self, sched: SchedulerOutput, k: int) -> list[TokenLogprob]:
-        """Raw-model logprob and rank of every scheduled token after the first, given the tokens
-        before it, with the ``k`` most likely tokens at its place (one sequence's whole prompt,
-        ``engine.pooling``)."""
+    def prompt_logprobs(
+        self, sched: SchedulerOutput, k: int, targets: list[int]
+    ) -> list[TokenLogprob]:
+        """Raw-model logprob and rank of ``targets[i]`` given the scheduled tokens up to row
+        ``i`` (the prompt's next tokens: one fewer than the rows in the prompt's last chunk), with
+        the ``k`` most likely tokens at that place (a prompt alone, ``engine.pooling``)."""
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
         plan.hidden = True
-        chosen, ranks, top_lp, top_ids = self._command("score", plan, k)
+        chosen, ranks, top_lp, top_ids = self._command("score", plan, k, targets)
         tops = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids, top_lp, strict=True)]
         return [
             TokenLogprob(t, lp, top, rank)
-            for t, lp, rank, top in zip(plan.token_ids[1:], chosen, ranks, tops, strict=True)
+            for t, lp, rank, top in zip(targets, chosen, ranks, tops, strict=True)
         ]
 
-    def _score(self, plan: StepPlan, k: int) -> tuple[list, list, list, list]:
+    def _score(self, plan: StepPlan, k: int, target_ids: list[int]) -> tuple[list, ...]:
         """``prompt_logprobs``' forward pass (every rank: the LM head gathers the vocabulary),
         the LM head and softmax taken ``SCORE_ELEMENTS`` logits at a time."""
         hidden = self._forward(plan)
         assert hidden is not None
-        targets = torch.tensor(plan.token_ids[1:], device=self.device)
+        targets = torch.tensor(target_ids, dtype=torch.long, device=self.device)
         n = len(targets)
         step = max(1, SCORE_ELEMENTS // max(self.sampler_width, 1))
         parts: list[tuple[torch.Tensor, ...]] = []

@@ -27,6 +27,7 @@ from libkv.kv_manager import PrefixHit
 if TYPE_CHECKING:
     import itertools
 
+    from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
     from libkv.kv_manager import KVCacheManager
 
@@ -72,6 +73,7 @@ class PoolingMixin:
     """Methods of ``LLMEngine`` that run one prompt alone: ``embed`` and ``score``."""
 
     # Provided by LLMEngine.
+    config: EngineConfig
     kv: KVCacheManager
     runner: ModelRunner
     pooling: PoolingConfig
@@ -84,8 +86,10 @@ class PoolingMixin:
         def check_lora(self, name: str | None) -> str: ...
 
     def _alone(self, prompt: list[int], lora: str | None, run):
-        """``run(sched)`` on a one-sequence step of the whole prompt, outside the continuous
-        batch, under the engine lock, in blocks borrowed from the pool and returned at once."""
+        """``run(sched)`` on one-sequence steps over the whole prompt, outside the continuous
+        batch, under the engine lock, in blocks borrowed from the pool and returned at once; a
+        list of what each step gave. The steps are chunks of at most ``max_num_batched_tokens``
+        (what the activation peak was measured for), each attending to the ones before."""
         params = SamplingParams(max_tokens=1)
         self._validate(prompt, params)
         with self._lock:
@@ -96,15 +100,19 @@ class PoolingMixin:
             if self.kv.admit(rid, PrefixHit([], []), 0, len(prompt), salt) is None:
                 raise KVCapacityError("not enough free KV blocks for this prompt now; retry")
             try:
-                sched = SchedulerOutput()
-                sched.add(ScheduledSeq(seq, len(prompt), self.kv.block_ids(rid)))
-                return run(sched)
+                blocks, step, out = self.kv.block_ids(rid), self.config.max_num_batched_tokens, []
+                for lo in range(0, len(prompt), step):
+                    sched = SchedulerOutput()
+                    sched.add(ScheduledSeq(seq, min(step, len(prompt) - lo), blocks))
+                    out.append(run(sched))
+                    seq.num_computed = min(lo + step, len(prompt))
+                return out
             finally:
                 self.kv.free(rid)
 
     def embed(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """The prompt's embedding (float32 [hidden], on the CPU), pooled by ``self.pooling``."""
-        hidden = self._alone(prompt, lora, self.runner.hidden_all)
+        hidden = torch.cat(self._alone(prompt, lora, self.runner.hidden_all))
         return self.pooling.pool(hidden).cpu()
 
     def prompt_logprobs(
@@ -118,9 +126,15 @@ class PoolingMixin:
             raise InvalidRequestError(
                 f"prompt logprobs: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {k})"
             )
-        return self._alone(prompt, lora, lambda sched: self.runner.prompt_logprobs(sched, k))
+        targets = prompt[1:]
+
+        def run(sched: SchedulerOutput) -> list[TokenLogprob]:
+            lo = sched.scheduled[0].seq.num_computed  # this chunk's rows: tokens lo, lo + 1, ...
+            return self.runner.prompt_logprobs(sched, k, targets[lo : lo + sched.num_tokens])
+
+        return [lp for part in self._alone(prompt, lora, run) for lp in part]
 
     def score(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill);
         used to check logits against a reference implementation."""
-        return self._alone(prompt, lora, self.runner.logits_all)
+        return torch.cat(self._alone(prompt, lora, self.runner.logits_all))

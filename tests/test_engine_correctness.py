@@ -203,6 +203,26 @@ def test_prompt_logprobs_match_transformers(smol_dir, smol_hf, smol_prompts, mon
     assert engine.pool.num_used == 0
 
 
+def test_a_prompt_alone_runs_in_chunks_of_the_step_budget(smol_dir, smol_prompts):
+    """Embeddings and prompt logprobs run a prompt outside the batch; it goes in chunks of
+    max_num_batched_tokens (the activation peak the memory plan measured), each attending to
+    the ones before, and gives what one pass gives."""
+    small = make_engine(smol_dir, max_num_batched_tokens=16)
+    one = make_engine(smol_dir, max_num_batched_tokens=512)
+    p = smol_prompts[-1]
+    assert len(p) > 4 * 16
+    steps = []
+    hidden_all = small.runner.hidden_all
+    small.runner.hidden_all = lambda sched: steps.append(sched.num_tokens) or hidden_all(sched)
+    cos = torch.nn.functional.cosine_similarity(small.embed(p), one.embed(p), dim=0)
+    assert steps == [16] * (len(p) // 16) + ([len(p) % 16] if len(p) % 16 else [])
+    assert cos.item() > 0.99999
+    a, b = small.prompt_logprobs(p, 2), one.prompt_logprobs(p, 2)
+    assert [e.token_id for e in a] == [e.token_id for e in b] == p[1:]
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True)) < 1e-4
+    assert small.pool.num_used == 0
+
+
 @pytest.mark.parametrize("fixture", ["qwen2_dir", "llama3_rope_dir"])
 def test_random_models_match_transformers(fixture, request, smol_prompts):
     model_dir = request.getfixturevalue(fixture)

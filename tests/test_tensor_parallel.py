@@ -121,7 +121,7 @@ def test_tp2_fp8_lm_head_shards_are_the_whole_heads_rows(llama_dir):
         assert isinstance(part, Fp8Weight) and lo == 0 < hi < head.shape[0]
         assert torch.equal(part.scale, head.scale[:hi])
         assert torch.equal(part.weight.view(torch.uint8), head.weight[:hi].view(torch.uint8))
-        hidden = two.engine._alone(prompt, None, two.engine.runner.hidden_all)
+        hidden = torch.cat(two.engine._alone(prompt, None, two.engine.runner.hidden_all))
         logits = two.engine.score(prompt)
         assert logits.shape == (len(prompt), head.shape[0])
         torch.testing.assert_close(logits, reference.linear(hidden, head), atol=1e-4, rtol=0)
