@@ -163,18 +163,20 @@ def test_a_prefill_on_cuda_hands_off_the_sums_taken_at_sealing(smol_shape_dir):
 
 def test_prompt_logprobs_on_cuda_match_the_cpu(smol_shape_dir, prompts, monkeypatch):
     """The prompt-logprobs pass (echo with logprobs, vLLM's prompt_logprobs) on CUDA in
-    float32 against the CPU's, with the LM head taken 7 rows at a time on both."""
+    float32 against the CPU's, with the LM head taken 7 rows at a time on both, and the prompt
+    in chunks of 64 tokens on CUDA (one pass on the CPU)."""
     from engine import model_runner
 
     def scores(**options):
-        llm = LLM(smol_shape_dir, num_kv_blocks=2048, **options)
+        llm = LLM(smol_shape_dir, num_kv_blocks=2048, **{"max_num_batched_tokens": 512, **options})
         monkeypatch.setattr(model_runner, "SCORE_ELEMENTS", 7 * llm.engine.runner.sampler_width)
         out = [llm.engine.prompt_logprobs(p, 2) for p in prompts[:4]]
         del llm
         return out
 
     cpu = scores(device="cpu", dtype="float32")
-    gpu = scores(device="cuda", dtype="float32")
+    gpu = scores(device="cuda", dtype="float32", max_num_batched_tokens=64)
+    assert max(len(p) for p in prompts[:4]) > 64
     diffs = []
     for c, g, p in zip(cpu, gpu, prompts, strict=False):
         assert [e.token_id for e in g] == p[1:] == [e.token_id for e in c]
