@@ -181,7 +181,8 @@ def prepare_completion(
     tenant: str,
     room: RoomCheck = _no_room_check,
 ) -> Prepared:
-    """Validate a text-completion request and tokenize its prompt (no special tokens added).
+    """Validate a text-completion request and tokenize its prompt (with the tokenizer's own special
+    tokens unless ``add_special_tokens`` is false, as vLLM).
     ``best_of`` samples that many choices and answers with the ``n`` most likely per token.
     ``echo`` puts the prompt before each choice (with logprobs, its tokens' logprobs first);
     with ``max_tokens`` 0 nothing is generated and the prompt alone is answered."""
