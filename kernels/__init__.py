@@ -55,6 +55,7 @@ __all__ = [
     "copy_sum_check_packed",
     "packed_check",
     "runs_copy_sum",
+    "run_wsum64",
     "packed_copy_sum",
     "compare_sums",
     "count_mismatches",
@@ -342,6 +343,42 @@ def runs_copy_sum(
         sums[:n] += reference.block_wsum64(dst.view(torch.int64), di, offset)
 
     return copy
+
+
+def run_wsum64(
+    pool: torch.Tensor, sums: torch.Tensor, offset: int = 0
+) -> Callable[[int, int, int], None]:
+    """A read-only ``wsum64`` of contiguous blocks of ``pool`` (``[N, block_bytes]``, whole
+    64-bit words) bound to a reused sums buffer (int64, on the device): the returned
+    ``run_sum(first, count, at)`` adds block ``first + k``'s sum into ``sums[at + k]``, with
+    nothing uploaded. On CUDA ``triton_checksum.RunSum`` (each block read once in place);
+    elsewhere the same in torch."""
+    if pool.dim() != 2 or not pool.is_contiguous() or pool.shape[1] % 8:
+        raise ValueError("the pool must be [N, block_bytes] contiguous, whole 64-bit words")
+    if sums.dtype != torch.int64 or sums.dim() != 1:
+        raise ValueError("the sums must be a 1-D int64 tensor")
+    launch: Callable[[int, int, int], None]
+    if use_triton(pool):
+        from kernels import triton_checksum
+
+        launch = triton_checksum.RunSum(pool, sums, offset)
+    else:
+
+        def torch_sum(first: int, count: int, at: int) -> None:
+            ids = torch.arange(first, first + count, device=pool.device)
+            sums[at : at + count] += reference.block_wsum64(pool.view(torch.int64), ids, offset)
+
+        launch = torch_sum
+
+    def run_sum(first: int, count: int, at: int) -> None:
+        if first < 0 or count < 0 or first + count > pool.shape[0]:
+            raise ValueError(f"blocks {first}..{first + count - 1} of {pool.shape[0]}")
+        if at < 0 or at + count > sums.numel():
+            raise ValueError(f"sums {at}..{at + count - 1} of {sums.numel()}")
+        if count:
+            launch(first, count, at)
+
+    return run_sum
 
 
 def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:

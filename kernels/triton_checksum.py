@@ -15,19 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton import pdl_on
+from kernels.triton_launch import FastLaunch, aligned16, launch_device
+
 TILE = 1024  # int64 words per inner step (8 KiB)
 CHUNK = 8 * TILE  # words per program (64 KiB): a 2 MiB block is 32 programs
 
 
 @triton.jit
-def _wsum64_kernel(
-    words_ptr, idx_ptr, out_ptr, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr
-):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    block = tl.load(idx_ptr + b).to(tl.int64)
-    base = words_ptr + block * words
-    start = c.to(tl.int64) * (TILE * ITERS)
+def _part(base, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr):
+    """This program's part (program id 1: which ``TILE * ITERS`` words) of the ``wsum64`` of
+    the block whose words start at ``base``."""
+    start = tl.program_id(1).to(tl.int64) * (TILE * ITERS)
     lane = tl.arange(0, TILE).to(tl.int64)
     acc = tl.zeros((TILE,), dtype=tl.int64)
     for k in range(ITERS):
@@ -35,7 +34,68 @@ def _wsum64_kernel(
         mask = i < words
         x = tl.load(base + i, mask=mask, other=0)
         acc += x * (2 * (i + offset) + 1)  # wraps modulo 2^64
-    tl.atomic_add(out_ptr + b, tl.sum(acc, axis=0))
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _wsum64_kernel(
+    words_ptr, idx_ptr, out_ptr, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr
+):
+    b = tl.program_id(0)
+    block = tl.load(idx_ptr + b).to(tl.int64)
+    tl.atomic_add(out_ptr + b, _part(words_ptr + block * words, words, offset, TILE, ITERS))
+
+
+# One compiled variant per pool for any run: nothing specialised on where it starts.
+@triton.jit(do_not_specialize=["first", "at"], do_not_specialize_on_alignment=["out_ptr"])
+def _wsum64_run_kernel(
+    words_ptr, out_ptr, first, at, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """``out[at + b] +=`` the ``wsum64`` of block ``first + b`` (relaxed: what reads the sums
+    runs behind this kernel on its stream). ``PDL``: the compare behind it may launch at once
+    (it reads the sender's sums meanwhile and waits in the kernel for this one's end)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    base = words_ptr + (first + b).to(tl.int64) * words
+    part = _part(base, words, offset, TILE, ITERS)
+    tl.atomic_add(out_ptr + at + b, part, sem="relaxed", scope="gpu")
+
+
+class RunSum:
+    """A read-only ``wsum64`` of contiguous blocks of one pool into a reused sums buffer (int64,
+    on the device): ``run_sum(first, count, at)`` adds block ``first + k``'s sum into
+    ``sums[at + k]``, reading each block once in place, with nothing uploaded; once compiled,
+    launched straight (`kernels.triton_launch.FastLaunch`). Arguments are checked by
+    ``kernels.run_wsum64``. The CUDA IPC hand-off between two GPUs sums each landed chunk of
+    a run with it while the copy engines bring the next."""
+
+    def __init__(self, pool: torch.Tensor, sums: torch.Tensor, offset: int = 0) -> None:
+        self.pool, self.sums, self.offset = pool, sums, offset
+        self.words = pool.shape[1] // 8
+        self.iters = min(CHUNK // TILE, triton.cdiv(self.words, TILE))
+        self.parts = triton.cdiv(self.words, TILE * self.iters)
+        self._ptrs = (pool.data_ptr(), sums.data_ptr())
+        self.pdl = pdl_on(pool)
+        self._key = ("run", launch_device(pool), self.words, offset, aligned16(pool), self.pdl)
+
+    def __call__(self, first: int, count: int, at: int) -> None:
+        """Launch on the current stream."""
+        p, u = self._ptrs
+        words, offset, iters = self.words, self.offset, self.iters
+
+        def fast() -> tuple:
+            return (p, u, first, at, words, offset, TILE, iters, self.pdl)
+
+        def slow() -> tuple[tuple, dict]:
+            args = (self.pool.view(torch.int64), self.sums, first, at, words, offset)
+            return args, {"TILE": TILE, "ITERS": iters, "PDL": self.pdl}
+
+        _RUN(self._key, (count, self.parts), fast, slow, num_warps=8)
+
+
+_RUN = FastLaunch(_wsum64_run_kernel, "the sum of a run of landed blocks")
 
 
 def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) -> torch.Tensor:

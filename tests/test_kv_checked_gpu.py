@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
 from libkv.transfer import CUDA_IPC_KEY, DEVICE_KEY, HOST_KEY, block_runs  # noqa: E402
 from libkv.transfer.cuda_ipc import CudaIpcTransport, device_uuid, export_pool, host_id  # noqa: E402
@@ -413,17 +414,38 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
     assert got == 0 and t.run_fetches == 2 * len(cases)
 
 
-def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
+@pytest.mark.parametrize("words", [1, 1000, 8192, 8193, 262144])
+def test_the_sum_of_a_landed_run_equals_the_reference(words) -> None:
+    g = torch.Generator(device="cuda").manual_seed(words)
+    pool = torch.randint(0, 256, (12, 8 * words), dtype=torch.uint8, device="cuda", generator=g)
+    sums = torch.zeros(10, dtype=torch.int64, device="cuda")
+    run_sum = kernels.run_wsum64(pool, sums)
+    for _ in range(2):  # compiled, then launched straight
+        sums.zero_()
+        run_sum(3, 7, 2)
+        want = reference.block_wsum64(pool.view(torch.int64), torch.arange(3, 10, device="cuda"))
+        assert torch.equal(sums[2:9], want) and not sums[:2].any() and not sums[9:].any()
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["one-gpu", "as-from-another-gpu"])
+def test_runs_fetches_of_any_size_in_flight_together_count_exactly(monkeypatch, remote) -> None:
     """Many fetches of one to four runs, blocks of several programs (tickets), up to more
     blocks than the first workspace and sums buffer hold (they grow), sixteen in flight at once
     on one transport (one workspace, one sums buffer, on one stream): every count exact, the
-    workspace and the sums zero after; then each shape alone: its blocks bit for bit."""
+    workspace and the sums zero after; then each shape alone: its blocks bit for bit.
+    ``remote``: the peer's pool taken for one on another GPU (`_check_peer_runs`: copy-engine
+    copies in chunks down to four blocks here, each summed where it landed)."""
+    from libkv.transfer import cuda_ipc_checks
+
     blocks, bb = 1536, 48 * 1024  # 6144 words: 3 programs per block
+    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_BYTES", 4 * bb)
     g = torch.Generator(device="cuda").manual_seed(11)
     peer = torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device="cuda", generator=g)
     mine = torch.zeros(blocks, bb, dtype=torch.uint8, device="cuda")
     t = CudaIpcTransport(mine, bb, Records(peer, bb), sums=True)
     t._mapped = lambda name, info: peer  # type: ignore[method-assign]
+    if remote:
+        t.uuid = "another GPU"
     assert t.behind
     shapes = [(0, 1), (0, 1536), (100, 1100), (5, 7), (1400, 136), (0, 64)]
     jobs = []
@@ -453,7 +475,8 @@ def test_runs_fetches_of_any_size_in_flight_together_count_exactly() -> None:
         return counts
 
     assert asyncio.run(go()) == [w for *_, w in jobs]
-    assert t.run_fetches == 16 and t.device_verifies == 0
+    assert (t.peer_run_fetches, t.run_fetches) == ((16, 0) if remote else (0, 16))
+    assert t.device_verifies == 0
     assert not t._run_sums.any()  # type: ignore[union-attr]
 
     async def alone(r: str, h: KVHandle, s: list[int], d: list[int]) -> int | None:

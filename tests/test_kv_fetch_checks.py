@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import os
 import time
@@ -181,6 +182,13 @@ def _transport(fault: str):
 
     mine = torch.zeros(8, 256, dtype=torch.uint8)
     return CudaIpcTransport(mine, 256, None, sums=True, fault=fault), mine  # type: ignore[arg-type]
+
+
+def _peer(seed: int) -> torch.Tensor:
+    """A peer's pool of 8 random 256-byte blocks."""
+    return torch.randint(
+        0, 256, (8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _wsum(pool: torch.Tensor, ids: list[int]) -> list[int]:
@@ -519,9 +527,7 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
     reused sums buffer is left zero; the same pool's copy is bound once."""
     t, mine = _transport(fault)
     t.behind = True
-    peer = torch.randint(
-        0, 256, (8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
-    )
+    peer = _peer(9)
     before = peer.clone()
     n = len(src)
     for wrong in (None, n - 1):
@@ -543,6 +549,91 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
         assert torch.equal(peer, before)
         assert not t._sums_buffer(1).any()
     assert t.run_fetches == 2 and list(t._copiers) == [("runs", id(peer))] and not t._checkers
+
+
+@pytest.mark.parametrize(
+    "count,block_bytes,chunks",
+    [
+        (256, 2 << 20, [88, 128, 32, 8]),  # a 4,096-token prompt of the 8B shape
+        (128, 2 << 20, [88, 32, 8]),
+        (64, 2 << 20, [24, 32, 8]),
+        (8, 2 << 20, [8]),
+        (3, 2 << 20, [3]),
+        (7, 64 << 20, [2, 4, 1]),  # blocks over the trail: one block at the end
+    ],
+)
+def test_a_run_from_another_gpu_is_cut_in_halves_down_to_a_short_last_chunk(
+    count, block_bytes, chunks
+) -> None:
+    from libkv.transfer.cuda_ipc_checks import TRAIL_BYTES, TRAIL_RATIO, peer_chunks
+
+    got = peer_chunks(count, block_bytes)
+    assert [c for _, c in got] == chunks
+    assert [o for o, _ in got] == [sum(chunks[:i]) for i in range(len(chunks))]
+    assert got[-1][1] <= max(1, TRAIL_BYTES // block_bytes)
+    assert all(a <= TRAIL_RATIO * b for a, b in itertools.pairwise(chunks))
+
+
+def test_run_wsum64_adds_each_blocks_sum_into_its_slot() -> None:
+    pool = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
+    sums = torch.zeros(6, dtype=torch.int64)
+    run_sum = kernels.run_wsum64(pool, sums)
+    run_sum(2, 3, 1)
+    run_sum(7, 1, 5)
+    assert [s & fetch_checks.MASK for s in sums.tolist()] == [
+        0,
+        *_wsum(pool, [2, 3, 4]),
+        0,
+        _wsum(pool, [7])[0],
+    ]
+    for args in ((6, 3, 0), (0, 2, 5), (-1, 1, 0)):
+        with pytest.raises(ValueError):
+            run_sum(*args)
+    run_sum(0, 0, 6)  # nothing to sum: nothing done
+
+
+@pytest.mark.parametrize("fault", ["", "corrupt"])
+@pytest.mark.parametrize("src,dst", [([2, 3, 4], [5, 6, 7]), ([5, 1, 6, 2], [0, 7, 3, 4])])
+def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
+    monkeypatch, src, dst, fault
+) -> None:
+    """`_copy_sum` of runs from another GPU (``remote``; the torch references and no streams
+    on CPU): every chunk is copied, then summed in this pool (`kernels.run_wsum64`), the
+    compare behind: the count exact with a wrong expected sum and with the fault hook's
+    damaged first block (the peer's pool untouched), no sums kept, the reused sums zero, and
+    no SM copy-and-sum bound."""
+    from libkv.transfer import cuda_ipc_checks
+
+    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_BYTES", 256)  # one-block chunks: several a run
+    t, mine = _transport(fault)
+    t.behind = True
+    peer = _peer(3)
+    before = peer.clone()
+    n = len(src)
+    for wrong in (None, 0, n - 1):
+        mine.zero_()
+        want = _wsum(peer, src)
+        if wrong is not None:
+            want[wrong] ^= 1 << 7
+        sums, count, staged = t._copy_sum(peer, src, dst, want, remote=True)
+        assert sums is None and staged is not None and staged[:n].tolist() == signed64(want)
+        damaged = fault == "corrupt" and wrong != 0  # a wrong first sum already counts it
+        assert int(count) == (wrong is not None) + damaged
+        assert (mine[dst] != peer[src]).sum().item() == (1 if fault else 0)
+        assert (mine[dst[0]] != peer[src[0]]).sum().item() == (1 if fault else 0)
+        assert torch.equal(peer, before) and not t._sums_buffer(1).any()
+    assert t.peer_run_fetches == 3 and t.run_fetches == 0
+    assert list(t._copiers) == [("landed", id(t.pool))]
+
+
+def test_runs_from_another_gpu_without_the_senders_sums_keep_theirs_for_verify() -> None:
+    t, mine = _transport("")
+    t.behind = True
+    peer = torch.randint(0, 256, (8, 256), dtype=torch.uint8)
+    sums, count, _ = t._copy_sum(peer, [1, 2, 3], [4, 5, 6], lambda: None, remote=True)
+    assert count is None and sums is not None and not t._sums_buffer(1).any()
+    assert sums.tolist() == signed64(_wsum(peer, [1, 2, 3]))
+    assert torch.equal(mine[[4, 5, 6]], peer[[1, 2, 3]])
 
 
 def test_a_fetch_of_runs_without_the_senders_sums_keeps_the_copys_for_verify() -> None:

@@ -31,7 +31,12 @@ host reads the sender's sums off the handle into a reused pinned buffer and queu
 behind the copy (``kernels.compare_sums``: one program that reads them where they lie, writes
 the count behind them and leaves the sums zero). No device allocation, and a hand-off's
 critical path gains only the copy kernel's launch over the unchecked copy's (a
-``cudaMemcpy`` for runs). The fetch's one wait covers copy, compare and count; `verify`
+``cudaMemcpy`` for runs). A few runs from a pool on another GPU are not copied by the SMs:
+between two GPUs the link bounds the copy, which the copy engines drive faster than an SM
+copy does, while this GPU reads what landed about ten times faster than the link brings it;
+so they go by ``cudaMemcpy`` in chunks, each chunk summed from this GPU's memory on a side
+stream once it has landed (``kernels.run_wsum64``), the compare behind the last sum
+(`_check_peer_runs`). The fetch's one wait covers copy, compare and count; `verify`
 answers from the kept count with no device work and no wait of its own; its sums are not
 kept, so a `verify` with other sums than those compared returns None (the caller checks the
 blocks). The caller recomputes on a mismatch. Where the device cannot read pinned memory, one
@@ -263,9 +268,14 @@ class CudaIpcTransport(CopyChecks):
         # and source pool, bound to it and the reused sums buffer.
         self._copiers: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
         self._run_sums: torch.Tensor | None = None
+        self._side: Any = None  # where a run from another GPU is summed as it lands
+        # This GPU's identity: a pool exported from another one is checked behind the copy
+        # engines (`_check_peer_runs`), not by an SM copy over the link.
+        self.uuid = device_uuid(self.device.index or 0) if self._cuda else ""
         self.behind = False  # the compare goes behind the copy (the warm-up: on)
         self.behind_fetches = 0  # fetches checked that way (tests, bench)
         self.run_fetches = 0  # of those, a few contiguous runs with nothing uploaded
+        self.peer_run_fetches = 0  # of those, runs from another GPU, summed as they landed
         self.mapped_count = False  # the fused check writes its count into pinned memory
         self.fused_fetches = 0  # fetches whose sums came from the copy (tests, bench)
         self.compared_fetches = 0  # of those, compared in the copy (verify waits for none)
@@ -352,8 +362,9 @@ class CudaIpcTransport(CopyChecks):
         with torch.cuda.stream(self._stream):
             sums: torch.Tensor | None = None
             count: torch.Tensor | None = None
-            if self.sums:  # one kernel that copies, sums and compares (nothing read again)
-                sums, count, staged = self._copy_sum(src, src_blocks, dst_blocks, want)
+            if self.sums:  # copies, sums and compares (on one GPU nothing read again)
+                remote = self._cuda and info.device_uuid != self.uuid
+                sums, count, staged = self._copy_sum(src, src_blocks, dst_blocks, want, remote)
             else:
                 staged = self._copy(src, src_blocks, dst_blocks)
             done = torch.cuda.Event()
@@ -448,8 +459,9 @@ class CudaIpcTransport(CopyChecks):
         """Nothing to tell over CUDA IPC: the caller releases through its network transport."""
 
     async def close(self) -> None:
-        if self._stream is not None:
-            await asyncio.to_thread(self._stream.synchronize)
+        for stream in (self._stream, self._side):
+            if stream is not None:
+                await asyncio.to_thread(stream.synchronize)
         self._peers.clear()
         self._current.clear()
         self._checkers.clear()

@@ -7,6 +7,7 @@ fused check's workspace). `cuda_ipc`'s module docstring describes the paths."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,30 @@ log = logging.getLogger(__name__)
 Want = Sequence[int] | Callable[[], Sequence[int] | None] | None
 MEMCPY_RUNS = 4  # up to this many contiguous runs: cudaMemcpy each; more: one copy kernel
 STAGING_MIN = 1024  # entries of the smallest pinned upload buffer and device workspace
+# A run from another GPU is copied in chunks, the last of about this many bytes (its sum is
+# what the check adds behind the copy), each earlier one at most ``TRAIL_RATIO`` times the one
+# after it: its sum, read from this GPU's memory, must end before the next chunk has come over
+# the link. H200s: 4.2 TB/s of local reads against 0.39 TB/s over NVLink (10.7x); H100s about
+# 8x; over PCIe more (bench/results/kv_checksum_cpu.md, session 11).
+TRAIL_BYTES = 16 << 20
+TRAIL_RATIO = 4
+
+
+def peer_chunks(count: int, block_bytes: int) -> list[tuple[int, int]]:
+    """(offset, blocks) chunks of a run of ``count`` blocks copied from another GPU: from the
+    end, a last chunk of about ``TRAIL_BYTES`` (at least one block), then chunks ``TRAIL_RATIO``
+    times the one after, the first taking what is left. Few chunks: each costs the host a
+    copy, an event and a launch, and the copy engines a gap between copies."""
+    size = max(1, TRAIL_BYTES // block_bytes)
+    sizes: list[int] = []
+    left = count
+    while left > 0:
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+        size *= TRAIL_RATIO
+    sizes.reverse()
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(offsets, sizes, strict=True))
 
 
 class CopyChecks:
@@ -46,9 +71,11 @@ class CopyChecks:
     _checkers: dict[int, tuple[torch.Tensor, Any]]
     _copiers: dict[tuple[str, int], tuple[torch.Tensor, Any]]
     _run_sums: torch.Tensor | None
+    _side: Any
     behind: bool
     behind_fetches: int
     run_fetches: int
+    peer_run_fetches: int
     mapped_count: bool
 
     def _warm_up(self) -> None:
@@ -118,7 +145,7 @@ class CopyChecks:
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         try:
-            for kind, fault in [("runs", False), ("packed", False)] + (
+            for kind, fault in [("runs", False), ("packed", False), ("landed", False)] + (
                 [("runs", True)] if self.fault else []
             ):
                 sums = self._sums_buffer(1)
@@ -126,6 +153,8 @@ class CopyChecks:
                     copy = functools.partial(
                         kernels.runs_copy_sum(scratch, scratch, sums, fault), [(0, 0, 1)]
                     )
+                elif kind == "landed":  # the sum of a landed run (copies from another GPU)
+                    copy = functools.partial(kernels.run_wsum64(scratch, sums), 0, 1, 0)
                 else:
                     packed = kernels.packed_copy_sum(scratch, scratch, sums)
                     copy = functools.partial(packed, ids, 1)
@@ -176,6 +205,16 @@ class CopyChecks:
             self._copiers[(kind, id(src))] = kept
         return kept[1]
 
+    def _landed_sum(self, n: int) -> Any:
+        """The read-only sum of landed runs of this pool into the reused sums buffer (for up to
+        ``n`` blocks; bound once per buffer)."""
+        sums = self._sums_buffer(n)
+        kept = self._copiers.get(("landed", id(self.pool)))
+        if kept is None:
+            kept = (self.pool, kernels.run_wsum64(self.pool, sums))
+            self._copiers[("landed", id(self.pool))] = kept
+        return kept[1]
+
     def _checker(self, src: torch.Tensor, n: int) -> Any:
         """The fused check from ``src`` into this pool for up to ``n`` blocks (one per source
         pool and workspace, made on its first fetch)."""
@@ -192,6 +231,7 @@ class CopyChecks:
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         want: Want = None,
+        remote: bool = False,
     ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
         """The fused copy-and-sum of every block (on the current stream), and with ``want``
         (the sender's sums, unsigned, one per block) the compare in the same kernel: returns
@@ -204,11 +244,14 @@ class CopyChecks:
         scratch copy with one bit flipped (see the module). ``want`` may also be a function
         that gives them (or None), called once. Where the warm-up found the device reads
         pinned memory (``behind``) the compare goes behind the copy instead (`_check_runs`,
-        `_check_scattered`): with the sender's sums, no sums are returned (None)."""
+        `_check_scattered`; a few runs from another GPU, ``remote``: `_check_peer_runs`):
+        with the sender's sums, no sums are returned (None)."""
         n = len(src_blocks)
         if self.behind:
             runs = block_runs(src_blocks, dst_blocks)
             if len(runs) <= MEMCPY_RUNS:
+                if remote:
+                    return self._check_peer_runs(src, runs, n, want)
                 return self._check_runs(src, runs, n, want)
             return self._check_scattered(src, src_blocks, dst_blocks, want)
         if callable(want):
@@ -264,6 +307,53 @@ class CopyChecks:
         self._copier("runs", src, n)(runs)
         self.run_fetches += 1
         return self._compare_behind(sums, n, want, self._staging(n + 1), 0)
+
+    def _check_peer_runs(
+        self, src: torch.Tensor, runs: list[tuple[int, int, int]], n: int, want: Want
+    ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
+        """`_check_runs` for runs from a pool on another GPU, checked behind the copy engines
+        rather than in an SM copy. Between two GPUs the link bounds the copy, and an SM copy
+        over it is about 6% slower than the copy engines' (as within one GPU); but this GPU
+        reads its own memory about ten times faster than the link delivers (H200s over
+        NVLink: bench/results/kv_checksum_cpu.md, session 11). So each run goes by
+        ``cudaMemcpy`` in chunks (`peer_chunks`); each chunk but the last, once landed, is
+        summed from this GPU's memory on a side stream (`kernels.run_wsum64`) while the next
+        one comes; the last chunk is summed on the copy stream behind its copy, once the side
+        stream is done, and the compare goes behind that sum (`_compare_behind`). What the
+        check adds to the hand-off is the last, small chunk's sum and the compare. With the
+        fault hook the first block lands damaged (written again from a scratch copy with one
+        bit flipped, behind its chunk's copy and before its sum; the peer's pool untouched)."""
+        starts = itertools.accumulate((k for *_, k in runs[:-1]), initial=0)  # in the fetch
+        chunks = [
+            (s + off, d + off, c, at + off)
+            for (s, d, k), at in zip(runs, starts, strict=True)
+            for off, c in peer_chunks(k, self.block_bytes)
+        ]
+        for i, (a, b, c, at) in enumerate(chunks):
+            self.pool[b : b + c].copy_(src[a : a + c], non_blocking=True)
+            if i == 0:  # the rest of the set-up once the first copy is on its way
+                summed, sums = self._landed_sum(n), self._sums_buffer(n)
+                if self.fault == "corrupt":
+                    self.pool[b].copy_(self._flipped(src, a)[0], non_blocking=True)
+            if i < len(chunks) - 1:
+                self._on_side(functools.partial(summed, b, c, at))
+            else:  # the last chunk on the copy stream, once the side stream's sums are done
+                if self._side is not None and self._cuda:
+                    torch.cuda.current_stream(self.device).wait_stream(self._side)
+                summed(b, c, at)
+        self.peer_run_fetches += 1
+        return self._compare_behind(sums, n, want, self._staging(n + 1), 0)
+
+    def _on_side(self, work: Callable[[], Any]) -> Any:
+        """``work`` queued on the side stream behind what the current stream has queued so far
+        (off CUDA: run now)."""
+        if not self._cuda:
+            return work()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            return work()
 
     def _check_scattered(
         self, src: torch.Tensor, src_blocks: Sequence[int], dst_blocks: Sequence[int], want: Want
