@@ -27,6 +27,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -189,16 +190,21 @@ class _Records:
 
 
 def transport_arms(
-    dst: torch.Tensor, src: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
-    expected: Sequence[int],
+    dst: torch.Tensor, src: torch.Tensor | None, src_ids: Sequence[int], dst_ids: Sequence[int],
+    expected: Sequence[int], records: Any = None,
 ) -> tuple[Callable[[], float], Callable[[], float], Callable[[], dict]]:  # fmt: skip
     """(sums off, sums on, counters) over `CudaIpcTransport` (CUDA only): each arm is one
-    ``fetch`` + ``verify`` of a handle with the sender's sums, timed inside the event loop."""
+    ``fetch`` + ``verify`` of a handle with the sender's sums, timed inside the event loop.
+    ``records``: the member records of a pool another process exported (worker ``p0``;
+    `bench.kv_check_peer`), mapped for real; without them ``src``, a pool of this process."""
     from libkv.transfer.cuda_ipc import CudaIpcTransport
     from services.common.codec import KVHandle
 
     bb = dst.shape[1]
-    records = _Records(src, bb)
+    own = records is None
+    if own:
+        assert src is not None
+        records = _Records(src, bb)
     handle = KVHandle(
         worker_id="p0", incarnation="i1", address="", block_ids=tuple(src_ids),
         num_tokens=16 * len(src_ids), block_size=16, block_bytes=bb, dtype="uint8",
@@ -210,7 +216,8 @@ def transport_arms(
         raise RuntimeError("the fused copy-and-sum cannot run here (see the warning)")
     launches: dict[int, list[float]] = {id(plain): [], id(checked): []}
     for t in (plain, checked):
-        t._mapped = lambda name, info: src  # type: ignore[method-assign]  # see the module
+        if own:
+            t._mapped = lambda name, info: src  # type: ignore[method-assign]  # see the module
         t._launch = _timed(t._launch, launches[id(t)])  # type: ignore[method-assign]
     loop = asyncio.new_event_loop()
 
@@ -239,6 +246,7 @@ def transport_arms(
             "behind": checked.behind,
             "behind_fetches": checked.behind_fetches,
             "run_fetches": checked.run_fetches,
+            "peer_run_fetches": checked.peer_run_fetches,
             "thread_waits_off": plain.thread_waits,
             "thread_waits_on": checked.thread_waits,
         }

@@ -123,3 +123,20 @@ async def _serve(conn, device: str, total_bytes: int) -> None:
             await grpc_server.stop(None)
             conn.send(holder.released)
             return
+
+
+def export(conn, device: str, num_blocks: int, block_bytes: int) -> None:
+    """A prefill worker's pool and nothing else, in its own process: ``num_blocks`` blocks on
+    GPU ``device``, filled with `fill_pattern`, exported over CUDA IPC as a GPU prefill
+    worker exports its pool (`libkv.transfer.cuda_ipc.pool_record`). Sends its member-record
+    fields, then holds the pool until told ``stop``."""
+    from libkv.transfer.cuda_ipc import pool_record
+
+    torch.cuda.set_device(torch.device(device))
+    pool = torch.empty(num_blocks, block_bytes, dtype=torch.uint8, device=device)
+    fill_pattern(pool.view(-1))
+    torch.cuda.synchronize()
+    conn.send(pool_record(pool, block_bytes, export=True))
+    while conn.recv() != "stop":
+        pass
+    conn.send("stopped")

@@ -1,0 +1,383 @@
+"""Checked KV over CUDA IPC between two processes, on one GPU or across two (issue 18).
+
+A child process exports a pool as a GPU prefill worker does (`bench.kv_peer.export`: blocks of
+the 8B shape, 2 MiB each, filled with a known pattern). This process maps it through the
+decode side's own `CudaIpcTransport`, as a decode worker maps its prefill worker's pool: the
+real CUDA IPC mapping, nothing stood in for. For one contiguous run and for scattered blocks
+of a prompt of each size it measures:
+
+- **the check on the hand-off's path:** wall time of ``fetch`` + ``verify`` with sums on
+  against sums off (one ``cudaMemcpy`` a run, the copy kernel for scattered blocks), A/B
+  interleaved (`bench.kv_check_ab.paired`). Sums on, a run from the same GPU takes the SM copy
+  that sums on its way, a run from another GPU the copy engines in chunks, each summed where
+  it landed (`CudaIpcTransport._check_peer_runs`), and scattered blocks the copy-and-sum
+  kernel; the compare goes behind;
+- **device time on the run** (CUDA events): one ``copy_`` (what sums off runs: between two
+  GPUs a peer copy by the copy engines over the link), the SM checked run (copy, sum,
+  compare), a read-only ``wsum64`` of what landed, and the copy-engine chunks with their
+  trailing sums and compare.
+
+On one GPU every copy and every sum is bound by HBM, and the SM copy is a few percent slower
+than the copy engine's (bench/results/kv_checksum_cpu.md). Between two GPUs the link bounds
+the copy, and this GPU reads what landed about ten times faster than the link brings it.
+
+    python -m bench.kv_check_peer --src cuda:0 --dst cuda:1 --tokens 1024 2048 4096 \\
+        --pairs 200 --stack-handoff-ms 2048=0.78 4096=0.94 --out DIR
+    python -m bench.kv_check_peer shares DIR/kv_check_peer.json ON/results.json OFF/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kernels
+from bench import kv_peer
+from bench.kv_check_ab import paired, transport_arms
+from bench.kv_checksum import device_time
+from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
+from libkv.transfer.fetch_checks import MASK
+
+BLOCK_SIZE = 16  # tokens a block
+# (last chunk MiB, ratio) of the copy-engine path's chunks, tried beside the installed ones.
+TRAILS = ((4, 8), (8, 8), (16, 8), (8, 16), (32, 4))
+# One 16-token block of the Llama-3.1-8B shape: 32 layers x 8 KV heads x 128 x (K, V) x bf16.
+BLOCK_BYTES_8B = 16 * 32 * 8 * 128 * 2 * 2
+
+
+def pattern_sums(blocks: list[int], block_bytes: int, device: torch.device) -> list[int]:
+    """The sender's ``wsum64`` of each of ``blocks`` of a `kv_peer.fill_pattern` pool
+    (unsigned, as a handle carries them)."""
+    words = torch.stack([kv_peer.expected_block(b, block_bytes, device) for b in blocks])
+    sums = kernels.block_wsum64(words, torch.arange(len(blocks), device=device))
+    return [s & MASK for s in sums.tolist()]
+
+
+def sm_check(
+    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int]
+) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """The check of one run by the SM copy that sums on its way (`kernels.runs_copy_sum`, the
+    compare behind it reading the sender's sums from pinned memory), on the current stream:
+    (launch it, its device sums, the pinned sums with the count behind them)."""
+    sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
+    host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
+    host.numpy().view("uint64")[:n] = want
+    copy = kernels.runs_copy_sum(dst, src, sums)
+
+    def check() -> None:
+        copy([(start, 0, n)])
+        kernels.compare_sums(sums, host, n)
+
+    return check, sums, host
+
+
+def device_times(
+    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int], repeat: int
+) -> dict:
+    """Device ms on one run of ``n`` blocks from ``src[start:]`` to ``dst[:n]``: the plain
+    ``copy_``, the check of runs (`kernels.runs_copy_sum`, the compare behind it reading the
+    sender's sums from pinned memory), and a read-only ``wsum64`` of the landed blocks."""
+    dev = dst.device
+    copy_s = device_time(lambda: dst[:n].copy_(src[start : start + n], non_blocking=True),
+                         "cuda", repeat)  # fmt: skip
+    check, sums, host = sm_check(dst, src, start, n, want)
+    check_s = device_time(check, "cuda", repeat)
+    if int(host[n]) != 0 or int(sums.count_nonzero()):
+        raise AssertionError(f"the check of a clean run counted {int(host[n])}")
+    ids = torch.arange(n, device=dev)
+    sum_s = device_time(lambda: kernels.block_wsum64(dst.view(torch.int64), ids), "cuda", repeat)
+    trail_s = device_time(trailing_check(dst, src, start, n, want), "cuda", repeat)
+    nbytes = n * dst.shape[1]
+    chunks = cuda_ipc_checks.peer_chunks(n, dst.shape[1])
+
+    def chunked() -> None:  # the same copies without the sums
+        for off, c in chunks:
+            dst[off : off + c].copy_(src[start + off : start + off + c], non_blocking=True)
+
+    chunked_s = device_time(chunked, "cuda", repeat)
+    sweep = {}
+    kept = cuda_ipc_checks.TRAIL_BYTES, cuda_ipc_checks.TRAIL_RATIO
+    try:
+        for trail_mib, ratio in TRAILS:
+            cuda_ipc_checks.TRAIL_BYTES, cuda_ipc_checks.TRAIL_RATIO = trail_mib << 20, ratio
+            secs = device_time(trailing_check(dst, src, start, n, want), "cuda", repeat)
+            sweep[f"{trail_mib}MiB_x{ratio}"] = round(secs / copy_s, 4)
+    finally:
+        cuda_ipc_checks.TRAIL_BYTES, cuda_ipc_checks.TRAIL_RATIO = kept
+    return {
+        "peer_chunks": [c for _, c in chunks],
+        "chunked_copy_over_copy": round(chunked_s / copy_s, 4),
+        "trailing_check_by_trail_and_ratio": sweep,
+        "device_trailing_check_ms": round(trail_s * 1e3, 4),
+        "trailing_check_over_copy": round(trail_s / copy_s, 4),
+        "device_copy_ms": round(copy_s * 1e3, 4),
+        "copy_gb_s": round(nbytes / copy_s / 1e9, 1),
+        "device_checked_run_ms": round(check_s * 1e3, 4),
+        "checked_run_over_copy": round(check_s / copy_s, 4),
+        "device_landed_sum_ms": round(sum_s * 1e3, 4),
+        "landed_sum_over_copy": round(sum_s / copy_s, 4),
+    }
+
+
+def trailing_check(
+    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int]
+) -> Callable[[], None]:
+    """The checked run as `CudaIpcTransport` takes it from a pool on another GPU
+    (`_check_peer_runs`: copy-engine copies in chunks, each summed where it landed on a side
+    stream, the compare behind, the current stream joined to it), on the current stream."""
+    from libkv.transfer.cuda_ipc import CudaIpcTransport
+
+    t = CudaIpcTransport(dst, dst.shape[1], None, sums=True)  # type: ignore[arg-type]
+    runs = [(start, 0, n)]
+
+    def check() -> None:
+        _, count, staged = t._check_peer_runs(src, runs, n, want)
+        t._staged.append(staged)  # the same pinned buffer every time: the same sums go in
+        checks.append(count)
+
+    checks: list = []
+    check()
+    torch.cuda.synchronize(dst.device)
+    if int(checks[0]) != 0:
+        raise AssertionError(f"the trailing check of a clean run counted {int(checks[0])}")
+    return check
+
+
+def interference(
+    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int], reps: int
+) -> dict:
+    """What a hand-off of the run costs the decode worker's own work meanwhile: a stand-in for
+    its decode steps (a CUDA graph of 8-row products with a 4096 x 14336 bf16 weight, the 8B
+    shape's down projection at batch 8, memory-bound like a decode step) replayed on its own
+    stream, timed alone and while a hand-off runs on another: the plain ``copy_`` (copy
+    engines), the SM copy that sums (`kernels.runs_copy_sum`, the one-GPU check) and the
+    copy-engine chunks with their trailing sums (`trailing_check`, the two-GPU check). Median
+    of ``reps`` of each; the stand-in is queued first, the hand-off right behind it."""
+    dev = dst.device
+    w = torch.randn(14336, 4096, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(8, 4096, device=dev, dtype=torch.bfloat16)
+    victim, handoff = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(victim):
+        torch.nn.functional.linear(x, w)  # cuBLAS's workspace before the capture
+        with torch.cuda.graph(graph, stream=victim):
+            for _ in range(32):
+                torch.nn.functional.linear(x, w)
+    arms: dict[str, Callable[[], object] | None] = {
+        "alone": None,
+        "copy_": lambda: dst[:n].copy_(src[start : start + n], non_blocking=True),
+        "sm_check": sm_check(dst, src, start, n, want)[0],
+        "ce_check": trailing_check(dst, src, start, n, want),
+    }
+    out = {}
+    for name, arm in arms.items():
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize(dev)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(victim):
+                t0.record()
+                graph.replay()
+                t1.record()
+            if arm is not None:  # queued while the stand-in runs, as a hand-off arrives
+                with torch.cuda.stream(handoff):
+                    arm()
+            torch.cuda.synchronize(dev)
+            times.append(t0.elapsed_time(t1))
+        out[name] = statistics.median(times[1:])
+    alone = out["alone"]
+    return {"victim_alone_ms": round(alone, 4)} | {
+        f"victim_with_{k}": round(v / alone, 4) for k, v in out.items() if k != "alone"
+    }
+
+
+def measure(args: argparse.Namespace, extra: dict[str, str], dst_pool: torch.Tensor) -> list[dict]:
+    from libkv.transfer.cuda_ipc import IpcPool, open_pool
+
+    dev, bb = dst_pool.device, args.block_bytes
+    records = kv_peer.StaticRecords({"p0": extra})
+    # The same mapping the transports open (torch keeps one per handle and process).
+    src = open_pool(IpcPool.from_json(extra[CUDA_IPC_KEY]), dev)
+    most = max(args.tokens) // BLOCK_SIZE
+    rng = np.random.default_rng(0)
+    rows = []
+    for tokens in args.tokens:
+        n = tokens // BLOCK_SIZE
+        run = list(range(most, most + n))
+        scattered = rng.choice(2 * most, n, replace=False).tolist()
+        row: dict = {"tokens": tokens, "blocks": n, "block_bytes": bb}
+        for key, ids, dst_ids in (
+            ("ab_run", run, list(range(n))),
+            ("ab_scattered", scattered, rng.choice(most, n, replace=False).tolist()),
+        ):
+            want = pattern_sums(ids, bb, dev)
+            off, on, counters = transport_arms(dst_pool, None, ids, dst_ids, want, records)
+            row[key] = paired(off, on, args.pairs) | counters()
+            row[key]["of_a"] = round(row[key]["overhead_ms"] / row[key]["a_ms"], 4)
+            landed = dst_pool[torch.tensor(dst_ids, device=dev)].view(torch.int64)
+            first = kv_peer.expected_block(ids[0], bb, dev)
+            if not torch.equal(landed[0], first):
+                raise AssertionError(f"{key}: the first block did not land as sent")
+        row |= device_times(dst_pool, src, most, n, pattern_sums(run, bb, dev), args.repeat)
+        if args.interference:
+            row["interference"] = interference(
+                dst_pool, src, most, n, pattern_sums(run, bb, dev), args.interference
+            )
+            print(f"  {tokens}: decode stand-in beside the hand-off: {row['interference']}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        stack = args.stack_handoff_ms.get(tokens)
+        if stack:
+            row["stack_handoff_ms"] = stack
+            for key in ("ab_run", "ab_scattered"):
+                row[key]["of_stack_handoff"] = round(row[key]["overhead_ms"] / stack, 4)
+        rows.append(row)
+        print(line(row), flush=True)
+        sweep = row["trailing_check_by_trail_and_ratio"]
+        print(f"  {tokens}: chunks {row['peer_chunks']}, the chunked copy_ alone x "
+              f"{row['chunked_copy_over_copy']}, the trailing check by (last chunk, ratio) x "
+              f"{sweep}", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
+HEADER = (
+    "| tokens | copy_ ms (GB/s) | SM checked run, x copy_ | landed sum, x copy_ "
+    "| copy_ chunks + trailing sums, x copy_ | run: off / on ms "
+    "| run: check +ms [q1, q3] | of off | of stack | scattered: off / on ms "
+    "| scattered: +ms [q1, q3] | of off | of stack |"
+)
+
+
+def line(r: dict) -> str:
+    cells = [
+        str(r["tokens"]),
+        f"{r['device_copy_ms']:.4f} ({r['copy_gb_s']:.0f})",
+        f"{r['device_checked_run_ms']:.4f}, {r['checked_run_over_copy']:.3f}",
+        f"{r['device_landed_sum_ms']:.4f}, {r['landed_sum_over_copy']:.3f}",
+        f"{r['device_trailing_check_ms']:.4f}, {r['trailing_check_over_copy']:.3f}",
+    ]
+    for key in ("ab_run", "ab_scattered"):
+        a = r[key]
+        stack = a.get("of_stack_handoff")
+        cells += [
+            f"{a['a_ms']:.4f} / {a['b_ms']:.4f}",
+            f"{a['overhead_ms']:+.4f} [{a['overhead_q1_ms']:+.4f}, {a['overhead_q3_ms']:+.4f}]",
+            f"{a['of_a']:.1%}",
+            "-" if stack is None else f"{stack:.1%}",
+        ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def handoff_ms(items: list[str]) -> dict[int, float]:
+    """``TOKENS=MS`` pairs: the stack's hand-off mean per prompt size (the shares' base)."""
+    out = {}
+    for item in items:
+        tokens, _, ms = item.partition("=")
+        out[int(tokens)] = float(ms)
+    return out
+
+
+def stack_handoffs(path: Path) -> dict[int, dict]:
+    """Prompt tokens -> the hand-off report (`bench.handoff`) of each run of a ``tandem bench``
+    results file whose workloads have fixed lengths, one rate each."""
+    d = json.loads(path.read_text())
+    lengths = [w["input_len"] for w in d["workloads"]]
+    runs = [r for r in d["runs"] if r.get("handoff")]
+    return {n: r["handoff"] for n, r in zip(lengths, runs, strict=False)}
+
+
+def shares(peer: Path, stack_on: Path, stack_off: Path) -> str:
+    """The check's cost at the transport (``peer``, this bench's JSON) as a share of the
+    stack's hand-off with checksums on, beside the stack's own figures on and off."""
+    rows = {r["tokens"]: r for r in json.loads(peer.read_text())["rows"]}
+    on, off = stack_handoffs(stack_on), stack_handoffs(stack_off)
+    out = [
+        "| tokens | stack hand-off mean ms, on / off | p50 ms, on / off | GB/s, on / off "
+        "| first gap p50 ms, on / off | transfers (failed, recomputed), on / off "
+        "| run: check +ms, of hand-off | scattered: check +ms, of hand-off |",
+        "|" + "---|" * 8,
+    ]
+    for tokens in sorted(set(on) & set(rows)):
+        a, b, r = on[tokens], off.get(tokens, {}), rows[tokens]
+        mean = a["mean_ms"]
+
+        def pair(key: str, fmt: str, a=a, b=b) -> str:
+            return " / ".join("-" if x.get(key) is None else format(x[key], fmt) for x in (a, b))
+
+        done = " / ".join(f"{x.get('transfers', '-')} ({x.get('failures', '-')}, "
+                          f"{x.get('recomputed', '-')})" for x in (a, b))  # fmt: skip
+        cells = [str(tokens), pair("mean_ms", ".3f"), pair("p50_ms", ".3f"),
+                 pair("gbytes_per_s", ".1f"), pair("first_gap_p50_ms", ".1f"), done]  # fmt: skip
+        for key in ("ab_run", "ab_scattered"):
+            ms = r[key]["overhead_ms"]
+            cells.append(f"{ms * 1e3:+.1f} us, {ms / mean:.1%}" if mean else f"{ms * 1e3:+.1f} us")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["shares"]:  # shares PEER_JSON STACK_ON_JSON STACK_OFF_JSON
+        print(shares(*map(Path, argv[1:4])))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--src", default="cuda:0", help="the exporting (prefill) process's GPU")
+    p.add_argument("--dst", default=None, help="this (decode) process's GPU; default: cuda:1 "
+                   "where there are two, else cuda:0 (two processes on one GPU)")  # fmt: skip
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--block-bytes", type=int, default=BLOCK_BYTES_8B)
+    p.add_argument("--pairs", type=int, default=200, help="interleaved A/B pairs a row")
+    p.add_argument("--repeat", type=int, default=20, help="calls a device-time measurement")
+    p.add_argument("--stack-handoff-ms", nargs="*", default=[], metavar="TOKENS=MS",
+                   help="the stack's hand-off mean per prompt size (bench/handoff.py)")  # fmt: skip
+    p.add_argument("--interference", type=int, default=0, metavar="REPS",
+                   help="also time a decode stand-in beside each kind of hand-off")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.stack_handoff_ms = handoff_ms(args.stack_handoff_ms)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    dst = torch.device(args.dst or ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"))
+    torch.cuda.set_device(dst)
+    most = max(args.tokens) // BLOCK_SIZE
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=kv_peer.export, args=(child, args.src, 2 * most, args.block_bytes), daemon=True
+    )
+    proc.start()
+    try:
+        extra = conn.recv()
+        pool = torch.zeros(most, args.block_bytes, dtype=torch.uint8, device=dst)
+        where = f"{args.src} -> {dst} ({torch.cuda.get_device_name(dst)})"
+        print(f"checked KV over CUDA IPC between two processes, {where}", flush=True)
+        print(HEADER, flush=True)
+        rows = measure(args, extra, pool)
+    finally:
+        conn.send("stop")
+        conn.recv()
+        proc.join(10)
+    summary = {
+        "src": args.src, "dst": str(dst), "device": torch.cuda.get_device_name(dst),
+        "torch": torch.__version__, "pairs": args.pairs, "rows": rows,
+        "median_run_of_off": statistics.median(r["ab_run"]["of_a"] for r in rows),
+    }  # fmt: skip
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_check_peer.json").write_text(json.dumps(summary, indent=1))
+        rule = "|" + "---|" * (HEADER.count("|") - 1)
+        md = [f"# Checked KV over CUDA IPC, {where}", "", HEADER, rule, *map(line, rows)]
+        (args.out / "kv_check_peer.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
