@@ -195,6 +195,19 @@ class DecodeGraphs:
                 self._graphs[n, with_lora] = graph
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Drop every captured graph and its outputs once the device has run them (the engine
+        is closing). A graph that captured an NCCL collective holds a reference on the
+        communicator, and NCCL's shutdown waits until every such graph is gone (pytorch
+        #115388): a tensor-parallel rank releases its graphs before it leaves the group."""
+        if self._graphs:
+            torch.cuda.synchronize(self.kv_cache.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._logits.clear()
+        self.captured = False
+
     def run(self, batch: DecodeBatch, token_slots: list[int] | None = None) -> torch.Tensor:
         """Replay the graph of the batch's padded size; returns float32 logits ``[n, V]``, a
         row per batch row (a view of the graph's output, valid until the next run).

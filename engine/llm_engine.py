@@ -382,6 +382,8 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
                 self.proposer.check_integrity()
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do at TP=1); the engine is unusable after."""
+        """Stop the tensor-parallel ranks (nothing to do at TP=1); the engine is unusable after.
+        Its decode graphs go first: NCCL's shutdown waits for graphs that hold its collectives."""
         if self.ranks is not None:
+            self.runner.release_graphs()
             self.ranks.close()

@@ -380,6 +380,13 @@ class ModelRunner:
             return hidden[sample_idx]
         return self.model.logits(hidden[sample_idx])
 
+    def release_graphs(self) -> None:
+        """Drop the decode CUDA graphs (the engine is closing; steps after this run eagerly):
+        before a tensor-parallel rank leaves its process group (`DecodeGraphs.release`)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def _graph(self, batch: DecodeBatch) -> torch.Tensor:
         """Replay a decode graph; with adapters, each rank first places them in its slots
         (the same choices on every rank) and the LoRA variant reads each row's slot."""

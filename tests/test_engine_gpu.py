@@ -107,6 +107,25 @@ def test_kv_pool_sized_from_the_memory_share(smol_shape_dir):
     assert len(out[0].token_ids) == 4
 
 
+def test_released_decode_graphs_are_gone_and_steps_run_eagerly(smol_shape_dir):
+    """`ModelRunner.release_graphs` (a closing engine, before a tensor-parallel rank leaves its
+    NCCL group, which waits for every graph holding one of its collectives) resets every
+    captured graph; the engine still decodes, eagerly, to the same tokens."""
+    llm = LLM(smol_shape_dir, gpu_memory_utilization=0.05, max_num_seqs=4, dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    assert graphs is not None and graphs.captured
+    before = llm.generate([[5, 6, 7], [9, 10]], params)
+    runs = graphs.runs
+    assert runs > 0
+    runner.release_graphs()
+    assert runner.graphs is None and not graphs._graphs and not graphs._logits
+    after = llm.generate([[5, 6, 7], [9, 10]], params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert graphs.runs == runs  # nothing replayed
+
+
 def test_transformers_bf16_on_cuda_matches_at_the_same_rate(smol_shape_dir, prompts, cpu_fp32):
     """``transformers`` on the same GPU in bf16, greedy: its agreement with the CPU fp32 engine
     sets the bar for ours (bf16 rounding flips the same kind of near-ties in both)."""

@@ -43,13 +43,49 @@ def prompts(vocab: int = 40000) -> list[list[int]]:
 
 
 def greedy(model_dir: Path, tp: int) -> list[list[int]]:
+    closing: list[str] = []
     with LLM(model_dir, tensor_parallel_size=tp, **OPTIONS) as llm:
         outs = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
         llm.engine.check_integrity()
         assert llm.engine.pool.num_used == 0
         if tp > 1:
             assert llm.engine.stats().num_preemptions > 0  # the small pool preempted
-        return outs
+            _record_calls(
+                closing, (llm.engine.runner, "release_graphs"), (llm.engine.ranks, "close")
+            )
+    # The decode graphs go before the process group: on GPUs NCCL's shutdown waits for them.
+    assert closing == (["release_graphs", "close"] if tp > 1 else [])
+    return outs
+
+
+def _record_calls(into: list[str], *methods: tuple[object, str]) -> None:
+    """Each ``(obj, name)`` method appends its name to ``into`` when called, then runs."""
+    for obj, name in methods:
+        method = getattr(obj, name)
+
+        def recorded(*args, _method=method, _name=name, **kwargs):
+            into.append(_name)
+            return _method(*args, **kwargs)
+
+        setattr(obj, name, recorded)
+
+
+def test_leaving_a_process_group_that_hangs_gives_up_after_its_timeout(monkeypatch):
+    """A shutdown that never returns (NCCL's, waiting on a peer or a graph) does not hang the
+    closing engine: `leave_group` stops waiting after its timeout and says so."""
+    import threading
+
+    from engine.parallel import comm
+
+    release = threading.Event()
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm.dist, "destroy_process_group", lambda: release.wait(30))
+    t0 = time.monotonic()
+    assert comm.leave_group(timeout=0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 5
+    release.set()
+    monkeypatch.setattr(comm.dist, "destroy_process_group", lambda: None)
+    assert comm.leave_group(timeout=5) is True
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,26 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
+# How long leaving the process group may take before a closing engine stops waiting for it.
+LEAVE_TIMEOUT_S = 20.0
+
+
+def leave_group(timeout: float = LEAVE_TIMEOUT_S) -> bool:
+    """Leave the process group (``dist.destroy_process_group``), waiting at most ``timeout``
+    seconds: NCCL's shutdown can wait for peers that are gone, or for CUDA graphs that still
+    hold its collectives (pytorch #115388; ranks release theirs first), and a closing engine
+    must not hang on it. Returns whether it finished; if not, it goes on in a daemon thread
+    and the communicator is leaked, with a warning."""
+    if not dist.is_initialized():
+        return True
+    leaving = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    leaving.start()
+    leaving.join(timeout)
+    if leaving.is_alive():
+        log.warning("leaving the tensor-parallel process group took over %.0f s: left behind",
+                    timeout)  # fmt: skip
+        return False
+    return True
 
 
 def master_store(size: int) -> dist.TCPStore:

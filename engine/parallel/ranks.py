@@ -37,10 +37,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
-from engine.parallel.comm import TPComm, init_group, master_store
+from engine.parallel.comm import TPComm, init_group, leave_group, master_store
 from engine.parallel.rpc import RpcClient
 from engine.parallel.shard import ModelShard, check_tp, uneven
 
@@ -201,12 +200,13 @@ class RankGroup:
                 pass
         for client in self.rpc.values():
             client.close()
+        # Left while the ranks leave it too (they do on "stop"): NCCL's shutdown may wait for
+        # its peers, so not only once they have exited; bounded, so closing never hangs.
+        leave_group()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:

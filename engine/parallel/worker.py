@@ -17,10 +17,9 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from engine.config import ModelConfig
-from engine.parallel.comm import TPComm, client_store, init_group
+from engine.parallel.comm import TPComm, client_store, init_group, leave_group
 from engine.parallel.ranks import RANK_DIED, RankSpec, rank_device, set_cpu_threads
 from engine.parallel.rpc import RpcServer
 from engine.parallel.shard import ModelShard
@@ -73,7 +72,8 @@ def rank_main(spec: RankSpec, commands: Connection, calls: Connection) -> None:
         if op == "stop":
             break
         runner.follow(op, args)
-    dist.destroy_process_group()
+    runner.release_graphs()  # NCCL's shutdown waits for graphs that hold its collectives
+    leave_group()
 
 
 # Diagnosis of a hang (a collective one rank never reaches): every N seconds each rank process
