@@ -30,8 +30,9 @@ STAGING_MIN = 1024  # entries of the smallest pinned upload buffer and device wo
 # A run from another GPU is copied in chunks, the last of about this many bytes (its sum is
 # what the check adds behind the copy), each earlier one at most ``TRAIL_RATIO`` times the one
 # after it: its sum, read from this GPU's memory, must end before the next chunk has come over
-# the link. H200s: 4.2 TB/s of local reads against 0.39 TB/s over NVLink (10.7x); H100s about
-# 8x; over PCIe more (bench/results/kv_checksum_cpu.md, session 11).
+# the link. Two H200s: 4.2 TB/s of local reads against 0.39 TB/s over NVLink, 10.7x
+# (bench/results/kv_checksum_cpu.md, session 11); H100s about 8x by their datasheets; over
+# PCIe more.
 TRAIL_BYTES = 16 << 20
 TRAIL_RATIO = 4
 
