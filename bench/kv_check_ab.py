@@ -155,6 +155,26 @@ def _maps_pinned(dst: torch.Tensor) -> bool:
     return CudaIpcTransport(probe, dst.shape[1], None, sums=True).mapped_count  # type: ignore[arg-type]
 
 
+def sm_check(
+    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int]
+) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """The check of one run the transport takes on one GPU, ``src[start:start + n]`` into
+    ``dst[:n]``: the SM copy that sums on its way (`kernels.runs_copy_sum`, nothing uploaded),
+    the compare behind it reading the sender's sums (``want``, unsigned) from pinned memory
+    and writing the count there. Returns (launch it on the current stream, its device sums,
+    the pinned sums with the count behind them)."""
+    sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
+    host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
+    host.numpy().view("uint64")[:n] = want
+    copy = kernels.runs_copy_sum(dst, src, sums)
+
+    def check() -> None:
+        copy([(start, 0, n)])
+        kernels.compare_sums(sums, host, n)
+
+    return check, sums, host
+
+
 def device_checked_copy(dst, src, si, di, want) -> Callable[[], None]:
     """The checked arm's device work alone (for CUDA-event timing), as the transport queues it
     where the device reads pinned memory: the copy and sum, then the compare behind it (the
@@ -303,27 +323,16 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     # Device time on that run: what sums off runs (one copy_) against the fused check.
     d_memcpy_run = device_time(lambda: d8[:n].copy_(s8[:n], non_blocking=True), "cuda", repeat)
     d_checked_run = device_time(device_checked_copy(d8, s8, first, first, run_sums), "cuda", repeat)
-    # And the check of runs the transport takes there (nothing uploaded: the sender's sums
-    # read from pinned memory, the count written there).
-    zeros = torch.zeros(n, dtype=torch.int64, device=dev)
-    host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
-    host[:n] = run_sums.cpu()
-    runs_copy = kernels.runs_copy_sum(d8, s8, zeros)
-
-    def runs_check() -> None:  # the copy and sum, then the compare behind it
-        runs_copy([(0, 0, n)])
-        kernels.compare_sums(zeros, host, n)
-
+    # And the check of runs the transport takes there (`sm_check`).
+    runs_check, zeros, host = sm_check(d8, s8, 0, n, run)
     d_runs_run = device_time(runs_check, "cuda", repeat)
     if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
     pdl, kernels.PDL = kernels.PDL, False  # the same with the compare launched plainly
     try:
-        runs_copy = kernels.runs_copy_sum(d8, s8, zeros)
-        d_runs_nopdl = device_time(runs_check, "cuda", repeat)
+        d_runs_nopdl = device_time(sm_check(d8, s8, 0, n, run)[0], "cuda", repeat)
     finally:
         kernels.PDL = pdl
-    runs_copy = kernels.runs_copy_sum(d8, s8, zeros)
     sweep = per_sm_sweep(runs_check, d_memcpy_run, max(repeat, 20))
     if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} in the sweep")

@@ -35,13 +35,14 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 import kernels
 from bench import kv_peer
-from bench.kv_check_ab import paired, transport_arms
+from bench.kv_check_ab import paired, sm_check, transport_arms
 from bench.kv_checksum import device_time
 from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
 from libkv.transfer.fetch_checks import MASK
@@ -61,30 +62,13 @@ def pattern_sums(blocks: list[int], block_bytes: int, device: torch.device) -> l
     return [s & MASK for s in sums.tolist()]
 
 
-def sm_check(
-    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int]
-) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
-    """The check of one run by the SM copy that sums on its way (`kernels.runs_copy_sum`, the
-    compare behind it reading the sender's sums from pinned memory), on the current stream:
-    (launch it, its device sums, the pinned sums with the count behind them)."""
-    sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
-    host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
-    host.numpy().view("uint64")[:n] = want
-    copy = kernels.runs_copy_sum(dst, src, sums)
-
-    def check() -> None:
-        copy([(start, 0, n)])
-        kernels.compare_sums(sums, host, n)
-
-    return check, sums, host
-
-
 def device_times(
     dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int], repeat: int
 ) -> dict:
     """Device ms on one run of ``n`` blocks from ``src[start:]`` to ``dst[:n]``: the plain
-    ``copy_``, the check of runs (`kernels.runs_copy_sum`, the compare behind it reading the
-    sender's sums from pinned memory), and a read-only ``wsum64`` of the landed blocks."""
+    ``copy_``; the SM check of runs (`sm_check`); a read-only ``wsum64`` of the landed
+    blocks; the copy-engine path (`trailing_check`), its chunked copies without the sums, and
+    that path by other (last chunk, ratio) choices (``TRAILS``); ratios over the ``copy_``."""
     dev = dst.device
     copy_s = device_time(lambda: dst[:n].copy_(src[start : start + n], non_blocking=True),
                          "cuda", repeat)  # fmt: skip
@@ -129,7 +113,7 @@ def device_times(
 
 def trailing_check(
     dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int]
-) -> Callable[[], None]:
+) -> Callable[[], Any]:
     """The checked run as `CudaIpcTransport` takes it from a pool on another GPU
     (`_check_peer_runs`: copy-engine copies in chunks, each summed where it landed on a side
     stream, the compare behind, the current stream joined to it), on the current stream."""
@@ -138,16 +122,15 @@ def trailing_check(
     t = CudaIpcTransport(dst, dst.shape[1], None, sums=True)  # type: ignore[arg-type]
     runs = [(start, 0, n)]
 
-    def check() -> None:
+    def check() -> Any:
         _, count, staged = t._check_peer_runs(src, runs, n, want)
         t._staged.append(staged)  # the same pinned buffer every time: the same sums go in
-        checks.append(count)
+        return count
 
-    checks: list = []
-    check()
+    count = check()
     torch.cuda.synchronize(dst.device)
-    if int(checks[0]) != 0:
-        raise AssertionError(f"the trailing check of a clean run counted {int(checks[0])}")
+    if int(count) != 0:
+        raise AssertionError(f"the trailing check of a clean run counted {int(count)}")
     return check
 
 
