@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import kernels
-from bench import kv_peer
+from bench import kv_peer, kv_timeline
 from bench.kv_check_ab import paired, sm_check, transport_arms
 from bench.kv_checksum import device_time
 from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
@@ -203,7 +203,10 @@ def measure(args: argparse.Namespace, extra: dict[str, str], dst_pool: torch.Ten
         ):
             want = pattern_sums(ids, bb, dev)
             off, on, counters = transport_arms(dst_pool, None, ids, dst_ids, want, records)
-            row[key] = paired(off, on, args.pairs) | counters()
+            row[key] = paired(off, on, args.pairs)
+            if args.timeline and key == "ab_run":
+                row["timeline"] = timeline(off, on, tokens, args)
+            row[key] |= counters()
             row[key]["of_a"] = round(row[key]["overhead_ms"] / row[key]["a_ms"], 4)
             landed = dst_pool[torch.tensor(dst_ids, device=dev)].view(torch.int64)
             first = kv_peer.expected_block(ids[0], bb, dev)
@@ -236,6 +239,25 @@ HEADER = (
     "| run: check +ms [q1, q3] | of off | of stack | scattered: off / on ms "
     "| scattered: +ms [q1, q3] | of off | of stack |"
 )
+
+
+def timeline(off: Callable[[], float], on: Callable[[], float], tokens: int,
+             args: argparse.Namespace) -> dict:  # fmt: skip
+    """Op by op, where the checked run's ``fetch`` + ``verify`` spends its time against the
+    plain one's (`bench.kv_timeline`), ``args.timeline`` windows of each; the trace goes
+    beside the results, gzipped."""
+    import gzip
+
+    trace = (args.out or Path("/tmp")) / f"timeline_{tokens}.json"
+    wins = kv_timeline.profile({"off": off, "on": on}, args.timeline, trace)
+    with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as z:
+        z.write(f.read())
+    trace.unlink()
+    out = {name: kv_timeline.summary(w) for name, w in wins.items()}
+    for name, s in out.items():
+        print(kv_timeline.table(f"  {tokens} tokens, sums {name}", s), file=sys.stderr,
+              flush=True)  # fmt: skip
+    return out
 
 
 def line(r: dict) -> str:
@@ -322,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's hand-off mean per prompt size (bench/handoff.py)")  # fmt: skip
     p.add_argument("--interference", type=int, default=0, metavar="REPS",
                    help="also time a decode stand-in beside each kind of hand-off")  # fmt: skip
+    p.add_argument("--timeline", type=int, default=0, metavar="REPS",
+                   help="also profile REPS fetches of the run each way, op by op")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.stack_handoff_ms = handoff_ms(args.stack_handoff_ms)

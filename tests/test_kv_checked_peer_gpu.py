@@ -135,7 +135,8 @@ def test_the_peer_check_bench_runs(tmp_path, capsys) -> None:
 
     rc = kv_check_peer.main(["--tokens", "64", "128", "--block-bytes", str(BLOCK_BYTES),
                              "--pairs", "4", "--repeat", "2", "--stack-handoff-ms", "128=0.5",
-                             "--interference", "1", "--out", str(tmp_path)])  # fmt: skip
+                             "--interference", "1", "--timeline", "2",
+                             "--out", str(tmp_path)])  # fmt: skip
     assert rc == 0
     out = json.loads((tmp_path / "kv_check_peer.json").read_text())
     assert [r["tokens"] for r in out["rows"]] == [64, 128]
@@ -151,5 +152,11 @@ def test_the_peer_check_bench_runs(tmp_path, capsys) -> None:
             and r["interference"]["victim_with_ce_check"] > 0
         )
         assert r["ab_scattered"]["compared_fetches"] > 0
+        # op by op: both ways queued a copy, sums on a sum and a compare behind it too
+        tl = r["timeline"]
+        assert tl["off"]["windows"] == tl["on"]["windows"] == 2
+        assert tl["on"]["busy"] > 0 and tl["on"]["after_copy"] is not None
+        assert len(tl["on"]["ops"]) > len(tl["off"]["ops"])
+        assert (tmp_path / f"timeline_{r['tokens']}.json.gz").stat().st_size > 0
     assert out["rows"][1]["ab_run"]["of_stack_handoff"] is not None
     assert "| 128 |" in (tmp_path / "kv_check_peer.md").read_text()
