@@ -48,8 +48,11 @@ from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
 from libkv.transfer.fetch_checks import MASK
 
 BLOCK_SIZE = 16  # tokens a block
-# (last chunk MiB, ratio) of the copy-engine path's chunks, tried beside the installed ones.
-TRAILS = ((4, 8), (8, 8), (16, 8), (8, 16), (32, 4))
+# (last chunk MiB, ratio, side-sum programs) of the copy-engine path, tried beside the
+# installed ones (`cuda_ipc_checks`: TRAIL_BYTES, TRAIL_RATIO, SIDE_PROGRAMS; 0 programs: as
+# many as the device reads fastest with).
+TRAILS = ((16, 4, 0), (8, 8, 0), (16, 4, 66), (16, 4, 33), (16, 2, 66), (16, 2, 33), (8, 2, 33),
+          (8, 2, 16), (4, 2, 33))  # fmt: skip
 # One 16-token block of the Llama-3.1-8B shape: 32 layers x 8 KV heads x 128 x (K, V) x bf16.
 BLOCK_BYTES_8B = 16 * 32 * 8 * 128 * 2 * 2
 
@@ -88,14 +91,14 @@ def device_times(
 
     chunked_s = device_time(chunked, "cuda", repeat)
     sweep = {}
-    kept = cuda_ipc_checks.TRAIL_BYTES, cuda_ipc_checks.TRAIL_RATIO
+    kept = trail_config()
     try:
-        for trail_mib, ratio in TRAILS:
-            cuda_ipc_checks.TRAIL_BYTES, cuda_ipc_checks.TRAIL_RATIO = trail_mib << 20, ratio
+        for trail in TRAILS:
+            set_trail(*trail)
             secs = device_time(trailing_check(dst, src, start, n, want), "cuda", repeat)
-            sweep[f"{trail_mib}MiB_x{ratio}"] = round(secs / copy_s, 4)
+            sweep["{}MiB_x{}_p{}".format(*trail)] = round(secs / copy_s, 4)
     finally:
-        cuda_ipc_checks.TRAIL_BYTES, cuda_ipc_checks.TRAIL_RATIO = kept
+        set_trail(*kept)
     return {
         "peer_chunks": [c for _, c in chunks],
         "chunked_copy_over_copy": round(chunked_s / copy_s, 4),
@@ -109,6 +112,17 @@ def device_times(
         "device_landed_sum_ms": round(sum_s * 1e3, 4),
         "landed_sum_over_copy": round(sum_s / copy_s, 4),
     }
+
+
+def trail_config() -> tuple[int, int, int]:
+    """The copy-engine path's (last chunk MiB, ratio, side-sum programs) now."""
+    c = cuda_ipc_checks
+    return c.TRAIL_BYTES >> 20, c.TRAIL_RATIO, c.SIDE_PROGRAMS
+
+
+def set_trail(trail_mib: int, ratio: int, programs: int) -> None:
+    c = cuda_ipc_checks
+    c.TRAIL_BYTES, c.TRAIL_RATIO, c.SIDE_PROGRAMS = trail_mib << 20, ratio, programs
 
 
 def trailing_check(
@@ -344,11 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's hand-off mean per prompt size (bench/handoff.py)")  # fmt: skip
     p.add_argument("--interference", type=int, default=0, metavar="REPS",
                    help="also time a decode stand-in beside each kind of hand-off")  # fmt: skip
+    p.add_argument("--trail", type=int, nargs=3, default=None, metavar=("MIB", "RATIO", "PROGS"),
+                   help="the copy-engine path's last chunk, ratio and side-sum programs for "
+                   "this run (default: cuda_ipc_checks' own)")  # fmt: skip
     p.add_argument("--timeline", type=int, default=0, metavar="REPS",
                    help="also profile REPS fetches of the run each way, op by op")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.stack_handoff_ms = handoff_ms(args.stack_handoff_ms)
+    if args.trail:
+        set_trail(*args.trail)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
@@ -374,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(10)
     summary = {
         "src": args.src, "dst": str(dst), "device": torch.cuda.get_device_name(dst),
+        "trail_mib_ratio_programs": trail_config(),
         "torch": torch.__version__, "pairs": args.pairs, "rows": rows,
         "median_run_of_off": statistics.median(r["ab_run"]["of_a"] for r in rows),
     }  # fmt: skip

@@ -346,12 +346,13 @@ def runs_copy_sum(
 
 
 def run_wsum64(
-    pool: torch.Tensor, sums: torch.Tensor, offset: int = 0
+    pool: torch.Tensor, sums: torch.Tensor, offset: int = 0, programs: int = 0
 ) -> Callable[[int, int, int], None]:
     """A read-only ``wsum64`` of contiguous blocks of ``pool`` (``[N, block_bytes]``, whole
     64-bit words) bound to a reused sums buffer (int64, on the device): the returned
     ``run_sum(first, count, at)`` adds block ``first + k``'s sum into ``sums[at + k]``, with
-    nothing uploaded. On CUDA ``triton_checksum.RunSum`` (each block read once in place);
+    nothing uploaded. On CUDA ``triton_checksum.RunSum`` (each block read once in place; with
+    ``programs`` by at most that many programs, to leave a copy beside it bandwidth);
     elsewhere the same in torch."""
     if pool.dim() != 2 or not pool.is_contiguous() or pool.shape[1] % 8:
         raise ValueError("the pool must be [N, block_bytes] contiguous, whole 64-bit words")
@@ -361,7 +362,7 @@ def run_wsum64(
     if use_triton(pool):
         from kernels import triton_checksum
 
-        launch = triton_checksum.RunSum(pool, sums, offset)
+        launch = triton_checksum.RunSum(pool, sums, offset, programs)
     else:
 
         def torch_sum(first: int, count: int, at: int) -> None:

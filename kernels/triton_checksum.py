@@ -23,10 +23,10 @@ CHUNK = 8 * TILE  # words per program (64 KiB): a 2 MiB block is 32 programs
 
 
 @triton.jit
-def _part(base, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr):
-    """This program's part (program id 1: which ``TILE * ITERS`` words) of the ``wsum64`` of
-    the block whose words start at ``base``."""
-    start = tl.program_id(1).to(tl.int64) * (TILE * ITERS)
+def _part(base, words, offset, which, TILE: tl.constexpr, ITERS: tl.constexpr):
+    """Part ``which`` (the ``which``-th ``TILE * ITERS`` words) of the ``wsum64`` of the block
+    whose words start at ``base``."""
+    start = which.to(tl.int64) * (TILE * ITERS)
     lane = tl.arange(0, TILE).to(tl.int64)
     acc = tl.zeros((TILE,), dtype=tl.int64)
     for k in range(ITERS):
@@ -43,24 +43,36 @@ def _wsum64_kernel(
 ):
     b = tl.program_id(0)
     block = tl.load(idx_ptr + b).to(tl.int64)
-    tl.atomic_add(out_ptr + b, _part(words_ptr + block * words, words, offset, TILE, ITERS))
+    part = _part(words_ptr + block * words, words, offset, tl.program_id(1), TILE, ITERS)
+    tl.atomic_add(out_ptr + b, part)
 
 
 # One compiled variant per pool for any run: nothing specialised on where it starts.
-@triton.jit(do_not_specialize=["first", "at"], do_not_specialize_on_alignment=["out_ptr"])
+@triton.jit(do_not_specialize=["first", "at", "count"], do_not_specialize_on_alignment=["out_ptr"])
 def _wsum64_run_kernel(
-    words_ptr, out_ptr, first, at, words, offset, TILE: tl.constexpr, ITERS: tl.constexpr,
-    PDL: tl.constexpr,
+    words_ptr, out_ptr, first, at, words, offset, count, TILE: tl.constexpr,
+    ITERS: tl.constexpr, PARTS: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """``out[at + b] +=`` the ``wsum64`` of block ``first + b`` (relaxed: what reads the sums
-    runs behind this kernel on its stream). ``PDL``: the compare behind it may launch at once
-    (it reads the sender's sums meanwhile and waits in the kernel for this one's end)."""
+    """``out[at + b] +=`` the ``wsum64`` of block ``first + b`` for ``b < count`` (relaxed:
+    what reads the sums runs behind this kernel on its stream). ``PROGRAMS`` 0: one program a
+    part of a block (grid ``(count, PARTS)``, as fast as the device reads); else that many
+    programs, each taking every ``PROGRAMS``-th part (a 1-D grid): fewer loads in flight, so a
+    sum that runs beside a copy into the same memory leaves the copy its bandwidth. ``PDL``:
+    the compare behind it may launch at once (it reads the sender's sums meanwhile and waits
+    in the kernel for this one's end)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    base = words_ptr + (first + b).to(tl.int64) * words
-    part = _part(base, words, offset, TILE, ITERS)
-    tl.atomic_add(out_ptr + at + b, part, sem="relaxed", scope="gpu")
+    if PROGRAMS == 0:
+        b = tl.program_id(0)
+        base = words_ptr + (first + b).to(tl.int64) * words
+        part = _part(base, words, offset, tl.program_id(1), TILE, ITERS)
+        tl.atomic_add(out_ptr + at + b, part, sem="relaxed", scope="gpu")
+    else:
+        for unit in range(tl.program_id(0), count * PARTS, PROGRAMS):
+            b = unit // PARTS
+            base = words_ptr + (first + b).to(tl.int64) * words
+            part = _part(base, words, offset, unit % PARTS, TILE, ITERS)
+            tl.atomic_add(out_ptr + at + b, part, sem="relaxed", scope="gpu")
 
 
 class RunSum:
@@ -68,31 +80,39 @@ class RunSum:
     on the device): ``run_sum(first, count, at)`` adds block ``first + k``'s sum into
     ``sums[at + k]``, reading each block once in place, with nothing uploaded; once compiled,
     launched straight (`kernels.triton_launch.FastLaunch`). Arguments are checked by
-    ``kernels.run_wsum64``. The CUDA IPC hand-off between two GPUs sums each landed chunk of
-    a run with it while the copy engines bring the next."""
+    ``kernels.run_wsum64``. ``programs``: 0, as fast as the device reads; else at most that
+    many programs (``_wsum64_run_kernel``). The CUDA IPC hand-off between two GPUs sums each
+    landed chunk of a run with it while the copy engines bring the next."""
 
-    def __init__(self, pool: torch.Tensor, sums: torch.Tensor, offset: int = 0) -> None:
-        self.pool, self.sums, self.offset = pool, sums, offset
+    def __init__(
+        self, pool: torch.Tensor, sums: torch.Tensor, offset: int = 0, programs: int = 0
+    ) -> None:
+        self.pool, self.sums, self.offset, self.programs = pool, sums, offset, programs
         self.words = pool.shape[1] // 8
         self.iters = min(CHUNK // TILE, triton.cdiv(self.words, TILE))
         self.parts = triton.cdiv(self.words, TILE * self.iters)
         self._ptrs = (pool.data_ptr(), sums.data_ptr())
         self.pdl = pdl_on(pool)
-        self._key = ("run", launch_device(pool), self.words, offset, aligned16(pool), self.pdl)
+        self._key = ("run", launch_device(pool), self.words, offset, aligned16(pool), self.pdl,
+                     programs)  # fmt: skip
 
     def __call__(self, first: int, count: int, at: int) -> None:
         """Launch on the current stream."""
         p, u = self._ptrs
-        words, offset, iters = self.words, self.offset, self.iters
+        words, offset, iters, parts, programs = (
+            self.words, self.offset, self.iters, self.parts, self.programs
+        )  # fmt: skip
 
         def fast() -> tuple:
-            return (p, u, first, at, words, offset, TILE, iters, self.pdl)
+            return (p, u, first, at, words, offset, count, TILE, iters, parts, programs, self.pdl)
 
         def slow() -> tuple[tuple, dict]:
-            args = (self.pool.view(torch.int64), self.sums, first, at, words, offset)
-            return args, {"TILE": TILE, "ITERS": iters, "PDL": self.pdl}
+            args = (self.pool.view(torch.int64), self.sums, first, at, words, offset, count)
+            return args, {"TILE": TILE, "ITERS": iters, "PARTS": parts, "PROGRAMS": programs,
+                          "PDL": self.pdl}  # fmt: skip
 
-        _RUN(self._key, (count, self.parts), fast, slow, num_warps=8)
+        grid = (min(programs, count * parts), 1) if programs else (count, parts)
+        _RUN(self._key, grid, fast, slow, num_warps=8)
 
 
 _RUN = FastLaunch(_wsum64_run_kernel, "the sum of a run of landed blocks")

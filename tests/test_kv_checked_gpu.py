@@ -414,12 +414,14 @@ def test_a_fetch_of_a_few_runs_uploads_nothing_allocates_nothing_and_counts(peer
     assert got == 0 and t.run_fetches == 2 * len(cases)
 
 
+@pytest.mark.parametrize("programs", [0, 1, 5, 33], ids=lambda p: f"programs{p}")
 @pytest.mark.parametrize("words", [1, 1000, 8192, 8193, 262144])
-def test_the_sum_of_a_landed_run_equals_the_reference(words) -> None:
+def test_the_sum_of_a_landed_run_equals_the_reference(words, programs) -> None:
+    """Fast (a program a part) or by a few programs taking every n-th part: the same sums."""
     g = torch.Generator(device="cuda").manual_seed(words)
     pool = torch.randint(0, 256, (12, 8 * words), dtype=torch.uint8, device="cuda", generator=g)
     sums = torch.zeros(10, dtype=torch.int64, device="cuda")
-    run_sum = kernels.run_wsum64(pool, sums)
+    run_sum = kernels.run_wsum64(pool, sums, programs=programs)
     for _ in range(2):  # compiled, then launched straight
         sums.zero_()
         run_sum(3, 7, 2)

@@ -592,10 +592,11 @@ def test_run_wsum64_adds_each_blocks_sum_into_its_slot() -> None:
     run_sum(0, 0, 6)  # nothing to sum: nothing done
 
 
+@pytest.mark.parametrize("side", [0, 2], ids=["side-fast", "side-2-programs"])
 @pytest.mark.parametrize("fault", ["", "corrupt"])
 @pytest.mark.parametrize("src,dst", [([2, 3, 4], [5, 6, 7]), ([5, 1, 6, 2], [0, 7, 3, 4])])
 def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
-    monkeypatch, src, dst, fault
+    monkeypatch, src, dst, fault, side
 ) -> None:
     """`_copy_sum` of runs from another GPU (``remote``; the torch references and no streams
     on CPU): every chunk is copied, then summed in this pool (`kernels.run_wsum64`), the
@@ -605,6 +606,7 @@ def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
     from libkv.transfer import cuda_ipc_checks
 
     monkeypatch.setattr(cuda_ipc_checks, "TRAIL_BYTES", 256)  # one-block chunks: several a run
+    monkeypatch.setattr(cuda_ipc_checks, "SIDE_PROGRAMS", side)
     t, mine = _transport(fault)
     t.behind = True
     peer = _peer(3)
@@ -623,7 +625,9 @@ def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
         assert (mine[dst[0]] != peer[src[0]]).sum().item() == (1 if fault else 0)
         assert torch.equal(peer, before) and not t._sums_buffer(1).any()
     assert t.peer_run_fetches == 3 and t.run_fetches == 0
-    assert list(t._copiers) == [("landed", id(t.pool))]
+    # the side stream's sums and the last one's: one launcher each (one when both go fast)
+    keys = {(f"landed{p}", id(t.pool)) for p in (cuda_ipc_checks.SIDE_PROGRAMS, 0)}
+    assert set(t._copiers) == keys
 
 
 def test_runs_from_another_gpu_without_the_senders_sums_keep_theirs_for_verify() -> None:

@@ -35,6 +35,12 @@ STAGING_MIN = 1024  # entries of the smallest pinned upload buffer and device wo
 # PCIe more.
 TRAIL_BYTES = 16 << 20
 TRAIL_RATIO = 4
+# Programs of each sum on the side stream (0: as many as the device reads fastest with). Such
+# a sum reads this GPU's memory while the next chunk is written into it over the link; read
+# at full speed it took bandwidth from the copy (two H100s: the copy-engine chunks with their
+# sums were 1.065-1.075x one ``copy_``, bench/results/kv_checksum_cpu.md, session 12). The
+# last chunk's sum, behind the copy, always goes at full speed.
+SIDE_PROGRAMS = 0
 
 
 def peer_chunks(count: int, block_bytes: int) -> list[tuple[int, int]]:
@@ -146,16 +152,19 @@ class CopyChecks:
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         try:
-            for kind, fault in [("runs", False), ("packed", False), ("landed", False)] + (
-                [("runs", True)] if self.fault else []
-            ):
+            kinds = [("runs", False), ("packed", False), ("landed", False)]
+            kinds += [("landed_side", False)] if SIDE_PROGRAMS else []
+            for kind, fault in kinds + ([("runs", True)] if self.fault else []):
                 sums = self._sums_buffer(1)
                 if kind == "runs":
                     copy = functools.partial(
                         kernels.runs_copy_sum(scratch, scratch, sums, fault), [(0, 0, 1)]
                     )
-                elif kind == "landed":  # the sum of a landed run (copies from another GPU)
-                    copy = functools.partial(kernels.run_wsum64(scratch, sums), 0, 1, 0)
+                elif kind.startswith("landed"):  # a landed run's sum (from another GPU)
+                    progs = SIDE_PROGRAMS if kind == "landed_side" else 0
+                    copy = functools.partial(
+                        kernels.run_wsum64(scratch, sums, programs=progs), 0, 1, 0
+                    )
                 else:
                     packed = kernels.packed_copy_sum(scratch, scratch, sums)
                     copy = functools.partial(packed, ids, 1)
@@ -206,14 +215,15 @@ class CopyChecks:
             self._copiers[(kind, id(src))] = kept
         return kept[1]
 
-    def _landed_sum(self, n: int) -> Any:
+    def _landed_sum(self, n: int, programs: int = 0) -> Any:
         """The read-only sum of landed runs of this pool into the reused sums buffer (for up to
-        ``n`` blocks; bound once per buffer)."""
+        ``n`` blocks; by at most ``programs`` programs, 0: full speed; bound once per buffer
+        and ``programs``)."""
         sums = self._sums_buffer(n)
-        kept = self._copiers.get(("landed", id(self.pool)))
+        kept = self._copiers.get((f"landed{programs}", id(self.pool)))
         if kept is None:
-            kept = (self.pool, kernels.run_wsum64(self.pool, sums))
-            self._copiers[("landed", id(self.pool))] = kept
+            kept = (self.pool, kernels.run_wsum64(self.pool, sums, programs=programs))
+            self._copiers[(f"landed{programs}", id(self.pool))] = kept
         return kept[1]
 
     def _checker(self, src: torch.Tensor, n: int) -> Any:
@@ -333,15 +343,16 @@ class CopyChecks:
         for i, (a, b, c, at) in enumerate(chunks):
             self.pool[b : b + c].copy_(src[a : a + c], non_blocking=True)
             if i == 0:  # the rest of the set-up once the first copy is on its way
-                summed, sums = self._landed_sum(n), self._sums_buffer(n)
+                side, last = self._landed_sum(n, SIDE_PROGRAMS), self._landed_sum(n)
+                sums = self._sums_buffer(n)
                 if self.fault == "corrupt":
                     self.pool[b].copy_(self._flipped(src, a)[0], non_blocking=True)
             if i < len(chunks) - 1:
-                self._on_side(functools.partial(summed, b, c, at))
+                self._on_side(functools.partial(side, b, c, at))
             else:  # the last chunk on the copy stream, once the side stream's sums are done
                 if self._side is not None and self._cuda:
                     torch.cuda.current_stream(self.device).wait_stream(self._side)
-                summed(b, c, at)
+                last(b, c, at)
         self.peer_run_fetches += 1
         return self._compare_behind(sums, n, want, self._staging(n + 1), 0)
 
