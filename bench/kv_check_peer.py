@@ -51,8 +51,10 @@ BLOCK_SIZE = 16  # tokens a block
 # (last chunk MiB, ratio, side-sum programs) of the copy-engine path, tried beside the
 # installed ones (`cuda_ipc_checks`: TRAIL_BYTES, TRAIL_RATIO, SIDE_PROGRAMS; 0 programs: as
 # many as the device reads fastest with).
-TRAILS = ((16, 4, 0), (8, 8, 0), (16, 4, 66), (16, 4, 33), (16, 2, 66), (16, 2, 33), (8, 2, 33),
-          (8, 2, 16), (4, 2, 33))  # fmt: skip
+# Session 12 on two H100s: capping the side sums' programs lost (1.15-2.6x the copy_), since
+# the copy slows while any sum runs beside it; equal chunks that the L2 still holds when they
+# are summed are the next question.
+TRAILS = ((16, 4, 0), (8, 8, 0), (16, 2, 66), (32, 1, 0), (16, 1, 0), (32, 2, 0), (64, 1, 0))
 # One 16-token block of the Llama-3.1-8B shape: 32 layers x 8 KV heads x 128 x (K, V) x bf16.
 BLOCK_BYTES_8B = 16 * 32 * 8 * 128 * 2 * 2
 

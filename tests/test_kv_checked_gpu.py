@@ -223,6 +223,9 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
 
     assert kv_checksum.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "kv_checksum_cuda_wsum64.json").read_text())
+    if torch.cuda.device_count() > 1:  # the bench moves to the second GPU: no one-GPU A/B
+        assert rows[-1]["dst_device"] == "cuda:1" and "ab_transport" not in rows[-1]
+        return  # (`test_kv_checked_peer_gpu.py` measures the check between two GPUs)
     ab = rows[-1]["ab_transport"]
     assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
     assert ab["behind_fetches"] == ab["compared_fetches"]  # the compare behind the copy
