@@ -6,18 +6,13 @@ what helps:
 - other skinny plans for the layers' four products (every product of the step takes the plan);
 - the LM head in FP8 too (``--quantization fp8`` keeps it in bf16, as vLLM does, unless
   ``--quantize-lm-head``);
-- programmatic dependent launch off;
-- L2 prefetch of the weights (``kernels.L2_PREFETCH``, ``L2_VARIANTS``): ``o_proj`` during
-  decode attention, the first reads of every product before the small kernel ahead of it,
-  and decode attention's K/V loaded ``evict_first``.
+- programmatic dependent launch off.
 
 Then a per-kernel profile of the plain step with PDL off (with PDL on a kernel's time includes
 its wait for the previous one). Prints a table; writes ``decode_variants_<device>.md``/``.json``.
 
     bash bench/device/run.sh bench bench.decode_variants --out $OUT
     python -m bench.decode_variants --dry-run --out /tmp/dry   # off the GPU: the script only
-    bash bench/device/run.sh bench bench.decode_variants --out $OUT --weights bf16 --batches 8 \
-        --no-profile --variants prefetch_o prefetch_head_25 evict_first   # issue 19's
 """
 
 from __future__ import annotations
@@ -41,23 +36,9 @@ from engine.fp8 import quantize_layer
 from engine.shapes import SHAPES
 from kernels import reference
 
-COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline", "same_logits"]
+COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline"]
 LAYER = ("qkv", "o_proj", "gate_up", "down")
 PROF_COLS = ["kernel", "us_per_step", "calls_per_step"]
-# Variant name -> the L2 prefetch the step takes (``kernels.L2Prefetch``'s fields): ``o_proj``
-# whole during attention; the first 25% or 12.5% of each product program's K range; both; K/V
-# loads ``evict_first``; line prefetches with the ``evict_last`` priority, or bulk ones.
-L2_VARIANTS: dict[str, dict[str, object]] = {
-    "prefetch_o": {"o_proj": True},
-    "prefetch_o_evict_first": {"o_proj": True, "kv_evict_first": True},
-    "prefetch_o_last": {"o_proj": True, "asm": "line_last"},
-    "prefetch_o_bulk": {"o_proj": True, "asm": "bulk"},
-    "prefetch_head_25": {"head": 0.25},
-    "prefetch_head_12": {"head": 0.125},
-    "prefetch_all_25": {"o_proj": True, "head": 0.25},
-    "prefetch_all_25_bulk": {"o_proj": True, "head": 0.25, "asm": "bulk"},
-    "evict_first": {"kv_evict_first": True},
-}
 # (weights, batch) -> changes to every installed layer plan, one variant each
 CHANGES: dict[tuple[str, int], list[dict[str, object]]] = {
     ("fp8", 1): [{"l2": 2}, {"l2": 4}, {"num_stages": 4}, {"num_stages": 4, "l2": 2}],
@@ -183,11 +164,6 @@ def pdl_off() -> contextlib.AbstractContextManager:
     return kernels_set(PDL=False)
 
 
-def l2_prefetch(name: str) -> contextlib.AbstractContextManager:
-    """The step with ``L2_VARIANTS[name]``'s L2 prefetch (off the GPU nothing is launched)."""
-    return kernels_set(L2_PREFETCH=kernels.L2Prefetch(**L2_VARIANTS[name]))  # type: ignore[arg-type]
-
-
 def run(args: argparse.Namespace) -> dict:
     dry = args.dry_run
     device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
@@ -236,8 +212,6 @@ def run(args: argparse.Namespace) -> dict:
             variants["fused"] = fused
             variants["what_if_no_rms_norm"] = lambda: what_if_without("rms_norm")
             variants["what_if_no_silu"] = lambda: what_if_without("silu")
-            for vname in L2_VARIANTS:
-                variants[vname] = lambda vname=vname: l2_prefetch(vname)
             for change in CHANGES.get((weights, b), []) if device == "cuda" else []:
                 label = "installed_" + "_".join(f"{k}{v}" for k, v in change.items())
                 variants[label] = lambda change=change, b=b, wdtype=wdtype: installed_with(
@@ -250,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
                 variants[vname] = lambda plan=plan, b=b, wdtype=wdtype: layer_plans(
                     c, b, wdtype, plan
                 )
-            base = base_logits = None
+            base = None
             for vname, change in variants.items():
                 if args.variants and vname not in args.variants and vname != "installed":
                     continue
@@ -262,13 +236,9 @@ def run(args: argparse.Namespace) -> dict:
                                         "error": f"{type(e).__name__}: {e}"})  # fmt: skip
                     print(res["rows"][-1], flush=True)
                     continue
-                if vname == "installed":
-                    base, base_logits = r["step_ms"], bench.last_logits
-                # the L2 variants and pdl_off must give the installed step's logits bit for bit
-                same = None if base_logits is None else torch.equal(bench.last_logits, base_logits)
+                base = r["step_ms"] if vname == "installed" else base
                 row = {"weights": weights, "batch": b, "variant": vname, **r,
-                       "vs_installed": r["step_ms"] / base if base else None,
-                       "same_logits": same}  # fmt: skip
+                       "vs_installed": r["step_ms"] / base if base else None}  # fmt: skip
                 res["rows"].append(row)
                 print({k: row.get(k) for k in COLS}, flush=True)
             if device == "cuda" and not args.no_profile:

@@ -111,41 +111,19 @@ class DecoderModel:
         cos, sin = self.cos[positions], self.sin[positions]
         residual: torch.Tensor | None = None
         qkv_parts = (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))
-        # L2 prefetch ahead of the products (kernels.L2_PREFETCH): decode steps only, each
-        # launched right before the small kernel that precedes its product
-        head, o_head = self._prefetch_shares(input_ids, meta)
         for i, lw in enumerate(self.w.layers):
-            if head:
-                kernels.l2_prefetch(x, lw.qkv, head)
             qkv, residual = self._normed_product(
                 i, x, residual, lw.input_norm, lw.qkv, lw.qkv_bias, lora, qkv_parts
             )
-            h = self._attention(i, lw, qkv, cos, sin, kv_cache, meta, lora, o_head)
-            if head:
-                kernels.l2_prefetch(h, lw.gate_up, head)
+            h = self._attention(i, lw, qkv, cos, sin, kv_cache, meta, lora)
             n = lw.gate_up.shape[0] // 2
             gate_up, residual = self._normed_product(
                 i, h, residual, lw.post_norm, lw.gate_up, None, lora,
                 (("gate_proj", n), ("up_proj", n)),
             )  # fmt: skip
-            if head:
-                kernels.l2_prefetch(h, lw.down, head)
             x = self.comm.all_reduce(self._down(i, lw, gate_up, lora))
         out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual)
         return out
-
-    @staticmethod
-    def _prefetch_shares(
-        input_ids: torch.Tensor, meta: kernels.AttentionMetadata
-    ) -> tuple[float, float]:
-        """What this step asks into L2 ahead of a product, as a share of each of its programs'
-        K range (``kernels.l2_prefetch``): of QKV, gate/up and down, then of ``o_proj`` (1:
-        whole, ``kernels.L2_PREFETCH.o_proj``). Decode steps only (one new token per
-        sequence); (0, 0) otherwise and by default: nothing launched."""
-        p = kernels.L2_PREFETCH
-        if not p.launches or meta.max_query_len != 1 or input_ids.shape[0] != meta.num_seqs:
-            return 0.0, 0.0
-        return p.head, 1.0 if p.o_proj else p.head
 
     def _normed_product(self, i, x, residual, norm, w, bias, lora, parts):
         """``linear(rms_norm(x + residual) * norm, w, bias)`` and the next residual: one launch
@@ -164,10 +142,8 @@ class DecoderModel:
         lora.add_parts(i, parts, out, h)
         return out, residual
 
-    def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora, o_head) -> torch.Tensor:
-        """Attention of the layer from its (normed) input's QKV product; returns o_proj's.
-        ``o_head`` > 0: that share of ``o_proj``'s first reads is asked into L2 first, so it
-        arrives while attention runs (``_prefetch_shares``)."""
+    def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
+        """Attention of the layer from its (normed) input's QKV product; returns o_proj's."""
         c = self.config
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = qkv.shape[0]
@@ -175,8 +151,6 @@ class DecoderModel:
         k = k.view(t, self.num_kv_heads, c.head_dim)
         v = v.view(t, self.num_kv_heads, c.head_dim)
         q = kernels.rope_write_kv(q, k, v, cos, sin, kv_cache, i, meta, lw.k_scale, lw.v_scale)
-        if o_head:
-            kernels.l2_prefetch(qkv, lw.o_proj, o_head)
         o = kernels.paged_attention(q, kv_cache, i, meta, self.scale, lw.k_scale, lw.v_scale)
         o = o.reshape(t, self.q_size)
         out = kernels.linear(o, lw.o_proj)

@@ -14,7 +14,6 @@ import torch
 
 from kernels import reference
 from kernels._triton import pdl_on, use_triton
-from kernels.l2 import L2Prefetch, product_pattern
 from kernels.reference import (
     FP8,
     AttentionMetadata,
@@ -42,16 +41,11 @@ FUSE_DECODE = False
 # 5.77 ms without at batch 1 (91.8% of the roofline), the same at batch 8, with logits bit for
 # bit equal (``bench/results/decode_gpu_h100.md``, ``bench.skinny_gpu``'s ``pdl`` modes).
 PDL = True
-# L2 prefetch of decode steps' weights (issue 19, ``kernels.l2``): what ``engine.model`` asks
-# into L2 ahead of the products while latency-bound kernels leave DRAM bandwidth idle. Off (the
-# default) launches nothing; ``bench.decode_variants``' ``prefetch_*`` variants measure it.
-L2_PREFETCH = L2Prefetch()
 
 __all__ = [
     "FP8",
     "AttentionMetadata",
     "Fp8Weight",
-    "L2Prefetch",
     "LoRAMetadata",
     "block_wsum64",
     "copy_blocks",
@@ -66,7 +60,6 @@ __all__ = [
     "compare_sums",
     "count_mismatches",
     "linear",
-    "l2_prefetch",
     "lora_add",
     "lora_add_fused",
     "norm_linear",
@@ -177,29 +170,6 @@ def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tenso
             return mod.silu_mul_linear(x, w.weight, scale=w.scale)
         return mod.silu_mul_linear(x, w)
     return linear(silu_and_mul(x), w)
-
-
-def l2_prefetch(x: torch.Tensor, w: torch.Tensor | Fp8Weight, head: float) -> None:
-    """Ask the L2 for what ``linear(x, w)`` reads first: the first ``head`` (a fraction; 1: all)
-    of each of its programs' K ranges (the skinny plan's split-K), one launch of a few
-    programs, issued as ``L2_PREFETCH.asm`` says; an FP8 weight's bytes, not its scales.
-    Nothing is read back; launched only where the product takes the skinny kernel on CUDA
-    (elsewhere nothing happens: results never depend on it)."""
-    if not (head > 0.0 and _skinny(x, w)):
-        return
-    from kernels import triton_prefetch
-
-    weight = w.weight if isinstance(w, Fp8Weight) else w
-    n, k = weight.shape
-    k_split = k
-    if SKINNY_KERNEL == "skinny":
-        from kernels import triton_skinny
-
-        plan = triton_skinny.plan_for(x.shape[0], n, k, weight.dtype)  # the plain product's
-        per = -(-k // plan.split_k)
-        k_split = min(k, -(-per // plan.block_k) * plan.block_k)  # as its launch rounds it
-    p = product_pattern(n, k, weight.stride(0), weight.element_size(), k_split, head)
-    triton_prefetch.l2_prefetch(weight, p, L2_PREFETCH.asm)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -556,7 +526,7 @@ def paged_attention(
 
             return triton_decode.decode_attention(
                 q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
-                k_scale=k_scale, v_scale=v_scale, evict_first=L2_PREFETCH.kv_evict_first,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         from kernels import triton_prefill
 

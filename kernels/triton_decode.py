@@ -125,12 +125,10 @@ def _kv_rows(table, pos, end, block_size, stride_kb, stride_kt, head_off):
 
 
 @triton.jit
-def _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask, EVICT: tl.constexpr):
-    """One K/V tile; ``EVICT`` "evict_first" (``kernels.L2_PREFETCH.kv_evict_first``): the
-    streaming KV goes first out of L2, before weights asked into it."""
+def _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask):
     m = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=m, other=0.0, eviction_policy=EVICT)
-    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=m, other=0.0, eviction_policy=EVICT)
+    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=m, other=0.0)
+    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=m, other=0.0)
     return k, v
 
 
@@ -158,7 +156,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr,
-    EARLY: tl.constexpr, EVICT: tl.constexpr = "",
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     if PDL and not EARLY:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
@@ -195,9 +193,9 @@ def _decode_split_kernel(
             # KV write, writes it; block tables, lengths and older KV are older than the kernel
             # before it, complete once that one passed its own wait and launched this one).
             last = start + offs_n == seq_len - 1
-            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask & ~last, offs_d, d_mask, EVICT)
+            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask & ~last, offs_d, d_mask)
         else:
-            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask, offs_d, d_mask, EVICT)
+            k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask, offs_d, d_mask)
         row, n_mask_next = _kv_rows(table, start + BLOCK_N + offs_n, end, block_size,
                                     stride_kb, stride_kt, head_off)  # fmt: skip
         if EARLY:
@@ -205,11 +203,11 @@ def _decode_split_kernel(
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
-            k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask, EVICT)
+            k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
             k = tl.where(last[:, None], k_new, k)
             v = tl.where(last[:, None], v_new, v)
         for n0 in range(start, end, BLOCK_N):
-            k_next, v_next = _kv_tile(k_ptr, v_ptr, row, n_mask_next, offs_d, d_mask, EVICT)
+            k_next, v_next = _kv_tile(k_ptr, v_ptr, row, n_mask_next, offs_d, d_mask)
             row_next, n_mask_after = _kv_rows(table, n0 + 2 * BLOCK_N + offs_n, end, block_size,
                                               stride_kb, stride_kt, head_off)  # fmt: skip
             m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION)
@@ -218,7 +216,7 @@ def _decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             row, n_mask = _kv_rows(table, n0 + offs_n, end, block_size, stride_kb, stride_kt,
                                    head_off)  # fmt: skip
-            k, v = _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask, EVICT)
+            k, v = _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask)
             m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     nonempty = l_i > 0.0
@@ -305,11 +303,9 @@ def decode_attention(
     plan: DecodePlan | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    evict_first: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q``: ``[B, H, D]``) over its paged KV (an
-    FP8 cache holds ``k / k_scale`` and ``v / v_scale``; ``evict_first``: K/V loaded with that
-    L2 eviction priority).
+    FP8 cache holds ``k / k_scale`` and ``v / v_scale``).
 
     ``seq_lens[b]`` counts the KV of sequence ``b`` including the new token, already written;
     ``seq_lens[b] == 0`` gives a zero output (padding rows of a captured batch).
@@ -342,7 +338,7 @@ def decode_attention(
         GROUP=plan.group, BLOCK_G=max(next_pow2(plan.group), 16), BLOCK_N=plan.block_n,
         HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
         PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
-        EVICT="evict_first" if evict_first else "", num_warps=plan.num_warps,
+        num_warps=plan.num_warps,
         num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q),
     )  # fmt: skip
     if merge:

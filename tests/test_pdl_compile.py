@@ -38,11 +38,11 @@ CASES = {
         HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, FP8=False)),
     "decode_split": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False, EVICT="")),
+        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False)),
     # the register prefetch, and the last split merging (its ticket)
     "decode_split_merge": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False, EVICT="")),
+        MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False)),
     "decode_merge": (triton_decode._decode_merge_kernel, dict(
         HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
     "skinny": (triton_skinny._skinny_kernel, dict(
@@ -95,66 +95,3 @@ def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
             assert r["wait_first"] == (r["kernel"] != "skinny"), r
         else:
             assert r["wait"] == 0 and r["launch"] == 0, r
-
-
-PREFETCH = """
-import json, re, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels import triton_decode, triton_prefetch as P
-
-out = []
-fn = P._l2_prefetch_kernel
-for asm in P._ASM:
-    for pdl in (False, True):
-        c = {"UNIT": 4096 if asm == "bulk" else 128, "BLOCK": P.BLOCK, "ASM": P._ASM[asm],
-             "BULK": asm == "bulk", "PDL": pdl}
-        sig = {n: "constexpr" if n in c else "*bf16" if n.endswith("_ptr") else "i32"
-               for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig,
-                        constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
-        lines = [s.strip() for s in ptx[ptx.index(".entry"):].splitlines()]
-        at = lambda word: [i for i, s in enumerate(lines) if s.startswith(word)]
-        out.append({"kernel": asm, "pdl": pdl, "launch": at("griddepcontrol.launch_dependents"),
-                    "wait": at("griddepcontrol.wait"),
-                    "prefetch": at("cp.async.bulk.prefetch.L2.global" if asm == "bulk" else
-                                   "prefetch.global.L2" + ("::evict_last" if asm == "line_last"
-                                                           else " ")),
-                    "memory": at("ld.global") + at("st.global")})
-fn = triton_decode._decode_split_kernel
-c = dict(GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-         MERGE=0, PREFETCH=True, BLOCK_S=2, EARLY=False, PDL=True, EVICT="evict_first")
-sig = {n: "constexpr" if n in c else "*fp32" if n in ("part_ptr", "lse_ptr") else
-       "*i32" if n in ("tables_ptr", "seq_lens_ptr", "tickets_ptr") else
-       "*bf16" if n.endswith("_ptr") else "fp32" if n in ("scale_log2", "v_scale") else "i32"
-       for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig,
-                constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": 4, "launch_pdl": True, "num_stages": 1}).asm["ptx"]
-out.append({"kernel": "decode_evict_first",
-            "loads": sorted(set(re.findall(r"ld\\.global[.\\w:]*", ptx))),
-            "policies": sorted(set(re.findall(r"createpolicy[.\\w:]*", ptx)))})
-print(json.dumps(out))
-"""
-
-
-def test_l2_prefetch_compiles_for_hopper_and_keeps_the_pdl_chain():
-    """The prefetch kernel (``kernels.triton_prefetch``) compiles for sm_90 (ptxas takes each
-    prefetch instruction), loads and stores nothing, and with PDL lets the next kernel launch
-    before its prefetches and waits for the previous one after them; decode attention's K/V
-    loads with ``evict_first`` carry that L2 priority (a cache policy), not only L1's."""
-    rows = compiled_rows(PREFETCH)
-    assert len(rows) == 7
-    for r in rows[:6]:
-        assert r["prefetch"] and not r["memory"], r
-        if r["pdl"]:
-            assert len(r["launch"]) == len(r["wait"]) == 1, r
-            assert r["launch"][0] < min(r["prefetch"]) < max(r["prefetch"]) < r["wait"][0], r
-        else:
-            assert not r["launch"] and not r["wait"], r
-    evict = rows[6]
-    assert evict["policies"] == ["createpolicy.fractional.L2::evict_first.b64"], evict
-    assert any("L1::evict_first.L2::cache_hint" in ld for ld in evict["loads"]), evict
