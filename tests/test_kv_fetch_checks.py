@@ -20,7 +20,7 @@ import torch
 import kernels
 from engine.kv_checksum import WSUM64, legacy_algorithm
 from kernels import reference
-from libkv.transfer import fetch_checks
+from libkv.transfer import cuda_ipc_checks, fetch_checks
 from libkv.transfer.fetch_checks import FetchChecks, Kept, sender_sums, signed64
 from services.common.codec import KVHandle
 
@@ -567,11 +567,30 @@ def test_a_run_from_another_gpu_is_cut_in_halves_down_to_a_short_last_chunk(
 ) -> None:
     from libkv.transfer.cuda_ipc_checks import TRAIL_BYTES, TRAIL_RATIO, peer_chunks
 
+    assert cuda_ipc_checks.TRAIL_MAX_BYTES == 0  # the cases' chunks: no cap
+
     got = peer_chunks(count, block_bytes)
     assert [c for _, c in got] == chunks
     assert [o for o, _ in got] == [sum(chunks[:i]) for i in range(len(chunks))]
     assert got[-1][1] <= max(1, TRAIL_BYTES // block_bytes)
     assert all(a <= TRAIL_RATIO * b for a, b in itertools.pairwise(chunks))
+
+
+@pytest.mark.parametrize(
+    "count,most,chunks",
+    [
+        (256, 64, [24] + [32] * 7 + [8]),  # 4,096 tokens, 64 MiB at most
+        (128, 64, [24, 32, 32, 32, 8]),
+        (128, 1, [8] + [8] * 14 + [8]),  # a cap under the trail: the trail's size
+        (256, 0, [88, 128, 32, 8]),  # no cap
+    ],
+)
+def test_chunks_from_another_gpu_grow_no_larger_than_the_cap(monkeypatch, count, most, chunks):
+    from libkv.transfer.cuda_ipc_checks import peer_chunks
+
+    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_MAX_BYTES", most << 20)
+    got = peer_chunks(count, 2 << 20)
+    assert [c for _, c in got] == chunks and sum(chunks) == count
 
 
 def test_run_wsum64_adds_each_blocks_sum_into_its_slot() -> None:
@@ -603,7 +622,6 @@ def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
     compare behind: the count exact with a wrong expected sum and with the fault hook's
     damaged first block (the peer's pool untouched), no sums kept, the reused sums zero, and
     no SM copy-and-sum bound."""
-    from libkv.transfer import cuda_ipc_checks
 
     monkeypatch.setattr(cuda_ipc_checks, "TRAIL_BYTES", 256)  # one-block chunks: several a run
     monkeypatch.setattr(cuda_ipc_checks, "SIDE_PROGRAMS", side)

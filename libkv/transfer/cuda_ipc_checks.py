@@ -35,6 +35,9 @@ STAGING_MIN = 1024  # entries of the smallest pinned upload buffer and device wo
 # PCIe more.
 TRAIL_BYTES = 16 << 20
 TRAIL_RATIO = 4
+# No chunk larger than this many bytes (0: no cap): with a cap the side sums can go slower
+# (``SIDE_PROGRAMS``) and still end before the next chunk has landed.
+TRAIL_MAX_BYTES = 0
 # Programs of each sum on the side stream (0: as many as the device reads fastest with). Such
 # a sum reads this GPU's memory while the next chunk is written into it over the link; read
 # at full speed it took bandwidth from the copy (two H100s: the copy-engine chunks with their
@@ -46,15 +49,17 @@ SIDE_PROGRAMS = 0
 def peer_chunks(count: int, block_bytes: int) -> list[tuple[int, int]]:
     """(offset, blocks) chunks of a run of ``count`` blocks copied from another GPU: from the
     end, a last chunk of about ``TRAIL_BYTES`` (at least one block), then chunks ``TRAIL_RATIO``
-    times the one after, the first taking what is left. Few chunks: each costs the host a
-    copy, an event and a launch, and the copy engines a gap between copies."""
+    times the one after up to ``TRAIL_MAX_BYTES``, the first taking what is left. Few chunks:
+    each costs the host a copy, an event and a launch, and the copy engines a gap between
+    copies."""
     size = max(1, TRAIL_BYTES // block_bytes)
+    most = max(size, TRAIL_MAX_BYTES // block_bytes) if TRAIL_MAX_BYTES else count
     sizes: list[int] = []
     left = count
     while left > 0:
         sizes.append(min(size, left))
         left -= sizes[-1]
-        size *= TRAIL_RATIO
+        size = min(size * TRAIL_RATIO, most)
     sizes.reverse()
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     return list(zip(offsets, sizes, strict=True))
