@@ -48,15 +48,15 @@ from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
 from libkv.transfer.fetch_checks import MASK
 
 BLOCK_SIZE = 16  # tokens a block
-# (last chunk MiB, ratio, largest chunk MiB or 0, side-sum programs) of the copy-engine path,
-# tried beside the installed ones (`cuda_ipc_checks`: TRAIL_BYTES, TRAIL_RATIO,
-# TRAIL_MAX_BYTES, SIDE_PROGRAMS; 0 programs: as many as the device reads fastest with).
-# Session 12 on two H100s: the copy slows to ~70% while a full-speed sum reads beside it;
-# capped sums on uncapped chunks could not keep up (1.15-2.6x the copy_), and equal chunks at
-# full speed gained nothing. Capped chunks let a capped sum keep up: 132 programs read about
-# 1 TB/s, a 64 MiB chunk in ~65 us while the next takes ~170 us to come.
-TRAILS = ((16, 4, 0, 0), (16, 4, 64, 132), (16, 4, 64, 264), (16, 4, 32, 132),
-          (16, 4, 128, 132), (8, 4, 64, 132), (16, 4, 64, 66), (16, 4, 64, 0))  # fmt: skip
+# (last chunk MiB, ratio, largest chunk MiB or 0, side-sum programs per multiprocessor) of
+# the copy-engine path, tried beside the installed ones (`cuda_ipc_checks`: TRAIL_BYTES,
+# TRAIL_RATIO, TRAIL_MAX_BYTES, SIDE_PER_SM; 0 a multiprocessor: as fast as the device reads).
+# Session 12 on two H100s: the link copy slows to ~70% while a full-speed sum reads beside it;
+# sums by fewer programs on uncapped chunks could not keep up (1.15-2.6x the copy_), equal
+# chunks at full speed gained nothing, and 2 programs a multiprocessor on chunks of at most
+# 64 MiB gained 20-30 us (installed since).
+TRAILS = ((16, 4, 0, 0), (16, 4, 64, 2), (16, 4, 64, 1), (16, 4, 128, 1), (16, 4, 128, 2),
+          (8, 4, 64, 2), (16, 4, 64, 0))  # fmt: skip
 # One 16-token block of the Llama-3.1-8B shape: 32 layers x 8 KV heads x 128 x (K, V) x bf16.
 BLOCK_BYTES_8B = 16 * 32 * 8 * 128 * 2 * 2
 
@@ -100,7 +100,7 @@ def device_times(
         for trail in TRAILS:
             set_trail(*trail)
             secs = device_time(trailing_check(dst, src, start, n, want), "cuda", repeat)
-            sweep["{}MiB_x{}_max{}_p{}".format(*trail)] = round(secs / copy_s, 4)
+            sweep["{}MiB_x{}_max{}_{}sm".format(*trail)] = round(secs / copy_s, 4)
     finally:
         set_trail(*kept)
     return {
@@ -119,15 +119,16 @@ def device_times(
 
 
 def trail_config() -> tuple[int, int, int, int]:
-    """The copy-engine path's (last chunk MiB, ratio, largest chunk MiB, side-sum programs)."""
+    """The copy-engine path's (last chunk MiB, ratio, largest chunk MiB, side-sum programs a
+    multiprocessor)."""
     c = cuda_ipc_checks
-    return c.TRAIL_BYTES >> 20, c.TRAIL_RATIO, c.TRAIL_MAX_BYTES >> 20, c.SIDE_PROGRAMS
+    return c.TRAIL_BYTES >> 20, c.TRAIL_RATIO, c.TRAIL_MAX_BYTES >> 20, c.SIDE_PER_SM
 
 
-def set_trail(trail_mib: int, ratio: int, max_mib: int, programs: int) -> None:
+def set_trail(trail_mib: int, ratio: int, max_mib: int, per_sm: int) -> None:
     c = cuda_ipc_checks
     c.TRAIL_BYTES, c.TRAIL_RATIO, c.TRAIL_MAX_BYTES = trail_mib << 20, ratio, max_mib << 20
-    c.SIDE_PROGRAMS = programs
+    c.SIDE_PER_SM = per_sm
 
 
 def trailing_check(
@@ -248,7 +249,7 @@ def measure(args: argparse.Namespace, extra: dict[str, str], dst_pool: torch.Ten
         sweep = row["trailing_check_by_trail_and_ratio"]
         print(f"  {tokens}: chunks {row['peer_chunks']}, the chunked copy_ alone x "
               f"{row['chunked_copy_over_copy']}, the trailing check by (last chunk, ratio, "
-              f"max, programs) x {sweep}", file=sys.stderr, flush=True)  # fmt: skip
+              f"max, per SM) x {sweep}", file=sys.stderr, flush=True)  # fmt: skip
     return rows
 
 
@@ -364,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interference", type=int, default=0, metavar="REPS",
                    help="also time a decode stand-in beside each kind of hand-off")  # fmt: skip
     p.add_argument("--trail", type=int, nargs=4, default=None,
-                   metavar=("MIB", "RATIO", "MAX_MIB", "PROGS"),
+                   metavar=("MIB", "RATIO", "MAX_MIB", "PER_SM"),
                    help="the copy-engine path's last chunk, ratio, largest chunk and side-sum "
-                   "programs for this run (default: cuda_ipc_checks' own)")  # fmt: skip
+                   "programs per SM for this run (default: cuda_ipc_checks')")  # fmt: skip
     p.add_argument("--timeline", type=int, default=0, metavar="REPS",
                    help="also profile REPS fetches of the run each way, op by op")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(10)
     summary = {
         "src": args.src, "dst": str(dst), "device": torch.cuda.get_device_name(dst),
-        "trail_mib_ratio_max_programs": trail_config(),
+        "trail_mib_ratio_max_per_sm": trail_config(),
         "torch": torch.__version__, "pairs": args.pairs, "rows": rows,
         "median_run_of_off": statistics.median(r["ab_run"]["of_a"] for r in rows),
     }  # fmt: skip

@@ -563,11 +563,11 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
     ],
 )
 def test_a_run_from_another_gpu_is_cut_in_halves_down_to_a_short_last_chunk(
-    count, block_bytes, chunks
+    monkeypatch, count, block_bytes, chunks
 ) -> None:
     from libkv.transfer.cuda_ipc_checks import TRAIL_BYTES, TRAIL_RATIO, peer_chunks
 
-    assert cuda_ipc_checks.TRAIL_MAX_BYTES == 0  # the cases' chunks: no cap
+    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_MAX_BYTES", 0)  # the cases' chunks: no cap
 
     got = peer_chunks(count, block_bytes)
     assert [c for _, c in got] == chunks
@@ -624,7 +624,7 @@ def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
     no SM copy-and-sum bound."""
 
     monkeypatch.setattr(cuda_ipc_checks, "TRAIL_BYTES", 256)  # one-block chunks: several a run
-    monkeypatch.setattr(cuda_ipc_checks, "SIDE_PROGRAMS", side)
+    monkeypatch.setattr(cuda_ipc_checks, "SIDE_PER_SM", side)
     t, mine = _transport(fault)
     t.behind = True
     peer = _peer(3)
@@ -644,7 +644,7 @@ def test_runs_from_another_gpu_are_copied_then_summed_where_they_landed(
         assert torch.equal(peer, before) and not t._sums_buffer(1).any()
     assert t.peer_run_fetches == 3 and t.run_fetches == 0
     # the side stream's sums and the last one's: one launcher each (one when both go fast)
-    keys = {(f"landed{p}", id(t.pool)) for p in (cuda_ipc_checks.SIDE_PROGRAMS, 0)}
+    keys = {(f"landed{p}", id(t.pool)) for p in (side, 0)}
     assert set(t._copiers) == keys
 
 

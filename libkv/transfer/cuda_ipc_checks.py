@@ -35,15 +35,17 @@ STAGING_MIN = 1024  # entries of the smallest pinned upload buffer and device wo
 # PCIe more.
 TRAIL_BYTES = 16 << 20
 TRAIL_RATIO = 4
-# No chunk larger than this many bytes (0: no cap): with a cap the side sums can go slower
-# (``SIDE_PROGRAMS``) and still end before the next chunk has landed.
-TRAIL_MAX_BYTES = 0
-# Programs of each sum on the side stream (0: as many as the device reads fastest with). Such
-# a sum reads this GPU's memory while the next chunk is written into it over the link; read
-# at full speed it took bandwidth from the copy (two H100s: the copy-engine chunks with their
-# sums were 1.065-1.075x one ``copy_``, bench/results/kv_checksum_cpu.md, session 12). The
-# last chunk's sum, behind the copy, always goes at full speed.
-SIDE_PROGRAMS = 0
+# No chunk larger than this many bytes (0: no cap), so that the side sums can go slower
+# (``SIDE_PER_SM``) and still end before the next chunk has landed.
+TRAIL_MAX_BYTES = 64 << 20
+# Programs of each sum on the side stream, per multiprocessor (0: one per part of a block, as
+# fast as the device reads). Such a sum reads this GPU's memory while the next chunk is
+# written into it over the link, and the link copy slows to about 70% while it does. Two
+# H100s (bench/results/kv_checksum_cpu.md, session 12), device time of a checked run over one
+# ``copy_`` at 2k / 4k tokens: full-speed sums of uncapped chunks 1.073-1.076 / 1.063-1.067;
+# 2 programs a multiprocessor on chunks of at most 64 MiB 1.054-1.055 / 1.040. The last chunk's
+# sum, behind the copy, always goes at full speed.
+SIDE_PER_SM = 2
 
 
 def peer_chunks(count: int, block_bytes: int) -> list[tuple[int, int]]:
@@ -158,7 +160,7 @@ class CopyChecks:
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         try:
             kinds = [("runs", False), ("packed", False), ("landed", False)]
-            kinds += [("landed_side", False)] if SIDE_PROGRAMS else []
+            kinds += [("landed_side", False)] if self._side_programs() else []
             for kind, fault in kinds + ([("runs", True)] if self.fault else []):
                 sums = self._sums_buffer(1)
                 if kind == "runs":
@@ -166,7 +168,7 @@ class CopyChecks:
                         kernels.runs_copy_sum(scratch, scratch, sums, fault), [(0, 0, 1)]
                     )
                 elif kind.startswith("landed"):  # a landed run's sum (from another GPU)
-                    progs = SIDE_PROGRAMS if kind == "landed_side" else 0
+                    progs = self._side_programs() if kind == "landed_side" else 0
                     copy = functools.partial(
                         kernels.run_wsum64(scratch, sums, programs=progs), 0, 1, 0
                     )
@@ -219,6 +221,13 @@ class CopyChecks:
             kept = (src, copy)
             self._copiers[(kind, id(src))] = kept
         return kept[1]
+
+    def _side_programs(self) -> int:
+        """Programs of a side stream's sum (``SIDE_PER_SM`` per multiprocessor; off CUDA the
+        factor itself, which the torch reference ignores)."""
+        if not (SIDE_PER_SM and self._cuda):
+            return SIDE_PER_SM
+        return SIDE_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def _landed_sum(self, n: int, programs: int = 0) -> Any:
         """The read-only sum of landed runs of this pool into the reused sums buffer (for up to
@@ -333,10 +342,12 @@ class CopyChecks:
         reads its own memory about ten times faster than the link delivers (H200s over
         NVLink: bench/results/kv_checksum_cpu.md, session 11). So each run goes by
         ``cudaMemcpy`` in chunks (`peer_chunks`); each chunk but the last, once landed, is
-        summed from this GPU's memory on a side stream (`kernels.run_wsum64`) while the next
-        one comes; the last chunk is summed on the copy stream behind its copy, once the side
-        stream is done, and the compare goes behind that sum (`_compare_behind`). What the
-        check adds to the hand-off is the last, small chunk's sum and the compare. With the
+        summed from this GPU's memory on a side stream (`kernels.run_wsum64`, by
+        ``SIDE_PER_SM`` programs a multiprocessor: a full-speed sum slows the link copy beside
+        it more) while the next one comes; the last chunk is summed on the copy stream behind
+        its copy, once the side stream is done, and the compare goes behind that sum
+        (`_compare_behind`). What the check adds to the hand-off is the last, small chunk's
+        sum and the compare. With the
         fault hook the first block lands damaged (written again from a scratch copy with one
         bit flipped, behind its chunk's copy and before its sum; the peer's pool untouched)."""
         starts = itertools.accumulate((k for *_, k in runs[:-1]), initial=0)  # in the fetch
@@ -348,7 +359,7 @@ class CopyChecks:
         for i, (a, b, c, at) in enumerate(chunks):
             self.pool[b : b + c].copy_(src[a : a + c], non_blocking=True)
             if i == 0:  # the rest of the set-up once the first copy is on its way
-                side, last = self._landed_sum(n, SIDE_PROGRAMS), self._landed_sum(n)
+                side, last = self._landed_sum(n, self._side_programs()), self._landed_sum(n)
                 sums = self._sums_buffer(n)
                 if self.fault == "corrupt":
                     self.pool[b].copy_(self._flipped(src, a)[0], non_blocking=True)
