@@ -54,7 +54,7 @@ BLOCK_SIZE = 16  # tokens a block
 # Session 12 on two H100s: the link copy slows to ~70% while a full-speed sum reads beside it;
 # sums by fewer programs on uncapped chunks could not keep up (1.15-2.6x the copy_), equal
 # chunks at full speed gained nothing, and 2 programs a multiprocessor on chunks of at most
-# 64 MiB gained 20-30 us (installed since).
+# 64-128 MiB gained 20-45 us of device time (128 MiB installed since).
 TRAILS = ((16, 4, 0, 0), (16, 4, 64, 2), (16, 4, 64, 1), (16, 4, 128, 1), (16, 4, 128, 2),
           (8, 4, 64, 2), (16, 4, 64, 0))  # fmt: skip
 # One 16-token block of the Llama-3.1-8B shape: 32 layers x 8 KV heads x 128 x (K, V) x bf16.

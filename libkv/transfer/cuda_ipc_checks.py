@@ -37,14 +37,15 @@ TRAIL_BYTES = 16 << 20
 TRAIL_RATIO = 4
 # No chunk larger than this many bytes (0: no cap), so that the side sums can go slower
 # (``SIDE_PER_SM``) and still end before the next chunk has landed.
-TRAIL_MAX_BYTES = 64 << 20
+TRAIL_MAX_BYTES = 128 << 20
 # Programs of each sum on the side stream, per multiprocessor (0: one per part of a block, as
 # fast as the device reads). Such a sum reads this GPU's memory while the next chunk is
 # written into it over the link, and the link copy slows to about 70% while it does. Two
 # H100s (bench/results/kv_checksum_cpu.md, session 12), device time of a checked run over one
 # ``copy_`` at 2k / 4k tokens: full-speed sums of uncapped chunks 1.073-1.076 / 1.063-1.067;
-# 2 programs a multiprocessor on chunks of at most 64 MiB 1.054-1.055 / 1.040. The last chunk's
-# sum, behind the copy, always goes at full speed.
+# 2 programs a multiprocessor on chunks of at most 64 MiB 1.054-1.056 / 1.039-1.040, at most
+# 128 MiB 1.0505-1.0509 / 1.031-1.0325 (and fewer chunks). The last chunk's sum, behind the
+# copy, always goes at full speed.
 SIDE_PER_SM = 2
 
 
