@@ -221,7 +221,9 @@ def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
 
     from bench import kv_checksum
 
-    assert kv_checksum.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    # The sender's pool goes on the current GPU: GPU 0 (another test may have left it at 1).
+    with torch.cuda.device(0):
+        assert kv_checksum.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "kv_checksum_cuda_wsum64.json").read_text())
     if torch.cuda.device_count() > 1:  # the bench moves to the second GPU: no one-GPU A/B
         assert rows[-1]["dst_device"] == "cuda:1" and "ab_transport" not in rows[-1]
