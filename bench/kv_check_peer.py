@@ -19,7 +19,11 @@ of a prompt of each size it measures:
 
 On one GPU every copy and every sum is bound by HBM, and the SM copy is a few percent slower
 than the copy engine's (bench/results/kv_checksum_cpu.md). Between two GPUs the link bounds
-the copy, and this GPU reads what landed about ten times faster than the link brings it.
+the copy, and this GPU reads what landed about ten times faster than the link brings it; but
+the link copy slows while a sum reads beside it (two H100s: to about 70%), which is what the
+copy-engine path's chunk sizes and side-sum programs trade against (``--trail`` sets them for a
+run, ``TRAILS`` sweeps them). ``--timeline N`` profiles N fetches each way and says op by op
+where the checked one's time goes (`bench.kv_timeline`).
 
     python -m bench.kv_check_peer --src cuda:0 --dst cuda:1 --tokens 1024 2048 4096 \\
         --pairs 200 --stack-handoff-ms 2048=0.78 4096=0.94 --out DIR
