@@ -79,7 +79,8 @@ def device_times(
     """Device ms on one run of ``n`` blocks from ``src[start:]`` to ``dst[:n]``: the plain
     ``copy_``; the SM check of runs (`sm_check`); a read-only ``wsum64`` of the landed
     blocks; the copy-engine path (`trailing_check`), its chunked copies without the sums, and
-    that path by other (last chunk, ratio) choices (``TRAILS``); ratios over the ``copy_``."""
+    that path by other (last chunk, ratio, largest chunk, side-sum programs a multiprocessor)
+    choices (``TRAILS``); ratios over the ``copy_``."""
     dev = dst.device
     copy_s = device_time(lambda: dst[:n].copy_(src[start : start + n], non_blocking=True),
                          "cuda", repeat)  # fmt: skip

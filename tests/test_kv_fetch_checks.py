@@ -552,45 +552,31 @@ def test_a_fetch_of_a_few_runs_is_checked_with_nothing_uploaded(src, dst, fault)
 
 
 @pytest.mark.parametrize(
-    "count,block_bytes,chunks",
+    "count,block_bytes,most,chunks",
     [
-        (256, 2 << 20, [88, 128, 32, 8]),  # a 4,096-token prompt of the 8B shape
-        (128, 2 << 20, [88, 32, 8]),
-        (64, 2 << 20, [24, 32, 8]),
-        (8, 2 << 20, [8]),
-        (3, 2 << 20, [3]),
-        (7, 64 << 20, [2, 4, 1]),  # blocks over the trail: one block at the end
+        (256, 2 << 20, 0, [88, 128, 32, 8]),  # a 4,096-token prompt of the 8B shape, no cap
+        (128, 2 << 20, 0, [88, 32, 8]),
+        (64, 2 << 20, 0, [24, 32, 8]),
+        (8, 2 << 20, 0, [8]),
+        (3, 2 << 20, 0, [3]),
+        (7, 64 << 20, 0, [2, 4, 1]),  # blocks over the trail: one block at the end
+        (256, 2 << 20, 64, [24] + [32] * 7 + [8]),  # 4,096 tokens, 64 MiB at most
+        (128, 2 << 20, 64, [24, 32, 32, 32, 8]),
+        (128, 2 << 20, 1, [8] + [8] * 14 + [8]),  # a cap under the trail: the trail's size
     ],
 )
-def test_a_run_from_another_gpu_is_cut_in_halves_down_to_a_short_last_chunk(
-    monkeypatch, count, block_bytes, chunks
+def test_a_run_from_another_gpu_is_cut_down_to_a_short_last_chunk(
+    monkeypatch, count, block_bytes, most, chunks
 ) -> None:
+    """Chunks grow from the last by the ratio, no larger than the cap (``most`` MiB, 0: none)."""
     from libkv.transfer.cuda_ipc_checks import TRAIL_BYTES, TRAIL_RATIO, peer_chunks
 
-    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_MAX_BYTES", 0)  # the cases' chunks: no cap
-
+    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_MAX_BYTES", most << 20)
     got = peer_chunks(count, block_bytes)
-    assert [c for _, c in got] == chunks
+    assert [c for _, c in got] == chunks and sum(chunks) == count
     assert [o for o, _ in got] == [sum(chunks[:i]) for i in range(len(chunks))]
     assert got[-1][1] <= max(1, TRAIL_BYTES // block_bytes)
     assert all(a <= TRAIL_RATIO * b for a, b in itertools.pairwise(chunks))
-
-
-@pytest.mark.parametrize(
-    "count,most,chunks",
-    [
-        (256, 64, [24] + [32] * 7 + [8]),  # 4,096 tokens, 64 MiB at most
-        (128, 64, [24, 32, 32, 32, 8]),
-        (128, 1, [8] + [8] * 14 + [8]),  # a cap under the trail: the trail's size
-        (256, 0, [88, 128, 32, 8]),  # no cap
-    ],
-)
-def test_chunks_from_another_gpu_grow_no_larger_than_the_cap(monkeypatch, count, most, chunks):
-    from libkv.transfer.cuda_ipc_checks import peer_chunks
-
-    monkeypatch.setattr(cuda_ipc_checks, "TRAIL_MAX_BYTES", most << 20)
-    got = peer_chunks(count, 2 << 20)
-    assert [c for _, c in got] == chunks and sum(chunks) == count
 
 
 def test_run_wsum64_adds_each_blocks_sum_into_its_slot() -> None:

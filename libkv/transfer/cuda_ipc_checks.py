@@ -64,8 +64,7 @@ def peer_chunks(count: int, block_bytes: int) -> list[tuple[int, int]]:
         left -= sizes[-1]
         size = min(size * TRAIL_RATIO, most)
     sizes.reverse()
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return list(zip(offsets, sizes, strict=True))
+    return list(zip(itertools.accumulate(sizes[:-1], initial=0), sizes, strict=True))
 
 
 class CopyChecks:
@@ -348,9 +347,9 @@ class CopyChecks:
         it more) while the next one comes; the last chunk is summed on the copy stream behind
         its copy, once the side stream is done, and the compare goes behind that sum
         (`_compare_behind`). What the check adds to the hand-off is the last, small chunk's
-        sum and the compare. With the
-        fault hook the first block lands damaged (written again from a scratch copy with one
-        bit flipped, behind its chunk's copy and before its sum; the peer's pool untouched)."""
+        sum and the compare. With the fault hook the first block lands damaged (written again
+        from a scratch copy with one bit flipped, behind its chunk's copy and before its sum;
+        the peer's pool untouched)."""
         starts = itertools.accumulate((k for *_, k in runs[:-1]), initial=0)  # in the fetch
         chunks = [
             (s + off, d + off, c, at + off)
