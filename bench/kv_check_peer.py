@@ -207,7 +207,116 @@ def interference(
     }
 
 
-def measure(args: argparse.Namespace, extra: dict[str, str], dst_pool: torch.Tensor) -> list[dict]:
+# (largest chunk MiB or 0, side-sum programs a multiprocessor or 0) of the pushed checks
+# (`push_times`), the last chunk and ratio as installed.
+PUSHES = ((128, 2), (128, 1), (128, 0), (64, 1), (0, 0), (0, 1))
+
+
+def push_times(
+    dst: torch.Tensor, src: torch.Tensor, local: torch.Tensor, start: int, n: int,
+    want: list[int], repeat: int,
+) -> dict:  # fmt: skip
+    """Pull against push for one run between two GPUs, device time over a pulled ``copy_``.
+
+    The transport pulls: its ``copy_`` from the mapped pool runs on this GPU's copy engines,
+    and while this GPU's sums read the landed chunks that copy slows (two H100s: to ~70%). A
+    push queues the copy on a stream of the *source* GPU (``local``: a pool of this process
+    there, filled as the peer's), so that GPU's copy engines write over the link into this
+    one's memory; each chunk's landing is an event this GPU's side stream waits for before
+    its sum, the last chunk summed on the current stream behind the side stream's, as
+    `trailing_check` does. Arms: the plain copy each way, the chunked copies without sums
+    each way, the installed check pulled and pushed, and the pushed check by ``PUSHES``
+    (largest chunk, side-sum programs a multiprocessor). Each arm starts behind the previous
+    call's work (an event of this GPU's current stream) and ends on it; each checked arm's
+    sums are compared with the sender's first."""
+    from libkv.transfer.fetch_checks import signed64
+
+    dev, sdev = dst.device, local.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    main = torch.cuda.current_stream(dev)
+    pull_stream, push_stream = torch.cuda.Stream(dev), torch.cuda.Stream(sdev)
+    side, idle = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    sums = torch.zeros(n, dtype=torch.int64, device=dev)
+    expect = torch.tensor(signed64(want), dtype=torch.int64, device=dev)
+    full = kernels.run_wsum64(dst, sums)
+
+    def arm(push: bool, chunks: list[tuple[int, int]] | None, per_sm: int = -1):
+        copier = push_stream if push else pull_stream
+        source = local if push else src
+        side_sum = None if per_sm < 0 else kernels.run_wsum64(dst, sums, programs=per_sm * sms)
+        parts = chunks or [(0, n)]
+
+        def go() -> None:
+            if side_sum is not None:
+                sums.zero_()
+            ready = torch.cuda.Event()
+            ready.record(main)
+            copier.wait_event(ready)
+            for i, (off, c) in enumerate(parts):
+                with torch.cuda.stream(copier):
+                    if push:  # torch copies between GPUs on the source's current stream;
+                        with torch.cuda.stream(idle):  # an idle one here: no barrier on main
+                            dst[off : off + c].copy_(source[start + off : start + off + c],
+                                                     non_blocking=True)  # fmt: skip
+                    else:
+                        dst[off : off + c].copy_(source[start + off : start + off + c],
+                                                 non_blocking=True)  # fmt: skip
+                landed = torch.cuda.Event()
+                landed.record(copier)
+                if side_sum is None:
+                    continue
+                if i < len(parts) - 1:
+                    side.wait_event(landed)
+                    with torch.cuda.stream(side):
+                        side_sum(off, c, off)
+                else:
+                    main.wait_event(landed)
+                    main.wait_stream(side)
+                    with torch.cuda.stream(main):
+                        full(off, c, off)
+            if side_sum is None:
+                main.wait_event(landed)
+
+        return go
+
+    def chunks(max_mib: int) -> list[tuple[int, int]]:
+        kept = trail_config()
+        try:
+            set_trail(kept[0], kept[1], max_mib, kept[3])
+            return cuda_ipc_checks.peer_chunks(n, dst.shape[1])
+        finally:
+            set_trail(*kept)
+
+    installed = trail_config()
+    arms = {
+        "pull_copy": arm(False, None),
+        "push_copy": arm(True, None),
+        "pull_chunks": arm(False, chunks(installed[2])),
+        "push_chunks": arm(True, chunks(installed[2])),
+        "pull_check": arm(False, chunks(installed[2]), installed[3]),
+        "push_check": arm(True, chunks(installed[2]), installed[3]),
+    }
+    for max_mib, per_sm in PUSHES:
+        arms[f"push_check_max{max_mib}_{per_sm}sm"] = arm(True, chunks(max_mib), per_sm)
+    with torch.cuda.device(dev):
+        for name, go in arms.items():  # first: what each checked arm sums is what was sent
+            if "check" in name:
+                dst[:n].zero_()
+                go()
+                torch.cuda.synchronize(dev)
+                if not torch.equal(sums, expect):
+                    raise AssertionError(f"{name}: the sums of what landed differ from sent")
+        secs = {name: device_time(go, "cuda", repeat) for name, go in arms.items()}
+    base = secs["pull_copy"]
+    return {"pull_copy_ms": round(base * 1e3, 4)} | {
+        f"{name}_over_pull_copy": round(s / base, 4) for name, s in secs.items()
+    }
+
+
+def measure(
+    args: argparse.Namespace, extra: dict[str, str], dst_pool: torch.Tensor,
+    local: torch.Tensor | None = None,
+) -> list[dict]:  # fmt: skip
     from libkv.transfer.cuda_ipc import IpcPool, open_pool
 
     dev, bb = dst_pool.device, args.block_bytes
@@ -238,6 +347,11 @@ def measure(args: argparse.Namespace, extra: dict[str, str], dst_pool: torch.Ten
             if not torch.equal(landed[0], first):
                 raise AssertionError(f"{key}: the first block did not land as sent")
         row |= device_times(dst_pool, src, most, n, pattern_sums(run, bb, dev), args.repeat)
+        if local is not None:
+            row["push"] = push_times(dst_pool, src, local, most, n, pattern_sums(run, bb, dev),
+                                     args.repeat)  # fmt: skip
+            print(f"  {tokens}: pull / push, x a pulled copy_: {row['push']}", file=sys.stderr,
+                  flush=True)  # fmt: skip
         if args.interference:
             row["interference"] = interference(
                 dst_pool, src, most, n, pattern_sums(run, bb, dev), args.interference
@@ -375,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
                    "programs per SM for this run (default: cuda_ipc_checks')")  # fmt: skip
     p.add_argument("--timeline", type=int, default=0, metavar="REPS",
                    help="also profile REPS fetches of the run each way, op by op")  # fmt: skip
+    p.add_argument(
+        "--push",
+        action="store_true",
+        help="also time copies pushed by the source GPU's copy engines (push_times)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.stack_handoff_ms = handoff_ms(args.stack_handoff_ms)
@@ -398,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{args.src} -> {dst} ({torch.cuda.get_device_name(dst)})"
         print(f"checked KV over CUDA IPC between two processes, {where}", flush=True)
         print(HEADER, flush=True)
-        rows = measure(args, extra, pool)
+        local = None
+        if args.push and torch.device(args.src) != dst:
+            local = torch.empty(2 * most, args.block_bytes, dtype=torch.uint8, device=args.src)
+            kv_peer.fill_pattern(local.view(-1))
+        rows = measure(args, extra, pool, local)
     finally:
         conn.send("stop")
         conn.recv()
