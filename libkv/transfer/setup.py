@@ -136,7 +136,9 @@ async def _endpoint(
 
 def _gpu_side(side: KVSide, pool: PoolStore, kind: str, nixl: bool, export: bool) -> None:
     """A GPU pool's hand-off record: host, GPU, mappable GPUs, the pool exported for CUDA IPC
-    (prefill), and whether NIXL moves its GPU memory device-direct. Says at start, as an error,
+    (prefill workers for their hand-offs, decode workers for the live moves of a drain: a
+    peer on this host then maps it and copies GPU to GPU), and whether NIXL moves its GPU
+    memory device-direct. Says at start, as an error,
     when no network path can (then only peers on this host disaggregate with it)."""
     side.extra.update(pool_record(pool.cache, pool.block_bytes, export))
     side.extra[NIXL_GPU_KEY] = "1" if nixl else "0"
@@ -177,7 +179,7 @@ async def decode_side(
     endpoint = await _endpoint(kind, pool, worker_id, incarnation, etcd, ranks)
     side = KVSide(whole_blocks=ranks is None)
     if pool.on_gpu:
-        _gpu_side(side, pool, kind, endpoint is not None, export=False)
+        _gpu_side(side, pool, kind, endpoint is not None, export=cuda_ipc)
         if not cuda_ipc:
             side.extra[VISIBLE_KEY] = ""  # maps no peer's pool
             side.gpu_direct["cuda-ipc"] = False
