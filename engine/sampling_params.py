@@ -40,6 +40,11 @@ class SamplingParams:
     ``include_stop_str_in_output`` keeps the stop string, or the text of the stop token (EOS or
     one of ``stop_token_ids``), that ended the sequence in its text, which leaves it out by
     default; ``skip_special_tokens=False`` keeps special tokens' text.
+
+    ``booked_tokens`` is for admission only: the completion tokens per choice that the services'
+    admission ledgers book for the request (``0 <= booked_tokens <= max_tokens``; 0: book
+    ``max_tokens``). Generation ignores it by design: a request runs to ``max_tokens`` whatever
+    it booked (`services.common.admission.request_cost`).
     """
 
     max_tokens: int = 16
@@ -61,6 +66,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     grammar: GrammarSpec | None = None
+    booked_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists/str for convenience but store tuples so the object stays hashable.
@@ -93,6 +99,7 @@ class SamplingParams:
 
         _check_int(self, "max_tokens", 1, None, bad)
         _check_int(self, "min_tokens", 0, self.max_tokens, bad)
+        _check_int(self, "booked_tokens", 0, self.max_tokens, bad)
         _check_float(self, "temperature", 0.0, 100.0, bad)
         _check_float(self, "top_p", 0.0, 1.0, bad)
         if self.top_p == 0.0:

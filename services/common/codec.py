@@ -117,6 +117,7 @@ def sampling_from_pb(opts: common_pb2.SamplingOptions) -> SamplingParams:
         skip_special_tokens=(
             opts.skip_special_tokens if opts.HasField("skip_special_tokens") else True
         ),
+        booked_tokens=opts.booked_tokens,
     )
 
 
@@ -142,6 +143,7 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingOptions:
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        booked_tokens=p.booked_tokens,
     )
     if not p.skip_special_tokens:
         opts.skip_special_tokens = False
