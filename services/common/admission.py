@@ -1,8 +1,9 @@
 """Admission control measured in tokens (no grpc, no HTTP): a bounded ledger of the work a
 process has accepted, shared by the gateway and the prefill and decode workers.
 
-A request costs its prompt plus its ``max_tokens`` (what it may still ask of the KV cache and
-the batch), not 1: ten requests of 4k tokens load a worker more than a hundred of 20. The ledger
+A request costs its prompt plus the completion tokens it books (`request_cost`: its
+``max_tokens``, or less where the gateway booked less for a request that left ``max_tokens``
+out), not 1: ten requests of 4k tokens load a worker more than a hundred of 20. The ledger
 admits a request while the tokens in flight stay within ``max_tokens``; batch requests only
 while they stay within ``batch_fraction`` of it, so under load batch work is refused first and
 interactive work keeps the rest. An empty ledger admits anything (one request never waits for
@@ -21,10 +22,13 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.common.options import option
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
 
 PRIORITIES = ("interactive", "batch")
 # The engine's priority number of each class (lower is scheduled first).
@@ -33,6 +37,21 @@ DEFAULT_RETRY_AFTER_MS = 1000
 MIN_RETRY_AFTER_MS = 100
 MAX_RETRY_AFTER_MS = 30_000
 RATE_WINDOW_S = 10.0
+
+
+def booked_completion(params: SamplingParams) -> int:
+    """The completion tokens admission books for a request: for each of its ``n`` choices, its
+    ``booked_tokens``, or its ``max_tokens`` where it books none (0)."""
+    return params.n * (params.booked_tokens or params.max_tokens)
+
+
+def request_cost(prompt_tokens: int, params: SamplingParams) -> int:
+    """What every admission ledger (gateway, router, decode worker) books for a request: its
+    prompt plus `booked_completion`. A booking is made once, when the request is admitted; one
+    that outgrows it (``booked_tokens < max_tokens``) runs on to ``max_tokens`` and is never
+    checked against a bound again, refused or cut for it (under KV pressure the engine preempts
+    and recomputes instead), and its release returns what was booked."""
+    return prompt_tokens + booked_completion(params)
 
 
 def batch_fraction_option() -> Any:

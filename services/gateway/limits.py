@@ -3,7 +3,8 @@ metered in tokens (input + output) and requests.
 
 Each tenant with limits has two token buckets: ``tokens_per_window`` and
 ``requests_per_window``, each refilled evenly over ``window_seconds``. Before a request runs it
-reserves its estimate (prompt + max_tokens, at most the bucket's size); when it ends, what it
+reserves its estimate (what admission books: prompt + max_tokens, or the booked completion
+tokens of a request that left max_tokens out; at most the bucket's size); when it ends, what it
 really used (prompt + the tokens it streamed, 0 if nothing was generated) is settled and the rest
 refunded, so the budget matches what clients got. Each answer carries the OpenAI rate-limit
 headers; a refusal is a 429 with ``Retry-After`` (seconds) and ``retry-after-ms``.
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.admission import RefusalMemory, TokenLedger
+from services.common.admission import RefusalMemory, TokenLedger, request_cost
 from services.common.errors import ResourceExhausted
 from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError, BackendRequest
@@ -226,8 +227,9 @@ class Limits:
 
 
 def cost_of(req: BackendRequest) -> int:
-    """What admission books for ``req``: its prompt plus every token its choices may make."""
-    return len(req.token_ids) + req.sampling.n * req.sampling.max_tokens
+    """What admission books for ``req`` (`request_cost`): its prompt plus its choices' booked
+    completion tokens."""
+    return request_cost(len(req.token_ids), req.sampling)
 
 
 def _rate_headers(kind: str, size: int, b: Bucket) -> dict[str, str]:

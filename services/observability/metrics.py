@@ -205,7 +205,8 @@ class AdmissionCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "tandem_admission_pending_tokens",
-            "Tokens (prompt + max_tokens; prefill: prompt) of the requests admitted and running.",
+            "Tokens (prompt + booked completion tokens; prefill: prompt) of the requests "
+            "admitted and running.",
             value=sum(led.pending_tokens for led in self.ledgers),
         )
         yield GaugeMetricFamily(

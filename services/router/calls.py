@@ -12,6 +12,7 @@ from typing import Protocol
 
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.cluster.registry import Member
+from services.common.admission import booked_completion, request_cost
 from services.common.codec import ChoiceStart, Event, KVHandle, Moved
 from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from services.router.policy import RouteRequest
@@ -64,16 +65,16 @@ class RouteJob:
 
     @property
     def cost(self) -> int:
-        """What decode admission books for it: prompt plus every token its choices may make."""
-        return len(self.prompt) + self.params.n * self.params.max_tokens
+        """What decode admission books for it (`request_cost`): prompt plus its choices' booked
+        completion tokens."""
+        return request_cost(len(self.prompt), self.params)
 
     @property
     def route(self) -> RouteRequest:
-        """What the routing policy looks at."""
+        """What the routing policy looks at (the completion as booked, as admission sees it)."""
         return RouteRequest(
-            self.prompt, self.tenant, self.session, self.params.n * self.params.max_tokens,
-            self.lora,
-        )  # fmt: skip
+            self.prompt, self.tenant, self.session, booked_completion(self.params), self.lora
+        )
 
     def time_left(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""

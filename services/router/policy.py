@@ -77,7 +77,7 @@ class RouteRequest:
     prompt: Sequence[int]
     tenant: str = ""
     session: str = ""
-    max_tokens: int = 16
+    max_tokens: int = 16  # completion tokens of all choices as admission books them
     lora: str = ""  # LoRA adapter: only workers that hold it serve the request
 
 

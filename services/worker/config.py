@@ -136,7 +136,9 @@ class WorkerConfig:
     max_pending_tokens: int = option(
         0,
         "refuse new requests (RESOURCE_EXHAUSTED) once the accepted ones hold this many tokens "
-        "(prompt + max_tokens; prefill: prompt); 0 = twice the KV pool",
+        "(prompt + booked completion tokens: max_tokens, or the gateway's "
+        "--default-booked-tokens where max_tokens is omitted; prefill: prompt); "
+        "0 = twice the KV pool",
     )
     batch_admission_fraction: float = batch_fraction_option()
     lora_modules: tuple[str, ...] = option(

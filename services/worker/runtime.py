@@ -47,7 +47,7 @@ class Worker:
     obs: Observability
     engine: AsyncEngine
     incarnation: str
-    ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: prompt + max_tokens)
+    ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: `request_cost`)
     pool: PoolStore  # the engine's KV pool as the transports see it
 
     def rank_agents(self) -> RankNixl | None:
