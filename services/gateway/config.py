@@ -25,11 +25,14 @@ class GatewayConfig:
 
     ``max_tokens`` omitted in a request means ``min(max_model_len - prompt_len,
     default_max_tokens)``: as much as fits, but bounded so a forgotten limit cannot hold a decode
-    slot for the whole context. ``api_keys`` holds hashed keys with their tenants and limits
-    (``services.gateway.keys``; ``--api-key`` and the ``--api-keys-file`` entries); empty
-    disables auth. ``max_inflight_tokens`` bounds the tokens (prompt + max_tokens) of the
-    requests in flight here (0: unbounded), batch ones to ``batch_admission_fraction`` of it. A
-    request's deadline is its ``timeout`` field, else ``request_timeout``, at most
+    slot for the whole context. Admission books such a request for only
+    ``min(that, default_booked_tokens)`` completion tokens per choice (0: all of them), since
+    most answers end long before the cap; it may still run to the cap, and once started it is
+    never refused or cut for outgrowing its booking. ``api_keys`` holds hashed keys with their
+    tenants and limits (``services.gateway.keys``; ``--api-key`` and the ``--api-keys-file``
+    entries); empty disables auth. ``max_inflight_tokens`` bounds the tokens (prompt + booked)
+    of the requests in flight here (0: unbounded), batch ones to ``batch_admission_fraction`` of
+    it. A request's deadline is its ``timeout`` field, else ``request_timeout``, at most
     ``max_request_timeout`` seconds. ``tls`` (cert, key, CA) is the gateway's identity towards
     the routers (mutual TLS); ``ssl_certfile``/``ssl_keyfile`` serve HTTPS to clients.
     ``tool_call_parser`` and ``tool_chat_template`` choose how tools reach the model and how
@@ -73,6 +76,12 @@ class GatewayConfig:
     )
     max_body_bytes: int = option(4 * 1024 * 1024, "largest request body (413 beyond)")
     default_max_tokens: int = option(4096, "cap on max_tokens when a request omits it")
+    default_booked_tokens: int = option(
+        1024,
+        "completion tokens per choice that admission books (gateway, routers, decode workers) "
+        "for a request that omits max_tokens; it may still run to --default-max-tokens, and "
+        "once started is never refused or cut for that; 0 = book the whole cap",
+    )
     log_level: str = log_level_option()
     slo_ttft_ms: float = option(
         1000.0, "goodput counts requests with TTFT and TPOT within both SLOs"
@@ -81,7 +90,8 @@ class GatewayConfig:
     observability: ObservabilityConfig = ObservabilityConfig()
     max_inflight_tokens: int = option(
         1_000_000,
-        "answer 429 once the requests in flight hold this many tokens (prompt + max_tokens); "
+        "answer 429 once the requests in flight hold this many tokens (prompt + max_tokens, "
+        "or + --default-booked-tokens where max_tokens is omitted); "
         "0 = no bound",
     )
     batch_admission_fraction: float = batch_fraction_option()
@@ -127,6 +137,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.default_max_tokens < 1:
             raise ValueError("max_body_bytes >= 1 and default_max_tokens >= 1")
+        if self.default_booked_tokens < 0:
+            raise ValueError("--default-booked-tokens >= 0")
         if self.max_inflight_tokens < 0 or not 0 < self.batch_admission_fraction <= 1:
             raise ValueError("--max-inflight-tokens >= 0 and 0 < --batch-admission-fraction <= 1")
         if self.refusal_memory < 0 or self.tokenizer_threads < 1:

@@ -291,7 +291,8 @@ def _prepare(
     tools: ToolRequest | None = None,
     best_of: int | None = None,
 ) -> Prepared:
-    """Check the prompt against the context, default max_tokens, build the sampling params."""
+    """Check the prompt against the context, default max_tokens (and what admission books for
+    it: `booked_tokens`), build the sampling params."""
     chat = isinstance(body, ChatCompletionRequest)
     prompt_param = "messages" if chat else "prompt"
     max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
@@ -315,12 +316,15 @@ def _prepare(
             param=prompt_param,
             code="context_length_exceeded",
         )
+    booked = 0  # admission books max_tokens
     if max_tokens is None:
         max_tokens = min(ctx - n, cfg.default_max_tokens)
+        # Most answers end long before the cap: book at most --default-booked-tokens (0: all).
+        booked = min(max_tokens, cfg.default_booked_tokens)
     choices = best_of or body.n or 1
     # best_of ranks choices by their tokens' logprobs: ask for them even when the client did not.
     logprobs = top_logprobs if best_of is None or top_logprobs is not None else 0
-    sampling = _sampling(body, max_tokens, logprobs, choices, grammar)
+    sampling = _sampling(body, max_tokens, logprobs, choices, grammar, booked)
     req = BackendRequest(
         request_id,
         tuple(ids),
@@ -400,6 +404,7 @@ def _sampling(
     top_logprobs: int | None,
     n: int,
     grammar: GrammarSpec | None,
+    booked_tokens: int = 0,
 ) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     given = {
@@ -426,6 +431,7 @@ def _sampling(
             n=n,
             logit_bias=_logit_bias(body.logit_bias),
             grammar=grammar,
+            booked_tokens=booked_tokens,
             **kwargs,
         )
     except InvalidRequestError as e:  # messages read "<field>: <why> (got ...)"
