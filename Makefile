@@ -1,4 +1,5 @@
-# Tandem: `make serve` starts the local stack with the bundled model, `make test` runs the CPU suite.
+# Tandem: `make serve` starts the local stack with the bundled model, `make test` runs the CPU suite
+# (`make test-stack`: its whole-stack fault, migration and load tests, which CI runs after it).
 # Every target installs what is missing first and is safe to re-run.
 SHELL := /bin/bash
 PY ?= python3
@@ -15,7 +16,7 @@ GPU ?= $(shell nvidia-smi >/dev/null 2>&1 && echo 1 || echo 0)
 NIXL ?= $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 13' && echo cu13 || echo cu12)
 VENV_FLAGS := $(if $(filter 1,$(GPU)),--system-site-packages,)
 
-.PHONY: install test test-all serve demo lint model etcd prometheus proto clean helm
+.PHONY: install test test-stack test-all serve demo lint model etcd prometheus proto clean helm
 
 install: $(STAMP) model etcd prometheus
 
@@ -64,6 +65,11 @@ model: $(STAMP)
 
 test: install helm
 	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q --durations=30
+
+# The tests marked `stack` (whole-stack faults, migration, drain, long loads), which the default
+# run leaves out to stay within CI's time; CI runs them after `make test`.
+test-stack: install
+	$(BIN)/python -m pytest -q --durations=30 -m 'stack and not gpu and not slow'
 
 test-all: install helm
 	TANDEM_HELM=$(HELM) $(BIN)/python -m pytest -q -m ''
