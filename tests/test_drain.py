@@ -169,6 +169,7 @@ def wait_exit(stack: Stack, name: str, timeout: float) -> int:
     return proc.wait(timeout)
 
 
+@pytest.mark.stack  # a stack of its own, drained in parts: `make test-stack`
 @pytest.mark.timeout(300)
 def test_sigterm_drains_decode_streams_and_prefill_hands_off(smol_dir, tmp_path) -> None:
     config = StackConfig(

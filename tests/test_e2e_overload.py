@@ -120,6 +120,7 @@ def check(stack: Stack, outcomes: list[Outcome], p90_bound: float | None) -> dic
     return figures
 
 
+@pytest.mark.stack  # `make test-stack`
 @pytest.mark.timeout(400)
 def test_overload_gets_fast_429s_and_every_started_stream_finishes(stack):
     check(stack, asyncio.run(overload(f"{stack.url}/v1/completions")), 1.0)

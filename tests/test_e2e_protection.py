@@ -84,6 +84,7 @@ def long_running(stack: Stack, max_tokens: int) -> tuple[threading.Thread, dict,
     return thread, out, started
 
 
+@pytest.mark.stack  # the load: `make test-stack`
 def test_overload_is_a_fast_429_batch_first_while_admitted_requests_finish(stack):
     thread, out, started = long_running(stack, 200)  # books ~205 of the worker's 300 tokens
     assert started.wait(60) and out.get("status", 200) == 200

@@ -368,6 +368,7 @@ def test_internal_grpc_client(stack, client, offline):
     assert_all_free(stack)
 
 
+@pytest.mark.stack  # the faults: `make test-stack`
 def test_killing_a_decode_worker_moves_traffic(stack, client):
     stack.kill("decode-1")
     # Until the lease lapses the router may still pick decode-1; it fails before the first
@@ -381,6 +382,7 @@ def test_killing_a_decode_worker_moves_traffic(stack, client):
     stack.restart("decode-1")
 
 
+@pytest.mark.stack
 def test_serving_survives_an_etcd_restart(stack, client):
     stack.etcd.kill()
     # Routers keep their last view and workers keep running while etcd is down.

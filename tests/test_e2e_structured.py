@@ -122,6 +122,8 @@ def person_samples(client: openai.OpenAI, long: bool, stream: bool, seed: int) -
     return texts
 
 
+# The long sampled runs (20 samples of up to 200 tokens each) and the kill: `make test-stack`.
+@pytest.mark.stack
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
 def test_json_schema_samples_at_temperature_one_all_validate(stack, client, stream):
     jobs = [(i % 2 == 1, 1000 * i + int(stream)) for i in range(5)]  # 5 x n=4 = 20 samples
@@ -139,6 +141,7 @@ def test_json_schema_samples_at_temperature_one_all_validate(stack, client, stre
     assert_all_free(stack)
 
 
+@pytest.mark.stack
 def test_forced_tool_calls_validate(client):
     """Named and required choices force a call at temperature 1.0. (With parallel calls
     allowed, ``required`` lets a sampled model go on calling until max_tokens: one call.)"""
@@ -285,6 +288,7 @@ def test_aborted_request_mid_grammar_frees_its_blocks(stack):
     assert_all_free(stack, within=2.0)
 
 
+@pytest.mark.stack
 def test_grammar_survives_a_move_to_another_decode_worker(stack, client):
     """Killed decode-0 stays in the routers' view until its lease lapses, and wins ties: the
     router's booking of decode capacity on it fails before any prefill, and the request goes to

@@ -31,6 +31,8 @@ from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import members, worker_stats
 
+pytestmark = pytest.mark.stack  # two stacks of TP=2 workers and a killed rank: `make test-stack`
+
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
     " ".join(f"Line {i}: the warehouse shipped {i * 7} crates to dock {i % 5}." for i in range(30)),

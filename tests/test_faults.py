@@ -8,9 +8,10 @@ gateway itself died) or is retried when no token had reached the client; no requ
 the bound; the others finish; no worker leaks a block (Stats: used/held/running == 0 and
 ``check_integrity()``); the member view in etcd heals within the member TTL.
 
-The default run has the decode, gateway and etcd cases (about 2 minutes with the stack start);
-the prefill and router cases are marked ``slow``. A run with ``TANDEM_TEST_REPORT=FILE`` appends
-each fault's outcome counts and heal times to FILE (see ``bench/results/faults_cpu.md``)."""
+Marked ``stack`` (not in the default run): `make test-stack`, which CI runs after it, has the
+decode, gateway and etcd cases (about 2 minutes with the stack start); the prefill and router
+cases are also ``slow``. A run with ``TANDEM_TEST_REPORT=FILE`` appends each fault's outcome
+counts and heal times to FILE (see ``bench/results/faults_cpu.md``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from tests.stack_probe import (
     wait_running,
     wait_serving,
 )
+
+pytestmark = pytest.mark.stack  # a stack killed in parts under load: `make test-stack`
 
 MODEL = "SmolLM2-135M-Instruct"
 TTL = 3  # member lease TTL (s): a dead worker leaves the view this fast
@@ -176,7 +179,7 @@ def test_etcd_killed_and_restarted(stack):
     assert_no_leaks(stack)
 
 
-@pytest.mark.slow  # the default run keeps decode, gateway and etcd faults (~2 min)
+@pytest.mark.slow  # `make test-stack` keeps decode, gateway and etcd faults (~2 min)
 def test_prefill_worker_killed(stack):
     with load(spec(stack, seed=6)) as running:
         running.wait_for(3, 120)
@@ -197,7 +200,7 @@ def test_prefill_worker_killed(stack):
     assert_no_leaks(stack)
 
 
-@pytest.mark.slow  # the default run keeps decode, gateway and etcd faults (~2 min)
+@pytest.mark.slow  # `make test-stack` keeps decode, gateway and etcd faults (~2 min)
 def test_router_killed(stack):
     """Two routers; one dies mid-load. Its streams end in an error (or, before any token, the
     gateway retries them on the other router); requests after the kill are all served."""

@@ -192,6 +192,7 @@ class KillDuringFetch:
         return getattr(self.inner, name)
 
 
+@pytest.mark.stack  # a killed and restarted prefill worker: `make test-stack`
 @pytest.mark.parametrize("mode", ["read", "write"])
 async def test_prefill_killed_mid_transfer_recomputes_and_restart_uses_new_agent(
     cluster, offline, smol_dir, mode

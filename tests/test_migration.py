@@ -21,6 +21,8 @@ from services.launcher.stack import Stack, StackConfig
 from tests.stack_probe import worker_stats
 from tests.test_e2e_stack import MODEL, TRANSPORTS, assert_all_free
 
+pytestmark = pytest.mark.stack  # two stacks, a kill and a drain each: `make test-stack`
+
 MAX_TOKENS = 64
 STREAMS = 6
 PROMPTS = [

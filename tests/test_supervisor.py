@@ -136,6 +136,7 @@ def served_within(client: openai.OpenAI, model: str, seconds: float) -> float:
     raise AssertionError(f"no request served within {seconds} s: {last}")
 
 
+@pytest.mark.stack  # `make test-stack`
 @pytest.mark.timeout(420)
 def test_serve_heals_a_killed_decode_worker_router_and_etcd(smol_dir, tmp_path) -> None:
     port = free_port()
