@@ -167,6 +167,20 @@ def hit_busiest(stack: Stack, sig: int, hit: list[str]):
     return run
 
 
+def hit_during_streams(stack: Stack, reference: dict[str, Stream], sig: int):
+    """Every prompt streamed at once, ``sig`` sent to the busiest decode worker once all are
+    under way (`hit_busiest`), every stream checked against ``reference``. Returns the run's
+    migrations and live moves, the worker hit, the survivor and the longest pause between two
+    chunks of any stream (seconds)."""
+    before = migrations(stack)
+    hit: list[str] = []
+    streams = run_all(stack, PROMPTS[:STREAMS], during=hit_busiest(stack, sig, hit))
+    check_against(reference, streams)
+    moved, live = (a - b for a, b in zip(migrations(stack), before, strict=True))
+    survivor = "decode-0" if hit[0] == "decode-1" else "decode-1"
+    return moved, live, hit[0], survivor, max(s.gap for s in streams)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "drain"])
 def test_streams_of_a_lost_decode_worker_continue_elsewhere(stack, reference, sig):
@@ -175,23 +189,17 @@ def test_streams_of_a_lost_decode_worker_continue_elsewhere(stack, reference, si
     transport = stack.config.kv_transport
     if transport == "nixl" and sig == signal.SIGKILL:
         pytest.skip("a killed worker's streams are re-prefilled: no KV moves")
-    before = migrations(stack)
     over = {n: (transfers(stack, n, "nixl-read"), transfers(stack, n, "grpc"))
             for n in ("decode-0", "decode-1")}  # fmt: skip
     recomputed = {n: metric(stack, n, "tandem_kv_handoff_recomputed_total")
                   for n in ("decode-0", "decode-1")}  # fmt: skip
-    hit: list[str] = []
-    streams = run_all(stack, PROMPTS[:STREAMS], during=hit_busiest(stack, sig, hit))
-    check_against(reference, streams)
-    moved, live = (a - b for a, b in zip(migrations(stack), before, strict=True))
-    survivor = "decode-0" if hit[0] == "decode-1" else "decode-1"
-    gap = max(s.gap for s in streams)
-    print(f"{hit[0]} {signal.Signals(sig).name}: {moved:.0f} migrated, {live:.0f} with their "
+    moved, live, lost, survivor, gap = hit_during_streams(stack, reference, sig)
+    print(f"{lost} {signal.Signals(sig).name}: {moved:.0f} migrated, {live:.0f} with their "
           f"KV; longest pause between chunks {gap:.2f} s")  # fmt: skip
     assert moved >= 1
     if sig == signal.SIGTERM:  # a planned drain moves the running streams with their KV
         assert live >= 1
-        drained = stack.children[hit[0]].log_path.read_text()
+        drained = stack.children[lost].log_path.read_text()
         assert "handed over with their KV" in drained
         # Its moved KV was freed once read (NIXL: on the READ's notification), so the drain
         # ended before its timeout.
@@ -209,6 +217,6 @@ def test_streams_of_a_lost_decode_worker_continue_elsewhere(stack, reference, si
         assert live == 0
     assert "arrived corrupt" not in stack.children[survivor].log_path.read_text()
     # The stack keeps serving on the survivor, and the lost worker comes back.
-    stack.restart(hit[0])
+    stack.restart(lost)
     check_against(reference, run_all(stack, PROMPTS[:2]))
     assert_all_free(stack, within=10)

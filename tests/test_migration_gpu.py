@@ -32,9 +32,8 @@ from tests.test_migration import (  # noqa: E402
     PROMPTS,
     STREAMS,
     check_against,
-    hit_busiest,
+    hit_during_streams,
     metric,
-    migrations,
     run_all,
     transfers,
 )
@@ -71,18 +70,12 @@ def reference(stack):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "drain"])
 def test_streams_of_a_lost_gpu_decode_worker_continue_elsewhere(stack, reference, sig):
-    before = migrations(stack)
     paths = ("cuda-ipc", "nixl-read", "grpc")
     moved_by = {(n, p): transfers(stack, n, p) for n in DECODE for p in paths}
     recomputed = {n: metric(stack, n, "tandem_kv_handoff_recomputed_total") for n in DECODE}
-    hit: list[str] = []
-    streams = run_all(stack, PROMPTS[:STREAMS], during=hit_busiest(stack, sig, hit))
-    check_against(reference, streams)
-    moved, live = (a - b for a, b in zip(migrations(stack), before, strict=True))
-    survivor = "decode-0" if hit[0] == "decode-1" else "decode-1"
-    gap = max(s.gap for s in streams)
+    moved, live, lost, survivor, gap = hit_during_streams(stack, reference, sig)
     by = {p: transfers(stack, survivor, p) - moved_by[survivor, p] for p in paths}
-    print(f"{hit[0]} {signal.Signals(sig).name}: {moved:.0f} migrated, {live:.0f} with their "
+    print(f"{lost} {signal.Signals(sig).name}: {moved:.0f} migrated, {live:.0f} with their "
           f"KV; the survivor's transfers by path {by}; longest pause between chunks "
           f"{gap:.2f} s")  # fmt: skip
     assert moved >= 1
@@ -90,7 +83,7 @@ def test_streams_of_a_lost_gpu_decode_worker_continue_elsewhere(stack, reference
     assert "arrived corrupt" not in log
     if sig == signal.SIGTERM:
         assert live >= 1
-        drained = stack.children[hit[0]].log_path.read_text()
+        drained = stack.children[lost].log_path.read_text()
         assert "handed over with their KV" in drained
         assert "drain timed out" not in drained
         # The moved KV came GPU to GPU over CUDA IPC (the draining worker exports its pool),
@@ -100,6 +93,6 @@ def test_streams_of_a_lost_gpu_decode_worker_continue_elsewhere(stack, reference
     else:
         assert live == 0
     # The stack keeps serving, and the lost worker comes back on its GPU and serves.
-    stack.restart(hit[0])
+    stack.restart(lost)
     check_against(reference, run_all(stack, PROMPTS[:2]))
     assert_all_free(stack, within=10)
