@@ -20,6 +20,7 @@ from services.common.admission import (
     booked_completion,
     bound_record,
     request_cost,
+    resumed_cost,
 )
 from services.common.codec import sampling_from_pb, sampling_to_pb
 from services.common.errors import ResourceExhausted
@@ -68,6 +69,20 @@ def test_request_cost_books_each_choice_its_booking_else_its_max_tokens() -> Non
     assert request_cost(10, SamplingParams(max_tokens=100, booked_tokens=8)) == 18
     assert request_cost(10, SamplingParams(max_tokens=100, booked_tokens=8, n=3)) == 34
     assert booked_completion(SamplingParams(max_tokens=100, n=3)) == 300
+
+
+def test_a_migrated_request_books_what_it_produced_and_a_booking_for_the_rest() -> None:
+    """On the decode worker it moves to after ``done`` tokens: never below `request_cost`, nor
+    below its prompt, those tokens (held in KV there at once) and a new request's booking for
+    the rest, at most what max_tokens leaves."""
+    part = SamplingParams(max_tokens=100, booked_tokens=8)
+    assert resumed_cost(10, 0, part) == request_cost(10, part) == 18
+    assert resumed_cost(10, 5, part) == 10 + 5 + 8
+    assert resumed_cost(10, 60, part) == 10 + 60 + 8  # far past its booking of 8
+    assert resumed_cost(10, 95, part) == resumed_cost(10, 100, part) == 110  # 5, 0 left to come
+    whole = SamplingParams(max_tokens=100)
+    assert {resumed_cost(10, done, whole) for done in (0, 1, 60, 100)} == {110}  # as before
+    assert DecodeJob("r", list(range(10)), part, resumed=list(range(60))).cost == 78
 
 
 def test_every_booker_books_the_same() -> None:
@@ -186,10 +201,23 @@ def test_the_router_books_its_copy_of_a_decode_ledger_by_the_booking() -> None:
 
 
 class _Engine:
-    """The slice of AsyncEngine a decode-only DecodeCore uses: every token to max_tokens."""
+    """The slice of AsyncEngine a decode-only DecodeCore uses: every token to max_tokens; a
+    migrated request (`follow` after `add_prefilled`): the tokens it has left."""
+
+    def __init__(self) -> None:
+        self.engine = self
+        self.left = 0
 
     async def generate(self, request_id, prompt, params, **kw):
         for i in range(params.max_tokens):
+            yield (request_id, i)
+
+    def add_prefilled(self, request_id, prompt, first, params, *, firsts, **kw):
+        self.left = params.max_tokens - len(firsts[0].tokens)
+
+    async def follow(self, request_id, add):
+        add()
+        for i in range(self.left):
             yield (request_id, i)
 
 
@@ -203,3 +231,16 @@ async def test_the_decode_worker_books_once_and_lets_a_request_run_past_its_book
     rest = [[o async for o in s] for s in streams]  # each runs to 48, far past its 8
     assert all(len(r) == 47 for r in rest)
     assert core.ledger.pending_tokens == 0 and not core.ledger.inflight
+
+
+async def test_a_migrated_request_is_booked_for_the_tokens_it_brings() -> None:
+    """Moved here after 30 tokens (far past its booking of 8): forced past the bound, booked
+    at 10 + 30 + 8, not at the 18 a new request books; all of it returned when it ends."""
+    core = DecodeCore(_Engine(), None, "d1", "inc", ledger=TokenLedger(BOUND))  # type: ignore[arg-type]
+    core.ledger.admit("other", 60)
+    job = DecodeJob("m", list(range(10)), PART, admitted=True, resumed=list(range(30)))
+    stream = core.generate(job)
+    await stream.__anext__()
+    assert core.ledger.inflight["m"] == 48 and core.ledger.pending_tokens == 108
+    assert len([o async for o in stream]) == 48 - 30 - 1  # it runs on to its max_tokens
+    assert core.ledger.inflight == {"other": 60} and core.resumed == 1

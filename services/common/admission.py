@@ -54,6 +54,17 @@ def request_cost(prompt_tokens: int, params: SamplingParams) -> int:
     return prompt_tokens + booked_completion(params)
 
 
+def resumed_cost(prompt_tokens: int, done: int, params: SamplingParams) -> int:
+    """What a decode worker books for a request migrated to it after it produced ``done``
+    tokens (one choice): `request_cost`, but never less than its prompt, those tokens (their KV
+    is held here from the start) and the rest booked as a new request's completion would be
+    (its ``booked_tokens`` or ``max_tokens``, at most what ``max_tokens`` leaves). A request
+    that outgrew its booking is then not under-counted on every worker it moves to; one that
+    books its whole ``max_tokens`` books the same as before."""
+    rest = min(params.booked_tokens or params.max_tokens, max(params.max_tokens - done, 0))
+    return max(request_cost(prompt_tokens, params), prompt_tokens + done + rest)
+
+
 def batch_fraction_option() -> Any:
     """The ``--batch-admission-fraction`` field of a config (gateway and workers alike)."""
     return option(0.5, "batch-priority requests are admitted only up to this fraction of the bound")

@@ -16,7 +16,7 @@ from engine.kv_checksum import WSUM64, legacy_algorithm
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.transfer import CopySums, KVTransferError, KVTransport
-from services.common.admission import ENGINE_PRIORITY, TokenLedger, request_cost
+from services.common.admission import ENGINE_PRIORITY, TokenLedger, request_cost, resumed_cost
 from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
 from services.decode.handover import Handover
@@ -58,7 +58,10 @@ class DecodeJob:
     @property
     def cost(self) -> int:
         """What admission books for it (`request_cost`): prompt plus its choices' booked
-        completion tokens. Booked once; the request may generate past it (to max_tokens)."""
+        completion tokens. Booked once; the request may generate past it (to max_tokens). A
+        migrated request (`resumed_cost`) also books the tokens it already produced."""
+        if self.resumed:
+            return resumed_cost(len(self.prompt), len(self.resumed), self.params)
         return request_cost(len(self.prompt), self.params)
 
 
