@@ -36,7 +36,16 @@ from engine.fp8 import quantize_layer
 from engine.shapes import SHAPES
 from kernels import reference
 
-COLS = ["weights", "batch", "variant", "step_ms", "vs_installed", "frac_roofline"]
+COLS = [
+    "weights",
+    "batch",
+    "variant",
+    "step_ms",
+    "vs_installed",
+    "frac_roofline",
+    "logits_rel_diff",
+    "argmax_same",
+]
 LAYER = ("qkv", "o_proj", "gate_up", "down")
 PROF_COLS = ["kernel", "us_per_step", "calls_per_step"]
 # (weights, batch) -> changes to every installed layer plan, one variant each
@@ -160,6 +169,38 @@ def what_if_without(name: str) -> contextlib.AbstractContextManager:
     return kernels_set(silu_and_mul=lambda x: x[:, : x.shape[1] // 2])
 
 
+@contextlib.contextmanager
+def folded(
+    bench: LlamaBench, norm_first: bool | str | None = None, xb: int = 0, fold_dot: bool = False
+) -> Iterator[None]:
+    """The norms folded into the products (``engine.model.fold_norms``, what the engine does
+    on CUDA): the step takes ``kernels.rms_linear``/``linear_add``, six launches a layer
+    instead of ten (``norm_first``, ``xb``: ``triton_skinny.NORM_FIRST``/``NORM_XB``, where the
+    norm's sums of squares are made; ``fold_dot``: ``kernels.FOLD_DOT``, the norm in the product
+    on the tensor cores' plans too). The folded matrices are copies; the bench's own come back
+    after."""
+    from engine.model import fold_norms
+
+    layers = bench.w.layers
+    copies = [dataclasses.replace(lw, qkv=lw.qkv.clone(), gate_up=lw.gate_up.clone())
+              for lw in layers]  # fmt: skip
+    bench.w.layers = copies
+    fold_norms(bench.w)
+    bench.model.folded = True
+    from kernels import triton_skinny
+
+    saved = triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT
+    triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT = norm_first, xb, fold_dot
+    try:
+        yield
+    finally:
+        triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT = saved
+        bench.w.layers = layers
+        bench.model.folded = False
+        del copies
+        torch.cuda.empty_cache()
+
+
 def pdl_off() -> contextlib.AbstractContextManager:
     return kernels_set(PDL=False)
 
@@ -210,6 +251,13 @@ def run(args: argparse.Namespace) -> dict:
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
             variants["fused"] = fused
+            if weights == "bf16":
+                variants["folded"] = lambda: folded(bench)
+                variants["folded_ssq_in_loop"] = lambda: folded(bench, False, 0, True)
+                variants["folded_ssq_first"] = lambda: folded(bench, True, 0, True)
+                variants["folded_ssq_first_xb1024"] = lambda: folded(bench, True, 1024, True)
+                variants["what_if_folded_no_ssq"] = lambda: folded(bench, "skip", fold_dot=True)
+                variants["folded_fuse_dot"] = lambda: folded(bench, fold_dot=True)
             variants["what_if_no_rms_norm"] = lambda: what_if_without("rms_norm")
             variants["what_if_no_silu"] = lambda: what_if_without("silu")
             for change in CHANGES.get((weights, b), []) if device == "cuda" else []:
@@ -225,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
                     c, b, wdtype, plan
                 )
             base = None
+            base_logits = None
             for vname, change in variants.items():
                 if args.variants and vname not in args.variants and vname != "installed":
                     continue
@@ -237,15 +286,23 @@ def run(args: argparse.Namespace) -> dict:
                     print(res["rows"][-1], flush=True)
                     continue
                 base = r["step_ms"] if vname == "installed" else base
+                logits = bench.last_logits.float()
+                base_logits = logits if vname == "installed" else base_logits
+                diff = (logits - base_logits).abs().max() / base_logits.abs().max()
+                same = (logits.argmax(-1) == base_logits.argmax(-1)).float().mean()
                 row = {"weights": weights, "batch": b, "variant": vname, **r,
-                       "vs_installed": r["step_ms"] / base if base else None}  # fmt: skip
+                       "vs_installed": r["step_ms"] / base if base else None,
+                       "logits_rel_diff": diff.item(), "argmax_same": same.item()}  # fmt: skip
                 res["rows"].append(row)
                 print({k: row.get(k) for k in COLS}, flush=True)
             if device == "cuda" and not args.no_profile:
-                with pdl_off():
-                    prof = bench.profile_graph(b, ctx)
-                res["profiles"].append({"weights": weights, **prof})
-                print(table(prof.get("rows", []), PROF_COLS))
+                for vname in ("installed", "folded") if "folded" in variants else ("installed",):
+                    if args.variants and vname not in args.variants and vname != "installed":
+                        continue
+                    with pdl_off(), variants[vname]():
+                        prof = bench.profile_graph(b, ctx)
+                    res["profiles"].append({"weights": weights, "variant": vname, **prof})
+                    print(table(prof.get("rows", []), PROF_COLS))
     return res
 
 
@@ -259,7 +316,8 @@ def report(res: dict) -> str:
 
         lines += decode_attention_gpu.report(res)
     for p in res["profiles"]:
-        lines += [f"## Profile, {p['weights']} batch {p.get('batch')}, PDL off "
+        lines += [f"## Profile, {p['weights']} batch {p.get('batch')}, "
+                  f"{p.get('variant', 'installed')}, PDL off "
                   f"(kernels {p.get('kernels_us', 0):.0f} us per step)", "",
                   table(p.get("rows", []), PROF_COLS), ""]  # fmt: skip
     return "\n".join(lines)

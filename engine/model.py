@@ -39,6 +39,9 @@ class LayerWeights:
     down: torch.Tensor | kernels.Fp8Weight
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # The two norms' weights multiplied into the columns of qkv and gate_up (`fold_norms`);
+    # input_norm and post_norm are then ones.
+    folded: bool = False
 
 
 @dataclass(slots=True)
@@ -48,6 +51,25 @@ class ModelWeights:
     norm: torch.Tensor
     # The embedding itself when tied; an ``Fp8Weight`` of its own with ``quantize_lm_head``.
     lm_head: torch.Tensor | kernels.Fp8Weight
+
+
+def fold_norms(weights: ModelWeights) -> None:
+    """Multiply each layer's RMSNorm weights into the columns of the product that follows the
+    norm (``rms_norm(x) * g @ W.T == rms_norm(x) @ (W * g).T``), in place, and set the norms'
+    weights to ones; the decode step then takes `kernels.rms_linear` and `kernels.linear_add`
+    (``DecoderModel``'s folded forward): no RMSNorm or SiLU-and-multiply launches, the residual
+    added in the products' epilogues. bf16/fp16 weights only (an FP8 weight's per-row scale
+    cannot take a per-column factor); the products round ``W * g`` once to the weights' dtype."""
+    for lw in weights.layers:
+        if lw.folded:
+            continue
+        if isinstance(lw.qkv, kernels.Fp8Weight) or isinstance(lw.gate_up, kernels.Fp8Weight):
+            raise ValueError("fold_norms takes bf16/fp16 weights, not FP8")
+        lw.qkv.mul_(lw.input_norm.to(lw.qkv.dtype))
+        lw.gate_up.mul_(lw.post_norm.to(lw.gate_up.dtype))
+        lw.input_norm = torch.ones_like(lw.input_norm)
+        lw.post_norm = torch.ones_like(lw.post_norm)
+        lw.folded = True
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -95,6 +117,19 @@ class DecoderModel:
         self.scale = config.head_dim**-0.5
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
+        self.folded = bool(weights.layers) and all(lw.folded for lw in weights.layers)
+        if self.folded and self.comm.shard.size > 1:
+            raise ValueError("folded norms (fold_norms) need one rank: the products add the "
+                             "residual stream before the ranks' sums")  # fmt: skip
+
+    def fold(self) -> None:
+        """`fold_norms` of this model's weights (one rank, no LoRA): the decode step's
+        norms and SiLU-and-multiply move into the products."""
+        if self.comm.shard.size > 1:
+            raise ValueError("folded norms (fold_norms) need one rank: the products add the "
+                             "residual stream before the ranks' sums")  # fmt: skip
+        fold_norms(self.w)
+        self.folded = True
 
     @torch.inference_mode()
     def forward(
@@ -109,6 +144,10 @@ class DecoderModel:
         ``lora``, each token's adapter adds its low-rank delta to the seven projections."""
         x = self.comm.embed(input_ids, self.w.embed)
         cos, sin = self.cos[positions], self.sin[positions]
+        if self.folded:
+            if lora is not None:
+                raise ValueError("a model with folded norms takes no LoRA adapters")
+            return self._forward_folded(x, cos, sin, kv_cache, meta)
         residual: torch.Tensor | None = None
         qkv_parts = (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))
         for i, lw in enumerate(self.w.layers):
@@ -123,6 +162,21 @@ class DecoderModel:
             )  # fmt: skip
             x = self.comm.all_reduce(self._down(i, lw, gate_up, lora))
         out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual)
+        return out
+
+    def _forward_folded(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        """`forward` with the norms folded into the products (`fold_norms`): ``s`` is the
+        residual stream itself; each product that follows a norm normalizes ``s`` in its
+        epilogue, and the two that end a block add the stream in theirs."""
+        eps = self.config.rms_norm_eps
+        s = x
+        for i, lw in enumerate(self.w.layers):
+            qkv = kernels.rms_linear(s, lw.input_norm, eps, lw.qkv, lw.qkv_bias)
+            s = kernels.linear_add(self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta),
+                                   lw.o_proj, s)  # fmt: skip
+            act = kernels.rms_linear(s, lw.post_norm, eps, lw.gate_up, silu=True)
+            s = kernels.linear_add(act, lw.down, s)
+        out, _ = kernels.rms_norm(s, self.w.norm, eps)
         return out
 
     def _normed_product(self, i, x, residual, norm, w, bias, lora, parts):
@@ -144,6 +198,14 @@ class DecoderModel:
 
     def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
         """Attention of the layer from its (normed) input's QKV product; returns o_proj's."""
+        o = self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta)
+        out = kernels.linear(o, lw.o_proj)
+        if lora is not None:
+            lora.add(i, "o_proj", out, o)
+        return self.comm.all_reduce(out)
+
+    def _attention_out(self, i, lw, qkv, cos, sin, kv_cache, meta) -> torch.Tensor:
+        """The attention heads' output ``[T, q_size]`` (o_proj's input)."""
         c = self.config
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = qkv.shape[0]
@@ -152,11 +214,7 @@ class DecoderModel:
         v = v.view(t, self.num_kv_heads, c.head_dim)
         q = kernels.rope_write_kv(q, k, v, cos, sin, kv_cache, i, meta, lw.k_scale, lw.v_scale)
         o = kernels.paged_attention(q, kv_cache, i, meta, self.scale, lw.k_scale, lw.v_scale)
-        o = o.reshape(t, self.q_size)
-        out = kernels.linear(o, lw.o_proj)
-        if lora is not None:
-            lora.add(i, "o_proj", out, o)
-        return self.comm.all_reduce(out)
+        return o.reshape(t, self.q_size)
 
     def _down(self, i: int, lw: LayerWeights, gate_up: torch.Tensor, lora: LoRABatch | None):
         """The down product of SiLU-and-multiply of ``gate_up`` (one launch for decode

@@ -164,6 +164,15 @@ class ModelRunner:
                 fp8_head,
             )  # fmt: skip
         self.model = DecoderModel(model_config, weights, max_len, self.comm)
+        if (
+            on_cuda
+            and kernels.FOLD_DECODE
+            and shard.size == 1
+            and not config.enable_lora
+            and not quantize
+            and self.dtype in (torch.bfloat16, torch.float16)
+        ):
+            self.model.fold()  # the decode step's norms and SiLU in the products (kernels)
         # Before the KV plan, so that on CUDA the slots count as weights.
         self.lora: LoRAManager | None = None
         if config.enable_lora:

@@ -34,6 +34,18 @@ SKINNY_KERNEL = "skinny"
 # an H100 the fused decode step of the 8B shape took 32 ms against 6.2 ms unfused
 # (bench/results/decode_gpu_h100.md); the kernels match their references but are not fast yet.
 FUSE_DECODE = False
+# Decode with the norms folded into the products: on CUDA, a model of one rank without LoRA
+# or FP8 weights takes ``engine.model.fold_norms`` at load, and its decode step takes
+# `rms_linear` and `linear_add` (the residual adds in the products' epilogues; at one row also
+# the RMSNorm and SiLU-and-multiply: six launches a layer instead of ten). On H100s the 8B step
+# at batch 1 took 0.988-0.989x the unfolded one, at batch 8 1.002x
+# (bench/results/decode_gpu_h100.md, session 14).
+FOLD_DECODE = True
+# `rms_linear` in one launch on the tensor cores' plans too (2-8 rows). Off: on an H100 the
+# sums of squares beside the pipelined product cost what the two launches saved (the folded
+# 8B step at batch 8 took 0.997-1.011x the unfolded one; at one row, on the CUDA cores, 0.989x),
+# so there the folded model's step takes `rms_norm` then the product.
+FOLD_DOT = False
 # Programmatic dependent launch (Hopper and newer): the decode step's Triton kernels launch
 # while the previous kernel finishes (``launch_pdl``) and wait for its results in the kernel
 # (``griddepcontrol.wait``); the skinny products load their first weights before that wait.
@@ -60,11 +72,13 @@ __all__ = [
     "compare_sums",
     "count_mismatches",
     "linear",
+    "linear_add",
     "lora_add",
     "lora_add_fused",
     "norm_linear",
     "paged_attention",
     "quantize_fp8_rows",
+    "rms_linear",
     "rms_norm",
     "rope_write_kv",
     "rotary_embedding",
@@ -159,6 +173,48 @@ def norm_linear(
         return mod.norm_linear(x, residual, norm, eps, w, bias)
     h, residual_out = rms_norm(x, norm, eps, residual)
     return linear(h, w, bias), residual_out
+
+
+def rms_linear(
+    x: torch.Tensor,
+    unit_norm: torch.Tensor,
+    eps: float,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+    silu: bool = False,
+) -> torch.Tensor:
+    """``linear(rms_norm(x), w, bias)`` for a ``w`` that holds the norm's weight in its columns
+    (``engine.model.fold_norms``); ``silu``: ``w`` is ``[gate; up]`` and the result is
+    ``silu_and_mul`` of the product. Where the product takes the skinny kernel on the CUDA
+    cores (or the tensor cores with ``FOLD_DOT``), one launch
+    (``triton_skinny.rms_linear``: ``x`` unchanged into the product, ``1/rms`` and SiLU in the
+    epilogue); elsewhere `rms_norm` with ``unit_norm`` (the folded norm's weight: ones), then
+    `linear` (then `silu_and_mul`)."""
+    if (
+        SKINNY_KERNEL == "skinny"
+        and not isinstance(w, Fp8Weight)
+        and _skinny(x, w)
+        and (bias is None or not silu)
+    ):
+        from kernels import triton_skinny
+
+        dot = triton_skinny.plan_for(x.shape[0], *w.shape, w.dtype, 3).dot
+        fits = not silu or triton_skinny.silu_fits(x.shape[0], *w.shape, w.dtype)
+        if fits and (FOLD_DOT or not dot):
+            return triton_skinny.rms_linear(x, eps, w, bias, silu=silu)
+    h, _ = rms_norm(x, unit_norm, eps)
+    out = linear(h, w, bias)
+    return silu_and_mul(out) if silu else out
+
+
+def linear_add(x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor) -> torch.Tensor:
+    """``linear(x, w) + add`` (the residual stream): where the product takes the skinny
+    kernel, added in its epilogue before the one rounding; elsewhere added after."""
+    if SKINNY_KERNEL == "skinny" and not isinstance(w, Fp8Weight) and _skinny(x, w):
+        from kernels import triton_skinny
+
+        return triton_skinny.linear(x, w, add=add)
+    return linear(x, w).add_(add)
 
 
 def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:

@@ -30,6 +30,10 @@ Prologues, as in ``triton_gemv``: 1 = RMSNorm of ``x + residual`` (the norm's ``
 factors out of each output row: the epilogue applies it; the first program also stores
 ``x + residual``), 2 = SiLU-and-multiply of ``[gate | up]`` rounded as ``silu_and_mul``
 rounds. The prologue works on the few rows of ``x`` only, once per program and step.
+3 = the folded norm (``rms_linear``): the norm's weight is in ``w``'s columns, so ``x`` goes
+into the product unchanged and the loads stay pipelined; only its squares are summed beside it.
+Epilogues: ``add`` (the residual stream added before the one rounding) and ``silu`` (each
+program takes matching rows of gate and up, and stores ``silu(gate) * up``).
 
 Plans: ``plan_for`` picks one per (rows, N, K, weight dtype, prologue): a measured table
 (``set_plan``, filled by ``bench.skinny_gpu`` and kept in ``kernels/skinny_plans.json`` per
@@ -52,6 +56,15 @@ from kernels._triton import pdl_kwargs
 MAX_ROWS = 8
 _MAX_TILES = 1 << 17
 _LOCKS: dict[torch.device, torch.Tensor] = {}
+# The folded norm (prologue 3) sums x's squares in a pass of its own before the loop (True) or
+# beside the product in every step (False); None: the pass on the CUDA cores' plans (one row:
+# 0.988x the unfolded step on an H100, against 1.007x in the loop), in the loop on the tensor
+# cores' (8 rows: 0.997x, against 1.25x for a pass of BLOCK_K-wide tiles before the pipeline).
+# NORM_XB: the pass's tile width (0: BLOCK_K). bench.decode_variants compares them; its
+# what-if "skip" leaves the sums out on the tensor cores (wrong norms: an upper bound for sums
+# made elsewhere).
+NORM_FIRST: bool | str | None = None
+NORM_XB = 0
 PLANS_FILE = Path(__file__).with_name("skinny_plans.json")
 
 
@@ -113,6 +126,9 @@ def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, rows, store_rows, offs_k, M, K, 
             # The norm's weight as a tile like x's too (a [K] vector would be shuffled).
             g = tl.load(g_ptr + rows[:, None] * 0 + offs_k[None, :], mask=mask, other=0.0)
             x = (xf * g.to(tl.float32)).to(x.dtype)
+        elif PROLOGUE == 3:  # the folded norm: x as it is (the norm's weight is in w's columns)
+            xf = x.to(tl.float32)
+            sq = xf * xf
     return x, sq
 
 
@@ -147,16 +163,32 @@ def _put(acc, part, offs_m, m: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
-              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-              UNIT: tl.constexpr = 1.0):  # fmt: skip
-    """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows)."""
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIT: tl.constexpr = 1.0,
+              pid_n=0, add_ptr=None, stride_am=0, ADD: tl.constexpr = False,
+              SILU: tl.constexpr = False, BLOCK_N: tl.constexpr = 1,
+              BLOCK_M: tl.constexpr = 1):  # fmt: skip
+    """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows). ``SILU``: the tile's first
+    half of rows is gate's, the second up's (``_skinny_kernel``), stored as ``silu(gate) * up``
+    in columns ``pid_n * BLOCK_N / 2 + ...`` of an ``[M, N / 2]`` output. ``ADD``: plus the
+    ``[M, N]`` tensor at ``add_ptr`` (the residual stream), rounded once."""
     n_mask = offs_n < N
     if HAS_SCALE:  # per output channel (FP8 weights), times the caller's unit
         acc *= (tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0) * UNIT)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if SILU:
+        pair = tl.permute(tl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), (1, 2, 0))
+        gate, up = tl.split(pair)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        N = N // 2
+        n_mask = offs_n < N
+    mask = (offs_m < M)[None, :] & n_mask[:, None]
+    if ADD:
+        a = tl.load(add_ptr + offs_m[None, :] * stride_am + offs_n[:, None], mask=mask, other=0.0)
+        acc += a.to(tl.float32)
     o = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :] & n_mask[:, None])
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -168,12 +200,19 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PREFETCH: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr, PDL: tl.constexpr,
     QX: tl.constexpr = False, N_PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
+    add_ptr=None, stride_am=0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
+    SILU: tl.constexpr = False, NORM_FIRST: tl.constexpr = False, XB: tl.constexpr = 16,
+    NO_SSQ: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N read row 0 (no mask on the loads); their sums are never stored.
-    w_rows = offs_n if EVEN_N else tl.where(offs_n < N, offs_n, 0)
+    if SILU:  # the tile's first half: gate's rows; the second: the same rows of up (N / 2 on)
+        j = tl.arange(0, BLOCK_N)
+        half = BLOCK_N // 2
+        w_rows = tl.where(j < half, pid_n * half + j, N // 2 + pid_n * half + j - half)
+    else:  # rows past N read row 0 (no mask on the loads); their sums are never stored
+        w_rows = offs_n if EVEN_N else tl.where(offs_n < N, offs_n, 0)
     w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn
     offs_kb = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -218,6 +257,14 @@ def _skinny_kernel(
         # now wait for the previous kernel's results (x, the residual), then let the next start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if NORM_FIRST:  # the folded norm's sums of squares before the loop, while the first
+        # weight tiles are in flight (x is a few KiB per row, read from L2), not in every step
+        for kk in range(0, K, XB):
+            offs_x = kk + tl.arange(0, XB)
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_x[None, :],
+                         mask=(offs_m < M)[:, None] & (offs_x < K)[None, :],
+                         other=0.0).to(tl.float32)  # fmt: skip
+            ssq += tl.sum(xs * xs, axis=1)
     for i in range(0, n_iter):
         offs_k = tl.max_contiguous(tl.multiple_of(k_start + i * BLOCK_K + offs_kb, 16), VEC)
         if PREFETCH:  # the next step's weights are in flight while this step computes
@@ -236,7 +283,7 @@ def _skinny_kernel(
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, offs_m, every & store_res,
                             offs_k, M, K, stride_xm, stride_rm, stride_rom, PROLOGUE,
                             HAS_RES)  # fmt: skip
-            if PROLOGUE == 1:
+            if NORM and not NORM_FIRST and not NO_SSQ:
                 ssq += tl.sum(sq, axis=1)
             if QX:  # x in e4m3 with one scale per row and step: FP8 x FP8 on the tensor cores
                 xf = x.to(tl.float32)
@@ -248,11 +295,11 @@ def _skinny_kernel(
         elif BLOCK_M == 1:
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
                             stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
-            if PROLOGUE == 1:
+            if NORM and not NORM_FIRST:
                 sq2 += tl.sum(tl.reshape(sq, [XR, BLOCK_K // VEC, VEC]), axis=2)
             prod = w.to(tl.float32) * x.to(tl.float32)
             acc2 += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
-        elif PROLOGUE != 1:  # several rows: each row's products summed per thread (no shuffles)
+        elif not NORM:  # several rows: each row's products summed per thread (no shuffles)
             wf = w.to(tl.float32)  # converted once, used for every row
             a0 += _row_part(wf, x_ptr, bcast, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_N, VEC)
             if BLOCK_M > 1:
@@ -280,9 +327,9 @@ def _skinny_kernel(
                                 HAS_RES)  # fmt: skip
                 s = tl.sum(wf * x.to(tl.float32), axis=1)
                 acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
-                if PROLOGUE == 1:
+                if NORM and not NORM_FIRST:
                     ssq += tl.where(offs_m == m, tl.max(tl.sum(sq, axis=1), axis=0), 0.0)
-    if not DOT and BLOCK_M > 1 and PROLOGUE != 1:  # the rows' sums as [BLOCK_N, BLOCK_M]
+    if not DOT and BLOCK_M > 1 and not NORM:  # the rows' sums as [BLOCK_N, BLOCK_M]
         acc = _put(_put(acc, a0, offs_m, 0), a1, offs_m, 1)
         if BLOCK_M > 2:
             acc = _put(_put(acc, a2, offs_m, 2), a3, offs_m, 3)
@@ -291,24 +338,29 @@ def _skinny_kernel(
                        offs_m, 7)  # fmt: skip
     if not DOT and BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[:, None]
-        if PROLOGUE == 1:  # the norm's 1/rms (every tile row holds the same sum)
+        if NORM and NORM_FIRST:
+            acc *= tl.rsqrt(ssq / K + eps)[None, :]
+        elif NORM:  # the norm's 1/rms (every tile row holds the same sum)
             acc *= tl.rsqrt(tl.sum(sq2, axis=1) / K + eps)[:, None]
-    elif PROLOGUE == 1:
+    elif NORM:
         acc *= tl.rsqrt(ssq / K + eps)[None, :]
     _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
-            lock_ptr, stride_om, HAS_SCALE, HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_M)  # fmt: skip
+            lock_ptr, stride_om, HAS_SCALE, HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_M, 1.0, add_ptr,
+            stride_am, ADD, SILU)  # fmt: skip
 
 
 @triton.jit
 def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
             lock_ptr, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
             SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-            UNIT: tl.constexpr = 1.0):  # fmt: skip
+            UNIT: tl.constexpr = 1.0, add_ptr=None, stride_am=0, ADD: tl.constexpr = False,
+            SILU: tl.constexpr = False):  # fmt: skip
     """The epilogue of one program's ``[BLOCK_N, BLOCK_M]`` sums (times ``UNIT``); with split-K
     the last program of the row tile adds the parts in a fixed order first."""
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
-                  HAS_SCALE, HAS_BIAS, UNIT)  # fmt: skip
+                  HAS_SCALE, HAS_BIAS, UNIT, pid_n, add_ptr, stride_am, ADD, SILU, BLOCK_N,
+                  BLOCK_M)  # fmt: skip
     else:
         # This part's sums; the last program of the row tile adds the parts in a fixed order.
         n_mask = offs_n < N
@@ -323,7 +375,8 @@ def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_pt
                 q_ptrs = part_ptr + (s * N + offs_n[:, None]) * BLOCK_M + offs_m[None, :]
                 acc += tl.load(q_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
             _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
-                      HAS_SCALE, HAS_BIAS, UNIT)  # fmt: skip
+                      HAS_SCALE, HAS_BIAS, UNIT, pid_n, add_ptr, stride_am, ADD, SILU,
+                      BLOCK_N, BLOCK_M)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
@@ -333,10 +386,12 @@ def linear(
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     plan: SkinnyPlan | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ w.T (* scale) + bias`` for ``x`` ``[M <= 8, K]`` and ``w`` ``[N, K]`` (bf16/fp16,
-    or float8_e4m3fn with a float32 ``scale`` ``[N]``: weight-only FP8)."""
-    return _launch(x, w, bias, scale, plan, 0, None, 1e-6, None)[0]
+    """``x @ w.T (* scale) + bias (+ add)`` for ``x`` ``[M <= 8, K]`` and ``w`` ``[N, K]``
+    (bf16/fp16, or float8_e4m3fn with a float32 ``scale`` ``[N]``: weight-only FP8); ``add``
+    ``[M, N]`` (the residual stream) is added in float32 before the one rounding."""
+    return _launch(x, w, bias, scale, plan, 0, None, 1e-6, None, add=add)[0]
 
 
 def norm_linear(
@@ -355,6 +410,30 @@ def norm_linear(
     return _launch(x, w, bias, scale, plan, 1, norm, eps, residual)
 
 
+def rms_linear(
+    x: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    plan: SkinnyPlan | None = None,
+    silu: bool = False,
+) -> torch.Tensor:
+    """``linear(rms_norm(x), w) + bias`` for a ``w`` that holds the norm's weight in its
+    columns (``engine.model.fold_norms``): ``x`` goes into the product as it is (the loads stay
+    pipelined), its squares are summed beside it, and the epilogue scales each row by its
+    ``1/rms``. ``silu``: ``w`` is ``[gate; up]`` and the result ``silu(gate) * up`` (the
+    SiLU-and-multiply made in the epilogue: each program takes matching rows of both)."""
+    return _launch(x, w, bias, scale, plan, 3, None, eps, None, silu=silu)[0]
+
+
+def silu_fits(m: int, n: int, k: int, w_dtype: torch.dtype) -> bool:
+    """Whether ``rms_linear(..., silu=True)`` takes ``[gate; up]`` of ``[n, k]`` at ``m`` rows:
+    its plan's tile holds whole halves (N / 2 a multiple of half the tile's rows)."""
+    half = plan_for(m, n, k, w_dtype, 3).block_n // 2
+    return half >= 1 and n % 2 == 0 and (n // 2) % half == 0
+
+
 def silu_mul_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -366,7 +445,7 @@ def silu_mul_linear(
     return _launch(x, w, bias, scale, plan, 2, None, 1e-6, None)[0]
 
 
-def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001, ANN202
+def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=False):  # noqa: ANN001, ANN202
     m = x.shape[0]
     n, k = w.shape
     kx = 2 * k if prologue == 2 else k
@@ -381,26 +460,35 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
         raise ValueError(f"w is {w.dtype}, x is {x.dtype}")
     if plan is not None and plan.qx and not (plan.dot and w.dtype == torch.float8_e4m3fn):
         raise ValueError("a qx plan is for FP8 weights on the tensor cores (dot)")
-    if plan is not None and plan.qx and prologue:
-        raise ValueError("a qx plan takes no prologue")
+    if plan is not None and plan.qx and (prologue or add is not None or silu):
+        raise ValueError("a qx plan takes no prologue or epilogue")
     if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
         raise ValueError("scale must be float32 [N]")
     if bias is not None and bias.shape != (n,):
         raise ValueError("bias must be [N]")
     if res is not None and (res.shape != x.shape or res.stride(-1) != 1):
         raise ValueError("residual must match x")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    n_out = n // 2 if silu else n
+    if silu and (n % 2 or scale is not None or bias is not None):
+        raise ValueError("the SiLU epilogue takes an even N and no scale or bias")
+    if add is not None and (add.shape != (m, n_out) or add.stride(-1) != 1 or add.dtype != x.dtype):
+        raise ValueError(f"add must be [{m}, {n_out}] of x's dtype with unit stride")
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if res is not None else x
     if m == 0:
         return out, res_out
     plan = plan or plan_for(m, n, k, w.dtype, prologue)
-    split = plan.split_k if prologue != 1 else 1  # the norm needs each row's whole K
+    norm_k = prologue in (1, 3)
+    split = plan.split_k if not norm_k else 1  # the norm needs each row's whole K
     block_m = 16 if plan.dot else triton.next_power_of_2(m)
     block_k = plan.block_k
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
     tiles = triton.cdiv(n, plan.block_n)
+    if silu and (plan.block_n < 2 or (n // 2) % (plan.block_n // 2)):
+        raise ValueError(f"the SiLU epilogue needs N / 2 a multiple of {plan.block_n // 2}")
     pdl = pdl_kwargs(x)
+    first = (not plan.dot) if NORM_FIRST is None else NORM_FIRST
     line = 128 // w.element_size()
     part = locks = x
     if split > 1:
@@ -408,7 +496,7 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
             raise ValueError(f"split-K takes at most {_MAX_TILES} row tiles")
         part = torch.empty((split, n, block_m), dtype=torch.float32, device=x.device)
         locks = _locks(x.device)
-    if plan.pairs and not plan.dot:
+    if plan.pairs and not plan.dot and add is None and not silu:
         from kernels import triton_skinny_fp8
 
         if triton_skinny_fp8.fits(m, k, prologue, w, x):
@@ -427,9 +515,13 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res):  # noqa: ANN001,
         VEC=block_k if plan.dot else 8,
         XR=1 if block_k % (256 * plan.num_warps) == 0 else plan.block_n,
         QX=plan.qx, N_PREFETCH=_prefetch_steps(plan, k_split, line) if pdl["PDL"] else 0,
-        LINE=line, **pdl,
-        num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too:
-        num_stages=min(plan.num_stages, 2) if prologue and plan.dot else plan.num_stages,
+        LINE=line, add_ptr=add if add is not None else x,
+        stride_am=add.stride(0) if add is not None else 0, NORM=norm_k, ADD=add is not None,
+        SILU=silu, NORM_FIRST=prologue == 3 and first is True, XB=NORM_XB or block_k,
+        NO_SSQ=first == "skip", **pdl,
+        num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too
+        # (the folded norm's x goes into the product as it is: the pipeline stays deep)
+        num_stages=min(plan.num_stages, 2) if prologue in (1, 2) and plan.dot else plan.num_stages,
     )  # fmt: skip
     return out, res_out
 
@@ -514,7 +606,7 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
     if tuned is not None:
         return tuned
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
-    big = prologue == 0 and n % 128 == 0 and k % 1024 == 0  # an 8B-class product
+    big = prologue in (0, 3) and n % 128 == 0 and k % 1024 == 0  # an 8B-class product
     if m <= 1:
         if big and wbytes == 1:  # FP8 in bf16 pairs: the best or near it on H100 and H200
             return SkinnyPlan(block_n=2, block_k=1024, num_warps=2, pairs=True)

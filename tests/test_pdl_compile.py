@@ -48,12 +48,14 @@ CASES = {
     "skinny": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
-        XR=1, QX=False, N_PREFETCH=0, LINE=64)),
+        XR=1, QX=False, N_PREFETCH=0, LINE=64, NORM=False, ADD=False, SILU=False,
+        NORM_FIRST=False, XB=16, NO_SSQ=False)),
     # the tensor cores' loop (pipelined after the wait): its first tiles asked into L2 before
     "skinny_dot": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
         BLOCK_N=32, BLOCK_K=256, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=256,
-        XR=32, QX=False, N_PREFETCH=2, LINE=64)),
+        XR=32, QX=False, N_PREFETCH=2, LINE=64, NORM=False, ADD=False, SILU=False,
+        NORM_FIRST=False, XB=16, NO_SSQ=False)),
     "lora_shrink": (triton_lora._shrink_kernel, dict(
         BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
     "lora_expand": (triton_lora._expand_kernel, dict(

@@ -49,7 +49,7 @@ from kernels import triton_skinny as S
 fn = S._skinny_kernel
 PTRS = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16", "part_ptr": "*fp32",
-        "lock_ptr": "*i32"}
+        "lock_ptr": "*i32", "add_ptr": "*bf16"}
 out = []
 for wt in ("*bf16", "*fp8e4nv"):
     for plan, prologue, rows, pdl in (
@@ -59,13 +59,22 @@ for wt in ("*bf16", "*fp8e4nv"):
             (S.SkinnyPlan(block_n=16, block_k=256, dot=True, num_stages=4), 0, 16, False),
             (S.SkinnyPlan(block_n=4, block_k=1024), 0, 8, False),  # 8 rows on the CUDA cores
             (S.SkinnyPlan(block_n=2, block_k=1024), 2, 8, False),
-            (S.SkinnyPlan(block_n=4, block_k=1024), 0, 1, True)):  # programmatic launch
+            (S.SkinnyPlan(block_n=4, block_k=1024), 0, 1, True),  # programmatic launch
+            # the folded norm: one row with its pass before the loop, and SiLU's epilogue;
+            # 16 rows on the tensor cores with the sums in the loop; the residual's epilogue
+            (S.SkinnyPlan(block_n=4, block_k=1024), 3, 1, False),
+            (S.SkinnyPlan(block_n=128, block_k=128, dot=True, num_stages=4), 3, 16, False),
+            (S.SkinnyPlan(block_n=64, block_k=128, dot=True, num_stages=6), 0, 16, False)):
+        if (prologue == 3 or plan.block_n == 64) and wt != "*bf16":  # the folded model's
+            continue  # paths take no FP8 weights
+        fold = dict(NORM=prologue == 3, SILU=prologue == 3 and plan.dot, ADD=plan.block_n == 64,
+                    NORM_FIRST=prologue == 3 and not plan.dot, XB=plan.block_k, NO_SSQ=False)
         consts = dict(PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_SCALE=wt == "*fp8e4nv",
                       HAS_BIAS=False, SPLIT_K=1, BLOCK_M=rows, PDL=pdl,
                       BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT=plan.dot, EVEN_K=True,
                       EVEN_N=True, PREFETCH=not plan.dot, VEC=plan.block_k if plan.dot else 8,
                       XR=1 if plan.block_k % (256 * plan.num_warps) == 0 else plan.block_n,
-                      QX=False, N_PREFETCH=0, LINE=64)
+                      QX=False, N_PREFETCH=0, LINE=64, **fold)
         sig = {n: "constexpr" if n in consts else PTRS.get(n, wt if n == "w_ptr" else
                "fp32" if n == "eps" else "i32") for n in fn.arg_names}
         div = [i for i, n in enumerate(fn.arg_names) if n not in consts and n not in ("M", "eps")]
@@ -90,9 +99,10 @@ def test_compiled_for_hopper_without_shuffles_in_the_loop():
     """The kernel compiled for sm_90 off the GPU (Triton's compiler and ptxas need no device):
     the weight and x share one register layout in the loop (no ``convert_layout``, which goes
     through shared memory every step: what the first version did), also with 8 rows on the
-    CUDA cores, and loads are wide; ``griddepcontrol.wait`` only with ``PDL``."""
+    CUDA cores and with the folded norm's paths, and loads are wide; ``griddepcontrol.wait`` only
+    with ``PDL``."""
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 14
+    assert len(rows) == 17
     for r in rows:
         assert r["loop_converts"] == 0 and r["wide_loads"] > 0, r
         assert (r["gdc"] > 0) == r["pdl"], r  # griddepcontrol only where asked for

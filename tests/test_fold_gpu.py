@@ -1,0 +1,173 @@
+"""CUDA only (``pytest -m gpu``): the folded-norm decode kernels (issue 19) against their
+references, and the engine that takes them.
+
+``triton_skinny.rms_linear`` (the norm's ``1/rms`` in the epilogue, ``x`` unchanged into the
+product; with ``silu`` the SiLU-and-multiply of matching gate and up rows) and
+``triton_skinny.linear(add=)`` (the residual stream added in the epilogue), every path of the
+small plans and the 8B shape's products with the installed plans; then the engine on CUDA
+folds its model by default and keeps its greedy agreement with the CPU's float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu_report import assert_replays_in_a_cuda_graph, require_cuda_triton
+
+require_cuda_triton()
+
+import kernels  # noqa: E402
+from kernels import reference, triton_skinny  # noqa: E402
+from kernels.triton_skinny import SkinnyPlan, rms_linear  # noqa: E402
+from tests.skinny_cases import rel_err, small_plans  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-2
+EPS = 1e-5
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # fmt: skip
+
+
+def _cases(n: int, k: int, m: int, dtype: torch.dtype, plans, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to("cuda", dtype)
+    norm = (1 + 0.2 * torch.randn(k, generator=g)).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to("cuda", dtype)
+    wf = w.float() * norm.float()  # the folded weight, exactly
+    folded = wf.to(dtype)
+    bias = torch.randn(n, generator=g).to("cuda", dtype)
+    add = torch.randn(m, n, generator=g).to("cuda", dtype)
+    h, _ = reference.rms_norm(x.float(), torch.ones(k, device="cuda"), EPS)
+    out = []
+    for plan in plans:
+        tag = f"n{n}_k{k}_m{m}_{str(dtype)[6:]}_{plan.label()}"
+        got = rms_linear(x, EPS, folded, None, None, plan)
+        out.append((f"rms_{tag}", rel_err(got, h @ wf.T)))
+        got = rms_linear(x, EPS, folded, bias, None, plan)
+        out.append((f"rms_bias_{tag}", rel_err(got, h @ wf.T + bias.float())))
+        half = plan.block_n // 2
+        if half >= 1 and (n // 2) % half == 0:
+            got = rms_linear(x, EPS, folded, None, None, plan, silu=True)
+            want = reference.silu_and_mul(h @ wf.T)
+            out.append((f"silu_{tag}", rel_err(got, want)))
+        got = triton_skinny.linear(x, w, None, None, plan, add=add)
+        out.append((f"add_{tag}", rel_err(got, x.float() @ w.float().T + add.float())))
+    return out
+
+
+def _check(rows: list[tuple[str, float]]) -> None:
+    bad = [(n, e) for n, e in rows if not e < TOL]
+    assert rows and not bad, bad[:10]
+
+
+def test_small_shapes_every_path():
+    """CUDA cores with one and several rows, tensor cores, split-K (the add), tiles that do
+    not divide N or K; bf16 and fp16."""
+    plans = small_plans() + [SkinnyPlan(block_n=64, block_k=64, num_stages=4, dot=True)]
+    rows = []
+    for n, k in ((96, 128), (40, 96), (128, 256)):
+        for m in (1, 3, 8):
+            rows += _cases(n, k, m, torch.bfloat16, plans)
+    rows += _cases(96, 128, 2, torch.float16, plans[:1] + plans[-2:])
+    _check(rows)
+    silu = [n for n, _ in rows if n.startswith("silu_")]
+    assert len(silu) > 20  # the SiLU epilogue ran on most plans
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_the_8b_products_with_the_installed_plans(m):
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        plan = triton_skinny.plan_for(m, n, k, torch.bfloat16, 3 if name in ("qkv", "gate_up")
+                                      else 0)  # fmt: skip
+        rows += [(f"{name}_{r}", e) for r, e in _cases(n, k, m, torch.bfloat16, [plan])]
+    _check(rows)
+    assert len(rows) >= 8
+
+
+def test_the_kernels_api_takes_the_fused_path_and_replays_in_a_graph(monkeypatch):
+    """``kernels.rms_linear``/``linear_add`` at 8 rows on CUDA: the skinny kernels (one launch
+    each, the same values as calling them directly), also replayed in a CUDA graph with PDL;
+    without ``FOLD_DOT`` a tensor-core plan's norm is `rms_norm` with the unit weight first."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 512, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(768, 512, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    add = torch.randn(8, 384, generator=g).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(384, 384, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    ones = torch.ones(512, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        act = kernels.rms_linear(x, ones, EPS, w, silu=True)
+        return kernels.linear_add(act, w2, add)
+
+    assert triton_skinny.plan_for(8, 768, 512, torch.bfloat16, 3).dot
+    monkeypatch.setattr(kernels, "FOLD_DOT", False)
+    h, _ = kernels.rms_norm(x, ones, EPS)
+    assert torch.equal(kernels.rms_linear(x, ones, EPS, w, silu=True),
+                       kernels.silu_and_mul(triton_skinny.linear(h, w)))  # fmt: skip
+    monkeypatch.setattr(kernels, "FOLD_DOT", True)
+    direct = triton_skinny.linear(triton_skinny.rms_linear(x, EPS, w, silu=True), w2, add=add)
+    eager = step()
+    assert torch.equal(eager, direct)
+    assert_replays_in_a_cuda_graph(step, x, eager)
+    # past 8 rows: the unfused path (rms_norm with the unit weight, cuBLAS, SiLU, add)
+    xs = torch.randn(20, 512, generator=g).to("cuda", torch.bfloat16)
+    h, _ = reference.rms_norm(xs.float(), ones.float(), EPS)
+    want = reference.silu_and_mul(h @ w.float().T)
+    assert rel_err(kernels.rms_linear(xs, ones, EPS, w, silu=True), want) < TOL
+
+
+def test_the_engine_folds_on_cuda_and_keeps_its_greedy_agreement(tmp_path):
+    """bf16 on CUDA: the engine folds (one rank, no LoRA, no FP8) and decodes in CUDA graphs;
+    its greedy agreement with the CPU float32 engine is no more than 10 points under the
+    unfolded engine's on the same GPU (a random model's bf16 rounding flips some choices)."""
+    from engine import LLM, SamplingParams
+    from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
+
+    model_dir = make_smol_shape_dir(tmp_path / "model", seed=0)
+    prompts = random_prompts(16, SMOL_CONFIG["vocab_size"], seed=1, hi=200)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def greedy(**options) -> tuple[list[list[int]], bool]:
+        llm = LLM(model_dir, max_num_batched_tokens=256, max_num_seqs=8, num_kv_blocks=1024,
+                  **options)  # fmt: skip
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        folded = llm.engine.runner.model.folded
+        del llm
+        torch.cuda.empty_cache()
+        return outs, folded
+
+    cpu, _ = greedy(device="cpu", dtype="float32")
+    fold, is_folded = greedy(device="cuda")
+    assert is_folded
+    eager, _ = greedy(device="cuda", enforce_eager=True)
+    saved = kernels.FOLD_DECODE
+    kernels.FOLD_DECODE = False
+    try:
+        plain, plain_folded = greedy(device="cuda")
+    finally:
+        kernels.FOLD_DECODE = saved
+    assert not plain_folded
+
+    def rate(a, b) -> float:
+        return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+    print({"folded_vs_cpu": rate(fold, cpu), "unfolded_vs_cpu": rate(plain, cpu),
+           "folded_graphs_vs_eager": rate(fold, eager)})  # fmt: skip
+    assert rate(fold, cpu) >= min(0.8, rate(plain, cpu) - 0.1)
+    assert rate(fold, eager) >= 0.8
+
+
+def test_the_sums_of_squares_in_the_loop_too(monkeypatch):
+    """``triton_skinny.NORM_FIRST`` both ways on every plan kind: the norm's squares summed in
+    a pass before the loop (also of other widths) or beside the product in every step (the
+    default takes one per plan kind; the bench compares them)."""
+    plans = small_plans()[::2] + [SkinnyPlan(block_n=64, block_k=64, num_stages=4, dot=True)]
+    rows = []
+    for first, xb in ((False, 0), (True, 0), (True, 64)):
+        monkeypatch.setattr(triton_skinny, "NORM_FIRST", first)
+        monkeypatch.setattr(triton_skinny, "NORM_XB", xb)
+        for m in (1, 3, 8):
+            rows += [(f"{first}_{xb}_{n}", e)
+                     for n, e in _cases(96, 128, m, torch.bfloat16, plans, seed=m)]  # fmt: skip
+    _check(rows)
