@@ -26,6 +26,7 @@ def run_bench(out, *args: str) -> dict:
     return data
 
 
+@pytest.mark.stack  # a disaggregated stack of its own (about 25 s): `make test-stack`
 def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     # 300-token prompts are over the router's decode-only threshold (256): prefill worker,
     # KV transfer, then decode.

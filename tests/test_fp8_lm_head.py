@@ -41,7 +41,10 @@ def nbytes(w: ModelWeights) -> int:
     mats = [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
     head = 0 if w.lm_head is w.embed else size(w.lm_head)
     return (
-        sum(size(t) for t in mats if not isinstance(t, float)) + size(w.embed) + size(w.norm) + head
+        sum(size(t) for t in mats if isinstance(t, torch.Tensor | Fp8Weight))
+        + size(w.embed)
+        + size(w.norm)
+        + head
     )
 
 

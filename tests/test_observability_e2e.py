@@ -23,6 +23,8 @@ from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.test_observability import dashboard_exprs, substitute
 
+# A whole stack with Prometheus beside it (about 30 s): `make test-stack`, which CI runs.
+pytestmark = pytest.mark.stack
 MODEL = "SmolLM2-135M-Instruct"
 NAMESPACE = "tandem-e2e"  # what a Kubernetes scrape would add; the dashboards select on it
 LONG = " ".join(
