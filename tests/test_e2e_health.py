@@ -90,6 +90,7 @@ def test_ready_only_once_a_decode_worker_is_live(stack) -> None:
     assert maps_torch(stack.children["decode-0"].pid)  # the check above can see torch
 
 
+@pytest.mark.stack  # a worker stopped with SIGSTOP until keepalive notices: `make test-stack`
 @pytest.mark.timeout(300)
 def test_silent_worker_is_noticed_by_keepalive_and_its_requests_move(stack) -> None:
     if "decode-0" not in stack.children:

@@ -22,6 +22,9 @@ from tests.conftest import make_random_model_dir
 from tests.stack_probe import metrics_of, worker_stats
 from tests.test_e2e_stack import MODEL
 
+# Two models' stacks side by side (about 40 s): `make test-stack`, which CI runs.
+pytestmark = pytest.mark.stack
+
 OTHER = "tiny"
 PROMPTS = ["The capital of France is a city that", "def fibonacci(n):\n    # the n-th one"]
 MAX_NEW = 8
