@@ -118,18 +118,20 @@ class DecoderModel:
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.folded = bool(weights.layers) and all(lw.folded for lw in weights.layers)
-        if self.folded and self.comm.shard.size > 1:
-            raise ValueError("folded norms (fold_norms) need one rank: the products add the "
-                             "residual stream before the ranks' sums")  # fmt: skip
+        if self.folded:
+            self._check_one_rank()
 
     def fold(self) -> None:
         """`fold_norms` of this model's weights (one rank, no LoRA): the decode step's
         norms and SiLU-and-multiply move into the products."""
+        self._check_one_rank()
+        fold_norms(self.w)
+        self.folded = True
+
+    def _check_one_rank(self) -> None:
         if self.comm.shard.size > 1:
             raise ValueError("folded norms (fold_norms) need one rank: the products add the "
                              "residual stream before the ranks' sums")  # fmt: skip
-        fold_norms(self.w)
-        self.folded = True
 
     @torch.inference_mode()
     def forward(

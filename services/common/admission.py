@@ -39,10 +39,16 @@ MAX_RETRY_AFTER_MS = 30_000
 RATE_WINDOW_S = 10.0
 
 
+def booked_per_choice(params: SamplingParams) -> int:
+    """The completion tokens admission books for one choice: its ``booked_tokens``, or its
+    ``max_tokens`` where it books none (0)."""
+    return params.booked_tokens or params.max_tokens
+
+
 def booked_completion(params: SamplingParams) -> int:
-    """The completion tokens admission books for a request: for each of its ``n`` choices, its
-    ``booked_tokens``, or its ``max_tokens`` where it books none (0)."""
-    return params.n * (params.booked_tokens or params.max_tokens)
+    """The completion tokens admission books for a request: `booked_per_choice` for each of
+    its ``n`` choices."""
+    return params.n * booked_per_choice(params)
 
 
 def request_cost(prompt_tokens: int, params: SamplingParams) -> int:
@@ -61,7 +67,7 @@ def resumed_cost(prompt_tokens: int, done: int, params: SamplingParams) -> int:
     (its ``booked_tokens`` or ``max_tokens``, at most what ``max_tokens`` leaves). A request
     that outgrew its booking is then not under-counted on every worker it moves to; one that
     books its whole ``max_tokens`` books the same as before."""
-    rest = min(params.booked_tokens or params.max_tokens, max(params.max_tokens - done, 0))
+    rest = min(booked_per_choice(params), max(params.max_tokens - done, 0))
     return max(request_cost(prompt_tokens, params), prompt_tokens + done + rest)
 
 
