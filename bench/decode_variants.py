@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -141,6 +142,31 @@ def attention_plans(paths: list[Path], b: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def attention_plan(b: int, **knobs: object) -> Iterator[None]:
+    """Decode attention at batch ``b`` takes the plan of ``knobs`` (``DecodePlan``'s)."""
+    from kernels import triton_decode
+
+    saved = triton_decode.install_plans({b: knobs})
+    try:
+        yield
+    finally:
+        triton_decode.install_plans(saved)
+
+
+# The folded step with other decode-attention plans at batch 8 (RoPE inside changes the
+# split kernel's start; labels as DecodePlan.label)
+ATTENTION_B8 = {
+    "s8_n32_w4_st2": {"num_splits": 8, "block_n": 32},
+    "s4_n64_w4_st2": {"num_splits": 4},
+    "s16_n32_w4_st2": {"num_splits": 16, "block_n": 32},
+    "s8_n64_w4_st2_m": {"num_splits": 8, "merge": True},
+    "s4_n64_w4_pfe_m": {"num_splits": 4, "merge": True, "prefetch": True, "early": True},
+    "s8_n64_w4_pfe_m": {"num_splits": 8, "merge": True, "prefetch": True, "early": True},
+    "s8_n64_w4_pfe": {"num_splits": 8, "prefetch": True, "early": True},
+}
+
+
+@contextlib.contextmanager
 def kernels_set(**values: object) -> Iterator[None]:
     """``kernels``' module settings (``PDL``, ``FUSE_DECODE``, ``rms_norm``...) replaced for the
     block, put back after."""
@@ -169,16 +195,57 @@ def what_if_without(name: str) -> contextlib.AbstractContextManager:
     return kernels_set(silu_and_mul=lambda x: x[:, : x.shape[1] // 2])
 
 
+def what_if_no_rope() -> contextlib.AbstractContextManager:
+    """An upper bound: the step without RoPE and the KV write (attention reads the unrotated q
+    and the cache as it was): what fusing them into attention could save at most."""
+
+    def attention(q, k, v, cos, sin, kv_cache, layer, meta, scale, k_scale=1.0, v_scale=1.0):  # noqa: ANN001, ANN202
+        return kernels.paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale)
+
+    return kernels_set(rope_attention=attention)
+
+
+@contextlib.contextmanager
+def what_if_no_merge() -> Iterator[None]:
+    """An upper bound: decode attention without its merge kernel (the output is left as
+    allocated): what merging the splits elsewhere could save."""
+    from kernels import triton_decode
+
+    class _Skip:
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            return lambda *args, **kwargs: None
+
+    saved = triton_decode._decode_merge_kernel
+    triton_decode._decode_merge_kernel = _Skip()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        triton_decode._decode_merge_kernel = saved
+
+
+@contextlib.contextmanager
+def combined(*changes: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for change in changes:
+            stack.enter_context(change())
+        yield
+
+
 @contextlib.contextmanager
 def folded(
-    bench: LlamaBench, norm_first: bool | str | None = None, xb: int = 0, fold_dot: bool = False
+    bench: LlamaBench,
+    norm_first: bool | str | None = None,
+    xb: int = 0,
+    fold_dot: bool = False,
+    sums: bool = True,
 ) -> Iterator[None]:
     """The norms folded into the products (``engine.model.fold_norms``, what the engine does
     on CUDA): the step takes ``kernels.rms_linear``/``linear_add``, six launches a layer
     instead of ten (``norm_first``, ``xb``: ``triton_skinny.NORM_FIRST``/``NORM_XB``, where the
     norm's sums of squares are made; ``fold_dot``: ``kernels.FOLD_DOT``, the norm in the product
-    on the tensor cores' plans too). The folded matrices are copies; the bench's own come back
-    after."""
+    on the tensor cores' plans too; ``sums``: ``kernels.FOLD_SUMS``, the norms' sums of squares
+    from the products before them, which takes the place of the other three where it applies).
+    The folded matrices are copies; the bench's own come back after."""
     from engine.model import fold_norms
 
     layers = bench.w.layers
@@ -189,12 +256,13 @@ def folded(
     bench.model.folded = True
     from kernels import triton_skinny
 
-    saved = triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT
-    triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT = norm_first, xb, fold_dot
+    saved = triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT, kernels.FOLD_SUMS
+    triton_skinny.NORM_FIRST, triton_skinny.NORM_XB = norm_first, xb
+    kernels.FOLD_DOT, kernels.FOLD_SUMS = fold_dot, sums
     try:
         yield
     finally:
-        triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT = saved
+        triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT, kernels.FOLD_SUMS = saved
         bench.w.layers = layers
         bench.model.folded = False
         del copies
@@ -251,13 +319,44 @@ def run(args: argparse.Namespace) -> dict:
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
             variants["fused"] = fused
+            # RoPE and the KV write in their own kernel, as before session 15
+            variants["rope_unfused"] = lambda: kernels_set(ROPE_IN_ATTENTION=False)
             if weights == "bf16":
+                # What the engine runs on CUDA: the norms folded, their sums of squares from
+                # the products before them, RoPE in attention
                 variants["folded"] = lambda: folded(bench)
-                variants["folded_ssq_in_loop"] = lambda: folded(bench, False, 0, True)
-                variants["folded_ssq_first"] = lambda: folded(bench, True, 0, True)
-                variants["folded_ssq_first_xb1024"] = lambda: folded(bench, True, 1024, True)
-                variants["what_if_folded_no_ssq"] = lambda: folded(bench, "skip", fold_dot=True)
-                variants["folded_fuse_dot"] = lambda: folded(bench, fold_dot=True)
+                variants["folded_no_sums"] = lambda: folded(bench, sums=False)
+                variants["folded_sums_one_row"] = functools.partial(
+                    combined, lambda: folded(bench), lambda: kernels_set(FOLD_SUMS_MIN_ROWS=1)
+                )
+                variants["folded_rope_unfused"] = functools.partial(
+                    combined, lambda: folded(bench), variants["rope_unfused"]
+                )
+                for label, knobs in ATTENTION_B8.items() if b == 8 else ():
+                    variants[f"folded_attn_{label}"] = functools.partial(
+                        combined,
+                        lambda: folded(bench),
+                        functools.partial(attention_plan, b, **knobs),
+                    )
+                # the engine's step of session 14
+                variants["folded_s14"] = functools.partial(
+                    combined, variants["folded_no_sums"], variants["rope_unfused"]
+                )
+                variants["folded_ssq_in_loop"] = lambda: folded(bench, False, 0, True, False)
+                variants["folded_ssq_first"] = lambda: folded(bench, True, 0, True, False)
+                variants["folded_ssq_first_xb1024"] = lambda: folded(bench, True, 1024, True, False)
+                variants["what_if_folded_no_ssq"] = lambda: folded(bench, "skip", 0, True, False)
+                variants["folded_fuse_dot"] = lambda: folded(bench, fold_dot=True, sums=False)
+            if weights == "bf16":
+                no_ssq = variants["what_if_folded_no_ssq"]
+                variants["what_if_folded_no_ssq_no_rope"] = functools.partial(
+                    combined, no_ssq, what_if_no_rope
+                )
+                variants["what_if_folded_no_ssq_no_rope_no_merge"] = functools.partial(
+                    combined, no_ssq, what_if_no_rope, what_if_no_merge
+                )
+            variants["what_if_no_rope"] = what_if_no_rope
+            variants["what_if_no_merge"] = what_if_no_merge
             variants["what_if_no_rms_norm"] = lambda: what_if_without("rms_norm")
             variants["what_if_no_silu"] = lambda: what_if_without("silu")
             for change in CHANGES.get((weights, b), []) if device == "cuda" else []:

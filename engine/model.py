@@ -169,15 +169,18 @@ class DecoderModel:
     def _forward_folded(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         """`forward` with the norms folded into the products (`fold_norms`): ``s`` is the
         residual stream itself; each product that follows a norm normalizes ``s`` in its
-        epilogue, and the two that end a block add the stream in theirs."""
+        epilogue, and the two that end a block add the stream in theirs (and leave its sums
+        of squares for the next norm, where their kernel can)."""
         eps = self.config.rms_norm_eps
         s = x
+        sums = None  # s's sums of squares, where the product that made s left them
         for i, lw in enumerate(self.w.layers):
-            qkv = kernels.rms_linear(s, lw.input_norm, eps, lw.qkv, lw.qkv_bias)
-            s = kernels.linear_add(self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta),
-                                   lw.o_proj, s)  # fmt: skip
-            act = kernels.rms_linear(s, lw.post_norm, eps, lw.gate_up, silu=True)
-            s = kernels.linear_add(act, lw.down, s)
+            qkv = kernels.rms_linear(s, lw.input_norm, eps, lw.qkv, lw.qkv_bias, sums=sums)
+            s, sums = kernels.linear_add_sums(
+                self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta), lw.o_proj, s
+            )
+            act = kernels.rms_linear(s, lw.post_norm, eps, lw.gate_up, silu=True, sums=sums)
+            s, sums = kernels.linear_add_sums(act, lw.down, s)
         out, _ = kernels.rms_norm(s, self.w.norm, eps)
         return out
 
@@ -214,8 +217,8 @@ class DecoderModel:
         q = q.view(t, self.num_heads, c.head_dim)
         k = k.view(t, self.num_kv_heads, c.head_dim)
         v = v.view(t, self.num_kv_heads, c.head_dim)
-        q = kernels.rope_write_kv(q, k, v, cos, sin, kv_cache, i, meta, lw.k_scale, lw.v_scale)
-        o = kernels.paged_attention(q, kv_cache, i, meta, self.scale, lw.k_scale, lw.v_scale)
+        o = kernels.rope_attention(q, k, v, cos, sin, kv_cache, i, meta, self.scale, lw.k_scale,
+                                   lw.v_scale)  # fmt: skip
         return o.reshape(t, self.q_size)
 
     def _down(self, i: int, lw: LayerWeights, gate_up: torch.Tensor, lora: LoRABatch | None):

@@ -46,6 +46,17 @@ FOLD_DECODE = True
 # 8B step at batch 8 took 0.997-1.011x the unfolded one; at one row, on the CUDA cores, 0.989x),
 # so there the folded model's step takes `rms_norm` then the product.
 FOLD_DOT = False
+# The folded norms' sums of squares made by the product before them: `linear_add`'s epilogue
+# (o_proj, down) leaves each row's sums per row tile, and the next `rms_linear` (gate/up, the
+# next layer's QKV) adds those up instead of summing its input's squares, so it is one launch
+# on the tensor cores' plans too. From FOLD_SUMS_MIN_ROWS rows: at one row the norm's own pass
+# before the loop was faster (bench/results/decode_gpu_h100.md, session 15).
+FOLD_SUMS = True
+FOLD_SUMS_MIN_ROWS = 2
+# RoPE and the KV write of a decode batch inside decode attention (`rope_attention`): the split
+# that holds the new token rotates and writes it and attends to it from registers, one launch a
+# layer fewer. (The timing is in bench/results/decode_gpu_h100.md, session 15.)
+ROPE_IN_ATTENTION = True
 # Programmatic dependent launch (Hopper and newer): the decode step's Triton kernels launch
 # while the previous kernel finishes (``launch_pdl``) and wait for its results in the kernel
 # (``griddepcontrol.wait``); the skinny products load their first weights before that wait.
@@ -73,10 +84,12 @@ __all__ = [
     "count_mismatches",
     "linear",
     "linear_add",
+    "linear_add_sums",
     "lora_add",
     "lora_add_fused",
     "norm_linear",
     "paged_attention",
+    "rope_attention",
     "quantize_fp8_rows",
     "rms_linear",
     "rms_norm",
@@ -182,6 +195,7 @@ def rms_linear(
     w: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None = None,
     silu: bool = False,
+    sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear(rms_norm(x), w, bias)`` for a ``w`` that holds the norm's weight in its columns
     (``engine.model.fold_norms``); ``silu``: ``w`` is ``[gate; up]`` and the result is
@@ -189,7 +203,8 @@ def rms_linear(
     cores (or the tensor cores with ``FOLD_DOT``), one launch
     (``triton_skinny.rms_linear``: ``x`` unchanged into the product, ``1/rms`` and SiLU in the
     epilogue); elsewhere `rms_norm` with ``unit_norm`` (the folded norm's weight: ones), then
-    `linear` (then `silu_and_mul`)."""
+    `linear` (then `silu_and_mul`). ``sums``: what `linear_add_sums` left for
+    ``x`` (``FOLD_SUMS``): the norm takes them instead of summing ``x``'s squares."""
     if (
         SKINNY_KERNEL == "skinny"
         and not isinstance(w, Fp8Weight)
@@ -200,6 +215,8 @@ def rms_linear(
 
         dot = triton_skinny.plan_for(x.shape[0], *w.shape, w.dtype, 3).dot
         fits = not silu or triton_skinny.silu_fits(x.shape[0], *w.shape, w.dtype)
+        if fits and FOLD_SUMS and sums is not None:
+            return triton_skinny.rms_linear(x, eps, w, bias, silu=silu, sums=sums)
         if fits and (FOLD_DOT or not dot):
             return triton_skinny.rms_linear(x, eps, w, bias, silu=silu)
     h, _ = rms_norm(x, unit_norm, eps)
@@ -215,6 +232,25 @@ def linear_add(x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor) 
 
         return triton_skinny.linear(x, w, add=add)
     return linear(x, w).add_(add)
+
+
+def linear_add_sums(
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear_add`, and the sums of squares of the result's rows that the folded norm after
+    it takes (`rms_linear`'s ``sums``), made in the skinny kernel's epilogue (``FOLD_SUMS``,
+    from ``FOLD_SUMS_MIN_ROWS`` rows); ``None`` where the product takes another path."""
+    if (
+        FOLD_SUMS
+        and x.shape[0] >= FOLD_SUMS_MIN_ROWS
+        and SKINNY_KERNEL == "skinny"
+        and not isinstance(w, Fp8Weight)
+        and _skinny(x, w)
+    ):
+        from kernels import triton_skinny
+
+        return triton_skinny.linear_sums(x, w, add)
+    return linear_add(x, w, add), None
 
 
 def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
@@ -560,6 +596,38 @@ def rope_write_kv(
     return reference.rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale)
 
 
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """`rope_write_kv` then `paged_attention`: the attention output of the new tokens' unrotated
+    q, k and v. A decode batch on CUDA takes one kernel (``ROPE_IN_ATTENTION``)."""
+    if ROPE_IN_ATTENTION and use_triton(q) and _decode_batch(q, meta):
+        from kernels import triton_decode
+
+        rope = triton_decode.Rope(k, v, cos, sin, meta.slot_blocks, meta.slot_offsets)
+        return triton_decode.decode_attention(
+            q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
+            k_scale=k_scale, v_scale=v_scale, rope=rope,
+        )  # fmt: skip
+    q = rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale)
+    return paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale)
+
+
+def _decode_batch(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """One new token per sequence (what the decode kernel takes)."""
+    return meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -577,7 +645,7 @@ def paged_attention(
     varlen prefill kernel.
     """
     if use_triton(q):
-        if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
+        if _decode_batch(q, meta):
             from kernels import triton_decode
 
             return triton_decode.decode_attention(

@@ -19,6 +19,8 @@ import triton.language as tl
 
 from kernels._triton import dot_precision, next_pow2, num_sms, pdl_kwargs
 from kernels.triton_cache import PagedLayer
+from kernels.triton_rope import rope_mix
+from kernels.triton_rope_kv import _to_cache
 
 LOG2E = 1.4426950408889634
 
@@ -147,6 +149,45 @@ def _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.conste
 
 
 @triton.jit
+def _rotate(x_ptr, offs_d, mask, c, s, HALF: tl.constexpr):
+    """Neox RoPE of the rows at ``x_ptr + offs_d`` (``c``/``s``: the token's cos and sin over
+    the head), rounded as ``triton_rope_kv`` rounds."""
+    x = tl.load(x_ptr + offs_d, mask=mask, other=0.0)
+    partner = tl.load(x_ptr + tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF), mask=mask,
+                      other=0.0)  # fmt: skip
+    return rope_mix(x, c, tl.where(offs_d < HALF, -partner, partner), s)
+
+
+@triton.jit
+def _attend_new(q, kn_ptr, vn_ptr, k_ptr, v_ptr, slot_block_ptr, slot_offset_ptr, head_off,
+                stride_kb, stride_kt, offs_d, d_mask, c, s, k_inv, v_inv, m_i, l_i, acc,
+                scale_log2, HALF: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """The new token of one (sequence, KV head): its k rotated, k and v written into their
+    cache slot (none for a negative block: a padding row) as ``triton_rope_kv`` writes them,
+    and the online softmax's step for it with the values the cache now holds."""
+    k = _rotate(kn_ptr, offs_d, d_mask, c, s, HALF)
+    v = tl.load(vn_ptr + offs_d, mask=d_mask, other=0.0)
+    ty = k_ptr.dtype.element_ty
+    kc = _to_cache(k, k_inv, FP8).to(ty)
+    vc = _to_cache(v, v_inv, FP8).to(ty)
+    blk = tl.load(slot_block_ptr).to(tl.int64)
+    if blk >= 0:
+        slot = blk * stride_kb + tl.load(slot_offset_ptr).to(tl.int64) * stride_kt + head_off
+        tl.store(k_ptr + slot + offs_d, kc, mask=d_mask)
+        tl.store(v_ptr + slot + offs_d, vc, mask=d_mask)
+    # As ``_attend`` on a one-token tile: the products in float32, p rounded to q's dtype
+    kf = kc.to(q.dtype).to(tl.float32)
+    vf = vc.to(q.dtype).to(tl.float32)
+    sc = tl.sum(q.to(tl.float32) * kf[None, :], 1) * scale_log2
+    m_new = tl.maximum(m_i, sc)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * vf[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, tickets_ptr,
     scale_log2, v_scale,
@@ -157,6 +198,10 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr,
     EARLY: tl.constexpr,
+    kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, slot_blocks_ptr=None,
+    slot_offsets_ptr=None, k_inv=1.0, v_inv=1.0, stride_knb=0, stride_knh=0, stride_vnb=0,
+    stride_vnh=0, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):  # fmt: skip
     if PDL and not EARLY:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
@@ -168,6 +213,13 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(seq_len, start + per_split)
+    # ROPE: q, k and v of the new token come unrotated from the QKV product, and the cache
+    # does not hold the new token yet: the splits read the cache up to it (``end`` below), and
+    # the split whose range holds it rotates its k, writes k and v into the cache and attends
+    # to them from registers after its loop (one launch fewer than RoPE's kernel, then this).
+    owns = (start <= seq_len - 1) & (seq_len - 1 < end)
+    if ROPE:
+        end = tl.minimum(end, seq_len - 1)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -176,8 +228,15 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & d_mask[None, :]
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    if ROPE:
+        c = tl.load(cos_ptr + b * stride_cos + offs_d, mask=d_mask, other=0.0)
+        s = tl.load(sin_ptr + b * stride_sin + offs_d, mask=d_mask, other=0.0)
     if not EARLY:
-        q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
+        if ROPE:
+            q = _rotate(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d[None, :],
+                        gd_mask, c[None, :], s[None, :], HEAD_DIM // 2)  # fmt: skip
+        else:
+            q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -192,7 +251,7 @@ def _decode_split_kernel(
             # Before the PDL wait: the first tile but the new token (the previous kernel, the
             # KV write, writes it; block tables, lengths and older KV are older than the kernel
             # before it, complete once that one passed its own wait and launched this one).
-            last = start + offs_n == seq_len - 1
+            last = start + offs_n == seq_len - 1  # (with ROPE past ``end`` already)
             k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask & ~last, offs_d, d_mask)
         else:
             k, v = _kv_tile(k_ptr, v_ptr, row0, n_mask, offs_d, d_mask)
@@ -202,10 +261,14 @@ def _decode_split_kernel(
             if PDL:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
-            q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
-            k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
-            k = tl.where(last[:, None], k_new, k)
-            v = tl.where(last[:, None], v_new, v)
+            if ROPE:
+                q = _rotate(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d[None, :],
+                            gd_mask, c[None, :], s[None, :], HEAD_DIM // 2)  # fmt: skip
+            else:
+                q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
+                k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
+                k = tl.where(last[:, None], k_new, k)
+                v = tl.where(last[:, None], v_new, v)
         for n0 in range(start, end, BLOCK_N):
             k_next, v_next = _kv_tile(k_ptr, v_ptr, row, n_mask_next, offs_d, d_mask)
             row_next, n_mask_after = _kv_rows(table, n0 + 2 * BLOCK_N + offs_n, end, block_size,
@@ -218,6 +281,14 @@ def _decode_split_kernel(
                                    head_off)  # fmt: skip
             k, v = _kv_tile(k_ptr, v_ptr, row, n_mask, offs_d, d_mask)
             m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    if ROPE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if owns:
+            m_i, l_i, acc = _attend_new(q, kn_ptr + b * stride_knb + kvh * stride_knh,
+                                        vn_ptr + b * stride_vnb + kvh * stride_vnh, k_ptr, v_ptr,
+                                        slot_blocks_ptr + b, slot_offsets_ptr + b, head_off,
+                                        stride_kb, stride_kt, offs_d, d_mask, c, s, k_inv,
+                                        v_inv, m_i, l_i, acc, scale_log2, HEAD_DIM // 2,
+                                        FP8)  # fmt: skip
 
     nonempty = l_i > 0.0
     out = acc * v_scale / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -293,6 +364,41 @@ def _decode_merge_kernel(
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """The new tokens' unrotated k and v (``[B, Hkv, D]``), cos and sin (``[B, D]``) and cache
+    slots, for `decode_attention` to rotate and write them itself."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+
+    def check(self, q: torch.Tensor, paged: PagedLayer) -> None:
+        b, _, d = q.shape
+        if self.k.shape != (b, paged.num_kv_heads, d) or self.v.shape != self.k.shape:
+            raise ValueError(f"k {list(self.k.shape)} / v {list(self.v.shape)} do not fit q "
+                             f"{list(q.shape)} and the cache")  # fmt: skip
+        if d % 2 or self.cos.shape != (b, d) or self.sin.shape != (b, d):
+            raise ValueError(f"cos/sin must be [B, D] with D even, got {list(self.cos.shape)}")
+        if any(t.stride(-1) != 1 for t in (self.k, self.v, self.cos, self.sin)):
+            raise ValueError("k, v, cos and sin must have unit stride in the last dim")
+        if self.slot_blocks.shape[0] < b or self.slot_offsets.shape[0] < b:
+            raise ValueError("one cache slot per sequence")
+
+    def kernel_args(self, k_scale: float, v_scale: float, fp8: bool) -> dict[str, object]:
+        return dict(
+            kn_ptr=self.k, vn_ptr=self.v, cos_ptr=self.cos, sin_ptr=self.sin,
+            slot_blocks_ptr=self.slot_blocks, slot_offsets_ptr=self.slot_offsets,
+            k_inv=1.0 / k_scale, v_inv=1.0 / v_scale, stride_knb=self.k.stride(0),
+            stride_knh=self.k.stride(1), stride_vnb=self.v.stride(0), stride_vnh=self.v.stride(1),
+            stride_cos=self.cos.stride(0), stride_sin=self.sin.stride(0), ROPE=True,
+            FP8=fp8,
+        )  # fmt: skip
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -303,12 +409,15 @@ def decode_attention(
     plan: DecodePlan | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q``: ``[B, H, D]``) over its paged KV (an
     FP8 cache holds ``k / k_scale`` and ``v / v_scale``).
 
     ``seq_lens[b]`` counts the KV of sequence ``b`` including the new token, already written;
-    ``seq_lens[b] == 0`` gives a zero output (padding rows of a captured batch).
+    ``seq_lens[b] == 0`` gives a zero output (padding rows of a captured batch). With
+    ``rope``, ``q`` and the new token's k are not rotated yet and its k and v not written:
+    the kernel does what ``triton_rope_kv.rope_write_kv`` would have done first.
     """
     paged = PagedLayer.of(kv_cache, layer)
     b, h, d = q.shape
@@ -319,6 +428,8 @@ def decode_attention(
     plan = plan or DecodePlan.make(q, paged)
     if plan.early and not plan.prefetch:
         raise ValueError("DecodePlan.early needs prefetch (its tiles are loaded before the loop)")
+    if rope is not None:
+        rope.check(q, paged)
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -340,6 +451,8 @@ def decode_attention(
         PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
         num_warps=plan.num_warps,
         num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q),
+        **(rope.kernel_args(k_scale, v_scale, paged.k.dtype == torch.float8_e4m3fn)
+           if rope is not None else {}),
     )  # fmt: skip
     if merge:
         return out

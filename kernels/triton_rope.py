@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._triton import next_pow2
+
+# PTX for the products of `rope_mix` (Triton's interpreter runs none)
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _mul_f32(a, b):
+    a, b = tl.broadcast(a.to(tl.float32), b.to(tl.float32))
+    if _PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    return a * b
+
+
+@triton.jit
+def rope_mix(x, c, rot, s):
+    """``x * c + rot * s`` rounded as the reference rounds (torch, in ``x``'s dtype): each
+    product, then the sum. The products are PTX ``mul.rn.f32``, which neither LLVM nor ptxas
+    fuses into the add: written as ``(x * c).to(dt)`` they became one bf16 FMA (one rounding),
+    whose operand order differed from kernel to kernel."""
+    dt = x.dtype
+    return (_mul_f32(x, c).to(dt).to(tl.float32) + _mul_f32(rot, s).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -18,10 +42,9 @@ def _rotate(x_ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, t, num_hea
     src = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
     # Round each product and the sum like the reference (x * cos + rotate_half(x) * sin).
-    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    o1 = rope_mix(x1, c1, -x2, s1)
+    o2 = rope_mix(x2, c2, x1, s2)
     dst = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels._triton import next_pow2, pdl_kwargs
 from kernels.triton_cache import PagedLayer
+from kernels.triton_rope import rope_mix
 
 
 @triton.jit
@@ -23,10 +24,7 @@ def _rotated(x_ptr, stride_h, num_heads, c1, c2, s1, s2, HALF: tl.constexpr,
     src = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    return o1, o2, mask
+    return rope_mix(x1, c1, -x2, s1), rope_mix(x2, c2, x1, s2), mask
 
 
 @triton.jit

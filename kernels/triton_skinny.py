@@ -65,6 +65,10 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 # made elsewhere).
 NORM_FIRST: bool | str | None = None
 NORM_XB = 0
+# Rows per row tile in the sums of squares a product's epilogue leaves for the next folded
+# norm (``linear_sums``, ``rms_linear(sums=)``): ``[row tiles, SUMS_STRIDE]`` float32.
+SUMS_ROWS = 16
+SUMS_STRIDE = tl.constexpr(SUMS_ROWS)
 PLANS_FILE = Path(__file__).with_name("skinny_plans.json")
 
 
@@ -166,11 +170,14 @@ def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om
               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIT: tl.constexpr = 1.0,
               pid_n=0, add_ptr=None, stride_am=0, ADD: tl.constexpr = False,
               SILU: tl.constexpr = False, BLOCK_N: tl.constexpr = 1,
-              BLOCK_M: tl.constexpr = 1):  # fmt: skip
+              BLOCK_M: tl.constexpr = 1, sums_ptr=None,
+              SUMS_OUT: tl.constexpr = False):  # fmt: skip
     """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows). ``SILU``: the tile's first
     half of rows is gate's, the second up's (``_skinny_kernel``), stored as ``silu(gate) * up``
     in columns ``pid_n * BLOCK_N / 2 + ...`` of an ``[M, N / 2]`` output. ``ADD``: plus the
-    ``[M, N]`` tensor at ``add_ptr`` (the residual stream), rounded once."""
+    ``[M, N]`` tensor at ``add_ptr`` (the residual stream), rounded once. ``SUMS_OUT``: each
+    row's sum of the squares of the tile's stored (rounded) outputs, at
+    ``sums_ptr[pid_n, row]`` (``SUMS_STRIDE`` rows per tile): the next folded norm's."""
     n_mask = offs_n < N
     if HAS_SCALE:  # per output channel (FP8 weights), times the caller's unit
         acc *= (tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0) * UNIT)[:, None]
@@ -188,7 +195,12 @@ def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om
         a = tl.load(add_ptr + offs_m[None, :] * stride_am + offs_n[:, None], mask=mask, other=0.0)
         acc += a.to(tl.float32)
     o = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SUMS_OUT:
+        yf = tl.where(mask, y.to(tl.float32), 0.0)
+        tl.store(sums_ptr + pid_n * SUMS_STRIDE + offs_m, tl.sum(yf * yf, axis=0),
+                 mask=offs_m < M)  # fmt: skip
+    tl.store(o, y, mask=mask)
 
 
 @triton.jit
@@ -202,7 +214,8 @@ def _skinny_kernel(
     QX: tl.constexpr = False, N_PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
     add_ptr=None, stride_am=0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
     SILU: tl.constexpr = False, NORM_FIRST: tl.constexpr = False, XB: tl.constexpr = 16,
-    NO_SSQ: tl.constexpr = False,
+    NO_SSQ: tl.constexpr = False, sums_ptr=None, sums_tiles=0, SUMS_IN: tl.constexpr = False,
+    SUMS_T: tl.constexpr = 1, SUMS_OUT: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -257,7 +270,14 @@ def _skinny_kernel(
         # now wait for the previous kernel's results (x, the residual), then let the next start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if NORM_FIRST:  # the folded norm's sums of squares before the loop, while the first
+    if SUMS_IN:  # the folded norm's sums of squares from the previous product's epilogue
+        # (``SUMS_OUT``: one per row and row tile of x's columns), added in a fixed order
+        offs_t = tl.arange(0, SUMS_T)
+        sums = tl.load(sums_ptr + offs_t[:, None] * SUMS_STRIDE + offs_m[None, :],
+                       mask=(offs_t < sums_tiles)[:, None] & (offs_m < M)[None, :],
+                       other=0.0)  # fmt: skip
+        ssq += tl.sum(sums, axis=0)
+    elif NORM_FIRST:  # the folded norm's sums of squares before the loop, while the first
         # weight tiles are in flight (x is a few KiB per row, read from L2), not in every step
         for kk in range(0, K, XB):
             offs_x = kk + tl.arange(0, XB)
@@ -283,7 +303,7 @@ def _skinny_kernel(
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, offs_m, every & store_res,
                             offs_k, M, K, stride_xm, stride_rm, stride_rom, PROLOGUE,
                             HAS_RES)  # fmt: skip
-            if NORM and not NORM_FIRST and not NO_SSQ:
+            if NORM and not NORM_FIRST and not NO_SSQ and not SUMS_IN:
                 ssq += tl.sum(sq, axis=1)
             if QX:  # x in e4m3 with one scale per row and step: FP8 x FP8 on the tensor cores
                 xf = x.to(tl.float32)
@@ -295,7 +315,7 @@ def _skinny_kernel(
         elif BLOCK_M == 1:
             x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
                             stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
-            if NORM and not NORM_FIRST:
+            if NORM and not NORM_FIRST and not SUMS_IN:
                 sq2 += tl.sum(tl.reshape(sq, [XR, BLOCK_K // VEC, VEC]), axis=2)
             prod = w.to(tl.float32) * x.to(tl.float32)
             acc2 += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
@@ -327,7 +347,7 @@ def _skinny_kernel(
                                 HAS_RES)  # fmt: skip
                 s = tl.sum(wf * x.to(tl.float32), axis=1)
                 acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
-                if NORM and not NORM_FIRST:
+                if NORM and not NORM_FIRST and not SUMS_IN:
                     ssq += tl.where(offs_m == m, tl.max(tl.sum(sq, axis=1), axis=0), 0.0)
     if not DOT and BLOCK_M > 1 and not NORM:  # the rows' sums as [BLOCK_N, BLOCK_M]
         acc = _put(_put(acc, a0, offs_m, 0), a1, offs_m, 1)
@@ -338,7 +358,7 @@ def _skinny_kernel(
                        offs_m, 7)  # fmt: skip
     if not DOT and BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[:, None]
-        if NORM and NORM_FIRST:
+        if NORM and (NORM_FIRST or SUMS_IN):
             acc *= tl.rsqrt(ssq / K + eps)[None, :]
         elif NORM:  # the norm's 1/rms (every tile row holds the same sum)
             acc *= tl.rsqrt(tl.sum(sq2, axis=1) / K + eps)[:, None]
@@ -346,7 +366,7 @@ def _skinny_kernel(
         acc *= tl.rsqrt(ssq / K + eps)[None, :]
     _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
             lock_ptr, stride_om, HAS_SCALE, HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_M, 1.0, add_ptr,
-            stride_am, ADD, SILU)  # fmt: skip
+            stride_am, ADD, SILU, sums_ptr, SUMS_OUT)  # fmt: skip
 
 
 @triton.jit
@@ -354,13 +374,13 @@ def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_pt
             lock_ptr, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
             SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
             UNIT: tl.constexpr = 1.0, add_ptr=None, stride_am=0, ADD: tl.constexpr = False,
-            SILU: tl.constexpr = False):  # fmt: skip
+            SILU: tl.constexpr = False, sums_ptr=None, SUMS_OUT: tl.constexpr = False):  # fmt: skip
     """The epilogue of one program's ``[BLOCK_N, BLOCK_M]`` sums (times ``UNIT``); with split-K
     the last program of the row tile adds the parts in a fixed order first."""
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
                   HAS_SCALE, HAS_BIAS, UNIT, pid_n, add_ptr, stride_am, ADD, SILU, BLOCK_N,
-                  BLOCK_M)  # fmt: skip
+                  BLOCK_M, sums_ptr, SUMS_OUT)  # fmt: skip
     else:
         # This part's sums; the last program of the row tile adds the parts in a fixed order.
         n_mask = offs_n < N
@@ -376,7 +396,7 @@ def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_pt
                 acc += tl.load(q_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
             _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
                       HAS_SCALE, HAS_BIAS, UNIT, pid_n, add_ptr, stride_am, ADD, SILU,
-                      BLOCK_N, BLOCK_M)  # fmt: skip
+                      BLOCK_N, BLOCK_M, sums_ptr, SUMS_OUT)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
@@ -394,6 +414,16 @@ def linear(
     return _launch(x, w, bias, scale, plan, 0, None, 1e-6, None, add=add)[0]
 
 
+def linear_sums(
+    x: torch.Tensor, w: torch.Tensor, add: torch.Tensor, plan: SkinnyPlan | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(x, w, add=add)`` and, from its epilogue, each output row's sums of squares per
+    row tile (``[tiles, SUMS_STRIDE]`` float32, of the rounded outputs): what a folded norm
+    after it (``rms_linear(sums=)``) needs instead of summing the squares itself."""
+    out, _, sums = _launch(x, w, None, None, plan, 0, None, 1e-6, None, add=add, sums_out=True)
+    return out, sums
+
+
 def norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -407,7 +437,7 @@ def norm_linear(
     """``linear(rms_norm(x + residual) * norm, w)`` and ``x + residual`` in one launch."""
     if norm.shape != (w.shape[1],):
         raise ValueError("the norm's weight must be [K]")
-    return _launch(x, w, bias, scale, plan, 1, norm, eps, residual)
+    return _launch(x, w, bias, scale, plan, 1, norm, eps, residual)[:2]
 
 
 def rms_linear(
@@ -418,13 +448,15 @@ def rms_linear(
     scale: torch.Tensor | None = None,
     plan: SkinnyPlan | None = None,
     silu: bool = False,
+    sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear(rms_norm(x), w) + bias`` for a ``w`` that holds the norm's weight in its
     columns (``engine.model.fold_norms``): ``x`` goes into the product as it is (the loads stay
-    pipelined), its squares are summed beside it, and the epilogue scales each row by its
-    ``1/rms``. ``silu``: ``w`` is ``[gate; up]`` and the result ``silu(gate) * up`` (the
-    SiLU-and-multiply made in the epilogue: each program takes matching rows of both)."""
-    return _launch(x, w, bias, scale, plan, 3, None, eps, None, silu=silu)[0]
+    pipelined), its squares are summed beside it (or come as ``sums``, what `linear_sums` left
+    for this ``x``), and the epilogue scales each row by its ``1/rms``. ``silu``: ``w`` is
+    ``[gate; up]`` and the result ``silu(gate) * up`` (the SiLU-and-multiply made in the
+    epilogue: each program takes matching rows of both)."""
+    return _launch(x, w, bias, scale, plan, 3, None, eps, None, silu=silu, sums_in=sums)[0]
 
 
 def silu_fits(m: int, n: int, k: int, w_dtype: torch.dtype) -> bool:
@@ -445,7 +477,8 @@ def silu_mul_linear(
     return _launch(x, w, bias, scale, plan, 2, None, 1e-6, None)[0]
 
 
-def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=False):  # noqa: ANN001, ANN202
+def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=False,  # noqa: ANN001, ANN202
+            sums_in=None, sums_out=False):  # fmt: skip
     m = x.shape[0]
     n, k = w.shape
     kx = 2 * k if prologue == 2 else k
@@ -473,18 +506,26 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
         raise ValueError("the SiLU epilogue takes an even N and no scale or bias")
     if add is not None and (add.shape != (m, n_out) or add.stride(-1) != 1 or add.dtype != x.dtype):
         raise ValueError(f"add must be [{m}, {n_out}] of x's dtype with unit stride")
+    if sums_in is not None and (
+        prologue != 3 or sums_in.dim() != 2 or sums_in.shape[1] != SUMS_ROWS
+        or sums_in.dtype != torch.float32 or not sums_in.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"sums must be [tiles, {SUMS_ROWS}] float32 (linear_sums) for "
+                         "rms_linear")  # fmt: skip
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if res is not None else x
-    if m == 0:
-        return out, res_out
     plan = plan or plan_for(m, n, k, w.dtype, prologue)
+    tiles = triton.cdiv(n, plan.block_n)
+    f32 = torch.float32
+    sums = torch.empty((tiles, SUMS_ROWS), dtype=f32, device=x.device) if sums_out else None
+    if m == 0:
+        return out, res_out, sums
     norm_k = prologue in (1, 3)
     split = plan.split_k if not norm_k else 1  # the norm needs each row's whole K
     block_m = 16 if plan.dot else triton.next_power_of_2(m)
     block_k = plan.block_k
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
-    tiles = triton.cdiv(n, plan.block_n)
     if silu and (plan.block_n < 2 or (n // 2) % (plan.block_n // 2)):
         raise ValueError(f"the SiLU epilogue needs N / 2 a multiple of {plan.block_n // 2}")
     pdl = pdl_kwargs(x)
@@ -496,13 +537,13 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
             raise ValueError(f"split-K takes at most {_MAX_TILES} row tiles")
         part = torch.empty((split, n, block_m), dtype=torch.float32, device=x.device)
         locks = _locks(x.device)
-    if plan.pairs and not plan.dot and add is None and not silu:
+    if plan.pairs and not plan.dot and add is None and not silu and not sums_out:
         from kernels import triton_skinny_fp8
 
         if triton_skinny_fp8.fits(m, k, prologue, w, x):
             triton_skinny_fp8.launch(x, w, scale, bias, out, plan, k_split, split, part, locks,
                                      pdl)  # fmt: skip
-            return out, res_out
+            return out, res_out, sums
     _skinny_kernel[(tiles, split)](
         x, w, scale if scale is not None else x, bias if bias is not None else x, out,
         res if res is not None else x, res_out, norm if norm is not None else x, part, locks,
@@ -518,12 +559,15 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
         LINE=line, add_ptr=add if add is not None else x,
         stride_am=add.stride(0) if add is not None else 0, NORM=norm_k, ADD=add is not None,
         SILU=silu, NORM_FIRST=prologue == 3 and first is True, XB=NORM_XB or block_k,
-        NO_SSQ=first == "skip", **pdl,
+        NO_SSQ=first == "skip", sums_ptr=next(t for t in (sums_in, sums, x) if t is not None),
+        sums_tiles=sums_in.shape[0] if sums_in is not None else 0, SUMS_IN=sums_in is not None,
+        SUMS_T=triton.next_power_of_2(sums_in.shape[0]) if sums_in is not None else 1,
+        SUMS_OUT=sums_out, **pdl,
         num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too
         # (the folded norm's x goes into the product as it is: the pipeline stays deep)
         num_stages=min(plan.num_stages, 2) if prologue in (1, 2) and plan.dot else plan.num_stages,
     )  # fmt: skip
-    return out, res_out
+    return out, res_out, sums
 
 
 def _prefetch_steps(plan: SkinnyPlan, k_split: int, line: int) -> int:

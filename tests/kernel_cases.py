@@ -100,3 +100,57 @@ def reference_attention(
     kv = kv_cache.view(torch.uint8).cpu().view(reference.FP8) if fp8 else kv_cache.float().cpu()
     out = reference.paged_attention(q.float().cpu(), kv, layer, cpu, scale, k_scale, v_scale)
     return out.to(q.device)
+
+
+def rope_attention_cases(
+    device: str,
+    dtype: torch.dtype,
+    knobs: list[dict],
+    fp8: bool = False,
+    heads: tuple[int, int, int] = (8, 2, 64),
+    lens: tuple[int, ...] = (1, 17, 200, 0, 64, 33),
+) -> list[tuple[str, float, bool]]:
+    """Decode attention with RoPE and the KV write inside (``triton_decode``'s ``rope``)
+    against the two kernels it replaces (``triton_rope_kv.rope_write_kv``, then the same
+    plan without ``rope``), on a batch whose q, k and v are views of one QKV product's rows:
+    ``(case, relative error of the outputs, caches equal bit for bit)`` per plan. Lengths 1
+    (only the new token), a padding row (length 0, no slot) and lengths that end inside and
+    at the end of a split and a block (``lens``, the fourth a padding row; ``heads``: q heads,
+    KV heads, head size)."""
+    from kernels import triton_decode as T
+    from kernels import triton_rope_kv
+    from kernels.triton_cache import PagedLayer
+
+    h, hkv, d = heads
+    bs = 16
+    q0, kv, meta = make_paged_batch([max(n, 1) for n in lens], [1] * len(lens), block_size=bs,
+                                    num_heads=h, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                                    device=device, seed=3)  # fmt: skip
+    meta.seq_lens[3] = 0
+    meta.slot_blocks[3] = -1
+    g = torch.Generator().manual_seed(5)
+    b = len(lens)
+    qkv = torch.randn(b, (h + 2 * hkv) * d, generator=g).to(device, dtype)
+    q, k, v = (t.view(b, -1, d) for t in qkv.split([h * d, hkv * d, hkv * d], -1))
+    ang = torch.rand(b, d // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device, dtype) for f in (torch.cos, torch.sin))
+    ks, vs = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    if fp8:
+        kv = (kv.float() / 2).to(torch.float8_e4m3fn)
+    rows = []
+    for kn in knobs:
+        plan = (
+            T.DecodePlan(b, h, hkv, d, **kn) if kn else T.DecodePlan.make(q, PagedLayer.of(kv, 1))
+        )
+        want_kv, got_kv = kv.clone(), kv.clone()
+        qr = triton_rope_kv.rope_write_kv(q, k, v, cos, sin, want_kv, 1, meta.slot_blocks,
+                                          meta.slot_offsets, ks, vs)  # fmt: skip
+        want = T.decode_attention(qr, want_kv, 1, meta.block_tables, meta.seq_lens, 0.1, plan,
+                                  ks, vs)  # fmt: skip
+        rope = T.Rope(k, v, cos, sin, meta.slot_blocks, meta.slot_offsets)
+        got = T.decode_attention(q, got_kv, 1, meta.block_tables, meta.seq_lens, 0.1, plan,
+                                 ks, vs, rope=rope)  # fmt: skip
+        same = torch.equal(got_kv.view(torch.uint8), want_kv.view(torch.uint8))
+        zero = got[3].abs().max().item() == 0.0
+        rows.append((f"fp8 {fp8} {plan.label()}", rel_err(got, want), same and zero))
+    return rows

@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.triton_skinny import SkinnyPlan, linear, norm_linear, silu_mul_linear
+from kernels.triton_skinny import (
+    SkinnyPlan,
+    linear,
+    linear_sums,
+    norm_linear,
+    rms_linear,
+    silu_mul_linear,
+)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,6 +98,42 @@ def prologue_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
                 got = silu_mul_linear(y, wt, None, sc, plan)
                 act = reference.silu_and_mul(y.float()).to(dtype).float()
                 out.append((f"silu_{tag}", rel_err(got, reference.linear(act, wref))))
+    return out
+
+
+def fold_sums_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
+                    rows: tuple[int, ...] = (1, 3, 8),
+                    n: int = 96, k: int = 128) -> list[tuple[str, float]]:  # fmt: skip
+    """The folded norm's sums of squares made by the product before it: ``linear_sums`` (the
+    residual added in the epilogue; its sums must add up to the rows' squares) feeding
+    ``rms_linear(sums=)`` with and without the SiLU epilogue, every pair of ``plans``, against
+    the references."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for m in rows:
+        a = torch.randn(m, k, generator=g).to(device, dtype)
+        w1 = (torch.randn(k, k, generator=g) * 0.05).to(device, dtype)
+        add = torch.randn(m, k, generator=g).to(device, dtype)
+        w2 = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+        for p1 in plans:
+            s, sums = linear_sums(a, w1, add, p1)
+            tag = f"m{m}_{p1.label()}"
+            want = a.float() @ w1.float().T + add.float()
+            out.append((f"sums_add_{tag}", rel_err(s, want)))
+            if sums.shape[0] != -(-k // p1.block_n):
+                raise AssertionError(f"sums_{tag}: {list(sums.shape)} for {k} columns")
+            total = sums[:, :m].sum(0)
+            out.append((f"sums_total_{tag}", rel_err(total, (s.float() ** 2).sum(1))))
+            h, _ = reference.rms_norm(s.float(), torch.ones(k, device=device), 1e-5)
+            for p2 in plans:
+                if p2.split_k > 1:
+                    continue
+                got = rms_linear(s, 1e-5, w2, None, None, p2, sums=sums)
+                out.append((f"sums_rms_{tag}_{p2.label()}", rel_err(got, h @ w2.float().T)))
+                if (n // 2) % max(p2.block_n // 2, 1) == 0 and p2.block_n >= 2:
+                    got = rms_linear(s, 1e-5, w2, None, None, p2, silu=True, sums=sums)
+                    act = reference.silu_and_mul(h @ w2.float().T)
+                    out.append((f"sums_silu_{tag}_{p2.label()}", rel_err(got, act)))
     return out
 
 

@@ -59,6 +59,30 @@ def test_interpreter_matches_reference():
     assert res["tickets_left"] == 0
 
 
+ROPE = """
+import json, torch
+from tests.kernel_cases import rope_attention_cases
+knobs = [{"num_splits": 1, "block_n": 16}, {"num_splits": 3, "block_n": 16},
+         {"num_splits": 3, "block_n": 16, "merge": True},
+         {"num_splits": 4, "block_n": 16, "merge": True, "prefetch": True},
+         {"num_splits": 2, "block_n": 32, "prefetch": True},
+         {"num_splits": 2, "block_n": 16, "merge": True, "prefetch": True, "early": True}]
+rows = rope_attention_cases("cpu", torch.float16, knobs)
+rows += rope_attention_cases("cpu", torch.float16, knobs[:3] + knobs[-1:], fp8=True)
+print(json.dumps(rows))
+"""
+
+
+def test_rope_inside_matches_rope_write_then_attention():
+    """``kernels.ROPE_IN_ATTENTION``'s kernel against ``rope_write_kv`` then the same plan:
+    every kind of plan, bf16-like and FP8 caches, the cache written bit for bit the same, a
+    padding row left zero."""
+    rows = interpreted_json(ROPE)
+    assert isinstance(rows, list) and len(rows) == 10
+    bad = [r for r in rows if not (r[1] < 1e-3 and r[2])]
+    assert not bad, bad
+
+
 COMPILE = """
 import json, triton
 from triton.backends.compiler import GPUTarget
@@ -77,7 +101,8 @@ for kv in ("*bf16", "*fp8e4nv"):
         merge = (2 if plan.num_splits == 1 else 1) if plan.merge else 0
         consts = dict(GROUP=4, BLOCK_G=16, BLOCK_N=plan.block_n, HEAD_DIM=128, BLOCK_D=128,
                       DOT_PRECISION="tf32", PDL=True, MERGE=merge, PREFETCH=plan.prefetch,
-                      BLOCK_S=max(triton.next_power_of_2(plan.num_splits), 2), EARLY=plan.early)
+                      BLOCK_S=max(triton.next_power_of_2(plan.num_splits), 2), EARLY=plan.early,
+                      ROPE=False, FP8=False)
         sig = {n: "constexpr" if n in consts else PTRS.get(n, kv if n in ("k_ptr", "v_ptr")
                else "fp32" if n in ("scale_log2", "v_scale") else "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig,

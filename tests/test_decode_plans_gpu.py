@@ -165,3 +165,58 @@ def test_make_takes_the_measured_fp8_kv_plan_at_batch_8_and_the_rule_otherwise()
         assert T.DecodePlan.make(q8, PagedLayer.of(fp8, 0)) == rule8
     finally:
         T.install_plans(saved)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_rope_inside_matches_rope_write_then_attention(kv_dtype):
+    """``kernels.ROPE_IN_ATTENTION``'s kernel (the split that holds the new token rotates and
+    writes it, and attends to it from registers) against ``rope_write_kv`` then the same plan:
+    the 8B shape's heads, the rule's plan and one of each kind, the cache written bit for bit
+    the same, a padding row zero."""
+    if kv_dtype == "fp8" and not fp8_capable():
+        pytest.skip("FP8 needs compute capability 8.9+")
+    from tests.kernel_cases import rope_attention_cases
+
+    knobs = [{}] + [KNOBS[label] for label in TESTED]
+    lens = (1, 17, 1000, 0, 64, 129, 4097, 8)
+    rows = rope_attention_cases("cuda", torch.bfloat16, knobs, fp8=kv_dtype == "fp8",
+                                heads=(32, 8, 128), lens=lens)  # fmt: skip
+    assert len(rows) == len(knobs)
+    bad = [r for r in rows if not (r[1] < 1e-2 and r[2])]
+    assert not bad, bad
+
+
+def test_rope_attention_api_in_a_cuda_graph(monkeypatch):
+    """``kernels.rope_attention`` on a decode batch of 8 takes the one kernel, replays in a
+    CUDA graph with new k and v each time (the cache slot rewritten, the output following),
+    and equals its two-kernel path (``ROPE_IN_ATTENTION`` off) within bf16 rounding."""
+    import kernels
+
+    lens = [1000, 1, 300, 17, 64, 129, 2048, 700]
+    q0, kv, meta = make_paged_batch(lens, [1] * 8, block_size=16, num_heads=32, num_kv_heads=8,
+                                    head_dim=128, seed=6)  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(8, 48 * 128, generator=g, device="cuda").bfloat16()
+    q, k, v = (t.view(8, -1, 128) for t in qkv.split([4096, 1024, 1024], -1))
+    ang = torch.rand(8, 64, generator=g, device="cuda") * 6
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+
+    def step(cache: torch.Tensor) -> torch.Tensor:
+        return kernels.rope_attention(q, k, v, cos, sin, cache, 1, meta, 0.088)
+
+    two = kv.clone()
+    step(kv)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(kv)
+    for seed in range(3):
+        qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda") * (1 + seed))
+        graph.replay()
+        monkeypatch.setattr(kernels, "ROPE_IN_ATTENTION", False)
+        want = step(two)
+        monkeypatch.setattr(kernels, "ROPE_IN_ATTENTION", True)
+        assert torch.equal(kv.view(torch.uint8), two.view(torch.uint8))
+        assert rel_err(out, want) < 1e-2
+        ref = reference_attention(kernels.rope_write_kv(q, k, v, cos, sin, two, 1, meta), two, 1,
+                                  meta, 0.088)  # fmt: skip
+        assert rel_err(out, ref) < 1e-2

@@ -86,6 +86,28 @@ def test_compositions_on_the_reference_path():
                                rtol=1e-5)  # fmt: skip
     add = torch.randn(m, n, generator=g)
     torch.testing.assert_close(kernels.linear_add(x, w, add), x @ w.T + add)
+    # No sums of squares off the skinny kernel: the next norm sums its input itself.
+    out, sums = kernels.linear_add_sums(x, w, add)
+    assert sums is None
+    torch.testing.assert_close(out, x @ w.T + add)
+    torch.testing.assert_close(kernels.rms_linear(x, ones, eps, w * norm, bias, sums=sums),
+                               reference.linear(h, w, bias), atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_rope_attention_is_rope_write_then_attention_on_the_reference_path():
+    from tests.kernel_cases import make_paged_batch
+
+    q, kv, meta = make_paged_batch([9, 40], [1, 1], block_size=16, num_heads=4, num_kv_heads=2,
+                                   head_dim=16, dtype=torch.float32, device="cpu")  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 2, 16, generator=g).unbind(0)
+    ang = torch.rand(2, 8, generator=g)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    two = kv.clone()
+    got = kernels.rope_attention(q, k, v, cos, sin, kv, 1, meta, 0.25)
+    qr = reference.rope_write_kv(q, k, v, cos, sin, two, 1, meta)
+    assert torch.equal(kv, two)
+    torch.testing.assert_close(got, reference.paged_attention(qr, two, 1, meta, 0.25))
 
 
 def test_what_cannot_be_folded_is_refused(smol_dir):

@@ -171,3 +171,49 @@ def test_the_sums_of_squares_in_the_loop_too(monkeypatch):
             rows += [(f"{first}_{xb}_{n}", e)
                      for n, e in _cases(96, 128, m, torch.bfloat16, plans, seed=m)]  # fmt: skip
     _check(rows)
+
+
+def test_the_sums_of_squares_from_the_product_before():
+    """``kernels.FOLD_SUMS``: ``linear_sums`` (the residual added in the epilogue) leaves each
+    row's sums of squares per row tile, and ``rms_linear(sums=)`` takes them: every plan kind
+    on small shapes, bf16 and fp16, against the references."""
+    from tests.skinny_cases import fold_sums_cases
+
+    plans = small_plans() + [SkinnyPlan(block_n=64, block_k=64, num_stages=4, dot=True)]
+    rows = fold_sums_cases("cuda", torch.bfloat16, plans, rows=(1, 3, 8))
+    rows += fold_sums_cases("cuda", torch.float16, plans[:1] + plans[-2:], rows=(2,))
+    _check(rows)
+    assert sum(n.startswith("sums_total") for n, _ in rows) == 3 * len(plans) + 3
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_the_8b_layer_with_the_sums_and_the_installed_plans(m, monkeypatch):
+    """The folded 8B layer's products as the engine chains them on CUDA (``kernels``' API):
+    o_proj's sums feed gate/up, down's feed the next QKV, one launch each, equal to the
+    products with the norms made apart (``FOLD_SUMS`` off) within bf16 rounding; also in a
+    CUDA graph with PDL. (At one row the engine does not take the sums, ``FOLD_SUMS_MIN_ROWS``;
+    the kernels are checked there too.)"""
+    monkeypatch.setattr(kernels, "FOLD_SUMS_MIN_ROWS", 1)
+    g = torch.Generator().manual_seed(m)
+
+    def rand(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * s).to("cuda", torch.bfloat16)
+
+    attn, stream = rand(m, 4096), rand(m, 4096)
+    w = {name: rand(n, k, s=0.02) for name, (n, k) in SHAPES.items()}
+    ones = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+
+    def layer() -> torch.Tensor:
+        s, sums = kernels.linear_add_sums(attn, w["o_proj"], stream)
+        act = kernels.rms_linear(s, ones, EPS, w["gate_up"], silu=True, sums=sums)
+        s, sums = kernels.linear_add_sums(act, w["down"], s)
+        return kernels.rms_linear(s, ones, EPS, w["qkv"], sums=sums)
+
+    got = layer()
+    assert kernels.linear_add_sums(attn, w["o_proj"], stream)[1] is not None
+    assert_replays_in_a_cuda_graph(layer, attn, got)
+    monkeypatch.setattr(kernels, "FOLD_SUMS", False)
+    assert kernels.linear_add_sums(attn, w["o_proj"], stream)[1] is None
+    want = layer()
+    monkeypatch.setattr(kernels, "FOLD_SUMS", True)
+    assert rel_err(layer(), want) < TOL

@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from kernels import triton_decode, triton_lora, triton_norm, triton_rope_kv, triton_skinny
 
 def ptr(name):
-    if name in ("part_ptr", "lse_ptr", "cos_ptr", "sin_ptr", "scale_ptr"):
+    if name in ("part_ptr", "lse_ptr", "cos_ptr", "sin_ptr", "scale_ptr", "sums_ptr"):
         return "*fp32"
     if name in ("tables_ptr", "seq_lens_ptr", "slot_blocks_ptr", "slot_offsets_ptr", "lock_ptr",
                 "rows_ptr", "start_ptr", "len_ptr", "slot_ptr", "tickets_ptr"):
@@ -38,24 +38,35 @@ CASES = {
         HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, FP8=False)),
     "decode_split": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False)),
+        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False, ROPE=False, FP8=False)),
+    # RoPE and the new token's KV write inside (kernels.ROPE_IN_ATTENTION)
+    "decode_split_rope": (triton_decode._decode_split_kernel, dict(
+        GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
+        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False, ROPE=True, FP8=False)),
     # the register prefetch, and the last split merging (its ticket)
     "decode_split_merge": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False)),
+        MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False, ROPE=False, FP8=False)),
     "decode_merge": (triton_decode._decode_merge_kernel, dict(
         HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
     "skinny": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
         XR=1, QX=False, N_PREFETCH=0, LINE=64, NORM=False, ADD=False, SILU=False,
-        NORM_FIRST=False, XB=16, NO_SSQ=False)),
+        NORM_FIRST=False, XB=16, NO_SSQ=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
     # the tensor cores' loop (pipelined after the wait): its first tiles asked into L2 before
     "skinny_dot": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
         BLOCK_N=32, BLOCK_K=256, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=256,
         XR=32, QX=False, N_PREFETCH=2, LINE=64, NORM=False, ADD=False, SILU=False,
-        NORM_FIRST=False, XB=16, NO_SSQ=False)),
+        NORM_FIRST=False, XB=16, NO_SSQ=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
+    # the folded norm's sums of squares from the product before (read after the wait) and
+    # for the one after (kernels.FOLD_SUMS), with the residual add
+    "skinny_dot_sums": (triton_skinny._skinny_kernel, dict(
+        PROLOGUE=3, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
+        BLOCK_N=64, BLOCK_K=128, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=128,
+        XR=64, QX=False, N_PREFETCH=0, LINE=64, NORM=True, ADD=True, SILU=False,
+        NORM_FIRST=False, XB=16, NO_SSQ=False, SUMS_IN=True, SUMS_T=64, SUMS_OUT=True)),
     "lora_shrink": (triton_lora._shrink_kernel, dict(
         BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
     "lora_expand": (triton_lora._expand_kernel, dict(
@@ -86,7 +97,7 @@ print(json.dumps(out))
 
 def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 20
+    assert len(rows) == 24
     for r in rows:
         # only the tensor-core product asks for weights in L2, and only with PDL
         assert r["l2_before_wait"] == (r["kernel"] == "skinny_dot" and r["pdl"]), r

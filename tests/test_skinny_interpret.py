@@ -19,7 +19,7 @@ from tests.skinny_cases import compiled_rows, interpreted_json  # noqa: E402
 
 SCRIPT = """
 import json, torch
-from tests.skinny_cases import prologue_cases, product_cases, small_plans
+from tests.skinny_cases import fold_sums_cases, prologue_cases, product_cases, small_plans
 fma, dot = small_plans(dot_ok=False), [p for p in small_plans() if p.dot]
 rows = product_cases("cpu", torch.bfloat16, fma, shapes=((40, 96),), rows=(1, 3))
 # 2 and 8 rows on the CUDA cores (one accumulator per row), FP8 weights included
@@ -28,6 +28,9 @@ rows += product_cases("cpu", torch.bfloat16, fma[2:4], shapes=((40, 96),), rows=
 rows += product_cases("cpu", torch.float16, dot, shapes=((40, 96),), rows=(2,))
 rows += prologue_cases("cpu", torch.bfloat16, fma[:3] + fma[-1:], rows=(1, 3), exact=False)
 rows += prologue_cases("cpu", torch.float16, dot[:1], rows=(2,))
+# the folded norm's sums of squares from the product before it (kernels.FOLD_SUMS)
+rows += fold_sums_cases("cpu", torch.bfloat16, fma[:1] + fma[2:3] + fma[-1:], rows=(1, 3))
+rows += fold_sums_cases("cpu", torch.float16, dot, rows=(2,))
 print(json.dumps(rows))
 """
 
@@ -35,7 +38,8 @@ print(json.dumps(rows))
 def test_interpreter_matches_references():
     rows = interpreted_json(SCRIPT)
     assert isinstance(rows, list)
-    assert len(rows) >= 46
+    assert len(rows) >= 46 + 44
+    assert sum(n.startswith("sums_") for n, _ in rows) == 44
     bad = [(n, e) for n, e in rows if not e < 1e-2]
     assert not bad, bad[:10]
 
@@ -49,7 +53,7 @@ from kernels import triton_skinny as S
 fn = S._skinny_kernel
 PTRS = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16", "part_ptr": "*fp32",
-        "lock_ptr": "*i32", "add_ptr": "*bf16"}
+        "lock_ptr": "*i32", "add_ptr": "*bf16", "sums_ptr": "*fp32"}
 out = []
 for wt in ("*bf16", "*fp8e4nv"):
     for plan, prologue, rows, pdl in (
@@ -64,11 +68,17 @@ for wt in ("*bf16", "*fp8e4nv"):
             # 16 rows on the tensor cores with the sums in the loop; the residual's epilogue
             (S.SkinnyPlan(block_n=4, block_k=1024), 3, 1, False),
             (S.SkinnyPlan(block_n=128, block_k=128, dot=True, num_stages=4), 3, 16, False),
-            (S.SkinnyPlan(block_n=64, block_k=128, dot=True, num_stages=6), 0, 16, False)):
+            (S.SkinnyPlan(block_n=64, block_k=128, dot=True, num_stages=6), 0, 16, False),
+            # the norm's sums of squares from the product before (FOLD_SUMS), and for the next
+            (S.SkinnyPlan(block_n=64, block_k=256, dot=True, num_stages=3), 3, 16, True),
+            (S.SkinnyPlan(block_n=4, block_k=1024), 3, 1, True)):
         if (prologue == 3 or plan.block_n == 64) and wt != "*bf16":  # the folded model's
             continue  # paths take no FP8 weights
-        fold = dict(NORM=prologue == 3, SILU=prologue == 3 and plan.dot, ADD=plan.block_n == 64,
-                    NORM_FIRST=prologue == 3 and not plan.dot, XB=plan.block_k, NO_SSQ=False)
+        sums = prologue == 3 and pdl  # (the cases above with the sums are the ones with PDL)
+        fold = dict(NORM=prologue == 3, SILU=prologue == 3 and plan.dot and not sums,
+                    ADD=plan.block_n == 64, NORM_FIRST=prologue == 3 and not plan.dot and not sums,
+                    XB=plan.block_k, NO_SSQ=False, SUMS_IN=sums, SUMS_T=64 if sums else 1,
+                    SUMS_OUT=sums and plan.block_n == 64)
         consts = dict(PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_SCALE=wt == "*fp8e4nv",
                       HAS_BIAS=False, SPLIT_K=1, BLOCK_M=rows, PDL=pdl,
                       BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT=plan.dot, EVEN_K=True,
@@ -102,7 +112,7 @@ def test_compiled_for_hopper_without_shuffles_in_the_loop():
     CUDA cores and with the folded norm's paths, and loads are wide; ``griddepcontrol.wait`` only
     with ``PDL``."""
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 17
+    assert len(rows) == 19
     for r in rows:
         assert r["loop_converts"] == 0 and r["wide_loads"] > 0, r
         assert (r["gdc"] > 0) == r["pdl"], r  # griddepcontrol only where asked for
