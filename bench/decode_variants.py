@@ -338,6 +338,9 @@ def run(args: argparse.Namespace) -> dict:
                         lambda: folded(bench),
                         functools.partial(attention_plan, b, **knobs),
                     )
+                variants["what_if_folded_no_merge"] = functools.partial(
+                    combined, lambda: folded(bench), what_if_no_merge
+                )
                 # the engine's step of session 14
                 variants["folded_s14"] = functools.partial(
                     combined, variants["folded_no_sums"], variants["rope_unfused"]

@@ -171,13 +171,14 @@ def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om
               pid_n=0, add_ptr=None, stride_am=0, ADD: tl.constexpr = False,
               SILU: tl.constexpr = False, BLOCK_N: tl.constexpr = 1,
               BLOCK_M: tl.constexpr = 1, sums_ptr=None,
-              SUMS_OUT: tl.constexpr = False):  # fmt: skip
+              SUMS_OUT: tl.constexpr = False, add_tile=None):  # fmt: skip
     """``acc`` is ``[BLOCK_N, BLOCK_M]`` (output columns by rows). ``SILU``: the tile's first
     half of rows is gate's, the second up's (``_skinny_kernel``), stored as ``silu(gate) * up``
     in columns ``pid_n * BLOCK_N / 2 + ...`` of an ``[M, N / 2]`` output. ``ADD``: plus the
     ``[M, N]`` tensor at ``add_ptr`` (the residual stream), rounded once. ``SUMS_OUT``: each
     row's sum of the squares of the tile's stored (rounded) outputs, at
-    ``sums_ptr[pid_n, row]`` (``SUMS_STRIDE`` rows per tile): the next folded norm's."""
+    ``sums_ptr[pid_n, row]`` (``SUMS_STRIDE`` rows per tile): the next folded norm's.
+    ``add_tile``: the tile of ``add_ptr`` already loaded (``[BLOCK_N, BLOCK_M]``)."""
     n_mask = offs_n < N
     if HAS_SCALE:  # per output channel (FP8 weights), times the caller's unit
         acc *= (tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0) * UNIT)[:, None]
@@ -192,7 +193,11 @@ def _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om
         n_mask = offs_n < N
     mask = (offs_m < M)[None, :] & n_mask[:, None]
     if ADD:
-        a = tl.load(add_ptr + offs_m[None, :] * stride_am + offs_n[:, None], mask=mask, other=0.0)
+        if SILU or add_tile is None:
+            a = tl.load(add_ptr + offs_m[None, :] * stride_am + offs_n[:, None], mask=mask,
+                        other=0.0)  # fmt: skip
+        else:  # loaded by the kernel before its loop (the same tile)
+            a = add_tile
         acc += a.to(tl.float32)
     o = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     y = acc.to(out_ptr.dtype.element_ty)
@@ -270,13 +275,20 @@ def _skinny_kernel(
         # now wait for the previous kernel's results (x, the residual), then let the next start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if SUMS_IN:  # the folded norm's sums of squares from the previous product's epilogue
-        # (``SUMS_OUT``: one per row and row tile of x's columns), added in a fixed order
+    # Loads that only the epilogue needs are issued here and wait there (their latency is
+    # the loop's, not the program's tail): the residual to add, and the folded norm's sums of
+    # squares from the previous product's epilogue (``SUMS_OUT``: one per row and row tile of
+    # x's columns), added in a fixed order after the loop.
+    add_tile = acc
+    if ADD and not SILU:
+        add_tile = tl.load(add_ptr + offs_m[None, :] * stride_am + offs_n[:, None],
+                           mask=(offs_m < M)[None, :] & (offs_n < N)[:, None],
+                           other=0.0)  # fmt: skip
+    if SUMS_IN:
         offs_t = tl.arange(0, SUMS_T)
         sums = tl.load(sums_ptr + offs_t[:, None] * SUMS_STRIDE + offs_m[None, :],
                        mask=(offs_t < sums_tiles)[:, None] & (offs_m < M)[None, :],
                        other=0.0)  # fmt: skip
-        ssq += tl.sum(sums, axis=0)
     elif NORM_FIRST:  # the folded norm's sums of squares before the loop, while the first
         # weight tiles are in flight (x is a few KiB per row, read from L2), not in every step
         for kk in range(0, K, XB):
@@ -349,6 +361,8 @@ def _skinny_kernel(
                 acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
                 if NORM and not NORM_FIRST and not SUMS_IN:
                     ssq += tl.where(offs_m == m, tl.max(tl.sum(sq, axis=1), axis=0), 0.0)
+    if SUMS_IN:
+        ssq = tl.sum(sums, axis=0)
     if not DOT and BLOCK_M > 1 and not NORM:  # the rows' sums as [BLOCK_N, BLOCK_M]
         acc = _put(_put(acc, a0, offs_m, 0), a1, offs_m, 1)
         if BLOCK_M > 2:
@@ -366,7 +380,7 @@ def _skinny_kernel(
         acc *= tl.rsqrt(ssq / K + eps)[None, :]
     _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
             lock_ptr, stride_om, HAS_SCALE, HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_M, 1.0, add_ptr,
-            stride_am, ADD, SILU, sums_ptr, SUMS_OUT)  # fmt: skip
+            stride_am, ADD, SILU, sums_ptr, SUMS_OUT, add_tile)  # fmt: skip
 
 
 @triton.jit
@@ -374,13 +388,14 @@ def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_pt
             lock_ptr, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
             SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
             UNIT: tl.constexpr = 1.0, add_ptr=None, stride_am=0, ADD: tl.constexpr = False,
-            SILU: tl.constexpr = False, sums_ptr=None, SUMS_OUT: tl.constexpr = False):  # fmt: skip
+            SILU: tl.constexpr = False, sums_ptr=None, SUMS_OUT: tl.constexpr = False,
+            add_tile=None):  # fmt: skip
     """The epilogue of one program's ``[BLOCK_N, BLOCK_M]`` sums (times ``UNIT``); with split-K
     the last program of the row tile adds the parts in a fixed order first."""
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
                   HAS_SCALE, HAS_BIAS, UNIT, pid_n, add_ptr, stride_am, ADD, SILU, BLOCK_N,
-                  BLOCK_M, sums_ptr, SUMS_OUT)  # fmt: skip
+                  BLOCK_M, sums_ptr, SUMS_OUT, add_tile)  # fmt: skip
     else:
         # This part's sums; the last program of the row tile adds the parts in a fixed order.
         n_mask = offs_n < N
@@ -396,7 +411,7 @@ def _finish(acc, offs_m, offs_n, pid_n, pid_k, M, N, scale_ptr, bias_ptr, out_pt
                 acc += tl.load(q_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
             _epilogue(acc, offs_m, offs_n, M, N, scale_ptr, bias_ptr, out_ptr, stride_om,
                       HAS_SCALE, HAS_BIAS, UNIT, pid_n, add_ptr, stride_am, ADD, SILU,
-                      BLOCK_N, BLOCK_M, sums_ptr, SUMS_OUT)  # fmt: skip
+                      BLOCK_N, BLOCK_M, sums_ptr, SUMS_OUT, add_tile)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 

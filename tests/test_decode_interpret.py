@@ -115,6 +115,7 @@ for kv in ("*bf16", "*fp8e4nv"):
         first = min(ptx.index(s) for s in ("ld.global", "st.global") if s in ptx)
         out.append({"plan": f"{kv} {plan.label()}", "prefetch": plan.prefetch,
                     "early": plan.early, "wait_first": "griddepcontrol.wait" in ptx[:first],
+                    "loads_before_wait": ptx.split("griddepcontrol.wait")[0].count("ld.global"),
                     "merge": merge, "smem": k.metadata.shared,
                     "atomics": ptx.count("atom.global"),
                     "cp_async": ptx.count("cp.async.cg"),
@@ -123,18 +124,21 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 52 compilations: about a minute and a half on two cores
+@pytest.mark.slow  # 90 compilations: about two and a half minutes on two cores
 def test_plans_compile_for_hopper():
     """Every benched plan compiles for sm_90 (Triton's compiler and ptxas need no device): the
     ticket's atomics only where the last split merges, the prefetch without Triton's
     shared-memory pipeline, within the shared memory of two programs per multiprocessor, and
-    loads before the PDL wait only in ``early`` plans."""
+    before the PDL wait only the sequence's length, or in ``early`` plans K/V and block ids."""
+    from bench.decode_attention_gpu import candidates
+
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 2 * 26
+    assert len(rows) == 2 * (1 + len(candidates(1)) + len(candidates(8)))
     for r in rows:
         assert (r["atomics"] > 0) == (r["merge"] == 1), r
         assert r["gdc"] > 0 and r["smem"] <= 113 * 1024, r
         if r["prefetch"]:
             assert r["cp_async"] == 0, r
-        # nothing read before the wait unless early (then K/V and block ids, never q)
-        assert r["wait_first"] == (not r["early"]), r
+        # before the wait: the length; early plans also K/V and block ids (never q)
+        assert not r["wait_first"], r
+        assert (r["loads_before_wait"] > 1) == r["early"], r
