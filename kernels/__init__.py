@@ -38,8 +38,9 @@ FUSE_DECODE = False
 # or FP8 weights takes ``engine.model.fold_norms`` at load, and its decode step takes
 # `rms_linear` and `linear_add` (the residual adds in the products' epilogues; at one row also
 # the RMSNorm and SiLU-and-multiply: six launches a layer instead of ten). On H100s the 8B step
-# at batch 1 took 0.988-0.989x the unfolded one, at batch 8 1.002x
-# (bench/results/decode_gpu_h100.md, session 14).
+# at batch 1 took 0.988-0.989x the unfolded one, at batch 8 1.002x (session 14); with
+# FOLD_SUMS and ROPE_IN_ATTENTION below, 0.962x session 14's folded step at batch 8
+# (bench/results/decode_gpu_h100.md, session 15).
 FOLD_DECODE = True
 # `rms_linear` in one launch on the tensor cores' plans too (2-8 rows). Off: on an H100 the
 # sums of squares beside the pipelined product cost what the two launches saved (the folded
