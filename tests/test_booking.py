@@ -244,3 +244,43 @@ async def test_a_migrated_request_is_booked_for_the_tokens_it_brings() -> None:
     assert core.ledger.inflight["m"] == 48 and core.ledger.pending_tokens == 108
     assert len([o async for o in stream]) == 48 - 30 - 1  # it runs on to its max_tokens
     assert core.ledger.inflight == {"other": 60} and core.resumed == 1
+
+
+async def test_the_router_books_a_moved_stream_on_its_new_worker_as_that_worker_does() -> None:
+    """A stream moved after 30 tokens (booking 8) is counted in the router's copy of its new
+    worker's ledger at `resumed_cost` (10 + 30 + 8), what that worker's own ledger books
+    (`DecodeJob.cost`), not at the 18 of a new request; and freed when it ends."""
+    from services.common.codec import Event
+    from services.common.errors import Unavailable
+    from services.router.calls import DecodeCall
+    from services.router.core import RouterCore
+    from tests.test_router_core import Clients, Directory
+
+    params = SamplingParams(max_tokens=40, booked_tokens=8)
+    prompt = list(range(10))
+    moved = DecodeCall(RouteJob("m", prompt, params), admitted=True, resumed=list(range(30)))
+    assert moved.cost == DecodeJob("m", prompt, params, resumed=list(range(30))).cost == 48
+    assert DecodeCall(RouteJob("n", prompt, params)).cost == 18
+
+    def bounded(worker_id: str):
+        return dataclasses.replace(member(worker_id, "decode"),
+                                   extra={BOUND_KEY: bound_record(TokenLedger(1000))})  # fmt: skip
+
+    d0, d1 = bounded("d0"), bounded("d1")
+    booked: dict[str, int] = {}
+
+    class DiesAfter30(Clients):
+        async def decode(self, worker, call):
+            ledger = core.admission._ledger(worker)
+            booked[worker.worker_id] = ledger.inflight[call.job.request_id]
+            for i in range(len(call.resumed), 40):
+                if worker.worker_id == "d0" and i == 30:
+                    raise Unavailable("d0 died mid-stream")
+                yield Event(call.job.request_id, [i], "t",
+                            finish_reason="length" if i == 39 else None)  # fmt: skip
+
+    core = RouterCore(Directory([d0, d1]), DiesAfter30())
+    events = [ev async for ev in core.generate(RouteJob("m", prompt, params))]
+    assert len(events) == 40 and core.stats.migrations == 1
+    assert booked == {"d0": 18, "d1": 48}
+    assert not core.admission._ledger(d1).inflight  # given back when it ended

@@ -41,21 +41,25 @@ class DecodeAdmission:
         self._ledgers: dict[tuple[str, str], TokenLedger | None] = {}
         self.local_refusals = 0  # requests refused here, with no call
 
-    def book(self, worker: Member, job: RouteJob, force: bool = False) -> None:
+    def book(
+        self, worker: Member, job: RouteJob, force: bool = False, cost: int | None = None
+    ) -> None:
         """Count ``job`` on ``worker`` from now until `refused`, `failed` or `released` (once:
         booking it again, as a reserved request's Generate does, changes nothing). Raises
         ResourceExhausted instead when it cannot fit there; ``force``: a request admitted for
-        its whole life already (it streamed tokens), counted and never refused."""
+        its whole life already (it streamed tokens), counted and never refused. ``cost``: what
+        the worker books for the call (`DecodeCall.cost`; ``job.cost`` when not given)."""
+        cost = job.cost if cost is None else cost
         ledger = self._ledger(worker)
         if ledger is not None and job.request_id in ledger.inflight:
             return
         try:
             if not force:
                 self.memory.check(
-                    _scope(worker), job.priority, job.cost, f"decode worker {worker.worker_id}"
+                    _scope(worker), job.priority, cost, f"decode worker {worker.worker_id}"
                 )
             if ledger is not None:
-                ledger.admit(job.request_id, job.cost, job.priority, force)
+                ledger.admit(job.request_id, cost, job.priority, force)
         except ResourceExhausted:
             self.local_refusals += 1
             raise
@@ -71,12 +75,13 @@ class DecodeAdmission:
         if ledger is not None:
             ledger.cancel(job.request_id)
 
-    def released(self, worker: Member, job: RouteJob) -> None:
-        """``job`` ended on ``worker`` (or its booking was dropped): its tokens are free."""
+    def released(self, worker: Member, job: RouteJob, cost: int | None = None) -> None:
+        """``job`` ended on ``worker`` (or its booking was dropped): its tokens (``cost``, as
+        booked) are free."""
         ledger = self._ledgers.get(_scope(worker))
         if ledger is not None:
             ledger.release(job.request_id)
-        self.memory.released(_scope(worker), job.cost)
+        self.memory.released(_scope(worker), job.cost if cost is None else cost)
 
     def _ledger(self, worker: Member) -> TokenLedger | None:
         scope = _scope(worker)

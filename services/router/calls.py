@@ -12,7 +12,7 @@ from typing import Protocol
 
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.cluster.registry import Member
-from services.common.admission import booked_completion, request_cost
+from services.common.admission import booked_completion, request_cost, resumed_cost
 from services.common.codec import ChoiceStart, Event, KVHandle, Moved
 from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from services.router.policy import RouteRequest
@@ -111,6 +111,14 @@ class DecodeCall:
     others: list[ChoiceStart] = field(default_factory=list)
     admitted: bool = False  # booked before its first token: the decode worker must take it
     resumed: list[int] = field(default_factory=list)  # migrated: choice 0's streamed tokens
+
+    @property
+    def cost(self) -> int:
+        """What the decode worker books for this call: ``job.cost``, or for a migrated one
+        (`resumed_cost`) also the tokens it already produced, as the worker's ledger does."""
+        if self.resumed:
+            return resumed_cost(len(self.job.prompt), len(self.resumed), self.job.params)
+        return self.job.cost
 
 
 class WorkerClients(Protocol):

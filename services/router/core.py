@@ -289,11 +289,13 @@ class RouterCore:
                 if not keep:
                     asyncio.ensure_future(self.clients.release(handle, job.request_id))
 
-    def _book(self, worker: Member, job: RouteJob, failed: set[str], force: bool) -> None:
-        """Count ``job`` on ``worker``, or refuse it here, with no call, when it cannot fit
-        there (`DecodeAdmission`); the worker decides for what may fit."""
+    def _book(
+        self, worker: Member, job: RouteJob, failed: set[str], force: bool, cost: int | None = None
+    ) -> None:
+        """Count ``job`` (at ``cost``, `DecodeAdmission.book`) on ``worker``, or refuse it here,
+        with no call, when it cannot fit there; the worker decides for what may fit."""
         try:
-            self.admission.book(worker, job, force)
+            self.admission.book(worker, job, force, cost)
         except ResourceExhausted:
             failed.add(worker.worker_id)
             raise
@@ -333,10 +335,10 @@ class RouterCore:
         """Decode ``call`` on ``worker``: booked there (`_book`; a reserved one already is; one
         not admitted yet, decode-only, may be refused here), and given back when the call ends,
         however it ends, unless the worker refused it."""
-        job = call.job
-        self._book(worker, job, failed, force=call.admitted)
+        job, cost = call.job, call.cost  # a migrated call books what it brings
+        self._book(worker, job, failed, force=call.admitted, cost=cost)
         took = True
-        with self.chooser.working(worker, job.cost):
+        with self.chooser.working(worker, cost):
             try:
                 async for ev in self.clients.decode(worker, call):
                     if ev.moved is not None:  # draining: not to be picked again for this one
@@ -354,7 +356,7 @@ class RouterCore:
                 raise
             finally:
                 if took:
-                    self.admission.released(worker, job)
+                    self.admission.released(worker, job, cost)
 
     async def embed(
         self, request_id: str, inputs: list[list[int]], lora: str = ""
