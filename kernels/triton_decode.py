@@ -92,8 +92,8 @@ FP8_KV_PLANS: dict[int, dict[str, object]] = {
         "prefetch": True, "early": True},
 }  # fmt: skip
 # The same for a bf16/fp16 cache. Batch 8: 32-token tiles. On an H100 (8B shape, ctx 1k) the
-# folded decode step with RoPE inside took 0.993x, 0.993x and 0.988x the rule's plan in three
-# runs (session 15; attention alone 0.980x in session 8, and 0.997x at ctx 4k).
+# folded decode step with RoPE inside took 0.993x the rule's plan in two runs (session 15;
+# attention alone 0.980x in session 8, and 0.997x at ctx 4k).
 KV16_PLANS: dict[int, dict[str, object]] = {8: {"num_splits": 8, "block_n": 32}}
 
 
