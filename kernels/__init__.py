@@ -170,6 +170,12 @@ def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
     )
 
 
+def _skinny_16(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
+    """Whether a bf16/fp16 weight's product takes ``triton_skinny`` (the folded decode's
+    kernels: its epilogues add the stream, apply the norm, leave the sums)."""
+    return SKINNY_KERNEL == "skinny" and not isinstance(w, Fp8Weight) and _skinny(x, w)
+
+
 def norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -206,12 +212,7 @@ def rms_linear(
     epilogue); elsewhere `rms_norm` with ``unit_norm`` (the folded norm's weight: ones), then
     `linear` (then `silu_and_mul`). ``sums``: what `linear_add_sums` left for
     ``x`` (``FOLD_SUMS``): the norm takes them instead of summing ``x``'s squares."""
-    if (
-        SKINNY_KERNEL == "skinny"
-        and not isinstance(w, Fp8Weight)
-        and _skinny(x, w)
-        and (bias is None or not silu)
-    ):
+    if _skinny_16(x, w) and (bias is None or not silu):
         from kernels import triton_skinny
 
         dot = triton_skinny.plan_for(x.shape[0], *w.shape, w.dtype, 3).dot
@@ -228,7 +229,7 @@ def rms_linear(
 def linear_add(x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor) -> torch.Tensor:
     """``linear(x, w) + add`` (the residual stream): where the product takes the skinny
     kernel, added in its epilogue before the one rounding; elsewhere added after."""
-    if SKINNY_KERNEL == "skinny" and not isinstance(w, Fp8Weight) and _skinny(x, w):
+    if _skinny_16(x, w):
         from kernels import triton_skinny
 
         return triton_skinny.linear(x, w, add=add)
@@ -241,13 +242,7 @@ def linear_add_sums(
     """`linear_add`, and the sums of squares of the result's rows that the folded norm after
     it takes (`rms_linear`'s ``sums``), made in the skinny kernel's epilogue (``FOLD_SUMS``,
     from ``FOLD_SUMS_MIN_ROWS`` rows); ``None`` where the product takes another path."""
-    if (
-        FOLD_SUMS
-        and x.shape[0] >= FOLD_SUMS_MIN_ROWS
-        and SKINNY_KERNEL == "skinny"
-        and not isinstance(w, Fp8Weight)
-        and _skinny(x, w)
-    ):
+    if FOLD_SUMS and x.shape[0] >= FOLD_SUMS_MIN_ROWS and _skinny_16(x, w):
         from kernels import triton_skinny
 
         return triton_skinny.linear_sums(x, w, add)

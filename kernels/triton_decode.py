@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels._triton import dot_precision, next_pow2, num_sms, pdl_kwargs
 from kernels.triton_cache import PagedLayer
 from kernels.triton_rope import rope_mix
-from kernels.triton_rope_kv import _to_cache
+from kernels.triton_rope_kv import check_inputs, to_cache
 
 LOG2E = 1.4426950408889634
 
@@ -176,14 +176,29 @@ def _new_token(kn_ptr, vn_ptr, k_ptr, v_ptr, slot_block_ptr, slot_offset_ptr, he
     k = _rotate(kn_ptr, offs_d, mask, c, s, HALF)
     v = tl.load(vn_ptr + offs_d, mask=mask, other=0.0)
     ty = k_ptr.dtype.element_ty
-    kc = _to_cache(k, k_inv, FP8).to(ty)
-    vc = _to_cache(v, v_inv, FP8).to(ty)
+    kc = to_cache(k, k_inv, FP8).to(ty)
+    vc = to_cache(v, v_inv, FP8).to(ty)
     blk = tl.load(slot_block_ptr, mask=owns, other=-1).to(tl.int64)
     off = tl.load(slot_offset_ptr, mask=owns, other=0).to(tl.int64)
     slot = blk * stride_kb + off * stride_kt + head_off
     tl.store(k_ptr + slot + offs_d, kc, mask=mask & (blk >= 0))
     tl.store(v_ptr + slot + offs_d, vc, mask=mask & (blk >= 0))
     return kc, vc
+
+
+@triton.jit
+def _rope_inputs(q_rows, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_block_ptr,
+                 slot_offset_ptr, head_off, stride_kb, stride_kt, offs_d, d_mask, gd_mask, k_inv,
+                 v_inv, owns, HALF: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """With ``ROPE``: the group's q heads (rows at ``q_rows``) rotated, and the new token's k
+    and v as the cache now holds them (`_new_token`), from the token's cos and sin."""
+    c = tl.load(cos_ptr + offs_d, mask=d_mask, other=0.0)
+    s = tl.load(sin_ptr + offs_d, mask=d_mask, other=0.0)
+    q = _rotate(q_rows, offs_d[None, :], gd_mask, c[None, :], s[None, :], HALF)
+    kc, vc = _new_token(kn_ptr, vn_ptr, k_ptr, v_ptr, slot_block_ptr, slot_offset_ptr, head_off,
+                        stride_kb, stride_kt, offs_d, d_mask, c, s, k_inv, v_inv, owns, HALF,
+                        FP8)  # fmt: skip
+    return q, kc, vc
 
 
 @triton.jit
@@ -243,26 +258,23 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & d_mask[None, :]
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    if ROPE:
-        c = tl.load(cos_ptr + b * stride_cos + offs_d, mask=d_mask, other=0.0)
-        s = tl.load(sin_ptr + b * stride_sin + offs_d, mask=d_mask, other=0.0)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_ptrs = q_rows + offs_d[None, :]
+    head_off = kvh * stride_kh
     if not EARLY:
         if ROPE:
-            q = _rotate(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d[None, :],
-                        gd_mask, c[None, :], s[None, :], HEAD_DIM // 2)  # fmt: skip
-            kc, vc = _new_token(kn_ptr + b * stride_knb + kvh * stride_knh,
-                                vn_ptr + b * stride_vnb + kvh * stride_vnh, k_ptr, v_ptr,
-                                slot_blocks_ptr + b, slot_offsets_ptr + b, kvh * stride_kh,
-                                stride_kb, stride_kt, offs_d, d_mask, c, s, k_inv, v_inv, owns,
-                                HEAD_DIM // 2, FP8)  # fmt: skip
+            q, kc, vc = _rope_inputs(q_rows, kn_ptr + b * stride_knb + kvh * stride_knh,
+                                     vn_ptr + b * stride_vnb + kvh * stride_vnh,
+                                     cos_ptr + b * stride_cos, sin_ptr + b * stride_sin, k_ptr,
+                                     v_ptr, slot_blocks_ptr + b, slot_offsets_ptr + b, head_off,
+                                     stride_kb, stride_kt, offs_d, d_mask, gd_mask, k_inv, v_inv,
+                                     owns, HEAD_DIM // 2, FP8)  # fmt: skip
         else:
             q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = tables_ptr + b * stride_tb
-    head_off = kvh * stride_kh
     if PREFETCH:
         # Software pipeline in registers (the launch has num_stages=1): the next tile's K/V
         # loads are in flight while this tile is computed, and the block ids two tiles ahead.
@@ -283,13 +295,13 @@ def _decode_split_kernel(
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             if ROPE:
-                q = _rotate(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d[None, :],
-                            gd_mask, c[None, :], s[None, :], HEAD_DIM // 2)  # fmt: skip
-                kc, vc = _new_token(kn_ptr + b * stride_knb + kvh * stride_knh,
-                                    vn_ptr + b * stride_vnb + kvh * stride_vnh, k_ptr, v_ptr,
-                                    slot_blocks_ptr + b, slot_offsets_ptr + b, head_off,
-                                    stride_kb, stride_kt, offs_d, d_mask, c, s, k_inv, v_inv,
-                                    owns, HEAD_DIM // 2, FP8)  # fmt: skip
+                q, kc, vc = _rope_inputs(q_rows, kn_ptr + b * stride_knb + kvh * stride_knh,
+                                         vn_ptr + b * stride_vnb + kvh * stride_vnh,
+                                         cos_ptr + b * stride_cos, sin_ptr + b * stride_sin,
+                                         k_ptr, v_ptr, slot_blocks_ptr + b,
+                                         slot_offsets_ptr + b, head_off, stride_kb, stride_kt,
+                                         offs_d, d_mask, gd_mask, k_inv, v_inv, owns,
+                                         HEAD_DIM // 2, FP8)  # fmt: skip
             else:
                 q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
                 k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
@@ -398,14 +410,8 @@ class Rope:
     slot_offsets: torch.Tensor
 
     def check(self, q: torch.Tensor, paged: PagedLayer) -> None:
-        b, _, d = q.shape
-        if self.k.shape != (b, paged.num_kv_heads, d) or self.v.shape != self.k.shape:
-            raise ValueError(f"k {list(self.k.shape)} / v {list(self.v.shape)} do not fit q "
-                             f"{list(q.shape)} and the cache")  # fmt: skip
-        if d % 2 or self.cos.shape != (b, d) or self.sin.shape != (b, d):
-            raise ValueError(f"cos/sin must be [B, D] with D even, got {list(self.cos.shape)}")
-        if any(t.stride(-1) != 1 for t in (self.k, self.v, self.cos, self.sin)):
-            raise ValueError("k, v, cos and sin must have unit stride in the last dim")
+        check_inputs(q, self.k, self.v, self.cos, self.sin, paged)
+        b = q.shape[0]
         if self.slot_blocks.shape[0] < b or self.slot_offsets.shape[0] < b:
             raise ValueError("one cache slot per sequence")
 

@@ -28,7 +28,7 @@ def _rotated(x_ptr, stride_h, num_heads, c1, c2, s1, s2, HALF: tl.constexpr,
 
 
 @triton.jit
-def _to_cache(x, inv, FP8: tl.constexpr):
+def to_cache(x, inv, FP8: tl.constexpr):
     if FP8:  # scaled and saturated like reference.to_fp8
         x = tl.clamp(x.to(tl.float32) * inv, -448.0, 448.0)
     return x
@@ -68,13 +68,32 @@ def _rope_write_kernel(
     offs_h = tl.arange(0, BLOCK_HK)
     slot = blk * stride_cb + off * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
     ty = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + slot, _to_cache(k1, k_inv, FP8).to(ty), mask=kmask)
-    tl.store(k_cache_ptr + slot + HALF, _to_cache(k2, k_inv, FP8).to(ty), mask=kmask)
+    tl.store(k_cache_ptr + slot, to_cache(k1, k_inv, FP8).to(ty), mask=kmask)
+    tl.store(k_cache_ptr + slot + HALF, to_cache(k2, k_inv, FP8).to(ty), mask=kmask)
     v_src = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(v_src, mask=kmask, other=0.0)
     v2 = tl.load(v_src + HALF, mask=kmask, other=0.0)
-    tl.store(v_cache_ptr + slot, _to_cache(v1, v_inv, FP8).to(ty), mask=kmask)
-    tl.store(v_cache_ptr + slot + HALF, _to_cache(v2, v_inv, FP8).to(ty), mask=kmask)
+    tl.store(v_cache_ptr + slot, to_cache(v1, v_inv, FP8).to(ty), mask=kmask)
+    tl.store(v_cache_ptr + slot + HALF, to_cache(v2, v_inv, FP8).to(ty), mask=kmask)
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    paged: PagedLayer,
+) -> None:
+    """ValueError unless q ``[T, H, D]``, k and v ``[T, Hkv, D]`` fit the cache's heads and cos
+    and sin are ``[T, D]`` (D even), all with unit stride in the last dim."""
+    t, _, d = q.shape
+    if k.shape != (t, paged.num_kv_heads, d) or v.shape != k.shape or d != paged.head_dim:
+        raise ValueError(f"q {list(q.shape)} k {list(k.shape)} v {list(v.shape)} vs the cache")
+    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
+        raise ValueError(f"cos/sin must be [T, D] with D even, got {list(cos.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)):
+        raise ValueError("q, k, v, cos and sin must have unit stride in the last dim")
 
 
 def rope_write_kv(
@@ -93,14 +112,9 @@ def rope_write_kv(
     """Rotate ``q`` ``[T, H, D]`` (returned, a new tensor) and ``k`` ``[T, Hkv, D]``, and write
     the rotated ``k`` and ``v`` into their slots of ``layer`` (negative block: no write)."""
     paged = PagedLayer.of(kv_cache, layer)
+    check_inputs(q, k, v, cos, sin, paged)
     t, h, d = q.shape
     hk = k.shape[1]
-    if k.shape != (t, paged.num_kv_heads, d) or v.shape != k.shape or d != paged.head_dim:
-        raise ValueError(f"q {list(q.shape)} k {list(k.shape)} v {list(v.shape)} vs the cache")
-    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
-        raise ValueError(f"cos/sin must be [T, D] with D even, got {list(cos.shape)}")
-    if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)):
-        raise ValueError("q, k, v, cos and sin must have unit stride in the last dim")
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
