@@ -9,18 +9,54 @@ document; they address it through its strides), so the model code is the same ei
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from libkv.kv_layout import KVLayout
+
+# Host pools live in a memfd, so that another process of this host (the worker around an
+# engine process, ``engine.core.process``) maps the same pages: storage data pointer -> fd.
+_MEMFDS: dict[int, int] = {}
 
 
 def allocate(
     layout: KVLayout, rank: int, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A zeroed pool of ``num_blocks`` blocks holding rank ``rank``'s heads."""
+    """A zeroed pool of ``num_blocks`` blocks holding rank ``rank``'s heads (in a memfd on the
+    host, where the platform has them)."""
     lo, hi = layout.heads(rank)
     shape = (num_blocks, hi - lo, layout.num_layers, 2, layout.block_size, layout.head_dim)
-    return torch.zeros(shape, device=device, dtype=dtype)
+    if device.type != "cpu" or not hasattr(os, "memfd_create"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    fd = os.memfd_create(f"tandem-kv-rank{rank}")  # close-on-exec: no child inherits it
+    os.ftruncate(fd, max(nbytes, 1))  # zero pages
+    pool = map_memfd(f"/proc/self/fd/{fd}", shape, dtype, nbytes)
+    _MEMFDS[pool.untyped_storage().data_ptr()] = fd
+    return pool
+
+
+def memfd_of(pool: torch.Tensor) -> int | None:
+    """The memfd holding ``pool`` (made by `allocate`), or None."""
+    return _MEMFDS.get(pool.untyped_storage().data_ptr())
+
+
+def map_memfd(path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """A pool tensor over the shared pages of the memfd at ``path`` (``/proc/PID/fd/FD``)."""
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=max(nbytes, 1))
+    strides = _contiguous_strides(shape)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)  # type: ignore[arg-type]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
 
 
 def kernel_view(pool: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,9 @@ class RequestOutput:
     kv_held: bool = False  # prefill hand-off: blocks kept for a decode worker (see release)
     index: int = 0
     others_pending: bool = False
+    # A prefill's held KV (``engine.core.messages.Handoff``), on the request's last output
+    # through an engine client; None elsewhere.
+    handoff: Any = None
 
     @property
     def finished(self) -> bool:

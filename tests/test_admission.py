@@ -197,7 +197,7 @@ async def test_router_still_retries_a_dead_worker_only_once() -> None:
 
 
 class _Engine:
-    """The slice of AsyncEngine a PrefillCore uses; records what reached it."""
+    """The slice of EngineClient a PrefillCore uses; records what reached it."""
 
     def __init__(self) -> None:
         self.engine = self
@@ -205,7 +205,7 @@ class _Engine:
 
     async def generate(self, request_id, prompt, params, **kw):
         self.added.append((request_id, kw["priority"]))
-        yield type("Out", (), {"kv_held": False, "index": 0})()
+        yield type("Out", (), {"kv_held": False, "index": 0, "handoff": None})()
 
 
 async def test_prefill_core_admits_in_prompt_tokens_and_passes_priority() -> None:
@@ -290,7 +290,7 @@ async def test_a_failed_prefill_drops_its_booking() -> None:
 
 
 class _DecodeEngine:
-    """The slice of AsyncEngine a decode-only DecodeCore uses."""
+    """The slice of EngineClient a decode-only DecodeCore uses."""
 
     async def generate(self, request_id, prompt, params, **kw):
         yield f"out-{request_id}"

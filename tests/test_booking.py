@@ -201,23 +201,15 @@ def test_the_router_books_its_copy_of_a_decode_ledger_by_the_booking() -> None:
 
 
 class _Engine:
-    """The slice of AsyncEngine a decode-only DecodeCore uses: every token to max_tokens; a
-    migrated request (`follow` after `add_prefilled`): the tokens it has left."""
-
-    def __init__(self) -> None:
-        self.engine = self
-        self.left = 0
+    """The slice of EngineClient a decode-only DecodeCore uses: every token to max_tokens; a
+    migrated request (`follow_prefilled`): the tokens it has left."""
 
     async def generate(self, request_id, prompt, params, **kw):
         for i in range(params.max_tokens):
             yield (request_id, i)
 
-    def add_prefilled(self, request_id, prompt, first, params, *, firsts, **kw):
-        self.left = params.max_tokens - len(firsts[0].tokens)
-
-    async def follow(self, request_id, add):
-        add()
-        for i in range(self.left):
+    async def follow_prefilled(self, request_id, prompt, params, firsts, **kw):
+        for i in range(params.max_tokens - len(firsts[0].tokens)):
             yield (request_id, i)
 
 

@@ -172,8 +172,10 @@ def test_killing_a_rank_takes_its_worker_down_and_its_member_lapses(stack):
     name = "prefill-0" if c.prefill_tp > 1 else "decode-0"
     worker = stack.children[name].proc
     assert worker is not None and worker.poll() is None
-    ranks = [p for p in child_pids(worker.pid) if "spawn_main" in _cmdline(p)]
-    assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the worker process itself)
+    engines = [p for p in child_pids(worker.pid) if "spawn_main" in _cmdline(p)]
+    assert len(engines) == 1, engines  # the engine process: rank 0
+    ranks = [p for p in child_pids(engines[0]) if "spawn_main" in _cmdline(p)]
+    assert len(ranks) == 1, ranks  # rank 1, started by rank 0
     os.kill(ranks[0], signal.SIGKILL)
     t0 = time.monotonic()
     assert worker.wait(timeout=15) == RANK_DIED

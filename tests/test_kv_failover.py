@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.core.client import EngineClient
 from libkv.cluster.registry import Member
 from libkv.transfer import agent_name
 from libkv.transfer.nixl_agent import nixl_available
@@ -115,12 +115,10 @@ class Decode:
 
     async def __aenter__(self) -> Decode:
         smol_dir, etcd, mode, policy = self.args
-        self.engine = AsyncEngine(
-            LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=KV_BYTES))
-        )
-        self.engine.start()
+        self.llm = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=KV_BYTES))
+        self.engine = await EngineClient.local(self.llm)
         inc = uuid.uuid4().hex
-        pool = engine_pool(self.engine.engine)
+        pool = engine_pool(self.engine)
         self.kv = await decode_side("nixl", mode, pool, "dec", inc, (etcd.endpoint,))
         assert self.kv.transport.name == f"nixl-{mode}"
         self.core = DecodeCore(self.engine, self.kv.transport, "dec", inc, 5.0, policy)
@@ -143,7 +141,7 @@ class Decode:
         return outs[-1].token_ids
 
     def assert_no_leaks(self) -> None:
-        eng = self.engine.engine
+        eng = self.llm
         eng.check_integrity()
         assert eng.pool.num_used == 0 and not eng._reserved
 

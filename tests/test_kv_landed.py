@@ -26,9 +26,11 @@ import torch
 from tandem.v1 import worker_pb2_grpc
 
 from engine import EngineConfig, LLMEngine
+from engine.core.client import EngineClient
 from libkv.transfer import StaticPeers
 from libkv.transfer.grpc_stream import BlockStreamServicer, GrpcStreamTransport
 from libkv.transfer.nixl_agent import nixl_available
+from libkv.transfer.pool import PoolStore
 from services.worker.runtime import engine_pool
 from tests.landed_cases import (
     PATTERNS,
@@ -90,7 +92,8 @@ def test_the_grpc_stream_lands_every_pattern_byte_for_byte(receiver) -> None:
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        transport = GrpcStreamTransport(engine_pool(receiver))
+        client = await EngineClient.local(receiver)
+        transport = GrpcStreamTransport(engine_pool(client))
         address = f"127.0.0.1:{port}"
 
         async def fetch(rid: str, src: list[int], dst: list[int]) -> object:
@@ -103,6 +106,7 @@ def test_the_grpc_stream_lands_every_pattern_byte_for_byte(receiver) -> None:
         finally:
             await transport.close()
             await server.stop(None)
+            client.channel.close()  # stops the loop; the engine stays for the next test
 
     assert asyncio.run(main()) == sum(len(s) for s, _ in PATTERNS.values())
 
@@ -120,7 +124,7 @@ def test_nixl_lands_every_pattern_byte_for_byte(receiver, mode) -> None:
         sender = peer.expected()
 
         async def main() -> int:
-            region = engine_pool(receiver).region
+            region = PoolStore(receiver.runner.kv_pool, bb, None).region  # type: ignore[arg-type]
             endpoint = await NixlEndpoint.start(f"decode@landed-{mode}", region)
             peers = StaticPeers({peer.worker_id: peer.info})
             transport = NixlTransport(endpoint, peers, mode, probe_interval=0.1)

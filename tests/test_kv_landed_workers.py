@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
 from engine.bundled import DEFAULT_DIR
+from engine.core.client import EngineClient
 from engine.shapes import write_shape
 from libkv.transfer import CUDA_IPC_KEY
 from libkv.transfer.nixl_agent import nixl_available
@@ -125,8 +125,7 @@ def _handoffs(device, transport, mode, model, etcd, prefill, sender) -> tuple[li
         model_dir=str(model), load_format="dummy", kv_cache_bytes=KV_BYTES, device=device,
         gpu_memory_utilization=0.2, max_model_len=2048,
     )  # fmt: skip
-    engine = AsyncEngine(LLMEngine(config))
-    eng = engine.engine
+    eng = LLMEngine(config)
     pool = eng.runner.kv_pool
 
     def receiver(ids: list[int]) -> np.ndarray:
@@ -138,10 +137,10 @@ def _handoffs(device, transport, mode, model, etcd, prefill, sender) -> tuple[li
     prompts = [tokens[:340], tokens[:700]]  # 21 blocks and a partial; 43 and a partial
 
     async def main() -> tuple[list, dict]:
-        engine.start()
+        engine = await EngineClient.local(eng)
         inc = uuid.uuid4().hex
         kv = await decode_side(
-            transport, mode, engine_pool(eng), "dec", inc, (etcd.endpoint,),
+            transport, mode, engine_pool(engine), "dec", inc, (etcd.endpoint,),
             layout=eng.runner.layout, checksums=True,
         )  # fmt: skip
         assert kv.transport is not None

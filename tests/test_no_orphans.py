@@ -1,6 +1,6 @@
 """A supervisor's children die with it: after ``kill -9`` of ``tandem serve`` no process it
-started (etcd, router, worker, gateway) survives, and the gateway's port is free again, so the
-next ``make serve`` just works."""
+started (etcd, router, worker, gateway, each worker's engine process) survives, and the
+gateway's port is free again, so the next ``make serve`` just works."""
 
 from __future__ import annotations
 
@@ -68,6 +68,10 @@ def test_kill_9_of_serve_leaves_no_child_and_frees_the_port(smol_dir, tmp_path) 
     started = " ".join(kids.values())
     for what in ("etcd", "services.router", "services.decode", "services.gateway"):
         assert what in started, kids
+    # Each worker's engine runs in a process of its own (``engine.core.process``).
+    engines = {p: c for w in kids for p, c in children_of(w).items() if "spawn_main" in c}
+    assert engines, "no engine process under the workers"
+    kids.update(engines)
     os.kill(serve.pid, signal.SIGKILL)
     serve.wait(10)
     t0 = time.monotonic()

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.bundled import DEFAULT_DIR
+from engine.core.messages import Snapshot
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineStats
 from engine.sampling_params import SamplingParams
@@ -401,31 +402,25 @@ def test_spans_are_exported_over_otlp():
     assert service["service.name"] == "tandem-gateway"
 
 
-def test_engine_collector_never_waits_behind_a_long_step():
-    class Engine:
-        """try_stats answers None while a step holds the engine."""
+def test_engine_collector_reads_the_engines_latest_snapshot():
+    """A scrape reads what the engine sent with its latest step (``EngineClient.snapshot``):
+    it never asks the engine, so it never waits behind a long step."""
 
-        num_held = 1
-        busy = False
+    class Client:
+        snapshot: Snapshot | None = None
 
-        def __init__(self) -> None:
-            self.stats_ = EngineStats(2, 3, 100, 40, 10, 5, 64, 256)
-
-        def try_stats(self, timeout: float) -> EngineStats | None:
-            return None if self.busy else self.stats_
-
-        def stats(self) -> EngineStats:
-            raise AssertionError("a scrape must not block on the engine lock")
-
-    engine = Engine()
+    client = Client()
     reg = CollectorRegistry()
-    reg.register(EngineCollector(engine))  # type: ignore[arg-type]
+    reg.register(EngineCollector(client))  # type: ignore[arg-type]
+    assert value(reg, "tandem_engine_sequences_waiting") == 0  # nothing sent yet: no samples
+    client.snapshot = Snapshot(EngineStats(2, 3, 100, 40, 10, 5, 64, 256), num_held=1)
     assert value(reg, "tandem_engine_kv_blocks", state="free") == 50
-    engine.busy, engine.stats_ = True, EngineStats(0, 0, 100, 0, 0, 0, 0, 0)
-    assert value(reg, "tandem_engine_sequences_waiting") == 2  # the last scrape's view
+    assert value(reg, "tandem_engine_sequences_waiting") == 2
     assert value(reg, "tandem_engine_preemptions_total") == 5
     assert value(reg, "tandem_engine_prefix_cache_hit_tokens_total") == 64
     assert value(reg, "tandem_engine_kv_held_requests") == 1
+    client.snapshot = Snapshot(EngineStats(0, 0, 100, 0, 0, 7, 64, 256), num_held=0)
+    assert value(reg, "tandem_engine_preemptions_total") == 7
 
 
 async def test_gateway_span_continues_the_callers_trace(spans):

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
+from engine.core.messages import Snapshot
 from engine.llm_engine import EngineStats
 from engine.step_stats import SpecStats
 from services.launcher.etcd import free_port
@@ -56,13 +57,10 @@ def test_a_prefill_worker_loads_no_speculation(smol_dir):
 
 
 class _Engine:
-    num_held = 0
+    """The slice of EngineClient the collector reads: its latest snapshot."""
 
     def __init__(self, stats: EngineStats) -> None:
-        self.stats_ = stats
-
-    def try_stats(self, timeout: float) -> EngineStats:
-        return self.stats_
+        self.snapshot = Snapshot(stats, num_held=0)
 
 
 def test_spec_counters_are_exported():

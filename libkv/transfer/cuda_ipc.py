@@ -186,16 +186,19 @@ def open_pool(info: IpcPool, device: torch.device) -> torch.Tensor:
     return flat.view(info.num_blocks, info.block_bytes)
 
 
-def pool_record(pool: torch.Tensor, block_bytes: int, export: bool) -> dict[str, str]:
+def pool_record(
+    pool: torch.Tensor, block_bytes: int, export: bool, exported: str = ""
+) -> dict[str, str]:
     """A GPU worker's member-record fields for the hand-off (`libkv.transfer.handoff_path`):
-    its host, its GPU, the GPUs it can map, and with ``export`` its pool for CUDA IPC."""
+    its host, its GPU, the GPUs it can map, and with ``export`` its pool for CUDA IPC
+    (``exported``: the export its allocating process made, when ``pool`` is a mapping)."""
     out = {
         HOST_KEY: host_id(),
         DEVICE_KEY: device_uuid(pool.device.index or 0),
         VISIBLE_KEY: ",".join(sorted(visible_devices())),
     }
     if export:
-        out[CUDA_IPC_KEY] = export_pool(pool, block_bytes).to_json()
+        out[CUDA_IPC_KEY] = exported or export_pool(pool, block_bytes).to_json()
     return out
 
 

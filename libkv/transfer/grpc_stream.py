@@ -67,7 +67,7 @@ class GrpcStreamTransport:
         except KVTransferError:
             self.stats.failures += 1
             raise
-        self.store.write_blocks(list(dst_blocks), data)
+        await self.store.write_blocks(list(dst_blocks), data)
         self.stats.add(len(data), len(data) * source.block_bytes, time.monotonic() - t0)
         return self.name
 

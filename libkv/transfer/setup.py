@@ -140,7 +140,7 @@ def _gpu_side(side: KVSide, pool: PoolStore, kind: str, nixl: bool, export: bool
     peer on this host then maps it and copies GPU to GPU), and whether NIXL moves its GPU
     memory device-direct. Says at start, as an error,
     when no network path can (then only peers on this host disaggregate with it)."""
-    side.extra.update(pool_record(pool.cache, pool.block_bytes, export))
+    side.extra.update(pool_record(pool.cache, pool.block_bytes, export, pool.exported))
     side.extra[NIXL_GPU_KEY] = "1" if nixl else "0"
     side.gpu_direct = {"cuda-ipc": True, "network": nixl}
     if nixl:

@@ -25,7 +25,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     kv = await decode_side(
         c.kv_transport, c.nixl_mode, w.pool, c.worker_id, w.incarnation, c.etcd, w.channel,
-        c.handoff_cuda_ipc, layout=w.engine.engine.runner.layout, ranks=w.rank_agents(),
+        c.handoff_cuda_ipc, layout=w.engine.info.layout, ranks=w.rank_agents(),
         checksums=c.kv_checksums, fault=c.kv_fault,
     )  # fmt: skip
     assert kv.transport is not None

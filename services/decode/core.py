@@ -9,9 +9,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
+import torch
+
+from engine.core.client import EngineClient
+from engine.core.client import Moved as MovedOut
 from engine.errors import KVCapacityError
-from engine.handoff import FirstToken, HeldKV
+from engine.handoff import FirstToken
 from engine.kv_checksum import WSUM64, legacy_algorithm
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
@@ -56,6 +59,14 @@ class DecodeJob:
         return self.prompt + self.resumed[:-1]
 
     @property
+    def firsts(self) -> list[FirstToken]:
+        """The choices that go on here, each from its first token(s)."""
+        if self.starts:
+            return list(self.starts)
+        assert self.first_token is not None
+        return [FirstToken(0, self.first_token, self.first_logprob, self.generator_state)]
+
+    @property
     def cost(self) -> int:
         """What admission books for it (`request_cost`): prompt plus its choices' booked
         completion tokens. Booked once; the request may generate past it (to max_tokens). A
@@ -76,7 +87,7 @@ class DecodeCore:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         transport: KVTransport,
         worker_id: str,
         incarnation: str,
@@ -151,8 +162,8 @@ class DecodeCore:
     async def _relay(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:
         """The engine's outputs; a request handed over on a drain ends with where its KV is."""
         async for out in self._generate(job):
-            if isinstance(out, HeldKV):
-                yield await self.handover.moved(out)
+            if isinstance(out, MovedOut):
+                yield await self.handover.moved(out.held)
                 return
             yield out
 
@@ -175,26 +186,11 @@ class DecodeCore:
                 yield out
             return
         recompute = not await self._receive_kv(job)
-        eng = self.engine.engine
-
-        def add() -> None:
-            assert job.first_token is not None
-            eng.add_prefilled(
-                job.request_id,
-                job.prompt,
-                job.first_token,
-                job.params,
-                tenant=job.tenant or None,
-                first_logprob=job.first_logprob,
-                generator_state=job.generator_state,
-                num_cached_tokens=job.cached_tokens,
-                recompute=recompute,
-                priority=priority,
-                firsts=job.starts,
-                lora=job.lora or None,
-            )
-
-        async for out in self.engine.follow(job.request_id, add):
+        async for out in self.engine.follow_prefilled(
+            job.request_id, job.prompt, job.params, job.firsts, tenant=job.tenant or None,
+            num_cached_tokens=job.cached_tokens, recompute=recompute, priority=priority,
+            lora=job.lora or None,
+        ):  # fmt: skip
             yield out
 
     async def _resume(self, job: DecodeJob, priority: int) -> AsyncIterator[RequestOutput]:
@@ -203,16 +199,11 @@ class DecodeCore:
         sample on; the text of those tokens is not sent again."""
         done = job.resumed
         first = FirstToken(0, done[-1], earlier=tuple(done[:-1]))
-        eng = self.engine.engine
         self.resumed += 1
-
-        def add() -> None:
-            eng.add_prefilled(
-                job.request_id, job.prompt, None, job.params, tenant=job.tenant or None,
-                recompute=True, priority=priority, firsts=[first], lora=job.lora or None,
-            )  # fmt: skip
-
-        async for out in self.engine.follow(job.request_id, add):
+        async for out in self.engine.follow_prefilled(
+            job.request_id, job.prompt, job.params, [first], tenant=job.tenant or None,
+            recompute=True, priority=priority, lora=job.lora or None,
+        ):  # fmt: skip
             yield out
 
     async def _receive_kv(self, job: DecodeJob) -> bool:
@@ -220,20 +211,15 @@ class DecodeCore:
 
         True when the KV is in place; False when it must be recomputed (blocks freed)."""
         assert job.kv is not None and job.first_token is not None
-        eng = self.engine.engine
-        if job.kv.block_bytes != eng.runner.layout.block_bytes:
+        info = self.engine.info
+        if job.kv.block_bytes != info.layout.block_bytes:
             raise FailedPrecondition(
                 f"KV layout mismatch: prefill blocks are {job.kv.block_bytes} bytes, "
-                f"this worker's are {eng.runner.layout.block_bytes}"
+                f"this worker's are {info.layout.block_bytes}"
             )
         try:
-            dst, cached = await self.engine.run(
-                eng.reserve,
-                job.request_id,
-                job.kv_tokens,
-                job.tenant or None,
-                job.lora or None,
-                undo=lambda _: eng.release(job.request_id),
+            dst, cached = await self.engine.reserve(
+                job.request_id, job.kv_tokens, job.tenant or None, job.lora or None
             )
         except KVCapacityError:
             # Admitted, its first token streamed: never fail it for capacity. It queues like
@@ -241,14 +227,14 @@ class DecodeCore:
             log.warning("no free KV blocks for %s now; it queues and is recomputed", job.request_id)
             self.recomputed += 1
             return False
-        skip = cached // eng.config.block_size
+        skip = cached // info.block_size
         src = job.kv.block_ids[skip:]
         try:
             timeout = self._timeout(job.kv)
             if src:  # nothing to move when this worker already caches the whole prompt
                 await self.transport.fetch(job.request_id, job.kv, src, dst[skip:], timeout)
         except KVTransferError as e:
-            eng.release(job.request_id)
+            await self.engine.release(job.request_id)
             self.transfer_failures += 1
             if self.on_transfer_failure == "retry":
                 raise KVTransferFailed(f"KV of {job.request_id} did not arrive: {e}") from e
@@ -256,13 +242,13 @@ class DecodeCore:
             self.recomputed += 1
             return False
         except BaseException:
-            eng.release(job.request_id)
+            self.engine.release_later(job.request_id)  # maybe cancelled: awaits nothing
             raise
         self.blocks_pulled += len(src)
         await self.transport.release(job.request_id, job.kv)
         bad = await self._check(job, dst[skip:], skip)
         if bad:
-            eng.release(job.request_id)
+            await self.engine.release(job.request_id)
             self.corrupt_blocks += bad
             self.recomputed += 1
             log.warning("KV of %s: %d of %d blocks arrived corrupt; recomputing it here",
@@ -279,9 +265,9 @@ class DecodeCore:
         The test fault hook then damages the first one before the check (on the fused path
         the transport damages it in transit instead)."""
         assert job.kv is not None
-        eng = self.engine.engine
+        info = self.engine.info
         expected = job.kv.block_checksums[skip:]
-        algorithm = job.kv.checksum_algorithm or legacy_algorithm(eng.runner.device)
+        algorithm = job.kv.checksum_algorithm or legacy_algorithm(torch.device(info.device))
         if isinstance(self.transport, CopySums):
             # Always asked (it drops the fetch's sums); used when they are the sender's kind.
             fused = await self.transport.verify(
@@ -291,12 +277,12 @@ class DecodeCore:
                 self.fused_checks += 1
                 return fused
         if self.fault == "corrupt" and dst:
-            damaged = b"\xa5" * eng.runner.layout.block_bytes  # a canonical block: every head
-            await self.engine.run(eng.write_blocks, dst[:1], [damaged])
+            damaged = b"\xa5" * info.layout.block_bytes  # a canonical block: every head
+            await self.engine.write_blocks(dst[:1], [damaged])
         if not expected or not dst:
             return 0
         try:
-            got = await self.engine.run(eng.block_checksums, dst, algorithm)
+            got = await self.engine.block_checksums(dst, algorithm)
         except ValueError as e:  # a function this worker does not compute: unchecked
             _warn_once(f"KV from {job.kv.worker_id} is not checked: {e}")
             return 0
@@ -314,11 +300,10 @@ class DecodeCore:
         return min(self.transfer_timeout, lease_left)
 
     async def abort_request(self, request_id: str) -> bool:
-        """The Abort RPC (off the event loop: it takes the engine lock); drops a reservation."""
+        """The Abort RPC; drops a reservation too."""
         dropped = self.unreserve(request_id)
-        return await self.engine.run(self.engine.abort, request_id) or dropped
+        return await self.engine.abort(request_id) or dropped
 
     async def stats(self) -> WorkerStats:
-        return await self.engine.run(
-            collect, self.engine.engine, self.worker_id, self.incarnation, "decode"
-        )
+        locations = getattr(self.engine.listener, "stats", None)  # a SummaryPublisher's
+        return await collect(self.engine, self.worker_id, self.incarnation, "decode", locations)

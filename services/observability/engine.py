@@ -1,6 +1,7 @@
-"""A worker's engine as Prometheus metrics: gauges and counters read from ``LLMEngine.stats()``
-at scrape time, and histograms fed by the engine's ``on_step`` observer (batch sizes, step
-times, queue time). The engine itself imports no metrics library."""
+"""A worker's engine as Prometheus metrics: gauges and counters read at scrape time from the
+engine's latest counters (``EngineClient.snapshot``, sent with its steps), and histograms fed
+with each step's stats (batch sizes, step times, queue time). The engine itself imports no
+metrics library."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.core.client import EngineClient
 from engine.step_stats import SpecStats, StepStats
 from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
@@ -18,22 +19,14 @@ from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 class EngineCollector(Collector):
     """Queue lengths, KV blocks, prefix-cache hits and preemptions of one engine."""
 
-    def __init__(self, engine: LLMEngine, wait: float = 0.25) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
-        self.wait = wait
-        self._last: EngineStats | None = None
-
-    def _stats(self) -> EngineStats:
-        """Fresh stats, or those of the previous scrape while a long step holds the engine (a
-        scrape times out after its interval; a CPU step may take longer)."""
-        s = self.engine.try_stats(self.wait)
-        if s is None:
-            s = self._last or self.engine.stats()
-        self._last = s
-        return s
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        snapshot = self.engine.snapshot
+        if snapshot is None:
+            return
+        s = snapshot.stats
         yield _gauge(
             "tandem_engine_sequences_running", "Sequences in the running batch.", s.num_running
         )
@@ -43,7 +36,7 @@ class EngineCollector(Collector):
         yield _gauge(
             "tandem_engine_kv_held_requests",
             "Prefilled requests whose KV blocks are held for a decode worker.",
-            self.engine.num_held,
+            snapshot.num_held,
         )
         yield _gauge(
             "tandem_engine_kv_blocks_capacity", "KV cache blocks in the pool.", s.kv_blocks_total
@@ -154,7 +147,7 @@ class StepMetrics:
             self.queue.observe(q)
 
 
-def observe_engine(engine: LLMEngine, registry: CollectorRegistry) -> None:
+def observe_engine(engine: EngineClient, registry: CollectorRegistry) -> None:
     """Export ``engine`` on ``registry``: scrape-time collector plus the step observer."""
     registry.register(EngineCollector(engine))
     engine.on_step = StepMetrics(registry)

@@ -9,12 +9,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.async_engine import AsyncEngine
+from engine.core.client import EngineClient
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle
 from services.common.errors import FailedPrecondition
+from services.worker.handles import kv_handle
 from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class PrefillCore:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         worker_id: str,
         incarnation: str,
         lease_seconds: float,
@@ -54,6 +55,7 @@ class PrefillCore:
         self.lease_seconds = lease_seconds
         self.address = ""  # set once the server is bound
         self._leases: dict[str, float] = {}  # request id -> monotonic expiry
+        self._held: dict[str, frozenset[int]] = {}  # request id -> blocks held for a peer
         self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -74,7 +76,6 @@ class PrefillCore:
     ) -> PrefillResult:
         """Prefill ``prompt``; refused at once (ResourceExhausted) past the admission bound.
         Cancelling the call (client gone, deadline passed) aborts it and frees its blocks."""
-        eng = self.engine.engine
         firsts: dict[int, RequestOutput] = {}
         with self.ledger.hold(request_id, len(prompt), priority):
             async for out in self.engine.generate(
@@ -85,63 +86,63 @@ class PrefillCore:
                 hold_kv=True,
                 priority=ENGINE_PRIORITY[priority],
                 lora=lora or None,
+                handoff_sums=self.checksums,
             ):
                 firsts[out.index] = out
         if len(firsts) < params.n:
             raise FailedPrecondition(f"request {request_id} was aborted during prefill")
         outs = [firsts[i] for i in range(params.n)]
-        if not any(o.kv_held for o in outs):
+        held = next((o.handoff for o in outs if o.handoff is not None), None)
+        if held is None or not any(o.kv_held for o in outs):
             return PrefillResult(outs, None, [b""] * params.n)
-        expires = time.monotonic() + self.lease_seconds
-        self._leases[request_id] = expires
-        block_ids = eng.held_block_ids(request_id)
-        # Each full block's sum was taken when the block was sealed (the engine's
-        # ``seal_checksums``); only a last, partial block is summed now. No step writes held
-        # blocks.
-        sums = await self.engine.run(eng.handoff_checksums, block_ids) if self.checksums else []
-        handle = KVHandle(
-            worker_id=self.worker_id,
-            incarnation=self.incarnation,
-            address=self.address,
-            block_ids=tuple(block_ids),
-            num_tokens=len(prompt),
-            block_size=eng.config.block_size,
-            block_bytes=eng.runner.layout.block_bytes,  # canonical: every KV head
-            dtype=str(eng.runner.dtype).removeprefix("torch."),
-            lease_expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
-            block_checksums=tuple(sums),
-            checksum_algorithm=eng.runner.checksum_algorithm if sums else "",
-        )
-        states = [eng.generator_state(request_id, i) for i in range(params.n)]
-        return PrefillResult(outs, handle, states)
+        self._leases[request_id] = time.monotonic() + self.lease_seconds
+        self._held[request_id] = frozenset(held.block_ids)
+        # Each full block's sum was taken when the block was sealed; only a last, partial
+        # block was summed at the hand-off (``LLMEngine.handoff_checksums``).
+        handle = kv_handle(
+            self.engine.info, self.worker_id, self.incarnation, self.address, held.block_ids,
+            len(prompt), self.lease_seconds, held.checksums, held.checksum_algorithm,
+        )  # fmt: skip
+        return PrefillResult(outs, handle, list(held.generator_states))
 
     def release(self, request_id: str) -> bool:
-        """Free the request's held blocks (a decode worker has them, or gave up on them)."""
+        """Free the request's held blocks (a decode worker has them, or gave up on them); the
+        engine frees them before its next step. False when none were held."""
         self._leases.pop(request_id, None)
-        return self.engine.engine.release(request_id)
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.engine.release_later(request_id)
+        return True
 
-    def abort(self, request_id: str) -> bool:
-        self._leases.pop(request_id, None)
-        return self.engine.abort(request_id)
-
-    # The calls of the servicers: off the event loop (they take the engine lock, which a model
-    # step holds for its whole length).
     async def release_request(self, request_id: str) -> bool:
-        return await self.engine.run(self.release, request_id)
+        """The Release RPC."""
+        self._leases.pop(request_id, None)
+        self._held.pop(request_id, None)
+        return await self.engine.release(request_id)
 
     async def abort_request(self, request_id: str) -> bool:
-        return await self.engine.run(self.abort, request_id)
+        """The Abort RPC: a prefill in flight, or its held blocks."""
+        self._leases.pop(request_id, None)
+        self._held.pop(request_id, None)
+        return await self.engine.abort(request_id)
 
     async def stats(self) -> WorkerStats:
-        return await self.engine.run(
-            collect, self.engine.engine, self.worker_id, self.incarnation, "prefill"
-        )
+        locations = getattr(self.engine.listener, "stats", None)  # a SummaryPublisher's
+        return await collect(self.engine, self.worker_id, self.incarnation, "prefill", locations)
 
     async def read_blocks(
         self, request_id: str, incarnation: str, block_ids: list[int]
     ) -> list[bytes]:
-        """The gRPC block stream's read (`libkv.transfer.grpc_stream.BlockReader`)."""
-        return await self.engine.run(self._read_blocks, request_id, incarnation, block_ids)
+        """The gRPC block stream's read (`libkv.transfer.grpc_stream.BlockReader`): bytes of
+        held blocks; see ``held_blocks``. Refused for a pool in GPU memory: GPU memory never
+        moves through the host and TCP."""
+        if self.engine.info.device_type == "cuda":
+            raise FailedPrecondition(
+                f"the KV of prefill worker {self.worker_id} is in GPU memory: it moves only over "
+                "a GPU-direct path (CUDA IPC, NIXL), never the gRPC stream"
+            )
+        self.held_blocks(request_id, incarnation, block_ids)
+        return await self.engine.read_blocks(block_ids)
 
     def held_blocks(self, request_id: str, incarnation: str, block_ids: Sequence[int]) -> None:
         """Check that this incarnation holds ``block_ids`` for the request (else
@@ -150,27 +151,16 @@ class PrefillCore:
             raise FailedPrecondition(
                 f"KV handle names incarnation {incarnation}, this worker is {self.incarnation}"
             )
-        try:
-            held = set(self.engine.engine.held_block_ids(request_id))
-        except KeyError as e:
-            raise FailedPrecondition(f"blocks of {request_id} are no longer held") from e
+        held = self._held.get(request_id)
+        if held is None:
+            raise FailedPrecondition(f"blocks of {request_id} are no longer held")
         if not set(block_ids) <= held:
             raise FailedPrecondition(f"request {request_id} does not hold blocks {block_ids}")
 
-    def _read_blocks(self, request_id: str, incarnation: str, block_ids: list[int]) -> list[bytes]:
-        """Bytes of held blocks (the gRPC stream transport); see ``held_blocks``. Refused for a
-        pool in GPU memory: GPU memory never moves through the host and TCP."""
-        if self.engine.engine.runner.device.type == "cuda":
-            raise FailedPrecondition(
-                f"the KV of prefill worker {self.worker_id} is in GPU memory: it moves only over "
-                "a GPU-direct path (CUDA IPC, NIXL), never the gRPC stream"
-            )
-        self.held_blocks(request_id, incarnation, block_ids)
-        return self.engine.engine.read_blocks(block_ids)
-
     @property
     def num_held(self) -> int:
-        return self.engine.engine.num_held
+        """Requests whose KV is held for a decode worker."""
+        return len(self._held)
 
     async def _reap(self) -> None:
         while True:

@@ -16,7 +16,7 @@ from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import LORAS
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.core.client import EngineClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Adapters"
@@ -26,7 +26,7 @@ add_to_server = worker_pb2_grpc.add_AdaptersServicer_to_server
 class Adapters:
     """Loads and unloads adapters in the engine and keeps the member record's list current."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self.set_extra: Callable[[str, str], None] | None = None  # set once registered
         self.publish: Callable[[], Awaitable[None]] | None = None
@@ -42,13 +42,13 @@ class Adapters:
         except Exception as e:  # etcd unreachable: serve what the flags load
             log.warning("reading the recorded LoRA adapters failed: %r", e)
             return
-        loaded = set(self.engine.engine.list_loras())
+        loaded = set(await self.engine.list_loras())
         changed = False
         for name, path in wanted.items():
             if name in loaded:
                 continue
             try:
-                await self.engine.run(self.engine.engine.add_lora, name, path)
+                await self.engine.add_lora(name, path)
             except InvalidAdapterError as e:
                 log.warning("recorded LoRA adapter %s (%s) not loaded: %s", name, path, e)
                 continue
@@ -58,39 +58,38 @@ class Adapters:
         for name in sorted(self.recorded - set(wanted)):
             self.recorded.discard(name)
             if name in loaded:
-                await self.engine.run(self.engine.engine.remove_lora, name)
+                await self.engine.remove_lora(name)
                 log.info("unloading LoRA adapter %s (its record is gone)", name)
                 changed = True
         if changed:
             await self._announce()
 
-    def load_at_start(self, modules: Sequence[tuple[str, str]]) -> None:
+    async def load_at_start(self, modules: Sequence[tuple[str, str]]) -> None:
         """``--lora-modules``: a bad adapter stops the worker with the reason."""
         for name, path in modules:
             try:
-                self.engine.engine.add_lora(name, path)
+                await self.engine.add_lora(name, path)
             except InvalidAdapterError as e:
                 raise SystemExit(f"error: --lora-modules {name}={path}: {e}") from e
             log.info("loaded LoRA adapter %s from %s", name, path)
 
-    @property
-    def record(self) -> str:
+    async def record(self) -> str:
         """The member record's ``loras`` field."""
-        return ",".join(self.engine.engine.list_loras())
+        return ",".join(await self.engine.list_loras())
 
     async def _announce(self) -> None:
         if self.set_extra is not None:
-            self.set_extra(LORAS, self.record)
+            self.set_extra(LORAS, await self.record())
         if self.publish is not None:
             await self.publish()
 
     async def load(self, name: str, path: str) -> None:
-        await self.engine.run(self.engine.engine.add_lora, name, path)
+        await self.engine.add_lora(name, path)
         log.info("loaded LoRA adapter %s from %s", name, path)
         await self._announce()
 
     async def unload(self, name: str) -> None:
-        await self.engine.run(self.engine.engine.remove_lora, name)
+        await self.engine.remove_lora(name)
         log.info("unloading LoRA adapter %s (once its requests finish)", name)
         await self._announce()
 

@@ -13,7 +13,7 @@ from libkv.kv_layout import LAYOUT_KEY
 from services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.core.client import EngineClient
 
 
 class Presence:
@@ -28,7 +28,7 @@ class Presence:
         cls,
         endpoints: Endpoints,
         registration: Registration,
-        engine: LLMEngine,
+        engine: EngineClient,
         config: SummaryConfig,
     ) -> Presence:
         """Publish what ``engine`` caches from now on, under ``registration``'s lease."""
@@ -36,7 +36,7 @@ class Presence:
         publisher = SummaryPublisher(
             endpoints, member.worker_id, member.incarnation, registration, config
         )
-        engine.kv.set_listener(publisher)
+        engine.set_listener(publisher)
         publisher.start()
         return cls(registration, publisher)
 
@@ -49,7 +49,7 @@ class Presence:
 async def register(
     config: WorkerConfig,
     address: str,
-    engine: LLMEngine,
+    engine: EngineClient,
     incarnation: str,
     extra: dict[str, str] | None = None,
 ) -> Presence | None:
@@ -58,8 +58,9 @@ async def register(
     if not config.etcd:
         return None
 
-    def load() -> MemberLoad:
-        s = engine.stats()
+    def load() -> MemberLoad:  # the engine's counters as of its latest step
+        assert engine.snapshot is not None
+        s = engine.snapshot.stats
         return MemberLoad(
             queue_length=s.num_waiting,
             running=s.num_running,
@@ -72,10 +73,10 @@ async def register(
         role=config.role,
         model=config.model_name,
         address=address,
-        kv_blocks_total=engine.pool.num_blocks,
+        kv_blocks_total=engine.info.num_blocks,
         block_size=config.block_size,
         incarnation=incarnation,
-        extra={**(extra or {}), LAYOUT_KEY: engine.runner.layout.to_json()},
+        extra={**(extra or {}), LAYOUT_KEY: engine.info.layout.to_json()},
         tensor_parallel_size=config.tensor_parallel_size,
     )
     registration = await Registration.start(

@@ -15,9 +15,8 @@ from typing import Any
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InsufficientMemoryError, UnsupportedConfigError, UnsupportedModelError
-from engine.llm_engine import LLMEngine
+from engine.core.client import EngineClient
+from engine.core.process import ENGINE_DIED, EngineDied
 from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import LORAS, Registration
 from libkv.transfer.pool import PoolStore
@@ -45,14 +44,14 @@ class Worker:
 
     config: WorkerConfig
     obs: Observability
-    engine: AsyncEngine
+    engine: EngineClient
     incarnation: str
     ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: `request_cost`)
     pool: PoolStore  # the engine's KV pool as the transports see it
 
     def rank_agents(self) -> RankNixl | None:
         """A tensor-parallel engine's ranks 1..N-1 on the KV side (None at TP=1)."""
-        group = self.engine.engine.ranks
+        group = self.engine.ranks
         return RankNixl(group) if group is not None else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -91,27 +90,40 @@ def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
     asyncio.run(serve(config, wire))
 
 
-def start_engine(config: WorkerConfig) -> AsyncEngine:
+async def start_engine(config: WorkerConfig) -> EngineClient:
+    """The engine core in its own process (``engine.core.process``): this process's gRPC
+    server, etcd keepalives and KV transfers never share a GIL with the model's steps. An
+    engine that dies ends this process (``ENGINE_DIED``): a worker without one cannot serve."""
     confine_kv_network(config.host, os.environ)  # before any NIXL/UCX agent exists
-    refused = (InsufficientMemoryError, UnsupportedModelError, UnsupportedConfigError, ValueError)
     try:
-        llm_engine = LLMEngine(config.engine_config())
-    except refused as e:  # the reason, not a traceback
+        engine = await EngineClient.spawn(
+            config.engine_config(), config.log_level, f"{config.role}-engine"
+        )
+    except EngineDied as e:  # the reason, not a traceback
         log.error("cannot start: %s", e)
         raise SystemExit(f"error: {e}") from e
-    engine = AsyncEngine(llm_engine)
-    engine.start()
+    engine.on_death = _engine_died
     return engine
 
 
-def engine_pool(engine: LLMEngine) -> PoolStore:
-    """The engine's KV pool as the transports see it (byte copies go through the engine)."""
-    return PoolStore(engine.runner.kv_pool, engine.runner.block_bytes, engine)
+def _engine_died(why: str) -> None:
+    log.critical("the engine process is gone (%s): exiting", why)
+    logging.shutdown()
+    os._exit(ENGINE_DIED)
 
 
-def pending_limit(config: WorkerConfig, engine: LLMEngine) -> int:
+def engine_pool(engine: EngineClient) -> PoolStore:
+    """The engine's KV pool as the transports see it (mapped into this process; byte copies
+    go through the engine)."""
+    share = engine.info.pool
+    return PoolStore(
+        engine.pool(), engine.info.block_bytes, engine, share.ipc if share is not None else ""
+    )
+
+
+def pending_limit(config: WorkerConfig, engine: EngineClient) -> int:
     """The admission bound in tokens (``--max-pending-tokens``, default twice the pool)."""
-    return config.max_pending_tokens or 2 * engine.pool.num_blocks * config.block_size
+    return config.max_pending_tokens or 2 * engine.info.num_blocks * config.block_size
 
 
 async def serve(config: WorkerConfig, wire: Wire) -> None:
@@ -121,23 +133,23 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     obs = Observability.start(
         config.observability, config.role, config.model_name, config.worker_id
     )
-    engine = start_engine(config)
-    observe_engine(engine.engine, obs.metrics.registry)
+    engine = await start_engine(config)
+    observe_engine(engine, obs.metrics.registry)
     worker = Worker(
         config,
         obs,
         engine,
         uuid.uuid4().hex,
         TokenLedger(
-            pending_limit(config, engine.engine),
+            pending_limit(config, engine),
             config.batch_admission_fraction,
             name=f"{config.role} worker {config.worker_id}",
         ),
-        engine_pool(engine.engine),
+        engine_pool(engine),
     )
     adapters = lora.Adapters(engine)
-    adapters.load_at_start(parse_lora_modules(config.lora_modules))
-    with_lora = engine.engine.config.enable_lora
+    await adapters.load_at_start(parse_lora_modules(config.lora_modules))
+    with_lora = engine.info.enable_lora
     records = AdapterRecords(list(config.etcd)) if config.etcd and with_lora else None
     if records is not None:  # run-time loads made before this worker started
         await adapters.load_recorded(records, config.model_name)
@@ -152,8 +164,12 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     address = config.advertised(server.port)
     role.bound(address)
-    extra = {**role.kv.extra, LORAS: adapters.record, BOUND_KEY: bound_record(worker.ledger)}
-    presence = await register(config, address, engine.engine, worker.incarnation, extra)
+    extra = {
+        **role.kv.extra,
+        LORAS: await adapters.record(),
+        BOUND_KEY: bound_record(worker.ledger),
+    }
+    presence = await register(config, address, engine, worker.incarnation, extra)
     if presence is not None:
         role.kv.publish = presence.registration.set_extra
         adapters.set_extra = presence.registration.set_extra

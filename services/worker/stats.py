@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from libkv.block_pool import IntegrityError
 from libkv.cluster.summary_state import SummaryStats
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats, LLMEngine
+    from engine.core.client import EngineClient
+    from engine.llm_engine import EngineStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,19 +24,14 @@ class WorkerStats:
     locations: SummaryStats | None = None
 
 
-def collect(engine: LLMEngine, worker_id: str, incarnation: str, role: str) -> WorkerStats:
-    """The worker's stats now (takes the engine lock: call from a worker thread)."""
-    try:
-        engine.check_integrity()
-        ok = True
-    except IntegrityError:
-        ok = False
-    return WorkerStats(
-        engine.stats(),
-        worker_id,
-        incarnation,
-        role,
-        held=engine.num_held,
-        ok=ok,
-        locations=getattr(engine.kv.listener, "stats", None),  # a SummaryPublisher's
-    )
+async def collect(
+    engine: EngineClient,
+    worker_id: str,
+    incarnation: str,
+    role: str,
+    locations: SummaryStats | None = None,
+) -> WorkerStats:
+    """The worker's stats now (the engine answers between two steps); ``locations``: what
+    its block-location publisher wrote."""
+    stats, held, ok = await engine.worker_stats()
+    return WorkerStats(stats, worker_id, incarnation, role, held=held, ok=ok, locations=locations)
