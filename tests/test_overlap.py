@@ -223,3 +223,23 @@ def test_preemption_with_a_token_in_flight_keeps_it(smol_dir) -> None:
         check_order(o)
     assert finals(outs) == reference
     assert engine.pool.num_used == 0
+
+
+def test_decode_rows_take_the_tokens_in_flight_on_the_device(engines, smol_dir) -> None:
+    """The CUDA-graph decode path (run eagerly off CUDA) gathers each row's token in flight
+    into its static input buffer: the same tokens as the synchronous engine."""
+    from tests.test_spec_decode_rows import with_decode_rows
+
+    engine = make_engine(smol_dir, True)
+    graphs = with_decode_rows(engine)
+    tok = engine.tokenizer
+    arrivals = {
+        0: [("d0", tok.encode("The quick brown fox"), greedy(max_tokens=10)),
+            ("d1", tok.encode("def fibonacci(n):"), greedy(max_tokens=12)),
+            ("d2", tok.encode("Water boils at"),
+             SamplingParams(max_tokens=8, temperature=0.7, seed=5, logprobs=1))],
+        3: [("d3", tok.encode("In 1969, the first humans"), greedy(max_tokens=6))],
+    }  # fmt: skip
+    on = drive(engine, arrivals)
+    assert graphs.runs >= 10 and engine.overlapped_steps >= graphs.runs
+    assert finals(on) == finals(drive(engines[False], arrivals))
