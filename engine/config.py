@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Async scheduling (engine.step_loop): launch step N+1 before reading step N back. The one
+# default, shared by every flag that exposes it.
+DEFAULT_ASYNC_SCHEDULING = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +258,11 @@ class EngineConfig:
     # Checked KV (engine.kv_checksum): checksum each block once, when it is sealed (full and
     # computed), and keep the sum, so a hand-off only reads it (prefill workers turn this on).
     seal_checksums: bool = False
+    # Async scheduling (vLLM's name; SGLang's overlap scheduler): each step() launches the next
+    # forward pass while the previous one runs, reading that one's tokens back one step late
+    # (outputs lag one call). Steps that need the tokens on the host first (grammars,
+    # penalties, speculative decoding, ...) fall back to synchronous (engine.step_loop).
+    async_scheduling: bool = DEFAULT_ASYNC_SCHEDULING
 
     @property
     def max_decode_rows(self) -> int:

@@ -19,6 +19,11 @@ Its inputs are fixed-size tile tables (``kernels.reference.lora_tile_table``: th
 adapter grouped by slot, then tiles padded with empty ones) and the slot buffers and scales of
 ``engine.lora.LoRAManager``, which are static and filled in place before the replay.
 
+With async scheduling a row's token may still be in flight (sampled by the step before, not yet
+read back): the row names the row of that step's sampled ids it comes from, and ``run``
+gathers those ids on the device into the static input buffer before the replay
+(``engine.inflight``).
+
 Off CUDA (the CPU tests) nothing is captured: ``run`` fills the same buffers and runs the step
 eagerly, so the batch a graph would replay is checked on any machine.
 """
@@ -30,21 +35,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.inflight import feed_ids
 from kernels import AttentionMetadata
 from kernels.reference import lora_tile_table, max_lora_tiles
 
 if TYPE_CHECKING:
     from engine.lora import LoRABatch, LoRAManager
 
-# Rows of the packed per-token input buffer.
-_IDS, _POS, _SLOT_BLOCK, _SLOT_OFF, _SEQ_LEN = range(5)
-_PADDING = (0, 0, -1, 0, 0)
+# Rows of the packed per-token input buffer; _SRC: the row of the previous step's sampled ids an
+# in-flight token comes from (-1: its id is in _IDS).
+_IDS, _POS, _SLOT_BLOCK, _SLOT_OFF, _SEQ_LEN, _SRC = range(6)
+_PADDING = (0, 0, -1, 0, 0, -1)
 
 
 @dataclass(slots=True)
 class DecodeBatch:
     """Host-side inputs of one decode step: one row per new token (see the module's note);
-    with adapters, the step's adapter names and each row's ("" for the base model)."""
+    with adapters, the step's adapter names and each row's ("" for the base model);
+    ``feed_src``: each row's source among the previous step's sampled ids (-1: none)."""
 
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -55,13 +63,27 @@ class DecodeBatch:
     num_seqs: int = 0  # sequences the rows came from (``add``); rows - num_seqs: draft rows
     loras: list[str] = field(default_factory=list)
     token_loras: list[str] = field(default_factory=list)
+    feed_src: list[int] = field(default_factory=list)
+
+    @property
+    def fed(self) -> bool:
+        """Whether any row's token is in flight (gathered on the device)."""
+        return any(s >= 0 for s in self.feed_src)
 
     def add(
-        self, tokens: list[int], start: int, table: list[int], block_size: int, lora: str = ""
+        self,
+        tokens: list[int],
+        start: int,
+        table: list[int],
+        block_size: int,
+        lora: str = "",
+        src: int = -1,
     ) -> None:
         """Append one sequence's new ``tokens``, at positions ``start ..``, a row each (with
-        the sequence's adapter ``lora``)."""
+        the sequence's adapter ``lora``); ``src`` >= 0: the first token is in flight, row
+        ``src`` of the previous step's sampled ids (``tokens[0]`` is a placeholder)."""
         for i, t in enumerate(tokens):
+            self.feed_src.append(src if i == 0 else -1)
             p = start + i
             self.token_ids.append(t)
             self.positions.append(p)
@@ -105,8 +127,8 @@ class DecodeGraphs:
         dev = kv_cache.device
         self.captured = capture and dev.type == "cuda"
         n, width = self.sizes[-1], max_blocks_per_seq
-        self._host = torch.zeros((5, n), dtype=torch.long)
-        self._vec = torch.zeros((5, n), dtype=torch.long, device=dev)
+        self._host = torch.zeros((len(_PADDING), n), dtype=torch.long)
+        self._vec = torch.zeros((len(_PADDING), n), dtype=torch.long, device=dev)
         self._host_tables = torch.zeros(n * width, dtype=torch.int32)
         self._tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self._query_start = torch.arange(n + 1, dtype=torch.long, device=dev)
@@ -208,11 +230,17 @@ class DecodeGraphs:
         self._logits.clear()
         self.captured = False
 
-    def run(self, batch: DecodeBatch, token_slots: list[int] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        batch: DecodeBatch,
+        token_slots: list[int] | None = None,
+        fed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Replay the graph of the batch's padded size; returns float32 logits ``[n, V]``, a
         row per batch row (a view of the graph's output, valid until the next run).
         ``token_slots``: each row's LoRA slot (-1: none; the caller placed the adapters), for
-        the LoRA variant; None: the base one."""
+        the LoRA variant; None: the base one. ``fed``: the previous step's sampled ids on the
+        device, which rows with a ``feed_src`` take as their token."""
         n = len(batch.token_ids)
         size = self.padded_size(n)
         if size is None:
@@ -230,6 +258,7 @@ class DecodeGraphs:
             batch.slot_blocks,
             batch.slot_offsets,
             batch.seq_lens,
+            batch.feed_src or [-1] * n,  # a batch built without ``add`` feeds nothing
         )
         for r, (values, pad) in enumerate(zip(rows, _PADDING, strict=True)):
             h[r, :n] = torch.tensor(values, dtype=torch.long)
@@ -238,6 +267,9 @@ class DecodeGraphs:
         padded = [t + [0] * (width - len(t)) for t in batch.block_tables]
         tables.copy_(torch.tensor(padded, dtype=torch.int32))  # one tensor for all rows
         self._vec.copy_(h, non_blocking=True)
+        if batch.fed:
+            assert fed is not None, "rows in flight and no sampled ids to take them from"
+            feed_ids(self._vec[_IDS, :size], self._vec[_SRC, :size], fed)
         self._tables[:n, :width].copy_(tables.to(self._tables.device, non_blocking=True))
         if token_slots is not None:
             self._fill_lora(token_slots)

@@ -123,7 +123,8 @@ class EmitMixin:
             return FinishReason.STOP  # at the model's EOS no stop reason, as in vLLM
         if p.ignore_eos and seq.matcher is not None and seq.matcher.is_stopped():
             return FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        # num_known: the token after this one may already be in flight (async scheduling).
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_known >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -96,6 +96,8 @@ class HandoffMixin:
         def _new_choice(self, *args: Any, **kwargs: Any) -> Choice: ...
         def check_lora(self, name: str | None) -> str: ...
         def _register(self, req: Request) -> None: ...
+        def _await_device(self) -> None: ...
+        def _unsample(self, seq: Sequence) -> None: ...
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks a prefill hand-off keeps for the decode worker, in token order."""
@@ -146,9 +148,14 @@ class HandoffMixin:
         already cached here); only blocks from ``cached // block_size`` on need filling.
         Raises KVCapacityError when the pool cannot hold it now. ``lora``: the request's adapter
         (salts the cache keys as on the prefill side).
+
+        With a step in flight it first waits for the device to run it: the blocks handed out
+        may have been freed under that step (``engine.step_loop``), and the KV that arrives is
+        written from off the engine's stream.
         """
         self._validate(prompt, SamplingParams(max_tokens=1))
         with self._lock:
+            self._await_device()
             extra = encode_extra_keys(tenant, self.check_lora(lora) or None)
             if request_id in self._requests or request_id in self.kv:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -267,14 +274,19 @@ class HandoffMixin:
         """Take a running single-choice request out of the batch, keeping its blocks held (as
         a prefill does) for another decode worker to pull; None when it cannot move now (not
         here, several choices, or not between two decode steps). Its stream gets no more
-        outputs; `release` frees the blocks."""
+        outputs; `release` frees the blocks. A token of it still in flight (async scheduling)
+        is taken back unread: it moves at the tokens its stream has."""
         with self._lock:
             req = self._requests.get(request_id)
             if req is None or req.hold_kv or req.unborn or len(req.live) != 1:
                 return None
             (choice,) = req.live.values()
             seq = choice.seq
-            if seq not in self.scheduler.running or seq.num_computed != seq.num_tokens - 1:
+            if seq not in self.scheduler.running or (seq.num_inflight and not seq.output_token_ids):
+                return None  # (its first token in flight: not decoding yet)
+            if seq.num_inflight:
+                self._unsample(seq)
+            if seq.num_computed != seq.num_tokens - 1:
                 return None
             self.scheduler.detach(seq)
             del self._requests[request_id]

@@ -37,6 +37,7 @@ import torch
 import xxhash
 
 import kernels
+from engine.device_io import upload
 
 MASK = (1 << 64) - 1
 XXH3_HEADS = "xxh3-64-heads"
@@ -135,7 +136,7 @@ class SealedSums:
         """Take and keep the checksums of ``block_ids`` (on a GPU in stream order, after the
         step that completed them; the block ids go up, no sum comes back)."""
         if block_ids:
-            idx = torch.tensor(list(block_ids), device=self.table.device)
+            idx = upload(list(block_ids), torch.long, self.table.device)  # no stream sync
             self.table.index_copy_(0, idx, self.fn.on_device(idx))
 
     def read(self, block_ids: Sequence[int], sealed: Sequence[bool]) -> list[int]:

@@ -3,21 +3,22 @@
 ``add_request`` validates and queues, ``step`` runs one scheduler iteration (one forward pass
 over a mixed batch) and returns what each request produced, ``abort`` frees a request's blocks
 at once. All three are thread-safe, so a service can run ``step`` in its own thread while its
-event loop adds and aborts requests.
+event loop adds and aborts requests. With async scheduling (on by default) ``step`` launches
+the next forward pass before it reads back the previous one, and returns that one's outputs
+(``engine.step_loop``).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine.adapters import AdapterMixin
-from engine.choices import Choice, Request, fork_sequence
+from engine.choices import Choice, Request
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_model import DraftProposer
@@ -33,9 +34,10 @@ from engine.ngram import NgramProposer, Proposer
 from engine.parallel.ranks import RankGroup, start_ranks
 from engine.pooling import PoolingConfig, PoolingMixin
 from engine.sampling_params import SamplingParams, TokenLogprob
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import SeqStatus, Sequence
-from engine.step_stats import SpecStats, StepObserver, batch_stats
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.step_loop import InFlight, StepMixin
+from engine.step_stats import SpecStats, StepObserver
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
 from libkv.block_pool import BlockPool
@@ -85,7 +87,7 @@ class EngineStats:
     spec: SpecStats = field(default_factory=SpecStats)
 
 
-class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
+class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -118,7 +120,12 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_loras if config.enable_lora else 0,
+            self.max_model_len,
         )
+        self._inflight: InFlight | None = None  # the step launched and not read back yet
+        self._last_read = 0.0  # perf_counter() when a step was last read back
+        self.overlapped_steps = 0  # steps left in flight across a step() call
+        self.dropped_tokens = 0  # sampled in flight for a sequence that ended meanwhile
         self._unloading: set[str] = set()  # adapters unloaded once their requests finish
         self._requests: dict[str, Request] = {}
         self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
@@ -263,96 +270,6 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             if self.proposer is not None:
                 self.proposer.retain(self.scheduler.running)
             return outs[0] if outs else None
-
-    def has_unfinished(self) -> bool:
-        with self._lock:
-            return self.scheduler.has_work()
-
-    # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, sample, detokenize, finish what is done."""
-        with self._lock:
-            t0 = time.perf_counter()
-            if self.proposer is not None:
-                self._propose(self.proposer)
-            sched = self.scheduler.schedule()
-            if not sched.scheduled:
-                return []
-            info = batch_stats(sched) if self.on_step is not None else None
-            due = self._due(sched.scheduled)
-            sampled = self.runner.execute(sched, self.grammar)
-            self._count_drafts(sched.scheduled, due, sampled.num_accepted)
-            self.scheduler.advance(sched.scheduled)
-            self.seal_pending()
-            self._join_forks(sched.scheduled)
-            outputs = self._emit(due, sampled.token_ids, sampled.logprobs)
-            self._drop_unused_loras()
-            if self.proposer is not None:
-                self.proposer.retain(self.scheduler.running)
-            if info is not None and self.on_step is not None:
-                info.seconds = time.perf_counter() - t0
-                self.on_step(info)
-            return outputs
-
-    def _due(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
-        """The sequences sampling this step, in the runner's row order; forks the other choices
-        of a request whose prompt is done (they sample from the same logits row)."""
-        due: list[Sequence] = []
-        for s in scheduled:
-            if not s.samples:
-                continue
-            req = self._requests[s.seq.request_id]
-            if req.forking(s.seq):
-                for index in req.unborn:
-                    req.live[index] = self._choice_of(fork_sequence(s.seq, index))
-                    s.forks.append(req.live[index].seq)
-                req.unborn = []
-            due.append(s.seq)
-            due.extend(s.forks)
-        return due
-
-    def _propose(self, proposer: Proposer) -> None:
-        """Set the draft of every decoding sequence for the next step: never past its
-        ``max_tokens`` or the context limit (a step emits the kept drafts plus one token), and
-        none for a grammar-constrained sequence (its matcher cannot take tokens back)."""
-        seqs: list[Sequence] = []
-        limits: list[int] = []
-        for seq in self.scheduler.running:
-            seq.draft_token_ids = []
-            if seq.output_token_ids and seq.num_uncomputed == 1 and seq.matcher is None:
-                seqs.append(seq)
-                limits.append(
-                    min(
-                        seq.params.max_tokens - len(seq.output_token_ids),
-                        self.max_model_len - seq.num_tokens,
-                    )
-                    - 1
-                )
-        if seqs:
-            for seq, draft in zip(seqs, proposer.propose_all(seqs, limits), strict=True):
-                seq.draft_token_ids = draft
-
-    def _count_drafts(
-        self, scheduled: list[ScheduledSeq], due: list[Sequence], accepted: list[int]
-    ) -> None:
-        """Tell each drafting chunk how many of its draft tokens were kept, and count them."""
-        kept = {id(seq): n for seq, n in zip(due, accepted, strict=True)}
-        for s in scheduled:
-            if s.draft:
-                s.num_accepted = kept[id(s.seq)]
-                self._spec.add(len(s.draft), s.num_accepted)
-
-    def _join_forks(self, scheduled: list[ScheduledSeq]) -> None:
-        """After the prompt's forward pass: forked choices share its blocks and join the batch
-        (unless the request is a prefill hand-off, which decodes elsewhere)."""
-        for s in scheduled:
-            for child in s.forks:
-                child.num_computed = s.seq.num_computed
-                if self._requests[s.seq.request_id].hold_kv:
-                    child.status = SeqStatus.RUNNING
-                    continue
-                self.kv.fork(s.seq.key, child.key)
-                self.scheduler.attach(child)
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

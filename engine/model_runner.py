@@ -6,6 +6,13 @@ Rank 0's (the engine's) plans each step and sends the plan to the other ranks (`
 ``engine.parallel.ranks``) before running its own part; they run it with ``follow``. A plan is
 host data only (token ids, positions, slots, block tables), so every rank builds the same
 tensors on its own device and the ranks meet in the model's collectives.
+
+Nothing here waits for the device on the way in: host vectors go up in one pinned,
+non-blocking copy (``engine.device_io``), and ``execute`` returns the sampled ids on the device
+with their copy to the host under way (``StepSample``). With async scheduling the next step's
+inputs are then built, and launched, while this step runs; a sequence whose newest token is
+still in flight gets it from the previous step's sampled ids on the device
+(``engine.inflight``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import kernels
 from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
+from engine.device_io import upload, upload_many
+from engine.inflight import InflightIds, feed_ids, step_inputs
 from engine.kv_checksum import (
     ALGORITHMS,
     CRC32,
@@ -42,7 +51,7 @@ from engine.parallel.shard import ModelShard
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import TokenLogprob
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.spec_decode import VerifyOutput, sample_with_drafts
+from engine.spec_decode import StepSample, VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
 from libkv.kv_layout import KVLayout
 from libkv.kv_manager import CopyOp
@@ -93,6 +102,9 @@ class StepPlan:
     loras: list[str] = field(default_factory=list)  # the step's LoRA adapters
     token_loras: list[str] = field(default_factory=list)  # each token's adapter ("": none)
     hidden: bool = False  # return the sample rows' final hidden states instead of logits
+    # Per token, the row of the previous step's sampled ids its id comes from (-1: token_ids
+    # has it); empty when no token is in flight (always under tensor parallelism).
+    feed_src: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -257,14 +269,20 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
 
     def execute(
-        self, sched: SchedulerOutput, grammar: GrammarRuntime | None = None
-    ) -> VerifyOutput:
-        """Copy blocks, run the forward pass on every scheduled token, sample where due.
+        self,
+        sched: SchedulerOutput,
+        grammar: GrammarRuntime | None = None,
+        fed: InflightIds | None = None,
+    ) -> StepSample:
+        """Copy blocks, run the forward pass on every scheduled token, sample where due; the
+        sampled ids stay on the device, their copy to the host is under way.
 
         One row is sampled per sampling sequence and per fork of it (forks reuse its logits).
         With ``grammar``, the bitmasks of constrained rows are filled while the forward pass
         runs (``engine.structured``). The draft tokens of speculating sequences are verified
-        (``engine.spec_decode``): those emit their kept drafts and one more token."""
+        (``engine.spec_decode``): those emit their kept drafts and one more token (read back
+        at once). ``fed``: the previous step's sampled ids, for the sequences whose newest
+        token is still in flight."""
         self.bind_thread()
         if sched.copies:
             self._command("copy", [c.src for c in sched.copies], [c.dst for c in sched.copies])
@@ -282,23 +300,28 @@ class ModelRunner:
             for _, seq in due
         ]
         masks = grammar.start_fill([seq.matcher for _, seq in due]) if grammar else None
-        logits = self._logits(sched)
+        logits = self._logits(sched, fed)
         if logits is None:
-            return VerifyOutput([], [], [])
+            return StepSample(done=VerifyOutput([], [], []))
         bitmask = masks.result(logits.device) if masks is not None else None
         if any(s.draft for s in sampling):
             drafts = [s.draft for s in sampling]
-            return sample_with_drafts(self.sampler, logits, drafts, due, rows, bitmask)
+            out = sample_with_drafts(self.sampler, logits, drafts, due, rows, bitmask)
+            return StepSample(done=out)
         if len(due) != logits.shape[0]:  # forks: repeat their parent's row
-            logits = logits[torch.tensor([i for i, _ in due], device=logits.device)]
-        return VerifyOutput.single(self.sampler(logits, rows, bitmask))
+            logits = logits[upload([i for i, _ in due], torch.long, logits.device)]
+        return StepSample(self.sampler.sample(logits, rows, bitmask))
 
-    def _logits(self, sched: SchedulerOutput) -> torch.Tensor | None:
+    def _logits(self, sched: SchedulerOutput, fed: InflightIds | None) -> torch.Tensor | None:
         """Logits of the sampling rows (None when no row samples this step)."""
-        batch = self._decode_batch(sched)
+        batch = self._decode_batch(sched, fed)
+        # Only a step with tokens in flight passes their ids (never under tensor parallelism,
+        # whose other ranks receive host data only).
+        tokens = (fed.tokens,) if fed is not None else ()
         if batch is not None:
-            return self._command("graph", batch)
-        return self._command("forward", self._plan(sched))
+            return self._command("graph", batch, *(tokens if batch.fed else ()))
+        plan = self._plan(sched, fed)
+        return self._command("forward", plan, *(tokens if plan.feed_src else ()))
 
     # -- commands: what every rank runs (rank 0 sends each to the others first) ---------------
     def run_plan(self, plan: StepPlan, copies: list[CopyOp]) -> torch.Tensor | None:
@@ -373,17 +396,15 @@ class ModelRunner:
         }
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
-        s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
+        s, d = upload_many([src, dst], self.device)
         kernels.copy_blocks(self.kv_pool, s, d)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
-        input_ids, positions, meta = self._tensors(plan)
+    def _forward(self, plan: StepPlan, fed: torch.Tensor | None = None) -> torch.Tensor | None:
+        input_ids, positions, meta, sample_idx = self._tensors(plan, fed)
         lora = self._lora_batch(plan)
         if not plan.sample_rows:
             self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
             return None
-        # Made before the forward pass, so that on CUDA building it waits for no kernel.
-        sample_idx = torch.tensor(plan.sample_rows, device=self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
         if plan.hidden:
             return hidden[sample_idx]
@@ -396,7 +417,7 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def _graph(self, batch: DecodeBatch) -> torch.Tensor:
+    def _graph(self, batch: DecodeBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         """Replay a decode graph; with adapters, each rank first places them in its slots
         (the same choices on every rank) and the LoRA variant reads each row's slot."""
         assert self.graphs is not None
@@ -404,9 +425,11 @@ class ModelRunner:
         if batch.loras:
             assert self.lora is not None
             token_slots = self.lora.token_slots(batch.token_loras, batch.loras)
-        return self.graphs.run(batch, token_slots)
+        return self.graphs.run(batch, token_slots, fed)
 
-    def _decode_batch(self, sched: SchedulerOutput) -> DecodeBatch | None:
+    def _decode_batch(
+        self, sched: SchedulerOutput, fed: InflightIds | None = None
+    ) -> DecodeBatch | None:
         """The step as a captured graph's input, when every scheduled sequence samples from its
         newest token: that token and the draft after it (a verify step) are a row each
         (``engine.cuda_graphs``), and the graph's logits have a row per row, as ``_plan``'s
@@ -424,7 +447,8 @@ class ModelRunner:
         batch = DecodeBatch(loras=sorted(sched.loras))
         for s in scheduled:
             p = s.seq.num_computed
-            batch.add([_token_at(s.seq, p), *s.draft], p, s.block_ids, bs, s.seq.lora or "")
+            ids, src = step_inputs(s.seq, p, p + 1, fed)
+            batch.add([*ids, *s.draft], p, s.block_ids, bs, s.seq.lora or "", src[0])
         return batch
 
     @property
@@ -575,9 +599,10 @@ class ModelRunner:
             return None
         return self.lora.batch(plan.token_loras, self.lora.prepare(set(plan.loras)))
 
-    def _plan(self, sched: SchedulerOutput) -> StepPlan:
+    def _plan(self, sched: SchedulerOutput, fed: InflightIds | None = None) -> StepPlan:
         bs = self.config.block_size
         ids: list[int] = []
+        feed: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         starts = [0]
@@ -588,8 +613,11 @@ class ModelRunner:
             seq, lo = s.seq, s.seq.num_computed
             hi = lo + s.num_new
             table = s.block_ids
-            ids.extend(seq.all_token_ids[lo : hi - len(s.draft)])
+            known, src = step_inputs(seq, lo, hi - len(s.draft), fed)
+            ids.extend(known)
             ids.extend(s.draft)
+            feed.extend(src)
+            feed.extend([-1] * len(s.draft))
             pos.extend(range(lo, hi))
             slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
             starts.append(starts[-1] + s.num_new)
@@ -599,36 +627,39 @@ class ModelRunner:
                 sample_rows.extend(range(starts[-1] - 1 - len(s.draft), starts[-1]))
         max_q = max(s.num_new for s in sched.scheduled)
         plan = StepPlan(ids, pos, slots, starts, seq_lens, tables, max_q, sample_rows)
+        if any(f >= 0 for f in feed):
+            plan.feed_src = feed
         if sched.loras:
             plan.loras = sorted(sched.loras)
             plan.token_loras = [s.seq.lora for s in sched.scheduled for _ in range(s.num_new)]
         return plan
 
-    def _tensors(self, plan: StepPlan):
+    def _tensors(self, plan: StepPlan, fed: torch.Tensor | None = None):
+        """Input ids, positions, attention metadata and sample-row indices of ``plan`` on the
+        device, in one non-blocking copy; ids in flight gathered from ``fed``."""
         bs = self.config.block_size
         width = max(len(t) for t in plan.block_tables)
-        padded = [t + [0] * (width - len(t)) for t in plan.block_tables]
-        dev = self.device
-        slot_t = torch.tensor(plan.slots, device=dev)
+        tables = [b for t in plan.block_tables for b in (*t, *[0] * (width - len(t)))]
+        parts = [plan.token_ids, plan.positions, plan.slots, plan.seq_lens, plan.query_start]
+        parts += [tables, plan.sample_rows, plan.feed_src]
+        ids, pos, slot_t, seq_lens, starts, table_t, sample_idx, src = upload_many(
+            parts, self.device
+        )
+        if plan.feed_src:
+            assert fed is not None, "tokens in flight and no sampled ids to take them from"
+            feed_ids(ids, src, fed)
         meta = kernels.AttentionMetadata(
             slot_blocks=slot_t // bs,
             slot_offsets=slot_t % bs,
-            block_tables=torch.tensor(padded, device=dev),
-            seq_lens=torch.tensor(plan.seq_lens, device=dev),
-            query_start_loc=torch.tensor(plan.query_start, device=dev),
+            block_tables=table_t.view(-1, width),
+            seq_lens=seq_lens,
+            query_start_loc=starts,
             max_query_len=plan.max_query_len,
             max_seq_len=max(plan.seq_lens),
             block_size=bs,
         )
-        ids = torch.tensor(plan.token_ids, device=dev)
-        return ids, torch.tensor(plan.positions, device=dev), meta
+        return ids, pos, meta, sample_idx
 
 
 def _sampling(sched: SchedulerOutput) -> list[ScheduledSeq]:
     return [s for s in sched.scheduled if s.samples]
-
-
-def _token_at(seq, pos: int) -> int:
-    """Token ``pos`` of a sequence without building its whole token list."""
-    n = len(seq.prompt_token_ids)
-    return seq.prompt_token_ids[pos] if pos < n else seq.output_token_ids[pos - n]

@@ -3,8 +3,11 @@ top-p / min-p, seeds, logprobs.
 
 One call per decode step turns ``[B, V]`` logits into one token per row. The common case (every
 row greedy, no penalties, no logprobs) is a single ``argmax``; everything else is vectorised over
-the rows that need it, with per-row Python work only for penalties and seeded rows. The only host
-sync is the final ``.tolist()``.
+the rows that need it, with per-row Python work only for penalties and seeded rows. Nothing in
+it waits for the device: index and parameter vectors go up without a stream sync
+(``engine.device_io``), and the tokens stay on the device with their host copy started
+(``Sampler.sample``; ``engine.sample_output``), so with async scheduling the next step is
+launched before this one's tokens are read.
 
 Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. draws
 token ``i`` with probability ``probs[i]``. A seeded row draws its ``E`` from its own generator, one
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams, TokenLogprob
+from engine.device_io import upload
+from engine.sample_output import PendingSample, SamplerOutput, pending_output
+from engine.sampling_params import SamplingParams
 from engine.structured import apply_bitmask_
 
 # Temperatures below this are raised to it: dividing logits by a far smaller one can overflow to
@@ -54,14 +59,6 @@ class SamplingRow:
         return bool(self.stop_ids) and len(self.output_token_ids) < self.params.min_tokens
 
 
-@dataclass(slots=True)
-class SamplerOutput:
-    """One chosen token per row, and its logprobs where the row asked for them (else ``None``)."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
-
-
 class Sampler:
     """Picks the next token of every row of a batch. Stateless; safe to share."""
 
@@ -71,7 +68,17 @@ class Sampler:
         rows: Sequence[SamplingRow],
         bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (``[B, V]``, any float dtype, CPU or CUDA).
+        """``sample``, waited for: the tokens (and logprobs) on the host."""
+        return self.sample(logits, rows, bitmask).result()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+    ) -> PendingSample:
+        """Sample one token per row of ``logits`` (``[B, V]``, any float dtype, CPU or CUDA);
+        the tokens stay on the device, their copy to the host is under way.
 
         Order: logprobs of the raw logits; the grammar mask of guided rows (``bitmask``, int32
         ``[B, ceil(V / 32)]`` on the logits' device, see ``engine.structured``); the stop tokens
@@ -83,13 +90,10 @@ class Sampler:
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {list(logits.shape)}"
             )
-        if not rows:
-            return SamplerOutput([], [])
+        params = [r.params for r in rows]
         if all(_is_plain(r) for r in rows):
             # Fast path. Converting to float32 is exact, so argmax on the input dtype is the same.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
-
-        params = [r.params for r in rows]
+            return pending_output(logits.argmax(dim=-1), None, [], params)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         guided = [i for i, r in enumerate(rows) if r.guided] if bitmask is not None else []
         biased = [i for i, p in enumerate(params) if p.logit_bias]
@@ -117,7 +121,7 @@ class Sampler:
             _put(tokens, greedy, _take(x, greedy).argmax(dim=-1))
         if sampled:
             _put(tokens, sampled, _sample(_take(x, sampled), [rows[i] for i in sampled]))
-        return host_output(tokens, raw_logprobs, want_lp, params)
+        return pending_output(tokens, raw_logprobs, want_lp, params)
 
 
 def _is_plain(r: SamplingRow) -> bool:
@@ -140,7 +144,7 @@ def mask_stops_(x: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]
     if pairs:
         dev = x.device
         r, t = zip(*pairs, strict=True)
-        x[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+        x[upload(r, torch.long, dev), upload(t, torch.long, dev)] = float("-inf")
 
 
 def _apply_logit_bias_(
@@ -151,12 +155,12 @@ def _apply_logit_bias_(
     t = [tok for i in idx for tok, _ in params[i].logit_bias]
     b = [bias for i in idx for _, bias in params[i].logit_bias]
     dev = x.device
-    rows, toks = torch.tensor(r, device=dev), torch.tensor(t, device=dev)
-    x.index_put_((rows, toks), torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
+    rows, toks = upload(r, torch.long, dev), upload(t, torch.long, dev)
+    x.index_put_((rows, toks), upload(b, x.dtype, dev), accumulate=True)
 
 
 def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return upload(idx, torch.long, device)
 
 
 def _take(x: torch.Tensor, idx: Sequence[int]) -> torch.Tensor:
@@ -237,7 +241,8 @@ def _pairs(seqs: Sequence[Sequence[int]], owners: Sequence[int]) -> tuple[np.nda
 
 
 def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(a).to(device)
+    # Pageable and non-blocking: staged at once, without waiting for the device's queue.
+    return torch.from_numpy(a).to(device, non_blocking=True)
 
 
 def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -248,9 +253,7 @@ def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 def filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each non-greedy row samples from: softmax of the penalised logits
     ``x`` (``[S, V]``) after temperature, top-k, top-p and min-p (a new tensor)."""
-    temperature = torch.tensor(
-        [max(p.temperature, MIN_TEMPERATURE) for p in params], device=x.device
-    )
+    temperature = upload([max(p.temperature, MIN_TEMPERATURE) for p in params], x.dtype, x.device)
     x = x / temperature.unsqueeze(1)  # a new tensor: filtering below may write into it
     # Which filter path a row takes depends on its own params only, so a seeded row's
     # probabilities do not depend on which other rows share the batch.
@@ -274,7 +277,7 @@ def _top_k(x: torch.Tensor, k: Sequence[int]) -> torch.Tensor:
     k_max = min(max(k), x.shape[1])
     values, ids = x.topk(k_max, dim=-1)
     rank = torch.arange(k_max, device=x.device)
-    k_t = torch.tensor(k, device=x.device).unsqueeze(1)
+    k_t = upload(k, torch.long, x.device).unsqueeze(1)
     values = values.masked_fill(rank >= k_t, -math.inf)
     return torch.full_like(x, -math.inf).scatter_(1, ids, values)
 
@@ -288,11 +291,11 @@ def _top_k_top_p(x: torch.Tensor, k: Sequence[int], p: Sequence[float]) -> torch
     v = x.shape[1]
     sorted_x, ids = x.sort(dim=-1, descending=True)
     rank = torch.arange(v, device=x.device)
-    k_t = torch.tensor([kk if 0 < kk < v else v for kk in k], device=x.device).unsqueeze(1)
+    k_t = upload([kk if 0 < kk < v else v for kk in k], torch.long, x.device).unsqueeze(1)
     sorted_x.masked_fill_(rank >= k_t, -math.inf)
     probs = torch.softmax(sorted_x, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs
-    p_t = torch.tensor(p, dtype=x.dtype, device=x.device).unsqueeze(1)
+    p_t = upload(p, x.dtype, x.device).unsqueeze(1)
     drop = before >= p_t
     drop[:, 0] = False
     sorted_x.masked_fill_(drop, -math.inf)
@@ -304,7 +307,7 @@ def _min_p(x: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
 
     ``prob[t] / prob[max] = exp(x[t] - x[max])``, so this is a threshold on logits (no softmax).
     """
-    log_min_p = torch.tensor([math.log(m) for m in min_p], dtype=x.dtype, device=x.device)
+    log_min_p = upload([math.log(m) for m in min_p], x.dtype, x.device)
     threshold = x.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1)
     return x.masked_fill(x < threshold, -math.inf)
 
@@ -325,36 +328,3 @@ def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
         if g is not None:
             u[i].uniform_(generator=g)
     return probs.div_(u.log_().neg_()).argmax(dim=-1)
-
-
-def host_output(
-    tokens: torch.Tensor,
-    raw_logprobs: torch.Tensor | None,
-    want_lp: Sequence[int],
-    params: Sequence[SamplingParams],
-) -> SamplerOutput:
-    """Move tokens and logprobs to the host in one transfer and build the output."""
-    n = tokens.shape[0]
-    if raw_logprobs is None:
-        return SamplerOutput(tokens.tolist(), [None] * n)
-    chosen = _take(tokens.unsqueeze(1), want_lp)
-    chosen_lp = raw_logprobs.gather(1, chosen).squeeze(1)
-    k_max = min(max(params[i].logprobs or 0 for i in want_lp), raw_logprobs.shape[1])
-    top_lp, top_ids = raw_logprobs.topk(k_max, dim=-1)
-    # float64 holds every token id and float32 logprob exactly, so one tensor carries them all.
-    parts = (tokens, chosen_lp, top_lp.flatten(), top_ids.flatten())
-    flat = torch.cat([t.to(torch.float64) for t in parts]).tolist()
-    m = len(want_lp)
-    token_ids = [int(t) for t in flat[:n]]
-    lp_values = flat[n : n + m]
-    top_values = flat[n + m : n + m + m * k_max]
-    top_tokens = flat[n + m + m * k_max :]
-    logprobs: list[TokenLogprob | None] = [None] * n
-    for j, i in enumerate(want_lp):
-        k = params[i].logprobs or 0
-        start = j * k_max
-        top = tuple(
-            (int(top_tokens[start + c]), top_values[start + c]) for c in range(min(k, k_max))
-        )
-        logprobs[i] = TokenLogprob(token_ids[i], lp_values[j], top)
-    return SamplerOutput(token_ids, logprobs)

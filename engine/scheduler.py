@@ -7,6 +7,12 @@ running sequence is preempted by recomputation: its blocks are freed and it retu
 front of the queue, keeping its output tokens. The oldest sequence therefore always makes
 progress, and no sequence is admitted whose worst case cannot fit in the pool alone, so the
 loop can neither crash nor deadlock.
+
+With async scheduling (``engine.step_loop``) a step is planned while the previous one still
+runs: a running sequence may have its newest token in flight (``Sequence.num_inflight``). Its
+position is planned like any other (the runner feeds the token from the device); a sequence
+whose in-flight token is certainly its last (``Sequence.out_of_room``) is not planned again and
+leaves no slot taken, and prefix-cache commits wait until a block's tokens are all known.
 """
 
 from __future__ import annotations
@@ -69,11 +75,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         """``max_loras``: at most that many LoRA adapters in one step (0: no limit); a
-        sequence whose adapter would exceed it waits for a later step, without preemption."""
+        sequence whose adapter would exceed it waits for a later step, without preemption.
+        ``max_model_len``: the context limit (None: none), for sequences whose token in flight
+        reaches it."""
         self.kv = kv
         self.max_loras = max_loras
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -102,7 +112,12 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or FinishReason.ABORT
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.running.remove(seq)
+        """End ``seq`` and free its blocks; it is running, or waiting when it was preempted
+        with its last token in flight."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.kv.free(seq.key)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
@@ -128,11 +143,16 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def _ending(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s token in flight is certainly its last (max_tokens, context limit):
+        it is not scheduled again and, finishing when the token arrives, takes no slot."""
+        return seq.num_inflight > 0 and seq.out_of_room(self.max_model_len)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not self._lora_fits(seq, out):
+            if self._ending(seq) or not self._lora_fits(seq, out):
                 i += 1
                 continue
             n = min(seq.num_uncomputed, budget)
@@ -197,8 +217,11 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Sequence] = []  # their adapter has no slot this step; they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        ending = sum(1 for s in self.running if self._ending(s))
+        while self.waiting and budget > 0 and len(self.running) - ending < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_inflight:  # preempted with a token in flight: it must arrive first
+                break
             if not self._lora_fits(seq, out):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -222,7 +245,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def advance(self, scheduled: Iterable[ScheduledSeq]) -> None:
-        """After the forward pass: mark the chunk computed and publish newly full blocks.
+        """Once the forward pass is launched: mark the chunk computed and publish newly full
+        blocks whose tokens are all known (``commit``).
 
         Of a draft, only the ``num_accepted`` confirmed tokens count as computed (the engine
         appends them to the outputs after this call); the blocks past them are freed, so the
@@ -231,9 +255,20 @@ class Scheduler:
             seq = s.seq
             if not s.draft:
                 seq.num_computed += s.num_new
-                self.kv.commit(seq.key, seq.all_token_ids, seq.num_computed)
+                self.commit(seq)
                 continue
             seq.num_computed += s.num_new - len(s.draft) + s.num_accepted
             tokens = seq.all_token_ids + s.draft[: s.num_accepted]
             self.kv.commit(seq.key, tokens, seq.num_computed)
             self.kv.truncate(seq.key, seq.num_computed + 1)
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish (and seal) the full blocks of ``seq`` whose KV is computed and whose tokens
+        are all known: a block holding a token still in flight waits for it (the engine calls
+        this again when it arrives). Builds the token list only when a block is due."""
+        n = min(seq.num_computed, seq.num_known)
+        table = self.kv.table(seq.key)
+        full = n // self.kv.block_size
+        due = self.kv.enable_prefix_caching and full > len(table.hashes)
+        if due or (self.kv.track_seals and full > table.num_sealed):
+            self.kv.commit(seq.key, seq.all_token_ids, n)

@@ -35,6 +35,12 @@ class Sequence:
 
     ``draft_token_ids`` are speculative guesses of the tokens after the newest one, set by the
     engine before a step; the step computes them with it and keeps those the model confirms.
+
+    With async scheduling a step is launched before the previous one's sampled tokens reach the
+    host: ``num_inflight`` counts this sequence's tokens that were sampled on the device but not
+    read back yet (at most one between two engine steps). They count in ``num_tokens`` (their
+    positions exist; the scheduler plans around them) but are not in ``output_token_ids`` until
+    they arrive; ``num_known`` is what the host holds.
     """
 
     request_id: str
@@ -57,6 +63,7 @@ class Sequence:
     lora: str = ""  # the LoRA adapter it runs with ("" = the base model)
     # Token ids that would end it (EOS, stop_token_ids), masked until params.min_tokens outputs.
     stop_ids: tuple[int, ...] = ()
+    num_inflight: int = 0  # sampled on the device, not yet read back (async scheduling)
 
     @property
     def key(self) -> Hashable:
@@ -67,11 +74,28 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output tokens on the host (not those in flight)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, those still in flight included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the host holds: ``all_token_ids`` (``num_tokens`` less those in flight)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens sampled so far, those still in flight included."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    def out_of_room(self, max_len: int) -> bool:
+        """Whether its newest token (read back or in flight) is its last by length: its
+        ``max_tokens``, or ``max_len`` tokens in all (the context limit)."""
+        return self.num_outputs >= self.params.max_tokens or self.num_tokens >= max_len
 
     @property
     def num_uncomputed(self) -> int:
@@ -80,7 +104,7 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """True until every known token (prompt, or prompt + outputs after a preemption) has KV."""
-        return self.num_computed < self.num_tokens - 1 or not self.output_token_ids
+        return self.num_computed < self.num_tokens - 1 or not self.num_outputs
 
     @property
     def finished(self) -> bool:

@@ -28,18 +28,17 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sample_output import PendingSample, SamplerOutput, host_output
 from engine.sampler import (
     Sampler,
-    SamplerOutput,
     SamplingRow,
-    TokenLogprob,
     _apply_logit_bias_,
     apply_penalties_,
     filtered_probs,
-    host_output,
     mask_stops_,
     race,
 )
+from engine.sampling_params import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -57,6 +56,33 @@ class VerifyOutput:
         return cls(
             [[t] for t in out.token_ids], [[lp] for lp in out.logprobs], [0] * len(out.token_ids)
         )
+
+
+class StepSample:
+    """What a step sampled, as the model runner returns it: ``tokens``, the sampled ids on the
+    device, one per sampling row (the next step's in-flight inputs are gathered from them; None
+    for a step that verified drafts, which is read back at once), and ``result()``, the host
+    lists (waits for the step's one copy to the host)."""
+
+    def __init__(self, pending: PendingSample | None = None, done: VerifyOutput | None = None):
+        assert (pending is None) != (done is None)
+        self._pending = pending
+        self._done = done
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return self._pending.tokens if self._pending is not None else None
+
+    def wait(self) -> None:
+        """Block until the device has run the step; read nothing back."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    def result(self) -> VerifyOutput:
+        if self._done is None:
+            assert self._pending is not None
+            self._done = VerifyOutput.single(self._pending.result())
+        return self._done
 
 
 def sample_with_drafts(

@@ -14,7 +14,12 @@ from engine.scheduler import SchedulerOutput
 @dataclass(slots=True)
 class StepStats:
     """One forward pass: its wall time, its batch, and the queue time of requests that were
-    scheduled for the first time in it (seconds from arrival to first scheduling)."""
+    scheduled for the first time in it (seconds from arrival to first scheduling).
+
+    ``seconds`` runs from the step's launch (the start of its ``step()`` call) to when its
+    tokens were read back; with async scheduling, from the later of its launch and the read of
+    the step before, so that overlapping steps are not counted twice: consecutive steps'
+    seconds add up to the wall time they took."""
 
     seconds: float = 0.0
     prefill_seqs: int = 0  # sequences computing (part of) a prompt in this step

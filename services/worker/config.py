@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import DEFAULT_ASYNC_SCHEDULING, EngineConfig, SpeculativeConfig
 from libkv.cluster.summary_publisher import SummaryConfig
 from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
 from services.common.admission import batch_fraction_option
@@ -186,6 +186,13 @@ class WorkerConfig:
         "extension; off by default, as vLLM keeps it in the model dtype): a decode step reads "
         "one byte per head weight instead of two, and every logit changes by the rounding",
     )
+    async_scheduling: bool = option(
+        DEFAULT_ASYNC_SCHEDULING,
+        "launch each engine step while the previous one still runs on the device, reading its "
+        "tokens back one step late (vLLM's async scheduling); steps that need them first "
+        "(grammars, penalties, speculative decoding, ...) run synchronously. "
+        "--no-async-scheduling: every step synchronous",
+    )
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -242,6 +249,7 @@ class WorkerConfig:
             quantize_lm_head=self.quantize_lm_head,
             # A prefill worker sums each block once, when it is sealed; a hand-off reads them.
             seal_checksums=self.kv_checksums and self.role == "prefill",
+            async_scheduling=self.async_scheduling,
         )
 
 
