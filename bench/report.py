@@ -207,8 +207,9 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
 TRACE_INTRO = (
     "Trace replays: what was sent, and the prefix sharing the trace itself has (tokens in "
     "leading blocks an earlier request of the replay had; compare with the servers' prefix hit "
-    "rate). Rows are one per workload: every rate of a sweep replays the same requests with "
-    "fresh text."
+    "rate). One row per workload: every rate of a sweep replays the same requests with fresh "
+    "text; a run at `trace xS` keeps the trace's times divided by S, a `--rate` run replaces "
+    "them with Poisson arrivals."
 )
 
 
