@@ -2,6 +2,8 @@
 
     tandem bench --endpoint http://127.0.0.1:8000/v1 --workload chat --rate 1,2,4
     tandem bench --stack disagg:1p1d --stack colocated:2 --workload prefill-heavy
+    tandem bench --stack disagg:2p2d --trace mooncake_synthetic_trace.jsonl --trace-speed 2 \
+        --num-requests 200 --max-input-len 3800 --max-output-len 256
 
 Every target (``--endpoint [NAME=]URL`` or ``--stack SPEC``, run one after another; stacks
 are started and stopped here) receives the same generated requests for every workload and
@@ -36,6 +38,7 @@ from bench.report import (
 )
 from bench.runner import Endpoint, LoadConfig, RequestOptions, run_load
 from bench.stacks import StackSpec, parse_stack, running_stack
+from bench.trace_workload import add_trace_arguments, describe, generate_trace, trace_config
 from bench.workloads import (
     KINDS,
     Workload,
@@ -106,7 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "input, input_spread, output, output_spread, prefix, prefixes, turns (repeatable; "
         "default: random)",
     )
-    w.add_argument("--num-requests", type=int, default=50)
+    w.add_argument(
+        "--num-requests", type=int, default=50, help="per workload and rate (a trace: its first N)"
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--input-len", type=int, default=None, help="mean input tokens")
     w.add_argument(
@@ -120,6 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: its length")
     w.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: how many")
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
+    add_trace_arguments(p)
     ld = p.add_argument_group("load")
     ld.add_argument(
         "--rate",
@@ -207,11 +213,26 @@ def _workloads(args: argparse.Namespace, num_rates: int) -> list[list[Workload]]
         "random", args.num_requests, args.seed, args.input_len, args.input_spread,
         args.output_len, args.output_spread, args.prefix_len, args.num_prefixes, args.turns,
     )  # fmt: skip
-    return [
+    sweeps = [
         [generate(replace(parse_workload(w, base), seed=args.seed + j), counter)
          for j in range(num_rates)]
-        for w in args.workload or ["random"]
+        for w in args.workload or ([] if args.trace else ["random"])
     ]  # fmt: skip
+    for path in args.trace:
+        trace = trace_config(args, path)
+        sweeps.append(
+            [generate_trace(replace(trace, seed=args.seed + j), counter) for j in range(num_rates)]
+        )
+    return sweeps
+
+
+def _load(args: argparse.Namespace, rates: list[float], j: int, workload: Workload) -> LoadConfig:
+    """The j-th run's load: the j-th ``--rate``; without one, a trace at its own times
+    (divided by ``--trace-speed``) and any other workload all at once."""
+    if rates:
+        return LoadConfig(rates[j], args.concurrency, args.time_limit, args.seed)
+    speed = args.trace_speed if workload.arrivals is not None else None
+    return LoadConfig(math.inf, args.concurrency, args.time_limit, args.seed, speed)
 
 
 def _meta(args: argparse.Namespace, command: str, workloads: list[Workload], slo: SLO) -> dict:
@@ -222,7 +243,13 @@ def _meta(args: argparse.Namespace, command: str, workloads: list[Workload], slo
         "machine": machine_info(),
         "slo": asdict(slo),
         "workloads": [
-            {**asdict(w.config.resolved()), "exact_lengths": w.exact_lengths} for w in workloads
+            {
+                "name": w.name,
+                **asdict(w.config.resolved()),
+                "exact_lengths": w.exact_lengths,
+                **({"trace": asdict(w.trace)} if w.trace else {}),
+            }
+            for w in workloads
         ],
         "options": {
             "api": args.api,
@@ -238,20 +265,23 @@ def _meta(args: argparse.Namespace, command: str, workloads: list[Workload], slo
 def run(args: argparse.Namespace, command: str | None = None) -> int:
     """Run every target x workload x rate; print and write the results."""
     command = command or "tandem " + shlex.join(sys.argv[1:])
-    rates = [r for group in args.rate for r in group] or [math.inf]
+    rates = [r for group in args.rate for r in group]  # none: each workload's default
     slo = SLO(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     opts = RequestOptions(
         args.api, args.ignore_eos, args.temperature, args.request_timeout, args.progress
     )
-    workloads = _workloads(args, len(rates))
+    workloads = _workloads(args, len(rates) or 1)
+    for sweep in workloads:
+        if sweep[0].trace is not None:
+            print(describe(sweep[0].trace), flush=True)
     meta = _meta(args, command, [sweep[0] for sweep in workloads], slo)
     args.out.mkdir(parents=True, exist_ok=True)
     reports: list[RunReport] = []
     for i, target in enumerate(_targets(args)):
         with _open(target, args, i) as (endpoint, workers, scrape):
             for sweep in workloads:
-                for rate, workload in zip(rates, sweep, strict=True):
-                    load = LoadConfig(rate, args.concurrency, args.time_limit, args.seed)
+                for j, workload in enumerate(sweep):
+                    load = _load(args, rates, j, workload)
                     before = kv_stats.snapshot(workers) if workers else {}
                     moved = handoff.snapshot(scrape) if scrape else None
                     result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))

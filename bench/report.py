@@ -32,6 +32,8 @@ class RunReport:
     def rate_label(self) -> str:
         r = self.result.rate
         label = "inf" if math.isinf(r) else f"{r:g}"
+        if self.result.trace_speed is not None:  # at the trace's own times
+            label = f"trace x{self.result.trace_speed:g}"
         return label if self.result.concurrency is None else f"{label} c={self.result.concurrency}"
 
 
@@ -151,6 +153,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 "concurrency": r.concurrency,
                 "not_sent": r.not_sent,
                 "seed": r.seed,
+                "trace_speed": r.trace_speed,
                 "summary": dataclasses.asdict(rep.summary),
                 "cache": dataclasses.asdict(rep.cache) if rep.cache else None,
                 "handoff": dataclasses.asdict(rep.handoff) if rep.handoff else None,
@@ -181,6 +184,9 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
     ratios = render_ratios(reports)
     if ratios:
         lines += ["", ratios]
+    traces = [w for w in meta.get("workloads", []) if w.get("trace")]
+    if traces:
+        lines += ["", TRACE_INTRO, "", render_traces(traces)]
     caches = [(r.result.endpoint, r.result.workload, r.cache) for r in reports if r.cache]
     if caches:
         lines += ["", "Prefix cache (from worker stats) and block-location writes to etcd", ""]
@@ -196,6 +202,40 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
     if notes:
         lines += ["", notes]
     path.write_text("\n".join(lines) + "\n")
+
+
+TRACE_INTRO = (
+    "Trace replays: what was sent, and the prefix sharing the trace itself has (tokens in "
+    "leading blocks an earlier request of the replay had; compare with the servers' prefix hit "
+    "rate). One row per workload: every rate of a sweep replays the same requests with fresh "
+    "text; a run at `trace xS` keeps the trace's times divided by S, a `--rate` run replaces "
+    "them with Poisson arrivals."
+)
+
+
+def render_traces(workloads: Sequence[dict]) -> str:
+    """Markdown table of the trace workloads' stats (``meta["workloads"]`` entries)."""
+    lines = [
+        "| workload | trace | requests | from s | speed | span s | prompt tokens | over the "
+        "input cap | trace reuse (uncut) | blocks (unique) | exact prompts |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for w in workloads:
+        t = w["trace"]
+        cap = t["max_input_len"]
+        over = "no cap" if cap is None else (
+            f"{t['cut']} cut to {cap}" if t["overlong"] == "cut" else f"{t['skipped']} skipped"
+        )  # fmt: skip
+        exact = "yes" if t["exact_prompts"] and not t["inexact_prompts"] else (
+            f"no ({t['inexact_prompts']} off)" if t["exact_prompts"] else "no (no tokenizer)"
+        )  # fmt: skip
+        lines.append(
+            f"| {w['name']} | {t['trace']} ({t['format']}) | {t['requests']} | {t['start']:g} "
+            f"| {t['speed']:g} | {t['span_s']:.1f} | {t['input_tokens']} | {over} "
+            f"| {t['reuse']:.1%} ({t['reuse_uncut']:.1%}) | {t['blocks']} ({t['unique_blocks']}) "
+            f"| {exact} |"
+        )
+    return "\n".join(lines)
 
 
 def write_plots(out: Path, reports: Sequence[RunReport]) -> list[Path]:

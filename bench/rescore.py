@@ -38,7 +38,7 @@ def load_reports(path: Path, slo: SLO) -> list[RunReport]:
         duration = run["summary"]["duration"]
         result = RunResult(run["endpoint"], run["workload"], rate, run["concurrency"], duration)
         result.records, result.not_sent = records, run["not_sent"]
-        result.seed = run.get("seed", 0)
+        result.seed, result.trace_speed = run.get("seed", 0), run.get("trace_speed")
         reports.append(RunReport(result, summarize(records, duration, slo)))
     return reports
 

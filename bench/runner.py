@@ -1,7 +1,8 @@
 """Drives an OpenAI-compatible endpoint with the official async ``openai`` client, streaming.
 
 Arrivals: units (one request, or one multi-turn session whose turns follow each other) start
-at Poisson arrival times of the given rate (``inf``: all at once), optionally capped at a
+at Poisson arrival times of the given rate (``inf``: all at once), or at a trace replay's own
+times (``LoadConfig.trace_speed``: the workload's ``arrivals``), optionally capped at a
 number in flight (``concurrency``; with ``rate=inf`` that is a fixed concurrency). The run
 sends every request of the workload, or stops sending once ``time_limit`` seconds have passed;
 requests already in flight then finish and count. Times come from ``time.perf_counter``.
@@ -33,10 +34,14 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
+    """How requests arrive. ``trace_speed`` set: at the workload's own ``arrivals`` (a trace
+    replay's, already divided by that speed, which is recorded); ``rate`` is then unused."""
+
     rate: float = math.inf
     concurrency: int | None = None
     time_limit: float | None = None
     seed: int = 0
+    trace_speed: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,7 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     not_sent: int = 0
     seed: int = 0  # the workload's
+    trace_speed: float | None = None  # at a trace's own times (then rate is their mean rate)
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -77,6 +83,20 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
             t += rng.expovariate(1.0) / rate
         out.append(t)
     return out
+
+
+def offered_rate(arrivals: tuple[float, ...]) -> float:
+    """Mean arrivals per second over their span (inf when all arrive at once)."""
+    span = arrivals[-1] - arrivals[0] if arrivals else 0.0
+    return (len(arrivals) - 1) / span if span > 0 else math.inf
+
+
+def _arrivals(workload: Workload, load: LoadConfig) -> list[float]:
+    if load.trace_speed is None:
+        return arrival_times(len(workload.units), load.rate, load.seed)
+    if workload.arrivals is None:
+        raise ValueError(f"{workload.name} has no arrival times of its own (not a trace)")
+    return list(workload.arrivals)
 
 
 def make_client(endpoint: Endpoint, opts: RequestOptions, http_client=None):
@@ -180,10 +200,15 @@ async def run_load(
     try:
         model = await resolve_model(client, endpoint)
         await warm_up(client, model, warmup, opts)
-        result = RunResult(endpoint.name, workload.name, load.rate, load.concurrency, 0.0)
-        result.seed = workload.config.seed
+        rate_value = load.rate
+        if load.trace_speed is not None:
+            rate_value = offered_rate(tuple(_arrivals(workload, load)))
+        result = RunResult(endpoint.name, workload.name, rate_value, load.concurrency, 0.0)
+        result.seed, result.trace_speed = workload.config.seed, load.trace_speed
         total = len(workload.requests)
         rate = "inf" if math.isinf(load.rate) else f"{load.rate:g}"
+        if load.trace_speed is not None:
+            rate = f"trace x{load.trace_speed:g}"
         desc = f"{endpoint.name} {workload.name} rate={rate}"
         with tqdm(total=total, desc=desc, unit="req", disable=not opts.progress) as bar:
             t0 = perf_counter()
@@ -212,7 +237,7 @@ async def _drive(client, model, workload, load, opts, t0, result, bar) -> None:
                     bar.set_postfix(failed=sum(not r.ok for r in result.records))
 
     tasks = []
-    arrivals = arrival_times(len(workload.units), load.rate, load.seed)
+    arrivals = _arrivals(workload, load)
     for at, unit in zip(arrivals, workload.units, strict=True):
         when = t0 + at
         if when >= deadline:

@@ -22,6 +22,8 @@ Kinds (``WorkloadConfig.kind``), defaults in ``DEFAULTS`` (overridable by flags)
   user turns and synthetic assistant replies of the earlier turns' output lengths, so every
   endpoint receives byte-identical requests). A session's turns run one after another.
 - ``prefill-heavy``: long prompts, short answers. ``decode-heavy``: short prompts, long answers.
+
+A public trace's replay (``--trace``) is a workload too: ``bench.trace_workload``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from bench.words import WORDS
+
+if TYPE_CHECKING:
+    from bench.trace_workload import TraceConfig, TraceStats
 
 KINDS = ("random", "chat", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy")
 
@@ -72,7 +77,8 @@ class ApproxCounter:
         return round(len(text.split()) * APPROX_TOKENS_PER_WORD)
 
     def cut(self, text: str, n: int) -> str:
-        return " ".join(text.split()[: max(1, round(n / APPROX_TOKENS_PER_WORD))])
+        lead = text[: len(text) - len(text.lstrip())]  # a leading space is kept, as a tokenizer's
+        return lead + " ".join(text.split()[: max(1, round(n / APPROX_TOKENS_PER_WORD))])
 
 
 class TokenizerCounter:
@@ -149,6 +155,10 @@ class WorkloadConfig:
     num_prefixes: int = 1
     turns: int = 4
 
+    @property
+    def name(self) -> str:
+        return self.kind
+
     def resolved(self) -> WorkloadConfig:
         """This config with the kind's defaults filled in."""
         if self.kind not in DEFAULTS:
@@ -193,15 +203,19 @@ def parse_workload(text: str, base: WorkloadConfig) -> WorkloadConfig:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """Generated requests, grouped in units: one request, or the turns of one session."""
+    """Generated requests, grouped in units: one request, or the turns of one session. A
+    trace replay (``bench.trace_workload``) also has its units' arrival offsets (seconds) and
+    the trace's stats."""
 
-    config: WorkloadConfig
+    config: WorkloadConfig | TraceConfig
     units: tuple[tuple[RequestSpec, ...], ...]
     exact_lengths: bool
+    arrivals: tuple[float, ...] | None = None
+    trace: TraceStats | None = None
 
     @property
     def name(self) -> str:
-        return self.config.kind
+        return self.config.name
 
     @property
     def requests(self) -> list[RequestSpec]:
@@ -223,9 +237,10 @@ class TextMaker:
                 out[-1] += "."
         return " ".join(out)
 
-    def text(self, n_tokens: int) -> str:
-        """Text of ``n_tokens`` tokens (exactly, with an exact counter; else about)."""
-        text = self.words(math.ceil(n_tokens / APPROX_TOKENS_PER_WORD) + 8)
+    def text(self, n_tokens: int, lead: str = "") -> str:
+        """Text of ``n_tokens`` tokens (exactly, with an exact counter; else about), starting
+        with ``lead`` (a space: text that follows other text on a token boundary)."""
+        text = lead + self.words(math.ceil(n_tokens / APPROX_TOKENS_PER_WORD) + 8)
         while self.counter.count(text) < n_tokens:
             text += " " + self.words(n_tokens // 4 + 8)
         return self.counter.cut(text, n_tokens)

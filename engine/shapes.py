@@ -7,9 +7,16 @@ A folder holds the model's published ``config.json`` and the bundled SmolLM2 tok
 chat template (so prompts tokenize and chats render), but no weights: serve it with
 ``--load-format dummy``, which fills every weight with seeded random values of the right shape
 (identical in every worker with the same seed). Outputs are meaningless text; speed, memory
-and KV-transfer sizes are those of the real model. The tokenizer's ids are a subset of every
-shape's vocabulary (sampled ids beyond the tokenizer's decode to nothing), and the folder's
-BOS/EOS ids are the tokenizer's, so that grammars and stop conditions refer to real tokens.
+and KV-transfer sizes are those of the real model.
+
+The folder is self-consistent: its tokenizer has exactly ``vocab_size`` ids, as the published
+model's does, so the embedding and LM head keep the published size (Llama-3.1-8B: 128,256 x
+4,096 in bf16, 1.05 GB each) and any server reading the folder (Tandem, vLLM) builds the same
+model from the same config, with no override. The bundled tokenizer's 49,152 ids are kept as
+they are (every text encodes to the same ids); ``pad_vocab`` fills the ids above them with
+tokens that each decode to text (two of its word tokens joined: " sun day"), which no merge
+rule produces, so a sampled id always streams text. The folder's BOS/EOS ids are the
+tokenizer's, so that grammars and stop conditions refer to real tokens.
 """
 
 from __future__ import annotations
@@ -130,12 +137,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
     },
 }
+# What a folder takes from the tokenizer's folder (tokenizer.json padded, see pad_vocab).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def write_shape(name: str, out: Path, tokenizer_dir: Path = DEFAULT_DIR) -> Path:
     """Write the folder of shape ``name`` (config.json plus the tokenizer of
-    ``tokenizer_dir``) to ``out``; returns ``out``."""
+    ``tokenizer_dir``, padded to the config's ``vocab_size``) to ``out``; returns ``out``."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; one of {', '.join(SHAPES)}")
     missing = [f for f in TOKENIZER_FILES if not (tokenizer_dir / f).is_file()]
@@ -144,12 +152,66 @@ def write_shape(name: str, out: Path, tokenizer_dir: Path = DEFAULT_DIR) -> Path
             f"{tokenizer_dir} lacks {', '.join(missing)}: pass --tokenizer DIR (a folder with "
             "tokenizer.json and tokenizer_config.json), or run `make model` for the bundled one"
         )
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    padded = pad_vocab(spec, SHAPES[name]["vocab_size"])
     out.mkdir(parents=True, exist_ok=True)
     config = {**SHAPES[name], **_special_ids(tokenizer_dir)}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in TOKENIZER_FILES:
-        shutil.copyfile(tokenizer_dir / f, out / f)
+    text = json.dumps(padded, ensure_ascii=False)
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    shutil.copyfile(tokenizer_dir / "tokenizer_config.json", out / "tokenizer_config.json")
     return out
+
+
+def tokenizer_size(spec: dict) -> int:
+    """Ids of a ``tokenizer.json``: its highest id (vocabulary or added tokens) plus one."""
+    vocab = spec["model"]["vocab"]
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t["id"] for t in spec.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def pad_vocab(spec: dict, vocab_size: int) -> dict:
+    """``spec`` (a BPE ``tokenizer.json``) with ids up to ``vocab_size`` (a copy; ``spec``
+    itself when it has them all already).
+
+    Each new id is a vocabulary entry of two of the tokenizer's own word tokens joined
+    (``"Ġsun" + "Ġday"``, byte-level; ``"▁sun▁day"``, SentencePiece), so it decodes to text
+    (" sun day"). BPE only ever produces a token by a merge rule, and no rule makes these (an
+    entry already in the vocabulary is never reused), so every text encodes to the same ids as
+    before: the tokenizer is the same one, with more ids it can decode.
+    """
+    have = tokenizer_size(spec)
+    if have > vocab_size:
+        raise ValueError(f"the tokenizer has {have} ids, more than vocab_size {vocab_size}")
+    if have == vocab_size:
+        return spec
+    model = spec["model"]
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ValueError("only a BPE tokenizer.json can be padded to the shape's vocab_size")
+    vocab = dict(model["vocab"])
+    # Word tokens: a space marker and ASCII letters, in id order (the most frequent first).
+    words = sorted(
+        (i, t) for t, i in vocab.items() if t[:1] in "Ġ▁" and len(t) > 2 and _letters(t[1:])
+    )
+    w = len(words)
+    k, next_id = 0, have
+    while next_id < vocab_size:
+        # k -> (k mod w, (k mod w + 1 + k div w) mod w): distinct pairs, no word twice in a row,
+        # while k < w * (w - 1)
+        if k >= w * (w - 1):
+            raise ValueError(f"{w} word tokens are too few to pad to {vocab_size} ids")
+        i = k % w
+        token = words[i][1] + words[(i + 1 + k // w) % w][1]
+        k += 1
+        if token not in vocab:
+            vocab[token] = next_id
+            next_id += 1
+    return {**spec, "model": {**model, "vocab": vocab}}
+
+
+def _letters(text: str) -> bool:
+    return text.isascii() and text.isalpha()
 
 
 def _special_ids(tokenizer_dir: Path) -> dict[str, int]:

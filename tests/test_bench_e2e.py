@@ -68,3 +68,32 @@ def test_compare_colocated_stack_with_a_rate_sweep(smol_dir, tmp_path):
     assert len(runs) == 8 and all(r["summary"]["completed"] == 4 for r in runs)
     assert not (tmp_path / "logs/0-colocated-1/logs/prefill-0.log").exists()
     assert "Ratios against `colocated:1`" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.stack  # a disaggregated stack of its own (about 30 s): `make test-stack`
+def test_trace_replay_against_a_disaggregated_stack(smol_dir, tmp_path):
+    # Eight real Mooncake rows (tests/data/traces) cut to their first 600 tokens: two pairs
+    # have the same leading blocks, so the trace itself reuses 1,200 of 4,800 prompt tokens.
+    # One in flight at a time, so each repeat finds its twin's blocks cached.
+    data = run_bench(
+        tmp_path, "--stack", "disagg:1p1d", "--model-dir", str(smol_dir),
+        "--trace", "tests/data/traces/mooncake_sample.jsonl", "--trace-start", "1017.4",
+        "--num-requests", "8", "--trace-speed", "2", "--max-input-len", "600",
+        "--max-output-len", "4", "--concurrency", "1",
+    )  # fmt: skip
+    (run,) = data["runs"]
+    assert run["workload"] == "trace:mooncake_sample" and run["trace_speed"] == 2.0
+    (workload,) = data["workloads"]
+    trace = workload["trace"]
+    assert (trace["requests"], trace["cut"], trace["reused_tokens"]) == (8, 8, 1200)
+    assert trace["exact_prompts"] and trace["inexact_prompts"] == 0
+    recs = sorted(run["records"], key=lambda r: r["request_id"])
+    assert len(recs) == 8 and all(r["ok"] for r in recs), [r["error"] for r in recs]
+    assert [r["output_tokens"] for r in recs] == [4, 4, 4, 4, 2, 4, 4, 4]  # the trace's, capped
+    assert {r["input_tokens"] for r in recs} == {600 + 30}  # exact content + SmolLM2's template
+    assert run["summary"]["duration"] >= 3.376 / 2  # the last arrives at the trace's time
+    cache = run["cache"]  # the servers' prefix hits cover what the trace shares
+    assert cache["hit_tokens"] >= trace["reused_tokens"]
+    assert cache["ideal_hit_rate"] >= trace["reuse"] * 600 / 630
+    md = (tmp_path / "results.md").read_text()
+    assert "| trace x2 c=1 |" in md and "| 8 cut to 600 | 25.0% (25.3%) |" in md

@@ -8,9 +8,16 @@ import math
 import pytest
 
 from bench.metrics import SLO, record_from_trace, summarize
-from bench.report import RunReport, render_ratios, render_table, write_json, write_plots
+from bench.report import (
+    RunReport,
+    render_ratios,
+    render_table,
+    write_json,
+    write_markdown,
+    write_plots,
+)
 from bench.rescore import load_reports
-from bench.runner import RunResult
+from bench.runner import LoadConfig, RunResult
 from bench.stacks import StackSpec, parse_stack, stack_config
 from cli.main import build_parser
 from services.launcher.stack import COLOCATED_THRESHOLD, StackConfig
@@ -122,3 +129,37 @@ def test_each_rate_of_a_sweep_gets_fresh_requests():
     first, second = (set(r.messages for r in w.requests) for w in sets[0])
     assert not first & second  # no prompt is sent twice to a stack
     assert _workloads(args, 2) == sets  # and every target gets the same ones
+
+
+TRACE = "tests/data/traces/mooncake_sample.jsonl"
+
+
+def test_trace_workloads_rates_and_results(tmp_path):
+    from bench.cli import _load, _meta, _workloads
+
+    argv = ["bench", "--trace", TRACE, "--trace-start", "1017.4", "--num-requests", "8",
+            "--max-input-len", "600", "--trace-speed", "4", "--tokenizer", "none"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    (sweep,) = _workloads(args, 1)  # only the trace: no default workload beside it
+    load = _load(args, [], 0, sweep[0])
+    assert load.trace_speed == 4.0 and sweep[0].arrivals[-1] == pytest.approx(3.376 / 4)
+    args = build_parser().parse_args([*argv, "--rate", "2,8", "--workload", "random"])
+    rnd, trace = _workloads(args, 2)
+    assert [w.name for w in trace] == ["trace:mooncake_sample"] * 2
+    assert [w.config.seed for w in trace] == [0, 1]  # fresh text at each rate
+    assert not {r.messages for r in trace[0].requests} & {r.messages for r in trace[1].requests}
+    assert _load(args, [2.0, 8.0], 1, trace[1]) == LoadConfig(8.0)  # --rate replaces the times
+    meta = {**_meta(args, "cmd", [rnd[0], trace[0]], SLO()), "loadavg_end": [0, 0, 0]}
+    (info,) = [w for w in meta["workloads"] if "trace" in w]
+    assert info["path"] == TRACE and info["trace"]["reuse"] == 0.25
+    assert info["trace"]["cut"] == 8 and info["trace"]["overlong"] == "cut"
+    rep = fake_run("a", 1.0)
+    rep.result.trace_speed = 4.0
+    assert rep.rate_label == "trace x4"
+    write_json(tmp_path / "r.json", meta, [rep])
+    assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["trace_speed"] == 4.0
+    assert load_reports(tmp_path / "r.json", SLO())[0].rate_label == "trace x4"
+    write_markdown(tmp_path / "r.md", meta, [rep])
+    md = (tmp_path / "r.md").read_text()
+    assert "| trace:mooncake_sample | mooncake_sample.jsonl (mooncake) | 8 | 1017.4 | 4 |" in md
+    assert "| 4800 | 8 cut to 600 | 25.0% (25.3%) | 16 (12) | no (no tokenizer) |" in md

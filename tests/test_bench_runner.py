@@ -132,3 +132,17 @@ def test_completions_api_without_ignore_eos():
     assert "ignore_eos" not in body and "messages" not in body
     assert body["prompt"] == wl.requests[0].prompt  # system prefix, blank line, question
     assert all(r.ok and r.output_tokens == 2 and len(r.itl) == 1 for r in res.records)
+
+
+def test_trace_replay_keeps_the_traces_times():
+    from dataclasses import replace
+
+    wl = replace(workload(n=4, out=1), arrivals=(0.0, 0.0, 0.15, 0.3))
+    res = run(FakeServer(), wl, LoadConfig(rate=1000.0, trace_speed=2.0))
+    starts = [r.start for r in res.records]
+    assert starts[1] < 0.05 and 0.15 <= starts[2] < 0.25 and 0.3 <= starts[3] < 0.4
+    assert res.trace_speed == 2.0 and res.rate == 3 / 0.3  # the replay's mean rate
+    poisson = run(FakeServer(), wl, LoadConfig(rate=math.inf))  # --rate replaces the times
+    assert poisson.trace_speed is None and max(r.start for r in poisson.records) < 0.05
+    cut = run(FakeServer(), wl, LoadConfig(time_limit=0.1, trace_speed=1.0))
+    assert len(cut.records) == 2 and cut.not_sent == 2  # the time limit still stops sending
