@@ -26,7 +26,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import handoff, kv_stats
+from bench.gpu_busy import GpuSampler
 from bench.metrics import SLO, summarize
+from bench.proc_cpu import CpuMeter, with_engines
 from bench.report import (
     RunReport,
     machine_info,
@@ -175,11 +177,11 @@ def _targets(args: argparse.Namespace) -> list[Endpoint | StackSpec]:
 @contextlib.contextmanager
 def _open(
     target: Endpoint | StackSpec, args: argparse.Namespace, i: int
-) -> Iterator[tuple[Endpoint, dict[str, str], dict[str, str]]]:
-    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats) and
-    the /metrics addresses of its processes (for the hand-off)."""
+) -> Iterator[tuple[Endpoint, dict[str, str], dict[str, str], dict[str, int]]]:
+    """The endpoint, and for a stack the gRPC addresses of its workers (for their Stats), the
+    /metrics addresses of its processes (for the hand-off) and their pids (for CPU time)."""
     if isinstance(target, Endpoint):
-        yield target, {}, {}
+        yield target, {}, {}, {}
         return
     overrides = worker_overrides(args)
     if args.logs is None:
@@ -192,7 +194,14 @@ def _open(
             for name, child in stack.children.items()
             if name.startswith(("prefill", "decode"))
         }
-        yield endpoint, workers, stack.scrape_targets()
+        pids = {n: c.proc.pid for n, c in stack.children.items() if c.proc is not None}
+        yield endpoint, workers, stack.scrape_targets(), with_engines(pids)
+
+
+def _gpu_list(args: argparse.Namespace) -> str:
+    """The GPUs a run is measured on: the stacks' ``--gpus`` where named, else every GPU."""
+    gpus = getattr(args, "gpus", "auto")
+    return gpus if gpus not in ("auto", "none", None) else ""
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -278,13 +287,17 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     reports: list[RunReport] = []
     for i, target in enumerate(_targets(args)):
-        with _open(target, args, i) as (endpoint, workers, scrape):
+        with _open(target, args, i) as (endpoint, workers, scrape, pids):
             for sweep in workloads:
                 for j, workload in enumerate(sweep):
                     load = _load(args, rates, j, workload)
                     before = kv_stats.snapshot(workers) if workers else {}
                     moved = handoff.snapshot(scrape) if scrape else None
-                    result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))
+                    meter = CpuMeter(pids)
+                    with GpuSampler(gpus=_gpu_list(args)) as busy:
+                        meter.start()
+                        result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))
+                        cpu = meter.stop(result.duration) if pids else None
                     cache = None
                     if workers:  # a local stack: prefix hits and block-location writes
                         prompts = kv_stats.prompts_in_order(
@@ -295,7 +308,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                     if moved is not None:
                         hand = handoff.report(moved, handoff.snapshot(scrape), result.records)
                     summary = summarize(result.records, result.duration, slo)
-                    reports.append(RunReport(result, summary, cache, hand))
+                    reports.append(RunReport(result, summary, cache, hand, busy.result, cpu))
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
                     write_json(args.out / "results.json", meta, reports)  # partial, kept on failure
@@ -327,6 +340,12 @@ def _print_one(rep: RunReport) -> None:
             f"({c.entries_per_1k_prefilled:.1f} per 1k prefilled tokens)",
             flush=True,
         )
+    busy = rep.gpu_busy
+    if busy is not None and busy.mean is not None:
+        print(f"  GPU busy {busy.mean:.0f}% (p10 {busy.p10:.0f}%)", flush=True)
+    if rep.cpu:
+        cores = ", ".join(f"{n} {c:.2f}" for n, c in sorted(rep.cpu.items()))
+        print(f"  CPU cores: {cores}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.gpu_busy import GpuBusy
 from bench.handoff import HandoffReport
 from bench.handoff import render as render_handoff
 from bench.kv_stats import CacheReport, render_cache_table
@@ -27,6 +28,8 @@ class RunReport:
     summary: Summary
     cache: CacheReport | None = None  # local stacks: prefix hits and block-location writes
     handoff: HandoffReport | None = None  # local stacks: the KV hand-off (bench.handoff)
+    gpu_busy: GpuBusy | None = None  # hosts with nvidia-smi: how busy the GPUs were
+    cpu: dict[str, float] | None = None  # local stacks: CPU cores of each process
 
     @property
     def rate_label(self) -> str:
@@ -157,10 +160,39 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 "summary": dataclasses.asdict(rep.summary),
                 "cache": dataclasses.asdict(rep.cache) if rep.cache else None,
                 "handoff": dataclasses.asdict(rep.handoff) if rep.handoff else None,
+                "gpu_busy": _busy_json(rep.gpu_busy),
+                "cpu_cores": rep.cpu,
                 "records": records,
             }
         )
     return _clean({**meta, "runs": runs})
+
+
+def _busy_json(busy: GpuBusy | None) -> dict | None:
+    if busy is None or busy.mean is None:
+        return None
+    return {"mean": busy.mean, "p10": busy.p10, "samples": busy.samples}
+
+
+def render_resources(reports: Sequence[RunReport]) -> str | None:
+    """GPU busy (mean and the quietest tenth of the samples) and each process's CPU cores, per
+    run (None when no run measured either)."""
+    rows = [r for r in reports if (r.gpu_busy and r.gpu_busy.mean is not None) or r.cpu]
+    if not rows:
+        return None
+    lines = [
+        "| endpoint | workload | rate | GPU busy mean / p10 | CPU cores by process |",
+        "|---|---|---|---:|---|",
+    ]
+    for rep in rows:
+        b = rep.gpu_busy
+        busy = "-"
+        if b is not None and b.mean is not None and b.p10 is not None:
+            busy = f"{b.mean:.0f}% / {b.p10:.0f}%"
+        cpu = ", ".join(f"{n} {c:.2f}" for n, c in sorted((rep.cpu or {}).items())) or "-"
+        r = rep.result
+        lines.append(f"| {r.endpoint} | {r.workload} | {rep.rate_label} | {busy} | {cpu} |")
+    return "\n".join(lines)
 
 
 def write_json(path: Path, meta: dict, reports: Sequence[RunReport]) -> None:
@@ -191,6 +223,10 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
     if caches:
         lines += ["", "Prefix cache (from worker stats) and block-location writes to etcd", ""]
         lines.append(render_cache_table(caches))
+    resources = render_resources(reports)
+    if resources:
+        lines += ["", "GPU busy (nvidia-smi's utilization.gpu every 100 ms) and CPU cores", ""]
+        lines.append(resources)
     handoffs = [
         (r.result.endpoint, r.result.workload, r.rate_label, r.handoff)
         for r in reports

@@ -12,6 +12,7 @@ from bench.report import (
     RunReport,
     render_ratios,
     render_table,
+    to_json,
     write_json,
     write_markdown,
     write_plots,
@@ -163,3 +164,20 @@ def test_trace_workloads_rates_and_results(tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "| trace:mooncake_sample | mooncake_sample.jsonl (mooncake) | 8 | 1017.4 | 4 |" in md
     assert "| 4800 | 8 cut to 600 | 25.0% (25.3%) | 16 (12) | no (no tokenizer) |" in md
+
+
+def test_gpu_busy_and_cpu_cores_are_reported_per_run(tmp_path) -> None:
+    import dataclasses
+
+    from bench.gpu_busy import GpuBusy
+    from bench.report import render_resources
+
+    plain = fake_run("vllm", 1.0)
+    assert render_resources([plain]) is None  # nothing measured: no table
+    busy = GpuBusy({0: [90.0, 95.0, 40.0, 100.0]})
+    rep = dataclasses.replace(fake_run("tandem", 1.0), gpu_busy=busy, cpu={"decode-0/engine": 1.0})
+    table = render_resources([plain, rep])
+    assert table is not None and "tandem" in table and "vllm" not in table
+    assert "81% / " in table and "decode-0/engine 1.00" in table
+    doc = to_json({}, [rep])["runs"][0]
+    assert doc["gpu_busy"]["mean"] == 81.25 and doc["cpu_cores"] == {"decode-0/engine": 1.0}
