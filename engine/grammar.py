@@ -81,7 +81,10 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
             raise InvalidGrammarError("a JSON schema must be an object or a boolean")
         if isinstance(schema, dict):
             schema = with_json_options(schema)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as e:  # what it cannot take in, e.g. an integer past 64 bits
+            raise InvalidGrammarError(f"unsupported JSON schema: {e}") from e
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.text)
     return llguidance.LLMatcher.grammar_from_regex(spec.text)
