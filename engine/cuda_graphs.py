@@ -137,10 +137,16 @@ class DecodeGraphs:
         self._host_lora = torch.zeros(n + 3 * self._tiles, dtype=torch.int32)
         self._lora_tab = torch.zeros(n + 3 * self._tiles, dtype=torch.int32, device=dev)
         self._copied: torch.cuda.Event | None = None
+        # CUDA: two sets of pinned staging buffers, used in turn (``run``).
+        self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self._turn = 0
         if self.captured:
-            self._host, self._host_tables = self._host.pin_memory(), self._host_tables.pin_memory()
-            self._host_lora = self._host_lora.pin_memory()
-            self._copied = torch.cuda.Event()
+            for _ in range(2):
+                h, t, lo = (
+                    x.pin_memory() for x in (self._host, self._host_tables, self._host_lora)
+                )
+                self._staging.append((h, t, lo, torch.cuda.Event()))
+            self._host, self._host_tables, self._host_lora, self._copied = self._staging[0]
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.runs = 0  # steps run (replayed or, off CUDA, eager)
@@ -250,7 +256,12 @@ class DecodeGraphs:
             raise ValueError("these decode graphs were captured without LoRA")
         width = max(len(t) for t in batch.block_tables)
         if self._copied is not None:
-            self._copied.synchronize()  # the pinned buffers are free again
+            # This set's last copies are two runs old: the device has run them (with async
+            # scheduling the step of that run has been read back since), so the wait returns
+            # at once and filling the buffers never waits for the step in flight.
+            self._turn ^= 1
+            self._host, self._host_tables, self._host_lora, self._copied = self._staging[self._turn]
+            self._copied.synchronize()
         h = self._host
         rows = (
             batch.token_ids,

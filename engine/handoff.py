@@ -98,6 +98,7 @@ class HandoffMixin:
         def _register(self, req: Request) -> None: ...
         def _await_device(self) -> None: ...
         def _unsample(self, seq: Sequence) -> None: ...
+        def _settle_if_idle(self) -> list: ...
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks a prefill hand-off keeps for the decode worker, in token order."""
@@ -290,6 +291,7 @@ class HandoffMixin:
                 return None
             self.scheduler.detach(seq)
             del self._requests[request_id]
+            self._settle_if_idle()  # (emits nothing: this was its last live sequence)
             self._held.add(request_id)
             self._held_seqs[request_id] = {}  # no choice goes on here
             state = b""

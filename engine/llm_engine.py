@@ -269,6 +269,7 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             self._drop_unused_loras()
             if self.proposer is not None:
                 self.proposer.retain(self.scheduler.running)
+            self._settle_if_idle()  # (emits nothing: no live sequence was in it)
             return outs[0] if outs else None
 
     # -- introspection ------------------------------------------------------------------------

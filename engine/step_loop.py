@@ -127,7 +127,7 @@ class StepMixin:
             elif step is not None:
                 self._inflight = step
                 self.overlapped_steps += 1
-            return outputs
+            return outputs + self._settle_if_idle()
 
     def _must_sync(self, sched: SchedulerOutput) -> bool:
         """Whether the step ``sched`` must be read back before ``step()`` returns, instead of
@@ -221,13 +221,19 @@ class StepMixin:
         return choice is not None and choice.seq is seq
 
     def has_unfinished(self) -> bool:
-        """Whether ``step()`` has work: sequences to run, or a step in flight whose tokens a
-        live sequence waits for."""
+        """Whether ``step()`` has work: sequences to run, or a step in flight to read back."""
         with self._lock:
-            step = self._inflight
-            if self.scheduler.has_work():
-                return True
-            return step is not None and any(self._live(seq) for seq in step.due)
+            return self.scheduler.has_work() or self._inflight is not None
+
+    def _settle_if_idle(self) -> list[RequestOutput]:
+        """Read the step in flight back now if no live sequence waits for its tokens and there
+        is nothing else to run (its last sequences ended, were aborted or moved): the engine
+        then goes idle with nothing in flight, and that step's report holds no idle time."""
+        step = self._inflight
+        if step is None or self.scheduler.has_work() or any(self._live(s) for s in step.due):
+            return []
+        self._inflight = None
+        return self._read(step)
 
     def _await_device(self) -> None:
         """Block until the device has run the step in flight (nothing is read back): before
