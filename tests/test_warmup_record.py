@@ -101,3 +101,49 @@ def test_attention_is_not_specialised_on_table_widths_or_tile_counts(monkeypatch
                             BLOCK_D=64, DOT_PRECISION="tf32", PDL=True, MERGE=0, PREFETCH=False,
                             BLOCK_S=2, EARLY=False))  # fmt: skip
     assert len(keys) == 1
+
+
+def test_the_counter_reads_tritons_own_hook_calls(monkeypatch, caplog):
+    """``install``'s hooks take the calls Triton 3.6 makes (``JITFunction._call_hook`` with the
+    packed arguments of a real launch, after ``compile``'s listener): a load from the cache
+    during the warm-up, then a compile after ready, logged with the kernel and its key."""
+    import logging
+
+    import torch
+    from triton import knobs
+    from triton.runtime.jit import create_function_from_signature
+
+    from kernels import compile_counter, triton_prefill
+
+    counter = compile_counter.CompileCounter()
+    monkeypatch.setattr(compile_counter, "COUNTER", counter)
+    monkeypatch.setattr(compile_counter, "_installed", False)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    assert compile_counter.install()
+    fn, rec = triton_prefill._prefill_kernel, Recorder(set())
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    args = {p.name: (t if p.name.endswith("_ptr") else 32) for p in fn.params
+            if not p.is_constexpr}  # fmt: skip
+    args.update(stride_tb=1, scale_log2=1.0, v_scale=1.0)
+    kw = dict(GROUP=2, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=64, BLOCK_D=64, DOT_PRECISION="tf32",
+              num_warps=4, num_stages=2, debug=False)  # fmt: skip
+    binder = create_function_from_signature(fn.signature, fn.params, rec.backend)
+    bound, spec, options = binder(**args, **kw)
+    options, signature, constexprs, attrs = fn._pack_args(rec.backend, kw, bound, spec, options)
+
+    def compiled(cache_hit: bool) -> None:
+        knobs.compilation.listener(src=None, metadata=None, metadata_group=None, times=None,
+                                   cache_hit=cache_hit)  # fmt: skip
+        fn._call_hook(knobs.runtime.jit_post_compile_hook, "key", signature, 0, constexprs,
+                      options, [attrs], False)  # fmt: skip
+
+    compiled(cache_hit=True)
+    counter.mark_ready()
+    with caplog.at_level(logging.WARNING, logger="kernels.compile_counter"):
+        compiled(cache_hit=False)
+    assert counter.counts() == compile_counter.CompileCounts(warmup=1, serving=1, cached=1)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert msg.startswith("kernel _prefill_kernel compiled after ready")
+    assert "[num_warps=4, num_stages=2](q_ptr:*bf16:16," in msg
+    assert "stride_tb:i32, " in msg and "BLOCK_M=16" in msg  # a runtime width, never 1 or 16
