@@ -89,7 +89,7 @@ class LLMEngine(EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
-        compile_counter.COUNTER.start_build()  # kernels compiled until ready: the warm-up's
+        compile_counter.COUNTER.start_build()  # compiles until mark_ready below: the build's
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
