@@ -8,10 +8,10 @@ compiled variants:
   single-token queries, which depends on the batch size; else the prefill plan, which depends
   on the longest query), over batch sizes 1 .. `WarmupLimits.max_decode_seqs` and longest
   queries 2 .. `WarmupLimits.max_chunk`: the smallest and the largest size of each variant;
-- the skinny products (``kernels.linear`` up to ``GEMV_MAX_ROWS`` rows: one compiled variant
-  per power-of-two row bucket, and the LM head by the number of sampled rows): every token
-  count and every sampled-row count 1 .. `SKINNY_ROWS`;
-- everything else (RMSNorm, SiLU, RoPE and the KV write, LoRA, above ``SKINNY_ROWS`` rows):
+- the skinny products (``kernels.linear`` up to `WarmupLimits.skinny_rows` rows, i.e.
+  ``kernels.GEMV_MAX_ROWS``: one compiled variant per power-of-two row bucket, and the LM head
+  by the number of sampled rows): every token count and sampled-row count up to there;
+- everything else (RMSNorm, SiLU, RoPE and the KV write, LoRA, more rows than that):
   only grid sizes change with the step, so any step compiles it;
 - chunked prefill over a cached prefix, a chunk that samples nothing, and mixed steps (a
   prompt chunk with decodes), as the scheduler makes them.
@@ -21,9 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-
-# Token counts (and sampled rows) up to here take the skinny products; one step of each.
-SKINNY_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +46,7 @@ class WarmupLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    skinny_rows: int  # token counts (and sampled rows) up to here take the skinny products
 
     @property
     def max_context(self) -> int:
@@ -84,18 +82,18 @@ def spread(n: int, longest: int) -> list[int]:
 
 
 def decode_sizes(limits: WarmupLimits, decode_key: Callable[[int], Hashable]) -> list[int]:
-    """Batch sizes of the steps of single-token queries: every one up to `SKINNY_ROWS`, and
+    """Batch sizes of the steps of single-token queries: every one up to ``skinny_rows``, and
     the smallest and largest of each attention variant."""
     top = limits.max_decode_seqs
-    small = range(1, min(SKINNY_ROWS, top) + 1)
+    small = range(1, min(limits.skinny_rows, top) + 1)
     return sorted({*small, *representatives(range(1, top + 1), decode_key)})
 
 
 def chunk_sizes(limits: WarmupLimits, prefill_key: Callable[[int], Hashable]) -> list[int]:
     """Prompt lengths of the prefill steps: the smallest and largest of each variant, and the
-    token counts up to `SKINNY_ROWS` that no decode batch has (fewer sequences than that)."""
+    token counts up to ``skinny_rows`` that no decode batch has (fewer sequences than that)."""
     ends = representatives(range(2, limits.max_chunk + 1), prefill_key)
-    few = range(limits.max_decode_seqs + 1, min(SKINNY_ROWS, limits.max_chunk) + 1)
+    few = range(limits.max_decode_seqs + 1, min(limits.skinny_rows, limits.max_chunk) + 1)
     return sorted({*ends, *few})
 
 

@@ -21,7 +21,6 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.warmup import run_passes, runner_steps, step_plan, warm_up
 from engine.warmup_shapes import (
-    SKINNY_ROWS,
     WarmupLimits,
     WarmupSeq,
     chunk_sizes,
@@ -29,6 +28,7 @@ from engine.warmup_shapes import (
     representatives,
     warmup_steps,
 )
+from kernels import GEMV_MAX_ROWS as SKINNY_ROWS
 from kernels import compile_counter
 from kernels.compile_counter import CompileCounter, CompileCounts, describe
 from services.observability.engine import EngineCollector
@@ -52,7 +52,7 @@ def prefill_plan(q: int) -> int:
 
 def make_limits(**kw: int) -> WarmupLimits:
     base = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048, block_size=16,
-                num_blocks=4096)  # fmt: skip
+                num_blocks=4096, skinny_rows=SKINNY_ROWS)  # fmt: skip
     return WarmupLimits(**{**base, **kw})
 
 
