@@ -146,7 +146,8 @@ def tiny_dir(tmp_path_factory, smol_dir) -> Path:
 
 
 def tiny_engine(model_dir: Path, **kw) -> LLMEngine:
-    opts = dict(max_model_len=96, max_num_seqs=6, max_num_batched_tokens=40, num_kv_blocks=64)
+    opts = dict(device="cpu", max_model_len=96, max_num_seqs=6, max_num_batched_tokens=40,
+                num_kv_blocks=64)  # fmt: skip
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **{**opts, **kw}))
 
 

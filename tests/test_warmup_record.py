@@ -47,7 +47,7 @@ def test_serving_meets_no_specialisation_the_warm_up_did_not(case, tmp_path, smo
     )  # fmt: skip
     # Blocks of 4 tokens: block tables up to 32 wide (a width divisible by 16 and others).
     config = EngineConfig(
-        model_dir=str(model), dtype="bfloat16", max_model_len=128, max_num_seqs=40,
+        model_dir=str(model), device="cpu", dtype="bfloat16", max_model_len=128, max_num_seqs=40,
         max_num_batched_tokens=48, block_size=4, num_kv_blocks=2048, **options,
     )  # fmt: skip
     engine = LLMEngine(config)
