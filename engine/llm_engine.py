@@ -40,6 +40,8 @@ from engine.step_loop import InFlight, StepMixin
 from engine.step_stats import SpecStats, StepObserver
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
+from kernels import compile_counter
+from kernels.compile_counter import CompileCounts
 from libkv.block_pool import BlockPool
 from libkv.hashing import encode_extra_keys
 from libkv.kv_manager import KVCacheManager
@@ -85,12 +87,15 @@ class EngineStats:
     prefix_hit_tokens: int
     prompt_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)
+    # Triton kernel specialisations this process met before and after ready (plain numbers).
+    kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
 
 
 class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
+        compile_counter.COUNTER.start_build()  # compiles until mark_ready below: the build's
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
@@ -149,6 +154,9 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.grammar = GrammarRuntime(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(eos))
+        # Built and warmed up (``engine.warmup``, in each ModelRunner): a kernel compiled from
+        # now on is a serving stall, counted and logged as one.
+        compile_counter.COUNTER.mark_ready()
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -285,6 +293,7 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
                 prefix_hit_tokens=self._prefix_hit_tokens,
                 prompt_tokens=self._prompt_tokens,
                 spec=self._spec.copy(),
+                kernel_compiles=compile_counter.COUNTER.counts(),
             )
 
     def try_stats(self, timeout: float) -> EngineStats | None:

@@ -53,6 +53,7 @@ from engine.sampling_params import TokenLogprob
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import StepSample, VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
+from engine.warmup import warm_up
 from libkv.kv_layout import KVLayout
 from libkv.kv_manager import CopyOp
 
@@ -246,6 +247,7 @@ class ModelRunner:
             self.graphs.capture()
             memory.check_graphs(self.kv_plan, torch.cuda.memory_reserved(self.device) - before)
         log.info("%s", self.kv_plan.describe())
+        self.warmup = warm_up(self, max_len)  # every kernel variant compiled before serving
 
     @property
     def block_bytes(self) -> int:

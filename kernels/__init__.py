@@ -8,7 +8,8 @@ imported on first use only, so CPU hosts without Triton never touch them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -69,6 +70,7 @@ PDL = True
 __all__ = [
     "FP8",
     "AttentionMetadata",
+    "attention_variant",
     "Fp8Weight",
     "LoRAMetadata",
     "block_wsum64",
@@ -655,3 +657,29 @@ def paged_attention(
             meta.max_query_len, scale, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return reference.paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale)
+
+
+def attention_variant(
+    num_seqs: int, max_query_len: int, num_heads: int, kv_cache: torch.Tensor
+) -> Hashable | None:
+    """What `rope_attention` (and `paged_attention`) on CUDA is compiled for, for a step of
+    ``num_seqs`` sequences whose longest query is ``max_query_len`` tokens, with ``num_heads``
+    query heads over ``kv_cache``, besides what the model fixes (head sizes, dtypes, the pool's
+    layout): the decode plan of a batch of single-token queries, else the prefill plan. Steps
+    of one variant share one compiled kernel (lengths, tile counts and block-table widths are
+    not specialised on), so a warm-up runs a step of each (``engine.warmup``). None where
+    nothing is compiled (off CUDA or without Triton)."""
+    if not use_triton(kv_cache):
+        return None
+    head_dim = kv_cache.shape[-1]
+    if max_query_len <= 1:
+        from kernels import triton_decode
+        from kernels.triton_cache import PagedLayer
+
+        paged = PagedLayer.of(kv_cache, 0)
+        device = kv_cache.device.index or 0
+        plan = triton_decode.DecodePlan.of(num_seqs, num_heads, head_dim, paged, device)
+        return dataclasses.replace(plan, num_seqs=0)
+    from kernels import triton_prefill
+
+    return triton_prefill.PrefillPlan.make(head_dim, max_query_len)

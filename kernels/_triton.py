@@ -9,7 +9,8 @@ import torch
 
 @functools.cache
 def available() -> bool:
-    """Whether Triton imports and a CUDA device is present (checked once per process)."""
+    """Whether Triton imports and a CUDA device is present (checked once per process); where
+    it does, its compiles are counted from here on (``kernels.compile_counter``)."""
     if not torch.cuda.is_available():
         return False
     try:
@@ -17,6 +18,9 @@ def available() -> bool:
         import triton.language  # noqa: F401
     except ImportError:
         return False
+    from kernels import compile_counter
+
+    compile_counter.install()
     return True
 
 

@@ -63,6 +63,13 @@ class DecodePlan:
     @classmethod
     def make(cls, q: torch.Tensor, paged: PagedLayer, max_splits: int = 32) -> DecodePlan:
         b, h, d = q.shape
+        return cls.of(b, h, d, paged, q.device.index or 0, max_splits)
+
+    @classmethod
+    def of(
+        cls, b: int, h: int, d: int, paged: PagedLayer, device_index: int, max_splits: int = 32
+    ) -> DecodePlan:
+        """`make`'s plan for ``b`` sequences of ``h`` query heads of ``d`` on that device."""
         hkv = paged.num_kv_heads
         if b in _PLANS:
             return cls(b, h, hkv, d, **_PLANS[b])  # type: ignore[arg-type]
@@ -73,7 +80,7 @@ class DecodePlan:
         # About two programs per multiprocessor: on an H100 (bench.decode_variants --attention,
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
-        target = 2 * num_sms(q.device.index or 0)
+        target = 2 * num_sms(device_index)
         splits = min(max_splits, next_pow2(max(1, math.ceil(target / max(b * hkv, 1)))))
         return cls(b, h, hkv, d, splits)
 
@@ -216,7 +223,9 @@ def _attend_new(q, kc, vc, m_i, l_i, acc, scale_log2):
     return m_new, l_i, acc
 
 
-@triton.jit
+# The block tables' width changes from step to step outside CUDA graphs: not specialised on,
+# so one compiled variant per plan serves every batch (``engine.warmup`` compiles each plan).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, tickets_ptr,
     scale_log2, v_scale,

@@ -61,7 +61,9 @@ def _attend(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, kvh, q_pos, seq_len, scal
     return acc, m_new, l_i
 
 
-@triton.jit
+# Lengths and table widths change from step to step: not specialised on (``== 1``, ``% 16``),
+# so one compiled variant per plan serves every batch (``engine.warmup`` compiles each plan).
+@triton.jit(do_not_specialize=["stride_tb", "num_m_tiles"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale_log2, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_tb,

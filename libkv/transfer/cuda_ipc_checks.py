@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import kernels
+from kernels import compile_counter
 from libkv.transfer import block_runs
 
 if TYPE_CHECKING:
@@ -103,7 +104,9 @@ class CopyChecks:
         try:
             torch.cuda.set_device(self.device)  # where Triton launches
             self._stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self._stream):  # the workspace lives on the fetches' stream
+            # the workspace lives on the fetches' stream; its compiles are a warm-up's (the
+            # worker is not ready yet), not serving stalls (kernels.compile_counter)
+            with torch.cuda.stream(self._stream), compile_counter.COUNTER.warming():
                 self._try_kernels()
             self._counts.append(torch.empty((), dtype=torch.int64, pin_memory=True))
         except Exception as e:  # a kernel that does not compile or run here: any kind

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from engine.core.client import EngineClient
 from engine.step_stats import SpecStats, StepStats
+from kernels.compile_counter import CompileCounts
 from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
 
@@ -65,6 +66,7 @@ class EngineCollector(Collector):
         yield _counter("tandem_engine_preemptions", "Sequences preempted (recomputed later) for "
                        "lack of KV blocks.", s.num_preemptions)  # fmt: skip
         yield from _spec_metrics(s.spec)
+        yield _compiles(s.kernel_compiles)
 
 
 def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
@@ -91,6 +93,22 @@ def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
     for j, n in enumerate(spec.accepted_per_pos):
         per_pos.add_metric([str(j)], n)
     yield per_pos
+
+
+def _compiles(counts: CompileCounts) -> CounterMetricFamily:
+    """Triton kernel compiles of the engine's process: during the warm-up (before ready), and
+    while serving (each a stall of the batch, and a warning in the log: the warm-up missed a
+    kernel specialisation). Loads from Triton's on-disk cache count as compiles."""
+    family = CounterMetricFamily(
+        "tandem_kernel_compiles",
+        "Triton kernel specialisations compiled (or loaded from Triton's on-disk cache) by the "
+        "engine's process, by phase: warmup (before the worker was ready) or serving (after: "
+        "stalls the warm-up should have prevented).",
+        labels=["phase"],
+    )
+    family.add_metric(["warmup"], counts.warmup)
+    family.add_metric(["serving"], counts.serving)
+    return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
