@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
+from engine.core.messages import Snapshot
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.warmup import run_passes, runner_steps, step_plan, warm_up
@@ -233,12 +234,9 @@ def test_the_hooks_count_triton_events_and_keep_the_hooks_before_them(monkeypatc
 
 
 def test_worker_metrics_expose_compiles_by_phase() -> None:
-    class Engine:  # what EngineCollector reads of an engine
-        num_held = 0
-
-        def try_stats(self, timeout: float) -> EngineStats:
-            counts = CompileCounts(warmup=41, serving=2, cached=40)
-            return EngineStats(0, 0, 10, 0, 0, 0, 0, 0, kernel_compiles=counts)
+    class Engine:  # what EngineCollector reads of an engine client: its latest snapshot
+        counts = CompileCounts(warmup=41, serving=2, cached=40)
+        snapshot = Snapshot(EngineStats(0, 0, 10, 0, 0, 0, 0, 0, kernel_compiles=counts), 0)
 
     reg = CollectorRegistry()
     reg.register(EngineCollector(Engine()))  # type: ignore[arg-type]
