@@ -1,5 +1,6 @@
-"""No Triton kernel compiles after the engine is ready, on a GPU: the bundled SmolLM2 built with
-a small shape (context 512, 32 sequences, 256-token budget), then a mixed workload
+"""No Triton kernel compiles after the engine is ready, on a GPU: SmolLM2's shape with seeded
+random weights (``tests/smol_shape.py``: the GPU host has no bundled model) built with a small
+shape (context 512, 32 sequences, 256-token budget), then a mixed workload
 (``tests/warmup_cases.py``: prompts up to the context limit, chunked prefill, decode batches
 of many sizes, n > 1, greedy and sampled) with CUDA graphs, eagerly, with LoRA adapters, and
 with FP8 weights and KV and n-gram speculation; ``tandem_kernel_compiles_total``'s serving
@@ -32,6 +33,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from tests.gpu_report import fp8_capable, report  # noqa: E402
 from tests.lora_adapters import ALL_TARGETS, make_adapter  # noqa: E402
+from tests.smol_shape import make_smol_shape_dir  # noqa: E402
 from tests.warmup_cases import serve_mixed  # noqa: E402
 
 SHAPE = dict(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=2048)
@@ -42,6 +44,11 @@ CASES = {
     "lora": {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16},
     "fp8-ngram": {"quantization": "fp8", "kv_cache_dtype": "fp8", "speculative_config": NGRAM},
 }
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory) -> Path:
+    return make_smol_shape_dir(tmp_path_factory.mktemp("smol_shape") / "model", seed=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
