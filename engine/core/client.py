@@ -162,7 +162,7 @@ class EngineClient:
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.channel.start(self._deliver)
+        self.channel.start(self._loop, self._dispatch)
         stats, held, _ = await self.worker_stats()
         self.snapshot = Snapshot(stats, held)
 
@@ -409,12 +409,6 @@ class EngineClient:
         return fut
 
     # -- messages -------------------------------------------------------------------------------
-    def _deliver(self, msg: object) -> None:
-        """Any thread: hand ``msg`` to the event loop (once per step)."""
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
-
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, StepMessage):
             self._on_step(msg)
@@ -495,10 +489,14 @@ class LocalChannel:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.closing
 
-    def start(self, deliver: Callable[[object], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, dispatch: Callable[[object], None]) -> None:
         import threading
 
         from engine.core.loop import EngineLoop
+
+        def deliver(msg: object) -> None:  # the loop's thread: once per step
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+                loop.call_soon_threadsafe(dispatch, msg)
 
         self._loop = EngineLoop(self.engine, deliver)
         self._thread = threading.Thread(target=self._loop.run, name="engine-step", daemon=True)

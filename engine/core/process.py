@@ -14,6 +14,7 @@ died cannot serve, so it ends with ``ENGINE_DIED``, as a tensor-parallel rank's 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from engine.config import EngineConfig
@@ -38,8 +40,10 @@ class EngineDied(RuntimeError):
 
 class ProcessChannel:
     """The worker's end of the engine process: `send` queues a command (a writer thread
-    pickles it, so the event loop never blocks on a full pipe); `start` delivers every
-    message from a reader thread to ``deliver``, ending with an `EngineDied`."""
+    pickles it, so the event loop never blocks on a full pipe); `start` hands every message to
+    ``dispatch`` on the event loop, which reads the pipe itself when it is readable (no thread
+    of this process competes with the loop for the GIL to take a step's message), ending with
+    an `EngineDied`."""
 
     def __init__(self, proc: multiprocessing.process.BaseProcess, conn: Connection) -> None:
         self.proc = proc
@@ -68,11 +72,9 @@ class ProcessChannel:
         assert isinstance(msg, Ready), msg
         return msg.info
 
-    def start(self, deliver: Callable[[object], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, dispatch: Callable[[object], None]) -> None:
         self._writer.start()
-        threading.Thread(
-            target=self._read, args=(deliver,), name="engine-reader", daemon=True
-        ).start()
+        loop.add_reader(self.conn.fileno(), self._readable, loop, dispatch)
 
     def send(self, msg: object) -> None:
         self._out.put(msg)
@@ -87,15 +89,17 @@ class ProcessChannel:
             if isinstance(msg, Stop):
                 return
 
-    def _read(self, deliver: Callable[[object], None]) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                break
-            deliver(msg)
-        self.proc.join(2.0)
-        deliver(EngineDied(f"the engine process exited with {self.proc.exitcode}"))
+    def _readable(
+        self, loop: asyncio.AbstractEventLoop, dispatch: Callable[[object], None]
+    ) -> None:
+        """Every whole message waiting (the engine writes each in one go)."""
+        try:
+            while self.conn.poll():
+                dispatch(self.conn.recv())
+        except (EOFError, OSError):
+            loop.remove_reader(self.conn.fileno())
+            self.proc.join(1.0)
+            dispatch(EngineDied(f"the engine process exited with {self.proc.exitcode}"))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the loop, wait for the process, kill it past ``timeout``."""
@@ -195,14 +199,23 @@ def pool_share(pool: Any, block_bytes: int) -> PoolShare | None:
 
 
 def _serve(engine: Any, conn: Connection) -> None:
+    """The loop on this thread; a writer thread puts its pickled messages on the pipe, so a
+    step never waits for the worker to read the last one."""
     from engine.core.loop import EngineLoop
 
-    lock = threading.Lock()
+    out: queue.SimpleQueue = queue.SimpleQueue()
 
-    def send(msg: object) -> None:
-        with lock:
-            conn.send(msg)
+    def send(msg: object) -> None:  # any thread: a rank's reply comes from its reader
+        out.put(ForkingPickler.dumps(msg))
 
+    def write() -> None:
+        while True:
+            try:
+                conn.send_bytes(out.get())
+            except (OSError, ValueError):  # the worker is gone
+                os._exit(ENGINE_DIED)
+
+    threading.Thread(target=write, name="engine-messages", daemon=True).start()
     loop = EngineLoop(engine, send)
 
     def read() -> None:
