@@ -308,7 +308,8 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                     if moved is not None:
                         hand = handoff.report(moved, handoff.snapshot(scrape), result.records)
                     summary = summarize(result.records, result.duration, slo)
-                    reports.append(RunReport(result, summary, cache, hand, busy.result, cpu))
+                    window = busy.result.window(result.started, result.started + result.duration)
+                    reports.append(RunReport(result, summary, cache, hand, window, cpu))
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
                     write_json(args.out / "results.json", meta, reports)  # partial, kept on failure

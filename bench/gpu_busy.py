@@ -1,6 +1,7 @@
 """How busy the GPUs were during a run: the share of each sample period in which a kernel ran
 (``nvidia-smi``'s ``utilization.gpu``), sampled every ``interval`` seconds by a child
-``nvidia-smi --loop-ms`` while the run lasts. Nothing on a host without ``nvidia-smi``."""
+``nvidia-smi --loop-ms`` while the run lasts, and kept for the measured window only (not the
+warm-up request before it). Nothing on a host without ``nvidia-smi``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from bench.metrics import percentile
 
@@ -17,6 +19,17 @@ class GpuBusy:
     """Samples (percent, one list per GPU index) and what a report shows of them."""
 
     samples: dict[int, list[float]] = field(default_factory=dict)
+    times: dict[int, list[float]] = field(default_factory=dict)  # perf_counter() of each
+
+    def window(self, start: float, end: float) -> GpuBusy:
+        """The samples taken between ``start`` and ``end`` (perf_counter() times)."""
+        out = GpuBusy()
+        for gpu, values in self.samples.items():
+            pairs = zip(self.times[gpu], values, strict=True)
+            kept = [(t, v) for t, v in pairs if start <= t <= end]
+            out.samples[gpu] = [v for _, v in kept]
+            out.times[gpu] = [t for t, _ in kept]
+        return out
 
     @property
     def mean(self) -> float | None:
@@ -67,6 +80,7 @@ class GpuSampler:
             except ValueError:  # "[N/A]" or a header
                 continue
             self.result.samples.setdefault(index, []).append(busy)
+            self.result.times.setdefault(index, []).append(perf_counter())
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is None:

@@ -171,7 +171,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
 def _busy_json(busy: GpuBusy | None) -> dict | None:
     if busy is None or busy.mean is None:
         return None
-    return {"mean": busy.mean, "p10": busy.p10, "samples": busy.samples}
+    return {"mean": busy.mean, "p10": busy.p10, "samples": busy.samples, "times": busy.times}
 
 
 def render_resources(reports: Sequence[RunReport]) -> str | None:

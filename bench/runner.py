@@ -67,6 +67,7 @@ class RunResult:
     not_sent: int = 0
     seed: int = 0  # the workload's
     trace_speed: float | None = None  # at a trace's own times (then rate is their mean rate)
+    started: float = 0.0  # perf_counter() when the measured requests began (after warm-up)
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -211,7 +212,7 @@ async def run_load(
             rate = f"trace x{load.trace_speed:g}"
         desc = f"{endpoint.name} {workload.name} rate={rate}"
         with tqdm(total=total, desc=desc, unit="req", disable=not opts.progress) as bar:
-            t0 = perf_counter()
+            t0 = result.started = perf_counter()
             await _drive(client, model, workload, load, opts, t0, result, bar)
             result.duration = perf_counter() - t0
         result.records.sort(key=lambda r: r.start)

@@ -25,6 +25,10 @@ def test_samples_each_gpu_while_the_block_runs(tmp_path, monkeypatch) -> None:
     assert set(busy.samples) == {0, 1} and len(busy.samples[0]) >= 3
     assert busy.mean is not None and 40 < busy.mean < 90
     assert busy.p10 == 40
+    times = busy.times[0]
+    assert len(times) == len(busy.samples[0]) and times == sorted(times)
+    mid = busy.window(times[1], times[-2])  # the measured window only
+    assert len(mid.samples[0]) == len(times) - 2 and mid.samples[1]
     args = (tmp_path / "args").read_text()
     assert "--loop-ms=20" in args and "-i 0,1" in args
 

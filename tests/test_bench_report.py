@@ -174,7 +174,7 @@ def test_gpu_busy_and_cpu_cores_are_reported_per_run(tmp_path) -> None:
 
     plain = fake_run("vllm", 1.0)
     assert render_resources([plain]) is None  # nothing measured: no table
-    busy = GpuBusy({0: [90.0, 95.0, 40.0, 100.0]})
+    busy = GpuBusy({0: [90.0, 95.0, 40.0, 100.0]}, {0: [0.0, 0.1, 0.2, 0.3]})
     rep = dataclasses.replace(fake_run("tandem", 1.0), gpu_busy=busy, cpu={"decode-0/engine": 1.0})
     table = render_resources([plain, rep])
     assert table is not None and "tandem" in table and "vllm" not in table
