@@ -100,7 +100,7 @@ async def test_least_loaded_and_threshold():
     assert [e.token_ids for e in events] == [[7], [8], [9]]
     assert core.stats.decisions == {("least-loaded", "decode-only"): 1, ("least-loaded", "load"): 1}
     await asyncio.sleep(0)
-    assert clients.released == ["r1"]  # prefill blocks released (idempotent on the worker)
+    assert clients.released == []  # the decode worker took the KV: it releases it, not the router
 
 
 async def test_retry_once_on_another_worker_before_first_token():
@@ -174,7 +174,7 @@ async def test_a_stream_that_loses_its_worker_migrates_with_what_it_sent():
 async def test_prefilled_request_moves_to_another_decode_worker_before_its_tokens():
     """A decode worker that fails before sending a token (killed, still in the member view)
     does not fail a prefilled request: the client has only the first token, from prefill, so
-    another decode worker continues from the same KV, released once at the end."""
+    another decode worker continues from the same KV (and releases it: the router does not)."""
     d = Directory([member("p0", "prefill"), member("d0", "decode"),
                    member("d1", "decode", queue=1)])  # fmt: skip
     clients = Clients(down={"d0"})
@@ -183,7 +183,7 @@ async def test_prefilled_request_moves_to_another_decode_worker_before_its_token
     assert [e.token_ids for e in events] == [[7], [8], [9]]
     assert clients.calls == [("prefill", "p0"), ("decode", "d0"), ("decode", "d1")]
     await asyncio.sleep(0)
-    assert clients.released == ["r1"] and core.stats.retries == 1
+    assert clients.released == [] and core.stats.retries == 1
 
     clients = Clients(down={"d0", "d1"})  # moved once; then the failure reaches the client
     with pytest.raises(Unavailable):
@@ -294,7 +294,7 @@ async def test_kv_transfer_failure_prefills_again_on_another_worker():
                              ("decode", "p1")]  # fmt: skip
     assert core.stats.retries == 1
     await asyncio.sleep(0)
-    assert clients.released == ["r1", "r1"]  # both prefill workers' blocks released
+    assert clients.released == []  # each decode call took its KV: the decode worker releases
 
     # With no other prefill worker the stream migrates: resumed from its first token, on a
     # decode worker that recomputes the prompt.
@@ -328,3 +328,15 @@ def test_token_id_prompts_are_not_tokenized_again_and_text_once() -> None:
     text = router_pb2.GenerateRequest(text="hi")
     assert job_from_pb(text, tok, "r2", None).prompt == [104, 105]  # type: ignore[arg-type]
     assert tok.calls == 1  # an internal caller's text: tokenized once, here
+
+
+async def test_the_router_releases_only_kv_no_decode_worker_took():
+    """One owner of a prefill's Release: the decode worker that took the KV; the router only
+    when none did (here the only decode worker fails before its first event)."""
+    d = Directory([member("p0", "prefill"), member("d0", "decode")])
+    clients = Clients(down={"d0"})
+    with pytest.raises(Unavailable):
+        await collect(RouterCore(d, clients), job(300))
+    await asyncio.sleep(0)
+    assert clients.released == ["r1"]
+    assert clients.unreserved == []  # the booking went to the Generate that failed

@@ -3,6 +3,7 @@ batch, stream outputs."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -115,6 +116,7 @@ class DecodeCore:
         self.handover = Handover(engine, worker_id, incarnation, checksums)
         self.recomputed = 0
         self.resumed = 0  # migrated requests continued here
+        self._releasing: set[asyncio.Future] = set()
 
     def reserve(self, request_id: str, tokens: int, priority: str, lease: float) -> None:
         """Book ``tokens`` for a request that is being prefilled elsewhere (ResourceExhausted
@@ -207,7 +209,10 @@ class DecodeCore:
             yield out
 
     async def _receive_kv(self, job: DecodeJob) -> bool:
-        """Reserve blocks, fetch the ones not cached here, tell prefill to release.
+        """Reserve blocks, fetch the ones not cached here, tell prefill to release. This worker
+        owns the release of a handle it was given: it tells the prefill worker once it has the
+        blocks, or once it gives up on them (the router releases only KV no decode worker
+        took).
 
         True when the KV is in place; False when it must be recomputed (blocks freed)."""
         assert job.kv is not None and job.first_token is not None
@@ -225,6 +230,7 @@ class DecodeCore:
             # Admitted, its first token streamed: never fail it for capacity. It queues like
             # a preempted sequence and is recomputed here once blocks free up.
             log.warning("no free KV blocks for %s now; it queues and is recomputed", job.request_id)
+            self._release_source(job)
             self.recomputed += 1
             return False
         skip = cached // info.block_size
@@ -235,6 +241,7 @@ class DecodeCore:
                 await self.transport.fetch(job.request_id, job.kv, src, dst[skip:], timeout)
         except KVTransferError as e:
             await self.engine.release(job.request_id)
+            self._release_source(job)  # this worker took the handle: it releases, in any case
             self.transfer_failures += 1
             if self.on_transfer_failure == "retry":
                 raise KVTransferFailed(f"KV of {job.request_id} did not arrive: {e}") from e
@@ -255,6 +262,14 @@ class DecodeCore:
                         job.request_id, bad, len(src))  # fmt: skip
             return False
         return True
+
+    def _release_source(self, job: DecodeJob) -> None:
+        """Tell the prefill worker to free the request's held blocks without waiting (it may
+        be gone: its lease then frees them)."""
+        assert job.kv is not None
+        task = asyncio.ensure_future(self.transport.release(job.request_id, job.kv))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _check(self, job: DecodeJob, dst: list[int], skip: int) -> int:
         """How many of the blocks that arrived differ from the sender's checksums (0 when the

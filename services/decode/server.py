@@ -32,6 +32,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         )
         return worker_pb2.ReserveResponse()
 
+    async def Unreserve(self, request, context):  # noqa: N802
+        return worker_pb2.UnreserveResponse(found=self.core.unreserve(request.request_id))
+
     async def Abort(self, request, context):  # noqa: N802
         found = await self.core.abort_request(request.request_id)
         return common_pb2.AbortResponse(found=found)

@@ -222,7 +222,7 @@ class GrpcWorkerClients:
     async def unreserve(self, worker: Member, request_id: str) -> None:
         stub = worker_pb2_grpc.DecodeStub(self._channel(worker.address))
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-            await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
+            await stub.Unreserve(worker_pb2.UnreserveRequest(request_id=request_id), timeout=5)
 
     async def release(self, handle: common.KVHandle, request_id: str) -> None:
         stub = worker_pb2_grpc.PrefillStub(self._channel(handle.address))

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
@@ -38,6 +39,19 @@ from services.router.policy import Chooser, LocationLookup, PolicyConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Route:
+    """One request's route so far: the workers that failed it (not picked again), whether a
+    token reached the caller (a later failure migrates the stream instead of retrying it),
+    choice 0's tokens sent, the migrations made and the KV a draining worker handed over."""
+
+    failed: set[str] = field(default_factory=set)
+    started: bool = False
+    streamed: list[int] = field(default_factory=list)
+    migrations: int = 0
+    moved: Moved | None = None
 
 
 class RouterCore:
@@ -85,27 +99,21 @@ class RouterCore:
         task = asyncio.current_task()
         if task is not None:
             self._tasks[job.request_id] = task
-        failed: set[str] = set()
-        started = [False]
+        route = Route()
         refusals: list[ResourceExhausted] = []
         failures = 0
-        streamed: list[int] = []  # choice 0's tokens sent so far
-        migrations = 0
-        moved: Moved | None = None  # KV handed over by a draining decode worker
         try:
             while True:
                 try:
-                    if migrations:
-                        events = self._resume(job, streamed, failed, started, moved)
-                    else:
-                        events = self._attempt(job, failed, started)
+                    resume = route.migrations > 0
+                    events = self._resume(job, route) if resume else self._attempt(job, route)
                     async for ev in events:
                         if job.request_id in self._aborted:
                             # An abort whose cancel came due with no wait inside `events`:
                             # take it here, before the gRPC send (see `abort`).
                             await asyncio.sleep(0)
                         if ev.index == 0:
-                            streamed.extend(ev.token_ids)
+                            route.streamed.extend(ev.token_ids)
                         self._sending.add(job.request_id)
                         try:
                             yield ev
@@ -115,15 +123,13 @@ class RouterCore:
                             task.cancel()  # abort() came while gRPC sent `ev`
                     return
                 except HandedOver as h:
-                    self._migrate(job, Unavailable(str(h)), streamed, migrations)
+                    self._migrate(job, Unavailable(str(h)), route)
                     self.stats.live_moves += 1
-                    migrations += 1
-                    moved = h.moved
+                    route.moved = h.moved
                 except RETRYABLE as e:
-                    if started[0]:
-                        self._migrate(job, e, streamed, migrations)
-                        migrations += 1
-                        moved = None
+                    if route.started:
+                        self._migrate(job, e, route)
+                        route.moved = None
                         continue
                     if isinstance(e, NoWorker) and refusals:
                         raise soonest(refusals) from e
@@ -152,13 +158,14 @@ class RouterCore:
             self._aborted.discard(job.request_id)
             self._sending.discard(job.request_id)
 
-    def _migrate(self, job: RouteJob, e: Exception, streamed: list[int], done: int) -> None:
+    def _migrate(self, job: RouteJob, e: Exception, route: Route) -> None:
         """Decide on a stream whose worker failed after its first token (killed, or drained
         past its timeout): it goes on elsewhere from the prompt plus the tokens already sent,
         as Dynamo's migration does (re-prefill on the new decode worker, from its prefix cache
         where it has them), at most ``max_migrations`` times; else re-raise ``e`` as the
         stream's end. Only single-choice requests migrate."""
         why = ""
+        streamed, done = route.streamed, route.migrations
         if isinstance(e, NoWorker):
             why = "no decode worker left"
         elif job.params.n != 1:
@@ -170,17 +177,17 @@ class RouterCore:
         if why:
             raise Unavailable(f"request {job.request_id} lost its worker ({e}); {why}") from e
         self.stats.migrations += 1
+        route.migrations += 1
         log.warning("request %s: %s after %d tokens; migrating (%d of at most %d)",
                     job.request_id, e, len(streamed), done + 1, self.max_migrations)  # fmt: skip
 
-    async def _resume(
-        self, job: RouteJob, streamed: list[int], failed: set[str], started, moved: Moved | None
-    ):
+    async def _resume(self, job: RouteJob, route: Route):
         """Continue a migrated request on another decode worker: admitted already (it takes it
-        past its bound), resumed from ``streamed``; the deadline still applies. With ``moved``
-        (a live move) the new worker pulls the KV of the prompt and every streamed token but
-        the last instead of computing it."""
-        plan = self.chooser.plan(job.route, failed)
+        past its bound), resumed from the tokens streamed; the deadline still applies. With a
+        live move (``route.moved``) the new worker pulls the KV of the prompt and every
+        streamed token but the last instead of computing it."""
+        streamed, moved = route.streamed, route.moved
+        plan = self.chooser.plan(job.route, route.failed)
         if plan is None:
             raise NoWorker("no live decode worker to continue on")
         live = moved is not None and moved.kv.num_tokens == len(job.prompt) + len(streamed) - 1
@@ -191,11 +198,11 @@ class RouterCore:
         if live and moved is not None:
             call.handle, call.generator_state = moved.kv, moved.generator_state
             call.first = Event(job.request_id, [streamed[-1]])
-        async for ev in self._decode(plan.decode, call, failed, started):
+        async for ev in self._decode(plan.decode, call, route):
             yield ev
 
-    async def _attempt(self, job: RouteJob, failed: set[str], started: list[bool]):
-        plan = self.chooser.plan(job.route, failed)
+    async def _attempt(self, job: RouteJob, route: Route):
+        plan = self.chooser.plan(job.route, route.failed)
         if plan is None:
             raise NoWorker("no live decode workers")
         self.stats.decisions[(self.policy.name, plan.reason)] += 1
@@ -207,15 +214,15 @@ class RouterCore:
         )  # fmt: skip
         decode, prefill = plan.decode, plan.prefill
         if prefill is None:
-            async for ev in self._decode(decode, DecodeCall(job), failed, started):
+            async for ev in self._decode(decode, DecodeCall(job), route):
                 yield ev
             return
         # Two-phase admission: book the decode side before the prefill, so a request whose
         # first token reaches the client is admitted for its whole life (a full decode pool
         # refuses it here, fast, while the client can still get a 429).
-        await self._reserve(decode, job, failed)
+        await self._reserve(decode, job, route.failed)
         try:
-            reply = await self._prefill(prefill, job, failed)
+            reply = await self._prefill(prefill, job, route.failed)
         except asyncio.CancelledError:
             asyncio.ensure_future(self._unreserve(decode, job))
             raise
@@ -224,7 +231,7 @@ class RouterCore:
             raise
         if reply.handle is None:  # every choice finished at its first token
             asyncio.ensure_future(self._unreserve(decode, job))
-        started[0] = True
+        route.started = True
         for first in reply.firsts:  # one per choice
             yield first
         if reply.handle is None:
@@ -233,14 +240,14 @@ class RouterCore:
             job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens,
             reply.others, admitted=True,
         )  # fmt: skip
-        async for ev in self._decode_prefilled(decode, prefill, call, failed, started):
+        async for ev in self._decode_prefilled(decode, prefill, call, route):
             yield ev
 
-    async def _decode_prefilled(self, decode, prefill, call: DecodeCall, failed, started):
+    async def _decode_prefilled(self, decode, prefill, call: DecodeCall, route: Route):
         """Decode from prefilled KV. When the decode worker could not obtain the KV and fails
         with KVTransferFailed (its policy "retry"), prefill again on another prefill worker and
         decode from that KV; the first token, already streamed, and its generator state stay."""
-        job = call.job
+        job, failed = call.job, route.failed
         moved = False  # already moved to another decode worker once
         while True:
             handle = call.handle
@@ -248,7 +255,7 @@ class RouterCore:
             keep = False  # the next attempt decodes from this same KV
             sent = 0
             try:
-                async for ev in self._decode(decode, call, failed, started):
+                async for ev in self._decode(decode, call, route):
                     sent += 1
                     yield ev
                 return
@@ -264,6 +271,7 @@ class RouterCore:
                 log.warning("request %s: %s; decoding on %s instead", job.request_id, e,
                             decode.worker_id)  # fmt: skip
             except KVTransferFailed as e:
+                sent = -1  # the decode worker took the handle (and released the blocks)
                 failed.add(prefill.worker_id)
                 prefill = self.chooser.pick_prefill(job.route, failed, decode)
                 if prefill is None:
@@ -284,9 +292,11 @@ class RouterCore:
                     admitted=True,
                 )
             finally:
-                # Free the prefill side's blocks now if decode never took them (cancel,
-                # failure). Harmless after a successful transfer: the release finds nothing.
-                if not keep:
+                # The decode worker releases KV it took (its first event comes after it has the
+                # blocks or gave up on them; KVTransferFailed says it gave up); free them here
+                # only when no decode worker took them (cancelled, or failed before it got the
+                # call), unless another decode worker is about to take the same KV.
+                if not keep and not sent:
                     asyncio.ensure_future(self.clients.release(handle, job.request_id))
 
     def _book(
@@ -331,11 +341,12 @@ class RouterCore:
                 failed.add(worker.worker_id)
                 raise
 
-    async def _decode(self, worker: Member, call: DecodeCall, failed: set[str], started):
+    async def _decode(self, worker: Member, call: DecodeCall, route: Route):
         """Decode ``call`` on ``worker``: booked there (`_book`; a reserved one already is; one
         not admitted yet, decode-only, may be refused here), and given back when the call ends,
         however it ends, unless the worker refused it."""
         job, cost = call.job, call.cost  # a migrated call books what it brings
+        failed = route.failed
         self._book(worker, job, failed, force=call.admitted, cost=cost)
         took = True
         with self.chooser.working(worker, cost):
@@ -344,7 +355,7 @@ class RouterCore:
                     if ev.moved is not None:  # draining: not to be picked again for this one
                         failed.add(worker.worker_id)
                         raise HandedOver(ev.moved)
-                    started[0] = True
+                    route.started = True
                     yield ev
             except ResourceExhausted as e:
                 took = False

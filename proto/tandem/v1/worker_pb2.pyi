@@ -103,6 +103,18 @@ class ReserveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class UnreserveRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class UnreserveResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "incarnation", "block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -343,6 +343,11 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.Unreserve = channel.unary_unary(
+                '/tandem.v1.Decode/Unreserve',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.UnreserveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.UnreserveResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Decode/Abort',
                 request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -381,6 +386,13 @@ class DecodeServicer:
         admission): refused at once with RESOURCE_EXHAUSTED when the worker is full (UNAVAILABLE
         while draining). The booking is taken by the request's Generate, dropped by Abort, and
         lapses after lease_ms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unreserve(self, request, context):
+        """Drop a booking no Generate took (the prefill failed, or the client left first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -426,6 +438,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Unreserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unreserve,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.UnreserveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.UnreserveResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -503,6 +520,33 @@ class Decode:
             '/tandem.v1.Decode/Reserve',
             tandem_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unreserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/Unreserve',
+            tandem_dot_v1_dot_worker__pb2.UnreserveRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.UnreserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
