@@ -1,0 +1,2 @@
+"""The gateway's routes, one module per endpoint family, each an ``APIRouter`` over the app's
+shared state (``services.gateway.state.Gateway``)."""
