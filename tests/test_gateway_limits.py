@@ -343,7 +343,7 @@ def test_requests_are_tokenized_a_few_at_a_time_in_arrival_order() -> None:
     tok = Tokenizer(DEFAULT_DIR)
     fake = FakeBackend(tok)
     busy, most, lock = [0], [0], threading.Lock()
-    encode = tok.encode
+    encode = tok.encode_prompt  # the gateway's tokenizing (the fake backend's own encode not)
 
     def slow_encode(text, *a, **kw):
         with lock:
@@ -354,7 +354,7 @@ def test_requests_are_tokenized_a_few_at_a_time_in_arrival_order() -> None:
             busy[0] -= 1
         return encode(text, *a, **kw)
 
-    tok.encode = slow_encode  # type: ignore[method-assign]
+    tok.encode_prompt = slow_encode  # type: ignore[method-assign]
     config = dataclasses.replace(MEMORY_CONFIG, tokenizer_threads=2)
     with serving(create_app(config, fake, tok)) as port:
         url = f"http://127.0.0.1:{port}"

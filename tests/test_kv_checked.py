@@ -121,24 +121,19 @@ class _FusedTransport:
 
 
 class _Engine:
-    """Only what `DecodeCore._check` reaches; summing or writing blocks records the call."""
+    """Only what `DecodeCore._check` reaches of the engine client (`EngineClient`): its
+    ``info``, and summing or writing blocks, which record the call."""
 
     def __init__(self) -> None:
-        def block_checksums(ids, algorithm):
-            return [7] * len(ids)
-
-        def write_blocks(ids, data):
-            return None
-
         self.calls: list[str] = []
-        runner = SimpleNamespace(device=torch.device("cpu"), layout=SimpleNamespace(block_bytes=8))
-        self.engine = SimpleNamespace(
-            runner=runner, block_checksums=block_checksums, write_blocks=write_blocks
-        )
+        self.info = SimpleNamespace(device="cpu", layout=SimpleNamespace(block_bytes=8))
 
-    async def run(self, fn, *args):
-        self.calls.append(fn.__name__)
-        return fn(*args)
+    async def block_checksums(self, ids, algorithm):
+        self.calls.append("block_checksums")
+        return [7] * len(ids)
+
+    async def write_blocks(self, ids, data):
+        self.calls.append("write_blocks")
 
 
 def _job(algorithm: str, sums: tuple[int, ...]) -> SimpleNamespace:
