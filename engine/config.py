@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from engine.errors import UnsupportedModelError
+from engine.speculative_config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
-SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Async scheduling (engine.step_loop): launch step N+1 before reading step N back. The one
 # default, shared by every flag that exposes it.
 DEFAULT_ASYNC_SCHEDULING = True
@@ -126,110 +128,81 @@ def _eos_ids(cfg: dict[str, Any], model_dir: Path | None) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    """Speculative decoding, with vLLM's names.
+class Knob:
+    """An engine setting that command lines expose, declared once: the worker's flags
+    (``services.worker.config``) and the launcher's (``tandem serve``, ``tandem bench
+    --stack``) take its default and help from here. ``choices``: the values a text knob takes;
+    ``parse``: text -> value, for a knob that is not a plain str, int, float or bool."""
 
-    - ``ngram`` (prompt lookup): the drafts are the ``num_speculative_tokens`` tokens that
-      followed the latest earlier occurrence of the sequence's last n tokens (n from
-      ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own history, prompt and
-      output. As in vLLM, an unset bound takes the other's value, and both default to 5.
-    - ``draft_model``: a smaller model (the folder ``model``, sharing the target's tokenizer)
-      proposes ``num_speculative_tokens`` tokens greedily (``engine.draft_model``). As in vLLM,
-      a config that names a ``model`` and no ``method`` means this one.
-    """
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+    parse: Callable[[str], Any] | None = None
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 0
-    prompt_lookup_max: int | None = None
-    prompt_lookup_min: int | None = None
-    model: str | None = None
 
-    def __post_init__(self) -> None:
-        method = "ngram" if self.method == "[ngram]" else self.method
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative method {self.method!r} is not supported; supported: "
-                f"{', '.join(SPECULATIVE_METHODS)}"
-            )
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, not {k!r}")
-        object.__setattr__(self, "method", method)
-        if method == "draft_model":
-            self._check_draft()
-            return
-        if self.model is not None:
-            raise ValueError("speculative method 'ngram' takes no 'model'")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if lo is None and hi is None:
-            lo = hi = 5
-        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-        assert lo is not None and hi is not None
-        if lo < 1 or hi < lo:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
+def knob(default: Any, help: str, **kw: Any) -> Any:
+    """An `EngineConfig` field that is also a `Knob` (its default is the field's)."""
+    return field(default=default, metadata={"knob": Knob(default, help, **kw)})
 
-    def _check_draft(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError("speculative method 'draft_model' needs 'model': the draft's folder")
-        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise ValueError("prompt_lookup_min/max belong to method 'ngram', not 'draft_model'")
-        if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(
-                f"speculative draft model {self.model!r}: no config.json there (a local Hugging "
-                "Face folder is expected)"
-            )
 
-    @classmethod
-    def parse(
-        cls, value: SpeculativeConfig | dict[str, Any] | str | None
-    ) -> SpeculativeConfig | None:
-        """From a dict or a JSON object (``--speculative-config``); None or "" stays None.
-        Unknown keys are refused by name."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"speculative config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError("speculative config must be a JSON object")
-        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
-                 "prompt_lookup_min"}  # fmt: skip
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
-        if "method" not in value and value.get("model") is not None:
-            value = {**value, "method": "draft_model"}
-        return cls(**value)
+SPECULATIVE_HELP = (
+    "speculative decoding as a JSON object with vLLM's names: method ngram "
+    "(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min), e.g. "
+    + json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    + ", or method draft_model (model: a draft folder sharing the tokenizer, "
+    "num_speculative_tokens), e.g. "
+    + json.dumps({"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4})
+    + " (default: off). Speculation runs where tokens are decoded: a prefill worker "
+    "checks the value and loads nothing for it (no draft model, no room set aside)"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs besides the model folder. Frozen; derived values are
-    properties."""
+    properties. The fields made with `knob` are the settings command lines expose
+    (`ENGINE_KNOBS`), with their one default and help."""
 
     model_dir: str
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    load_format: str = "safetensors"  # or "dummy": random weights of the config's shapes
-    block_size: int = 16
+    dtype: str = knob(
+        "auto",
+        "weights and KV (auto: float32 on CPU, bfloat16 on CUDA)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = knob(
+        "auto",
+        "cpu, cuda or cuda:N (auto: cuda when available); `tandem serve --gpus` places each "
+        "worker through CUDA_VISIBLE_DEVICES instead",
+    )
+    load_format: str = knob(
+        "safetensors",
+        "safetensors: the folder's weights; dummy: seeded random weights of the folder's "
+        "config.json shapes (benchmarks without downloads: python -m engine.shapes)",
+        choices=("safetensors", "dummy"),
+    )
+    block_size: int = knob(16, "tokens per KV block")
     # KV pool size, first that applies: ``num_kv_blocks``; ``kv_cache_bytes``; on CUDA what
     # ``gpu_memory_utilization`` leaves after weights, activations and CUDA graphs (see
     # engine.memory); on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    # CUDA: the share of the device's *total* memory this engine may use for weights,
-    # activations, CUDA graphs and its KV pool (vLLM's --gpu-memory-utilization). Several
-    # engines on one device each take their own share.
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill + decodes)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_kv_blocks: int | None = knob(None, "KV pool size in blocks (overrides a size in bytes)")
+    kv_cache_bytes: int | None = knob(
+        None,
+        f"KV pool size in bytes (default: {DEFAULT_CPU_KV_CACHE_BYTES // 1024**2} MiB on CPU; on "
+        "CUDA what --gpu-memory-utilization leaves after weights, activations and CUDA graphs)",
+    )
+    # The share of the device's *total* memory (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float = knob(
+        0.9,
+        "CUDA: share of the device's total memory this worker may use for weights, activations, "
+        "CUDA graphs and KV (workers sharing a device each take their own share)",
+    )
+    max_num_seqs: int = knob(64, "sequences per batch")
+    # The per-step token budget: chunked prefill and decodes share it.
+    max_num_batched_tokens: int = knob(512, "tokens per engine step (the prefill chunk)")
+    max_model_len: int | None = knob(
+        None, "longest sequence (prompt + output) in tokens (default: the model's context)"
+    )
     enable_prefix_caching: bool = True
     seed: int = 0
     # CUDA only: decode steps replay graphs captured at these batch sizes (padded up to the
@@ -238,31 +211,59 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     # Ranks (processes, one device each) the model is split over (engine.parallel); on CUDA
     # rank r takes device cuda:r (cuda:k+r with device="cuda:k"). Memory settings are per rank.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = knob(
+        1,
+        "ranks the model is split over, one process per device (rank r on cuda:r of what the "
+        "worker sees); rank 0 serves gRPC, registers and schedules",
+    )
     # Multi-LoRA (engine.lora): ``max_loras`` device slots, so at most that many adapters in one
     # step, each of rank <= ``max_lora_rank``. Off unless enabled: the slots take memory
     # (layers x 7 projections x slots x rank x (in + out) elements).
-    enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 64
-    # Speculative decoding (a SpeculativeConfig, or its dict / JSON form); None: off.
-    speculative_config: SpeculativeConfig | None = None
-    # FP8 (engine.fp8): "auto" keeps the KV cache in the model dtype, "fp8" (= "fp8_e4m3")
-    # stores it in e4m3; quantization "fp8" holds the layers' matrices in e4m3.
-    kv_cache_dtype: str = "auto"
-    quantization: str | None = None
-    # With quantization "fp8": the LM head in e4m3 too (per-row scales; the embedding stays in
-    # the model dtype, so a tied model holds both). A Tandem extension, off by default: vLLM
-    # keeps the head unquantized.
-    quantize_lm_head: bool = False
+    enable_lora: bool = knob(
+        False, "reserve LoRA slots so adapters can be loaded at run time (on with --lora-modules)"
+    )
+    max_loras: int = knob(4, "LoRA adapters in one batch (device slots, evicted LRU)")
+    max_lora_rank: int = knob(64, "highest LoRA rank accepted (sizes the slots)")
+    # A SpeculativeConfig, or its dict / JSON form; None: off.
+    speculative_config: SpeculativeConfig | None = knob(
+        None, SPECULATIVE_HELP, metavar="JSON", parse=SpeculativeConfig.parse
+    )
+    # FP8 (engine.fp8): "fp8" is "fp8_e4m3".
+    kv_cache_dtype: str = knob(
+        "auto",
+        "the KV cache's element type: auto (the model dtype) or fp8 (e4m3 with per-layer scales; "
+        "half the memory and hand-off bytes of bf16; CUDA needs compute capability 8.9+). "
+        "Prefill and decode workers must agree",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
+    quantization: str | None = knob(
+        None,
+        "fp8: the layers' weight matrices in e4m3 with per-channel scales computed at load "
+        "(FP8 tensor cores; CUDA needs compute capability 8.9+); default: none",
+        choices=("fp8",),
+        metavar="{fp8}",
+    )
+    # The embedding stays in the model dtype, so a tied model holds both.
+    quantize_lm_head: bool = knob(
+        False,
+        "with --quantization fp8: the LM head in e4m3 too, with per-row scales (a Tandem "
+        "extension; off by default, as vLLM keeps it in the model dtype): a decode step reads "
+        "one byte per head weight instead of two, and every logit changes by the rounding",
+    )
     # Checked KV (engine.kv_checksum): checksum each block once, when it is sealed (full and
     # computed), and keep the sum, so a hand-off only reads it (prefill workers turn this on).
     seal_checksums: bool = False
     # Async scheduling (vLLM's name; SGLang's overlap scheduler): each step() launches the next
     # forward pass while the previous one runs, reading that one's tokens back one step late
-    # (outputs lag one call). Steps that need the tokens on the host first (grammars,
-    # penalties, speculative decoding, ...) fall back to synchronous (engine.step_loop).
-    async_scheduling: bool = DEFAULT_ASYNC_SCHEDULING
+    # (outputs lag one call). Steps that need the tokens on the host first fall back to
+    # synchronous (engine.step_loop).
+    async_scheduling: bool = knob(
+        DEFAULT_ASYNC_SCHEDULING,
+        "launch each engine step while the previous one still runs on the device, reading its "
+        "tokens back one step late (vLLM's async scheduling); steps that need them first "
+        "(grammars, penalties, speculative decoding, ...) run synchronously. "
+        "--no-async-scheduling: every step synchronous",
+    )
 
     @property
     def max_decode_rows(self) -> int:
@@ -300,18 +301,21 @@ class EngineConfig:
             )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            raise ValueError(
-                f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', not {self.kv_cache_dtype!r}"
-            )
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', not {self.quantization!r}")
+        for name in ("load_format", "kv_cache_dtype", "quantization"):
+            value, declared = getattr(self, name), ENGINE_KNOBS[name]
+            off = value is None and declared.default is None  # quantization None: none
+            if value not in declared.choices and not off:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(declared.choices)}, not {value!r}"
+                )
         if self.quantize_lm_head and self.quantization != "fp8":
             raise ValueError(
                 "quantize_lm_head needs quantization='fp8' (the LM head is quantized like the "
                 f"layers' matrices), not quantization={self.quantization!r}"
             )
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(
-                f"load_format must be 'safetensors' or 'dummy', not {self.load_format!r}"
-            )
+
+
+# Every `knob` field of EngineConfig by name: what the worker's and the launcher's flags show.
+ENGINE_KNOBS: Mapping[str, Knob] = MappingProxyType(
+    {f.name: f.metadata["knob"] for f in fields(EngineConfig) if "knob" in f.metadata}
+)

@@ -24,7 +24,6 @@ from engine.errors import InvalidAdapterError
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_MODULES = ATTN_MODULES + MLP_MODULES
-DEFAULT_MAX_LORA_RANK = 64
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(

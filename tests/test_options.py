@@ -53,6 +53,7 @@ GOOD = {
         '{"num_speculative_tokens": 3}',
         '{"method": "ngram", "num_speculative_tokens": 5}',
     ),
+    "--quantization": ("fp8", ""),  # empty: none
 }
 
 

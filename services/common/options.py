@@ -13,9 +13,11 @@ environment variable is derived from the flag alone: ``--some-flag`` reads ``TAN
 (`env_var`). ``--help`` lists each variable. A flag given on the command line wins over the
 variable, the variable over the default. The field's type says how a value is read: ``str``,
 ``int``, ``float``, ``bool`` (``--flag``/``--no-flag``; variables take 1/0, true/false, yes/no,
-on/off), ``int | None`` and ``float | None`` (unset: None) and ``tuple[str, ...]`` (the flag
-repeated, or values separated by commas, as in the variable). Variables named before this
-idiom (``old_env=``) are still read, with a deprecation warning, when the new one is unset.
+on/off), ``int | None``, ``float | None`` and ``str | None`` (empty: None) and
+``tuple[str, ...]`` (the flag repeated, or values separated by commas, as in the variable).
+Variables named before this idiom (``old_env=``) are still read, with a deprecation warning,
+when the new one is unset. Engine settings are declared once, in ``engine.config``
+(``ENGINE_KNOBS``), and made options by `services.common.engine_options`.
 
 Nothing else in a process reads the environment for its settings: ``__main__`` parses once
 (`Options.parse`) and hands the frozen config down.
@@ -74,7 +76,7 @@ class Spec:
 
     path: tuple[str, ...]
     option: Option
-    kind: str  # str, int, float, bool, int?, float?, tuple
+    kind: str  # str, int, float, bool, int?, float?, str?, tuple
     default: Any
 
     @property
@@ -89,6 +91,19 @@ class Spec:
     def dest(self) -> str:
         return "__".join(self.path)
 
+    @property
+    def shown_default(self) -> str:
+        """``default X`` as ``--help`` shows it; "" for a secret, an empty default, or a help
+        that states its default in words."""
+        opt = self.option
+        quiet = opt.secret or self.default in (None, "", ()) or "default" in opt.help
+        return "" if quiet else f"default {self.default}"
+
+    @property
+    def metavar(self) -> str:
+        choices = "{" + ",".join(self.option.choices) + "}" if self.option.choices else ""
+        return self.option.metavar or choices or self.path[-1].upper()
+
     def read(self, text: str) -> Any:
         """A value of this option's kind from its text (ValueError when it is not one)."""
         if self.kind == "bool":
@@ -97,7 +112,7 @@ class Spec:
             return text.strip().lower() in _TRUE
         if self.kind == "tuple":
             return tuple(v.strip() for v in text.split(",") if v.strip())
-        if self.kind in ("int?", "float?") and not text.strip():
+        if self.kind in ("int?", "float?", "str?") and not text.strip():
             return None
         value = {"int": int, "float": float, "int?": int, "float?": float}.get(self.kind, str)(text)
         if self.option.choices and value not in self.option.choices:
@@ -105,11 +120,12 @@ class Spec:
         return value
 
 
-def _kind(tp: Any) -> str:
+def kind_of(tp: Any) -> str:
+    """How a field of type ``tp`` is read (`Spec.kind`)."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
-        return {int: "int?", float: "float?"}[inner]
+        return {int: "int?", float: "float?", str: "str?"}[inner]
     if typing.get_origin(tp) is tuple:
         return "tuple"
     return {str: "str", int: "int", float: "float", bool: "bool"}[tp]
@@ -121,7 +137,7 @@ def specs(cls: type, path: tuple[str, ...] = ()) -> Iterator[Spec]:
     for f in dataclasses.fields(cls):
         opt = f.metadata.get("option")
         if opt is not None:
-            kind = opt.raw or _kind(hints[f.name])
+            kind = opt.raw or kind_of(hints[f.name])
             yield Spec((*path, f.name), opt, kind, f.default)
         elif dataclasses.is_dataclass(hints[f.name]) and _has_options(hints[f.name]):
             yield from specs(hints[f.name], (*path, f.name))
@@ -158,8 +174,7 @@ class Options:
 
     def _add(self, spec: Spec) -> None:
         opt = spec.option
-        quiet = opt.secret or spec.default in (None, "", ()) or "default" in opt.help
-        shown = "" if quiet else f"; default {spec.default}"
+        shown = f"; {spec.shown_default}" if spec.shown_default else ""
         kw: dict[str, Any] = {
             "dest": spec.dest,
             "default": argparse.SUPPRESS,
@@ -168,8 +183,7 @@ class Options:
         if spec.kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            choices = "{" + ",".join(opt.choices) + "}" if opt.choices else ""
-            kw["metavar"] = opt.metavar or choices or spec.path[-1].upper()
+            kw["metavar"] = spec.metavar
             if spec.kind == "tuple":
                 kw["action"] = "append"
             else:

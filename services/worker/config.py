@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import uuid
@@ -11,10 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.config import DEFAULT_ASYNC_SCHEDULING, EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from libkv.cluster.summary_publisher import SummaryConfig
 from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
 from services.common.admission import batch_fraction_option
+from services.common.engine_options import engine_option
 from services.common.options import Options, option
 from services.common.process import log_level_option
 from services.common.security import ETCD_OLD_ENV, Security
@@ -35,24 +35,14 @@ class WorkerConfig:
     etcd: tuple[str, ...] = option((), "etcd endpoints host:port[,...]", old_env=ETCD_OLD_ENV)
     served_model_name: str = option("", "model name (default: the folder's name)")
     log_level: str = log_level_option()
-    block_size: int = option(16, "tokens per KV block")
-    kv_cache_bytes: int | None = option(
-        None,
-        "KV pool size in bytes (default: 512 MiB on CPU; on CUDA what --gpu-memory-utilization "
-        "leaves after weights, activations and CUDA graphs)",
-    )
-    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides --kv-cache-bytes)")
-    gpu_memory_utilization: float = option(
-        0.9,
-        "CUDA: share of the device's total memory this worker may use for weights, activations, "
-        "CUDA graphs and KV (workers sharing a device each take their own share)",
-    )
-    max_model_len: int | None = option(
-        None, "longest sequence (prompt + output) in tokens (default: the model's context)"
-    )
-    max_num_seqs: int = option(64, "sequences per batch")
-    max_num_batched_tokens: int = option(
-        512, "tokens per engine step (the prefill chunk)", old_env=("TANDEM_MAX_BATCHED_TOKENS",)
+    block_size: int = engine_option("block_size")
+    kv_cache_bytes: int | None = engine_option("kv_cache_bytes")
+    num_kv_blocks: int | None = engine_option("num_kv_blocks")
+    gpu_memory_utilization: float = engine_option("gpu_memory_utilization")
+    max_model_len: int | None = engine_option("max_model_len")
+    max_num_seqs: int = engine_option("max_num_seqs")
+    max_num_batched_tokens: int = engine_option(
+        "max_num_batched_tokens", old_env=("TANDEM_MAX_BATCHED_TOKENS",)
     )
     lease_seconds: float = option(
         30.0,
@@ -61,27 +51,10 @@ class WorkerConfig:
     )
     member_ttl: int = option(10, "seconds of the etcd member lease")
     member_refresh: float = option(3.0, "seconds between lease refreshes")
-    device: str = option(
-        "auto",
-        "cpu, cuda or cuda:N (auto: cuda when available); `tandem serve --gpus` places each "
-        "worker through CUDA_VISIBLE_DEVICES instead",
-    )
-    dtype: str = option(
-        "auto",
-        "weights and KV (auto: float32 on CPU, bfloat16 on CUDA)",
-        choices=("auto", "float32", "bfloat16", "float16"),
-    )
-    load_format: str = option(
-        "safetensors",
-        "safetensors: the folder's weights; dummy: seeded random weights of the folder's "
-        "config.json shapes (benchmarks without downloads: python -m engine.shapes)",
-        choices=("safetensors", "dummy"),
-    )
-    tensor_parallel_size: int = option(
-        1,
-        "ranks the model is split over, one process per device (rank r on cuda:r of what the "
-        "worker sees); rank 0 serves gRPC, registers and schedules",
-    )
+    device: str = engine_option("device")
+    dtype: str = engine_option("dtype")
+    load_format: str = engine_option("load_format")
+    tensor_parallel_size: int = engine_option("tensor_parallel_size")
     kv_transport: str = option(
         "auto",
         "how KV blocks move between workers (auto: nixl when importable, else grpc)",
@@ -146,53 +119,14 @@ class WorkerConfig:
         "LoRA adapters to load at start, NAME=PATH of a PEFT folder (vLLM's --lora-modules); "
         "requests name an adapter as their model",
     )
-    enable_lora: bool = option(
-        False,
-        "reserve LoRA slots so adapters can be loaded at run time (on with --lora-modules)",
-    )
-    max_loras: int = option(4, "LoRA adapters in one batch (device slots, evicted LRU)")
-    max_lora_rank: int = option(64, "highest LoRA rank accepted (sizes the slots)")
-    speculative_config: SpeculativeConfig | None = option(
-        None,
-        "speculative decoding as a JSON object with vLLM's names: method ngram "
-        "(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min), e.g. "
-        + json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
-        + ", or method draft_model (model: a draft folder sharing the tokenizer, "
-        "num_speculative_tokens), e.g. "
-        + json.dumps({"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4})
-        + " (default: off). Speculation runs where tokens are decoded: a prefill worker "
-        "checks the value and loads nothing for it (no draft model, no room set aside)",
-        convert=SpeculativeConfig.parse,
-        raw="str",
-        metavar="JSON",
-    )
-    kv_cache_dtype: str = option(
-        "auto",
-        "the KV cache's element type: auto (the model dtype) or fp8 (e4m3 with per-layer scales; "
-        "half the memory and hand-off bytes of bf16; CUDA needs compute capability 8.9+). "
-        "Prefill and decode workers must agree",
-        choices=("auto", "fp8", "fp8_e4m3"),
-    )
-    quantization: str = option(
-        "",
-        "fp8: the layers' weight matrices in e4m3 with per-channel scales computed at load "
-        "(FP8 tensor cores; CUDA needs compute capability 8.9+); default: none",
-        choices=("", "fp8"),
-        metavar="{fp8}",
-    )
-    quantize_lm_head: bool = option(
-        False,
-        "with --quantization fp8: the LM head in e4m3 too, with per-row scales (a Tandem "
-        "extension; off by default, as vLLM keeps it in the model dtype): a decode step reads "
-        "one byte per head weight instead of two, and every logit changes by the rounding",
-    )
-    async_scheduling: bool = option(
-        DEFAULT_ASYNC_SCHEDULING,
-        "launch each engine step while the previous one still runs on the device, reading its "
-        "tokens back one step late (vLLM's async scheduling); steps that need them first "
-        "(grammars, penalties, speculative decoding, ...) run synchronously. "
-        "--no-async-scheduling: every step synchronous",
-    )
+    enable_lora: bool = engine_option("enable_lora")
+    max_loras: int = engine_option("max_loras")
+    max_lora_rank: int = engine_option("max_lora_rank")
+    speculative_config: SpeculativeConfig | None = engine_option("speculative_config")
+    kv_cache_dtype: str = engine_option("kv_cache_dtype")
+    quantization: str | None = engine_option("quantization")
+    quantize_lm_head: bool = engine_option("quantize_lm_head")
+    async_scheduling: bool = engine_option("async_scheduling")
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -245,7 +179,7 @@ class WorkerConfig:
             # decode worker drafts from the whole history after the hand-off.
             speculative_config=None if self.role == "prefill" else self.speculative_config,
             kv_cache_dtype=self.kv_cache_dtype,
-            quantization=self.quantization or None,
+            quantization=self.quantization,
             quantize_lm_head=self.quantize_lm_head,
             # A prefill worker sums each block once, when it is sealed; a hand-off reads them.
             seal_checksums=self.kv_checksums and self.role == "prefill",
