@@ -20,7 +20,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-DEFAULT_UTILIZATION = 0.9  # of a device, split among the workers that share it
+from engine.config import ENGINE_KNOBS
+
+# A worker's own default share of a device, split here among the workers that share one.
+DEFAULT_UTILIZATION: float = ENGINE_KNOBS["gpu_memory_utilization"].default
 
 
 @dataclass(frozen=True, slots=True)

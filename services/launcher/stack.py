@@ -18,6 +18,7 @@ from services.common.models import parse_models
 from services.launcher import process
 from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
 from services.launcher.kv_budget import fit_cpu_pools
+from services.launcher.options import CPU_MAX_NUM_BATCHED_TOKENS, DEFAULT_WORKER_NICE
 from services.launcher.placement import Placement, place
 from services.launcher.process import Child
 from services.launcher.supervisor import RestartPolicy, Supervisor
@@ -39,10 +40,11 @@ class StackConfig:
     decode_tp: int = 1  # and of each decode worker (colocated workers too)
     # Worker options (None / "": the worker's own default). kv_cache_bytes None: on a CPU
     # stack, a pool that holds the model's context (`kv_budget`); on GPUs each worker sizes
-    # its pool from its memory share.
+    # its pool from its memory share. The default chunk is the CPU's (`tandem serve` passes
+    # None, the workers' own, on GPUs).
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
-    max_num_batched_tokens: int | None = 256
+    max_num_batched_tokens: int | None = CPU_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     dtype: str = ""
@@ -73,7 +75,7 @@ class StackConfig:
     # the same): on a host whose cores the workers' compute fills (a CPU stack), the gateway
     # and router still get a core at once to answer, 429s included
     # (bench/results/overload_cpu.md).
-    worker_nice: int = 10
+    worker_nice: int = DEFAULT_WORKER_NICE
 
     @classmethod
     def colocated(cls, workers: int, **kwargs) -> StackConfig:
