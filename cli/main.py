@@ -71,6 +71,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{child.name:<9} {child.address:<22} {metrics}log: {child.log_path}")
         print(f"\nOpenAI endpoint: {stack.url}/v1  (models: {', '.join(config.models)})")
         print(f"topology: {config.topology}")
+        for model, adapters in stack.adapters.items():
+            if adapters:
+                print(f"LoRA on {model}: {', '.join(a.partition('=')[0] for a in adapters)}")
         if stack.kv_note:
             print(stack.kv_note)
         for name, placement in config.placements().items():

@@ -6,7 +6,8 @@ the scale of an adapter is PEFT's: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)
 ``use_rslora``. Which modules an adapter targets is read from the weight names themselves (so a
 ``target_modules`` regex or ``"all-linear"`` needs no interpretation here); the base model is
 checked by shape: every matrix must fit the served model's layer count and projection sizes
-(``base_model_name_or_path`` is a training-time path or hub id and is not compared).
+(``base_model_name_or_path`` is a training-time path or hub id: `base_model_of` reads it for a
+launcher that tells apart served models of one shape, but a worker does not compare it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
         "up_proj": (c.hidden_size, c.intermediate_size),
         "down_proj": (c.intermediate_size, c.hidden_size),
     }[module]
+
+
+def base_model_of(path: str | Path) -> str:
+    """The ``base_model_name_or_path`` of an adapter folder's config ("" when it names none or
+    cannot be read)."""
+    try:
+        cfg = json.loads((Path(path) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return ""
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    return base if isinstance(base, str) else ""
 
 
 @dataclass(frozen=True, slots=True)

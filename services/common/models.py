@@ -1,4 +1,5 @@
-"""Several base models behind one endpoint: how a model is named on the command line."""
+"""Several base models behind one endpoint: how a model, and a LoRA adapter, is named on the
+command line."""
 
 from __future__ import annotations
 
@@ -22,4 +23,18 @@ def parse_models(specs: Sequence[str]) -> dict[str, str]:
         if name in out:
             raise ValueError(f"model {name!r} is named twice")
         out[name] = folder
+    return out
+
+
+def parse_lora_modules(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """``NAME=PATH`` pairs (vLLM's ``--lora-modules``); ValueError says which one is wrong."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path or "," in name:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        if any(name == n for n, _ in out):
+            raise ValueError(f"--lora-modules: adapter {name!r} given twice")
+        out.append((name, path))
     return out

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from services.common.engine_options import engine_spec
+from services.launcher.adapters import SYNTAX
 from services.launcher.kv_budget import CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES
 from services.launcher.placement import DEFAULT_UTILIZATION, parse_gpus
 
@@ -107,9 +108,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         nargs="+",
         action="extend",
         default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT folders) every worker loads at start, vLLM's syntax; requests "
-        "name an adapter as their model",
+        metavar=SYNTAX,
+        help="LoRA adapters (PEFT folders) the workers load at start, vLLM's syntax; requests "
+        "name an adapter as their model. With several --model, each adapter is loaded by the "
+        "workers of the model its weights fit, and listed under it; among models of one shape "
+        "its base_model_name_or_path picks the one it names, else @MODEL must",
     )
     g.add_argument(
         "--allow-runtime-lora-updating",
@@ -168,7 +171,8 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
             out[name] = value
         else:
             passed.append(_flag_arg(name, value))
-    passed += [f"--lora-modules={m}" for m in args.lora_modules]
+    if args.lora_modules:
+        out["lora_modules"] = tuple(args.lora_modules)
     if args.allow_runtime_lora_updating:
         passed.append("--enable-lora")
         out["gateway_args"] = ("--allow-runtime-lora-updating",)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.common.models import parse_models
 from services.launcher import process
+from services.launcher.adapters import assign_adapters
 from services.launcher.etcd import EtcdServer, EtcdTLS, free_port
 from services.launcher.kv_budget import fit_cpu_pools
 from services.launcher.options import CPU_MAX_NUM_BATCHED_TOKENS, DEFAULT_WORKER_NICE
@@ -68,6 +69,9 @@ class StackConfig:
     # Further base models, DIR or NAME=DIR: each gets num_prefill + num_decode workers of its
     # own (numbered after the first model's), and the routers and gateway serve them all.
     extra_models: tuple[str, ...] = ()
+    # LoRA adapters the workers load at start, NAME=PATH or NAME=PATH@MODEL: each adapter by
+    # the workers of the one model it fits (`services.launcher.adapters`).
+    lora_modules: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     etcd_tls: EtcdTLS | None = None  # serve etcd over TLS (client certificates required)
@@ -143,6 +147,10 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         # On the CPU: pools that hold the context, or the context capped to the pools.
         self.config, self.kv_note = fit_cpu_pools(config)
+        try:  # before anything starts: an adapter that fits no model stops the launch
+            self.adapters = assign_adapters(config.lora_modules, self.config.models)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from e
         self.run_dir = Path(config.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.etcd = EtcdServer(self.run_dir / "etcd", tls=config.etcd_tls)
@@ -173,6 +181,7 @@ class Stack:
             "--member-refresh", str(c.member_refresh),
             "--lease-seconds", str(c.lease_seconds),
             *(["--kv-transport", c.kv_transport] if c.kv_transport else []),
+            *[f"--lora-modules={adapter}" for adapter in self.adapters[model]],
             *c.worker_args,
         )  # fmt: skip
 

@@ -15,6 +15,7 @@ from libkv.cluster.summary_publisher import SummaryConfig
 from libkv.transfer.setup import NIXL_MODES, TRANSPORTS
 from services.common.admission import batch_fraction_option
 from services.common.engine_options import engine_option
+from services.common.models import parse_lora_modules
 from services.common.options import Options, option
 from services.common.process import log_level_option
 from services.common.security import ETCD_OLD_ENV, Security
@@ -214,17 +215,3 @@ def parse_config(
         opts.error(str(e))
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return replace(config, role=role, worker_id=worker_id)
-
-
-def parse_lora_modules(specs: Sequence[str]) -> list[tuple[str, str]]:
-    """``NAME=PATH`` pairs (vLLM's ``--lora-modules``); ValueError says which one is wrong."""
-    out: list[tuple[str, str]] = []
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path or "," in name:
-            raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
-        if any(name == n for n, _ in out):
-            raise ValueError(f"--lora-modules: adapter {name!r} given twice")
-        out.append((name, path))
-    return out
