@@ -341,7 +341,7 @@ def test_admission_engine_and_kv_values_reach_their_configs(rendered, tmp_path, 
                 assert config.kv_checksums is not changed
                 assert config.num_kv_blocks == (4096 if changed else None)
                 assert config.max_model_len == (8192 if changed else None)
-                assert config.quantization == ("fp8" if changed else "")
+                assert config.quantization == ("fp8" if changed else None)
                 assert config.quantize_lm_head is changed
                 assert config.kv_cache_dtype == ("fp8" if changed else "auto")
                 spec = config.speculative_config
