@@ -23,6 +23,17 @@ def expected_block(block: int, block_bytes: int, device: torch.device) -> torch.
     return torch.arange(block * w, (block + 1) * w, dtype=torch.int64, device=device)
 
 
+def pattern_sums(blocks: list[int], block_bytes: int, device: torch.device) -> list[int]:
+    """The sender's ``wsum64`` of each of ``blocks`` of a `fill_pattern` pool (unsigned, as a
+    handle carries them)."""
+    import kernels
+    from libkv.transfer.fetch_checks import MASK
+
+    words = torch.stack([expected_block(b, block_bytes, device) for b in blocks])
+    sums = kernels.block_wsum64(words, torch.arange(len(blocks), device=device))
+    return [s & MASK for s in sums.tolist()]
+
+
 def region(pool: torch.Tensor, block_bytes: int) -> PoolRegion:
     on_gpu = pool.device.type == "cuda"
     return PoolRegion(

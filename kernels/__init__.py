@@ -64,7 +64,7 @@ ROPE_IN_ATTENTION = True
 # (``griddepcontrol.wait``); the skinny products load their first weights before that wait.
 # Also recorded in CUDA graphs. On: on an H100 the 8B decode step took 5.52 ms with it against
 # 5.77 ms without at batch 1 (91.8% of the roofline), the same at batch 8, with logits bit for
-# bit equal (``bench/results/decode_gpu_h100.md``, ``bench.skinny_gpu``'s ``pdl`` modes).
+# bit equal (``bench/results/decode_gpu_h100.md``, ``lab.skinny_gpu``'s ``pdl`` modes).
 PDL = True
 
 __all__ = [

@@ -77,7 +77,7 @@ class DecodePlan:
             return cls(b, h, hkv, d, **FP8_KV_PLANS[b])  # type: ignore[arg-type]
         if paged.k.element_size() == 2 and b in KV16_PLANS:
             return cls(b, h, hkv, d, **KV16_PLANS[b])  # type: ignore[arg-type]
-        # About two programs per multiprocessor: on an H100 (bench.decode_variants --attention,
+        # About two programs per multiprocessor: on an H100 (lab.decode_variants --attention,
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
         target = 2 * num_sms(device_index)
@@ -86,7 +86,7 @@ class DecodePlan:
 
 
 KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")
-# Batch size -> the plan's knobs, measured on the GPU (``bench.decode_variants
+# Batch size -> the plan's knobs, measured on the GPU (``lab.decode_variants
 # --only-attention``); batch sizes not here take ``DecodePlan.make``'s rule.
 _PLANS: dict[int, dict[str, object]] = {}
 # The same for an FP8 KV cache, under any installed plans. Batch 8: the in-kernel merge, the
@@ -114,6 +114,35 @@ def install_plans(plans: dict[int, dict[str, object]]) -> dict[int, dict[str, ob
     _PLANS.clear()
     _PLANS.update({int(b): dict(p) for b, p in plans.items()})
     return saved
+
+
+def candidates(b: int) -> list[dict[str, object]]:
+    """Knobs of the plans a benchmark times at batch ``b`` besides ``DecodePlan.make``'s rule
+    (labels: ``DecodePlan.label``; tests check each compiles and matches the reference)."""
+
+    def p(splits: int, n: int = 64, w: int = 4, st: int = 2, pf: bool = False, m: bool = True,
+          e: bool = False):  # fmt: skip
+        return {"num_splits": splits, "block_n": n, "num_warps": w, "num_stages": st,
+                "merge": m, "prefetch": pf or e, "early": e}  # fmt: skip
+
+    if b <= 2:
+        return [p(32), p(16), p(32, 32), p(16, pf=True), p(16, 32, pf=True), p(8, pf=True, w=8),
+                p(16, e=True), p(16, 32, e=True)]  # fmt: skip
+    return [
+        p(8),  # the default with the merge folded in: what the merge alone costs
+        p(8, pf=True), p(8, w=8, pf=True), p(4, pf=True), p(4, w=8, pf=True),
+        p(2, w=8, pf=True), p(4, 128, 8, pf=True), p(8, 32, pf=True), p(4, 32, pf=True),
+        p(16, 32, pf=True), p(8, e=True), p(4, e=True), p(4, 32, e=True),
+        p(8, 128, 8), p(8, st=5), p(4, st=5), p(16),
+        # the merge kernel kept (what the rule's plan does), other shapes around it
+        p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
+        p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
+        p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
+        # no split at all (one program per sequence and KV head streams its whole context, the
+        # output written directly: no merge kernel), the next tiles in flight
+        p(1, pf=True), p(1, w=8, pf=True), p(1, e=True), p(1, w=8, e=True), p(1, 32, e=True),
+        p(1, 128, 8, e=True), p(2, e=True), p(2, w=8, e=True),
+    ]  # fmt: skip
 
 
 def _tickets(device: torch.device, n: int) -> torch.Tensor:

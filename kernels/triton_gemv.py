@@ -247,7 +247,7 @@ def _launch(
 
 
 # Split-K where a product has fewer row tiles than this many per SM (0: never). Off until a GPU
-# run says it pays (bench.decode_gpu measures both); o_proj and qkv of the 8B shape have ~2-3.
+# run says it pays (lab.decode_gpu measures both); o_proj and qkv of the 8B shape have ~2-3.
 SPLIT_K_TILES_PER_SM = 0
 SPLIT_K = 2
 SPLIT_K_MIN_K = 2048  # shallower products gain nothing from splitting

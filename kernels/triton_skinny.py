@@ -36,7 +36,7 @@ Epilogues: ``add`` (the residual stream added before the one rounding) and ``sil
 program takes matching rows of gate and up, and stores ``silu(gate) * up``).
 
 Plans: ``plan_for`` picks one per (rows, N, K, weight dtype, prologue): a measured table
-(``set_plan``, filled by ``bench.skinny_gpu`` and kept in ``kernels/skinny_plans.json`` per
+(``set_plan``, filled by ``lab.skinny_gpu`` and kept in ``kernels/skinny_plans.json`` per
 device name) or else a heuristic. Nothing is tuned at run time, so nothing tunes inside a
 CUDA graph capture.
 """
@@ -60,7 +60,7 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 # beside the product in every step (False); None: the pass on the CUDA cores' plans (one row:
 # 0.988x the unfolded step on an H100, against 1.007x in the loop), in the loop on the tensor
 # cores' (8 rows: 0.997x, against 1.25x for a pass of BLOCK_K-wide tiles before the pipeline).
-# NORM_XB: the pass's tile width (0: BLOCK_K). bench.decode_variants compares them; its
+# NORM_XB: the pass's tile width (0: BLOCK_K). lab.decode_variants compares them; its
 # what-if "skip" leaves the sums out on the tensor cores (wrong norms: an upper bound for sums
 # made elsewhere).
 NORM_FIRST: bool | str | None = None
@@ -685,7 +685,7 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
 
 
 def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPlan]:
-    """The plans ``bench.skinny_gpu`` measures for one product (a bounded set: each is a
+    """The plans ``lab.skinny_gpu`` measures for one product (a bounded set: each is a
     compile): for one row, the CUDA cores with 2-8 weight rows of 512-2048 weights per
     program and step; for more rows, the tensor cores with 16-32 weight rows; split-K 2 where the
     prologue allows it."""

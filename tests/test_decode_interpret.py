@@ -1,7 +1,7 @@
 """Decode attention (``kernels.triton_decode``) on the CPU through Triton's interpreter, against
 the reference: the merge kernel and the last split merging by ticket, the register prefetch,
 one split and many, FP8 KV, padding rows, and the tickets left zero; then every plan that
-``bench.decode_attention_gpu`` times compiled for sm_90 off the GPU.
+a benchmark times (``triton_decode.candidates``) compiled for sm_90 off the GPU.
 
 Skipped unless Triton is importable (see ``tests/test_skinny_interpret.py``'s docstring)."""
 
@@ -87,7 +87,7 @@ COMPILE = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from bench.decode_attention_gpu import candidates
+from kernels.triton_decode import candidates
 from kernels import triton_decode as T
 
 fn = T._decode_split_kernel
@@ -130,7 +130,7 @@ def test_plans_compile_for_hopper():
     ticket's atomics only where the last split merges, the prefetch without Triton's
     shared-memory pipeline, within the shared memory of two programs per multiprocessor, and
     before the PDL wait only the sequence's length, or in ``early`` plans K/V and block ids."""
-    from bench.decode_attention_gpu import candidates
+    from kernels.triton_decode import candidates
 
     rows = compiled_rows(COMPILE)
     assert len(rows) == 2 * (1 + len(candidates(1)) + len(candidates(8)))

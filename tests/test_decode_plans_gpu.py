@@ -1,4 +1,4 @@
-"""CUDA only: every decode-attention plan that ``bench.decode_attention_gpu`` times (the last
+"""CUDA only: every decode-attention plan a benchmark times (``triton_decode.candidates``: the last
 split merging by ticket, the register prefetch, one to 32 splits, 32- to 128-token tiles)
 against the reference, bf16 and FP8 KV, padding rows, the tickets left zero for the next call
 and for a CUDA graph's replays, and ``install_plans`` reaching ``DecodePlan.make``."""
@@ -13,9 +13,9 @@ from tests.gpu_report import fp8_capable, require_cuda_triton
 pytestmark = pytest.mark.gpu
 require_cuda_triton()
 
-from bench.decode_attention_gpu import candidates  # noqa: E402
 from kernels import triton_decode as T  # noqa: E402
 from kernels.triton_cache import PagedLayer  # noqa: E402
+from kernels.triton_decode import candidates  # noqa: E402
 from tests.kernel_cases import make_paged_batch, reference_attention, rel_err  # noqa: E402
 from tests.test_fp8_spec_gpu import fp8_cache  # noqa: E402
 

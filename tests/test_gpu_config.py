@@ -190,7 +190,7 @@ def test_refusals_give_the_numbers():
 
 def test_graph_pool_estimate_covers_what_the_lora_graphs_took():
     """Llama-3.1-8B's decode graphs of 1 to 32 rows, base and LoRA, took 0.23 GiB on an H100
-    (bench.lora, 2026-11-24) where counting the logits' bytes set aside 0.19 GiB: each kept
+    (lab.lora, 2026-11-24) where counting the logits' bytes set aside 0.19 GiB: each kept
     logits tensor is counted with the allocator segment it may pin."""
     vocab, sizes = 128256, [1, 2, 4, 8, 16, 32]
     lora = graph_pool_estimate(sizes, vocab, 0.0, variants=2)

@@ -214,38 +214,6 @@ def test_no_compare_for_another_function_and_a_wrong_length_is_an_error(peer) ->
         asyncio.run(wrong_length())
 
 
-def test_the_check_bench_runs_dry_on_the_gpu(tmp_path, capsys) -> None:
-    """``bench.kv_checksum --dry-run --device cuda``: both A/B pairs of arms run, the transport
-    one through the compare behind the copy (the bench refuses a verify on the device)."""
-    import json
-
-    from bench import kv_checksum
-
-    # The sender's pool goes on the current GPU: GPU 0 (another test may have left it at 1).
-    with torch.cuda.device(0):
-        assert kv_checksum.main(["--dry-run", "--device", "cuda", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "kv_checksum_cuda_wsum64.json").read_text())
-    if torch.cuda.device_count() > 1:  # the bench moves to the second GPU: no one-GPU A/B
-        assert rows[-1]["dst_device"] == "cuda:1" and "ab_transport" not in rows[-1]
-        return  # (`test_kv_checked_peer_gpu.py` measures the check between two GPUs)
-    ab = rows[-1]["ab_transport"]
-    assert ab["compared_fetches"] == ab["fused_fetches"] > 0 and ab["device_verifies"] == 0
-    assert ab["behind_fetches"] == ab["compared_fetches"]  # the compare behind the copy
-    assert {"ab_kernels", "checked_device_overhead"} <= rows[0].keys()
-    assert ab["launch_b_us"] > 0 and rows[0]["ab_kernels"]["host_b_us"] > 0
-    assert ab["launch_b_med_us"] > 0 and rows[-1]["ab_transport_runs"]["launch_a_med_us"] > 0
-    runs = rows[-1]["ab_transport_runs"]  # the check of runs, nothing uploaded
-    assert runs["behind"] and runs["run_fetches"] == runs["compared_fetches"] > 0
-    assert ab["run_fetches"] == 0 and rows[0]["device_runs_check_ms"] > 0
-    assert rows[0]["device_memcpy_run_ms"] > 0 and rows[0]["device_checked_run_ms"] > 0
-    launches = rows[-1]["triton_launches"]  # both arms' copies straight through, once compiled
-    assert launches["sum"]["fast"] > 0 and launches["copy"]["fast"] > 0
-    assert launches["runs"]["fast"] > 0 and launches["compare"]["fast"] > 0
-    assert not any(v["broken"] for v in launches.values())
-    out = capsys.readouterr().out
-    assert "ab_transport: A = fetch+verify, sums off" in out and "Triton launches" in out
-
-
 def test_the_fused_check_stores_its_count_in_pinned_memory_or_copies_it_back(peer) -> None:
     """The warm-up found that the fused kernel can store its count straight into pinned host
     memory (CUDA's unified addressing maps it: no copy back); both ways count alike: a wrong

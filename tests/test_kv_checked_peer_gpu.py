@@ -3,13 +3,12 @@ the two-GPU cases are skipped with one): a child process exports a pool as a GPU
 worker does (`bench.kv_peer.export`), and this process maps it through `CudaIpcTransport`
 as a decode worker does. Runs and scattered blocks land byte for byte with sums off and on;
 with sums on, a clean fetch counts no mismatch and a bit flipped in transit (the test-only
-fault hook) is counted, while the sender's pool stays as it was. The check's cost is
-measured by ``bench.kv_check_peer``, which a last test runs small."""
+fault hook) is counted, while the sender's pool stays as it was.
+(The check's cost: ``lab.kv_check_peer``, run small by ``lab/tests``.)"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
 
 import pytest
@@ -21,7 +20,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from bench import kv_peer  # noqa: E402
-from bench.kv_check_peer import pattern_sums  # noqa: E402
 from libkv.transfer.cuda_ipc import CudaIpcTransport  # noqa: E402
 from libkv.transfer.fetch_checks import WSUM64  # noqa: E402
 from services.common.codec import KVHandle  # noqa: E402
@@ -80,7 +78,7 @@ def fetch(peer, src: list[int], dst: list[int], sums: bool, fault: str = ""):
     t = CudaIpcTransport(pool, BLOCK_BYTES, kv_peer.StaticRecords({"p0": exported}), sums=sums,
                          fault=fault)  # fmt: skip
     assert t.can_reach(exported)
-    h = handle(src, pattern_sums(src, BLOCK_BYTES, dev))
+    h = handle(src, kv_peer.pattern_sums(src, BLOCK_BYTES, dev))
 
     async def go() -> int | None:
         assert await t.fetch("r", h, src, dst, 10.0) == "cuda-ipc"
@@ -128,35 +126,3 @@ def test_a_bit_flipped_in_transit_is_counted_and_the_sender_is_untouched(peer, s
     assert landed(pool, src[1:], dst[1:])
     again, bad, _ = fetch(peer, src, dst, sums=True)  # the sender's pool as it was
     assert bad == 0 and landed(again, src, dst)
-
-
-def test_the_peer_check_bench_runs(tmp_path, capsys) -> None:
-    from bench import kv_check_peer
-
-    rc = kv_check_peer.main(["--tokens", "64", "128", "--block-bytes", str(BLOCK_BYTES),
-                             "--pairs", "4", "--repeat", "2", "--stack-handoff-ms", "128=0.5",
-                             "--interference", "1", "--timeline", "2",
-                             "--out", str(tmp_path)])  # fmt: skip
-    assert rc == 0
-    out = json.loads((tmp_path / "kv_check_peer.json").read_text())
-    assert [r["tokens"] for r in out["rows"]] == [64, 128]
-    for r in out["rows"]:
-        assert r["device_copy_ms"] > 0 and r["device_checked_run_ms"] > 0
-        ab = r["ab_run"]
-        assert ab["compared_fetches"] > 0
-        # one contiguous run: by the SM copy that sums on one GPU, the copy engines from another
-        assert (ab["peer_run_fetches"] > 0) == TWO and (ab["run_fetches"] > 0) == (not TWO)
-        assert r["chunked_copy_over_copy"] > 0 and r["trailing_check_by_trail_and_ratio"]
-        assert (
-            r["interference"]["victim_alone_ms"] > 0
-            and r["interference"]["victim_with_ce_check"] > 0
-        )
-        assert r["ab_scattered"]["compared_fetches"] > 0
-        # op by op: both ways queued a copy, sums on a sum and a compare behind it too
-        tl = r["timeline"]
-        assert tl["off"]["windows"] == tl["on"]["windows"] == 2
-        assert tl["on"]["busy"] > 0 and tl["on"]["after_copy"] is not None
-        assert len(tl["on"]["ops"]) > len(tl["off"]["ops"])
-        assert (tmp_path / f"timeline_{r['tokens']}.json.gz").stat().st_size > 0
-    assert out["rows"][1]["ab_run"]["of_stack_handoff"] is not None
-    assert "| 128 |" in (tmp_path / "kv_check_peer.md").read_text()

@@ -297,22 +297,6 @@ def test_a_handle_that_crossed_the_wire_gives_the_same_sums() -> None:
     assert sender_sums(got, [9, 3]) == sender_sums(sent, [9, 3]) == (1 << 63, TOP)
 
 
-def test_the_check_bench_runs_dry(tmp_path, capsys) -> None:
-    """``bench.kv_checksum --dry-run`` runs the A/B of the check's kernel arms on the torch
-    references (the transport's arms need CUDA: ``tests/test_kv_checked_gpu.py``)."""
-    import json
-
-    from bench import kv_checksum
-
-    assert kv_checksum.main(["--dry-run", "--stack-handoff-ms", "2.5", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "kv_checksum_cpu_wsum64.json").read_text())
-    assert [r["tokens"] for r in rows] == [40, 100]
-    ab = rows[0]["ab_kernels"]
-    assert ab["pairs"] == 6 and ab["stack_handoff_ms"] == 2.5 and ab["a_ms"] > 0
-    assert "ab_transport" not in rows[0]
-    assert "of 2.5 ms" in capsys.readouterr().out
-
-
 def _check_args(n: int, tickets: int | None = None) -> tuple[torch.Tensor, ...]:
     """Zeroed sums, a workspace (state word, then tickets) and an ``out`` preset to -1."""
     work = torch.zeros(1 + (n if tickets is None else tickets), dtype=torch.int64)

@@ -164,8 +164,8 @@ def test_engine_lora_on_cuda_matches_cpu(tmp_path):
     engine's (which equals peft, tests/test_lora.py), on a random SmolLM2-shaped model: as in
     tests/test_engine_gpu.py, most sequences match token for token (near-ties of a random
     model may split a few); the adapters change the output."""
-    from bench.lora import write_adapter
     from engine import LLM, SamplingParams
+    from tests.lora_adapters import write_adapter
     from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
 
     model = make_smol_shape_dir(tmp_path / "model", seed=0)
@@ -199,9 +199,9 @@ def test_mixed_adapter_batch_replays_a_graph(tmp_path):
     graph's; adapter rows differ from them); greedy tokens match the eager engine's on most
     sequences (float32; padding to the captured size may split a near-tie of a random model,
     as in tests/test_engine_gpu.py), and the adapters change the output."""
-    from bench.lora import write_adapter
     from engine import LLM, SamplingParams
     from engine.cuda_graphs import DecodeBatch, DecodeGraphs
+    from tests.lora_adapters import write_adapter
     from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
 
     model = make_smol_shape_dir(tmp_path / "model", seed=0)

@@ -7,7 +7,7 @@ no device; skipped where Triton (or its ptxas) is missing:
     PYTHONPATH=/tmp/triton-3.6 .venv/bin/python -m pytest -q tests/test_pdl_compile.py
 
 On the GPU, ``tests/test_skinny_gpu.py::test_pdl_on_is_pdl_off_bit_for_bit_in_a_cuda_graph``
-and ``bench.skinny_gpu``'s ``_pdl`` step modes (``same_as_no_pdl``) check the results."""
+and ``lab.skinny_gpu``'s ``_pdl`` step modes (``same_as_no_pdl``) check the results."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def test_small_shapes_every_path():
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "down"])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_benchmark_plans_and_default_on_model_shapes(shape, rows):
-    """Every plan ``bench.skinny_gpu`` may pick, and the default, on the real shapes."""
+    """Every plan ``lab.skinny_gpu`` may pick, and the default, on the real shapes."""
     n, k = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()

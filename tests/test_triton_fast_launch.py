@@ -206,28 +206,6 @@ def test_the_bound_packed_check_runs_interpreted_and_counts_exactly():
         assert torch.equal(mine[dst], peer[src])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="times the launches on a CPU only")
-def test_the_launch_host_time_bench_runs(tmp_path):
-    """``bench.kv_launch_host`` (in a process of its own: it patches torch and Triton) times
-    both launch paths of the three launches and prints what sums on adds over sums off."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.kv_launch_host", "--blocks", "4", "--calls", "200"],
-        capture_output=True, text=True, env=env, timeout=120, check=True,
-    )  # fmt: skip
-    lines = run.stdout.splitlines()
-    assert [ln.split()[0] for ln in lines[2:5]] == ["copy", "check,", "check,"]
-    assert all(float(x) > 0 for ln in lines[2:5] for x in ln.split()[-2:])
-    assert lines[5].startswith("sums on over sums off: kernel[grid] with views")
-    assert "ONE contiguous run" in lines[7]  # the transport's host work per fetch
-    assert [int(ln.split()[0]) for ln in lines[9:12]] == [64, 128, 256]
-    assert all(float(x) > 0 for ln in lines[9:12] for x in ln.split()[1:3])
-
-
 def test_split_gives_each_program_several_chunks_only_when_there_are_many(monkeypatch):
     """`triton_copy.split`: one chunk a program while a fetch has no more chunks than about
     ``PROGRAMS_PER_SM`` programs per SM; beyond, each program loops over several (never more

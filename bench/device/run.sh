@@ -9,7 +9,7 @@
 #   bash bench/device/run.sh serving2 SHAPE [BENCH ARGS]  # two GPUs: colocated:2 vs disagg:1p1d,
 #                                                  # and the hand-off against a P2P copy
 #   bash bench/device/run.sh handoff2 [BENCH ARGS]  # two GPUs: the stack's hand-off with KV
-#                                                  # checksums on and off, bench.kv_check_peer
+#                                                  # checksums on and off, lab.kv_check_peer
 #   [SHAPE=NAME] bash bench/device/run.sh bench MODULE [ARGS]   # any python -m MODULE
 #                                                  # (bench.gpu, ...); SHAPE writes /tmp/models/NAME
 #
@@ -83,13 +83,13 @@ case $job in
     ;;
   handoff2)
     # Issue 18's checked KV between two GPUs (GPUS=0: on one). The check's cost at the
-    # transport between two processes (bench.kv_check_peer), then the stack's own hand-off
+    # transport between two processes (lab.kv_check_peer), then the stack's own hand-off
     # (disagg:1p1d, 8B shape, fixed 2,048- and 4,096-token prompts) with checksums on and off,
     # then that cost as a share of the hand-off the stack measured with checksums on.
     model=$(shape llama-3.1-8b)
     gpus=${GPUS:-0,1}
     dst=cuda:$([ "$gpus" = 0 ] && echo 0 || echo 1)
-    timeout 150 python3 -m bench.kv_check_peer --src cuda:0 --dst "$dst" \
+    timeout 150 python3 -m lab.kv_check_peer --src cuda:0 --dst "$dst" \
       --tokens 1024 2048 4096 --pairs 200 --out "$OUT/peer" 2>&1 | tee "$OUT/peer.log" || true
     for arm in on off; do
       flags=()
@@ -101,7 +101,7 @@ case $job in
         "${flags[@]}" --logs "/tmp/logs_$arm" --out "$OUT/stack_$arm" "$@" 2>&1 \
         | tee "$OUT/stack_$arm.log" || true
     done
-    python3 -m bench.kv_check_peer shares "$OUT/peer/kv_check_peer.json" \
+    python3 -m lab.kv_check_peer shares "$OUT/peer/kv_check_peer.json" \
       "$OUT/stack_on/results.json" "$OUT/stack_off/results.json" | tee "$OUT/shares.md"
     ;;
   bench)  # SHAPE=NAME first writes /tmp/models/NAME (engine.shapes) for the module's flags

@@ -1,5 +1,5 @@
 """Wall time of the CUDA IPC hand-off with its check against without, A/B interleaved in one
-run (`bench.kv_checksum` calls it for each prompt size and prints the table).
+run (`lab.kv_checksum` calls it for each prompt size and prints the table).
 
 Two pairs of arms, each timed over many repeats whose order alternates (A B, B A, ...), so
 drift, clocks and caches favour neither; each arm's median, and the median (and quartiles) of
@@ -17,7 +17,7 @@ the pairwise difference B - A, which is the check's cost:
   but mapped as itself: CUDA IPC cannot open an allocation in the process that exported it
   (the tests do the same; two processes: ``tests/test_serving_gpu.py``).
 
-Off CUDA (``--dry-run`` of `bench.kv_checksum`) the kernel arms run the torch references, so
+Off CUDA (``--dry-run`` of `lab.kv_checksum`) the kernel arms run the torch references, so
 the code is checked on any machine; the transport arms need CUDA."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def transport_arms(
     """(sums off, sums on, counters) over `CudaIpcTransport` (CUDA only): each arm is one
     ``fetch`` + ``verify`` of a handle with the sender's sums, timed inside the event loop.
     ``records``: the member records of a pool another process exported (worker ``p0``;
-    `bench.kv_check_peer`), mapped for real; without them ``src``, a pool of this process."""
+    `lab.kv_check_peer`), mapped for real; without them ``src``, a pool of this process."""
     from libkv.transfer.cuda_ipc import CudaIpcTransport
     from services.common.codec import KVHandle
 
@@ -294,8 +294,8 @@ def _timed(launch: Callable, into: list[float]) -> Callable:
 def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) -> dict:
     """The receiver's check as the CUDA IPC transport runs it: device time of the fused
     copy+sum, and of it with the compare and count, over the plain copy kernel; and the wall
-    time of the hand-off with the check against without, A/B (`bench.kv_check_ab`)."""
-    from bench.kv_checksum import device_time  # the bench's CUDA-event timing (its caller)
+    time of the hand-off with the check against without, A/B (`lab.kv_check_ab`)."""
+    from lab.kv_checksum import device_time  # the bench's CUDA-event timing (its caller)
 
     dev = src.device
     s8 = src.view(src.shape[0], -1).view(torch.uint8)
@@ -371,8 +371,8 @@ PER_SM = (1, 2, 4, 8, 16, 10**6)  # 10**6: one chunk a program (no loop), as bef
 def per_sm_sweep(check: Callable[[], None], memcpy_s: float, repeat: int) -> dict:
     """The check of runs' device time on one run by ``triton_copy.PROGRAMS_PER_SM`` (each
     program loops over more chunks when fewer run per SM), as a ratio to one ``copy_``."""
-    from bench.kv_checksum import device_time
     from kernels import triton_copy
+    from lab.kv_checksum import device_time
 
     kept = triton_copy.PROGRAMS_PER_SM
     out = {}

@@ -7,8 +7,8 @@ one burst (two when the first misses); this shows how bursts vary on one stack a
 stacks, and what a setting changes (``--worker-nice``; environment variables such as
 ``TANDEM_REFUSAL_MEMORY=0`` or ``TANDEM_TOKENIZER_THREADS=40`` reach the services).
 
-    python -m bench.overload --stacks 3 --bursts 2
-    TANDEM_REFUSAL_MEMORY=0 python -m bench.overload --stacks 3 --bursts 2 --out /tmp/o
+    python -m lab.overload --stacks 3 --bursts 2
+    TANDEM_REFUSAL_MEMORY=0 python -m lab.overload --stacks 3 --bursts 2 --out /tmp/o
 
 Prints a table; ``--out DIR`` also writes ``overload.json`` there.
 """

@@ -8,7 +8,7 @@ offers), then consume the token. Also timed: building the tokenizer side once, a
 schema (xgrammar caches compiled grammars; the number is its first, uncached compile).
 
     pip install xgrammar==0.2.8   # not a Tandem dependency; it pulls triton and transformers
-    python -m bench.grammar_libs
+    python -m lab.grammar_libs
 
 Writes ``grammar_libs_cpu.{md,json}`` to ``--out``.
 """
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# Grammar libraries, batch {args.batch}, {len(ids)}-token JSON document",
         "",
         f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}",
-        "- command: `python -m bench.grammar_libs`",
+        "- command: `python -m lab.grammar_libs`",
         f"- tokenizer: SmolLM2-135M-Instruct ({vocab} tokens); torch threads "
         f"{torch.get_num_threads()}",
         "",

@@ -1,4 +1,4 @@
-"""``bench.spec_replay``'s step timings with few steps: a tiny ``--steps``, or a draft that keeps
+"""``lab.spec_replay``'s step timings with few steps: a tiny ``--steps``, or a draft that keeps
 every token (so each step emits ``k + 1`` and fewer steps are timed), once left no step after
 the two warm-up ones and crashed taking a median of nothing."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.spec_replay import WARMUP_STEPS, draft_step_time, steady_median, step_times
+from lab.spec_replay import WARMUP_STEPS, draft_step_time, steady_median, step_times
 
 
 def test_the_median_leaves_out_the_warm_up_but_keeps_one_step() -> None:

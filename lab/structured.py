@@ -9,8 +9,8 @@ with the prefix cache off. The grammar columns say how long the helper thread fi
 bitmasks per step, and how long the step waited for them after its forward pass (the rest was
 hidden behind it).
 
-    python -m bench.structured                      # CPU, the bundled model (its real weights)
-    SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.structured --device cuda \
+    python -m lab.structured                      # CPU, the bundled model (its real weights)
+    SHAPE=llama-3.1-8b bash bench/device/run.sh bench lab.structured --device cuda \
         --model-dir /tmp/models/llama-3.1-8b --load-format dummy --out $OUT   # a GPU host
 
 Results go to ``--out/structured_<device>.{json,md}``.
@@ -190,7 +190,7 @@ def report(result: Result, args: argparse.Namespace) -> str:
         f"# Constrained decoding cost, {result.device}",
         "",
         f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}",
-        f"- command: `python -m bench.structured {shlex.join(sys.argv[1:])}`",
+        f"- command: `python -m lab.structured {shlex.join(sys.argv[1:])}`",
         f"- machine: {machine(result.device)}",
         f"- model: `{result.model}` ({args.load_format} weights), batch {result.batch}, "
         f"{result.max_tokens} tokens per request, temperature 1.0",

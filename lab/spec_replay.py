@@ -1,4 +1,4 @@
-"""Step times of speculative decoding on a random-weight shape (``bench.spec_decode --mode
+"""Step times of speculative decoding on a random-weight shape (``lab.spec_decode --mode
 replay``): one engine at batch 1, a step that verifies ``d`` drafted tokens timed for each
 ``d`` from 0 (a plain decode step) to ``k``; each replays a CUDA graph of ``d + 1`` rows."""
 

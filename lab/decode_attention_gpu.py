@@ -4,9 +4,9 @@ and 4k, bf16 and FP8 KV, on the engine's pool layout with scattered blocks. Ever
 8B shape back to back in one CUDA graph, as in a step; the KV read as a fraction of the copy
 bandwidth measured in the same run. Each plan's output is checked against ``default``'s.
 
-Run through ``bench.decode_variants --only-attention``; it writes the best plan per batch size
+Run through ``lab.decode_variants --only-attention``; it writes the best plan per batch size
 (fastest over the four ctx/KV cases, by geometric mean against ``default``) to
-``decode_attention_plans.json``, which ``bench.decode_variants --attention-plans`` times in
+``decode_attention_plans.json``, which ``lab.decode_variants --attention-plans`` times in
 the whole step against the installed rule.
 """
 
@@ -21,38 +21,11 @@ import torch
 from bench.gpu_common import Ceilings, graph_time_ms, table
 from engine import kv_pool
 from engine.config import ModelConfig
+from kernels.triton_decode import candidates
 from libkv.kv_layout import KVLayout
 
 COLS = ["batch", "ctx", "kv", "plan", "us_per_layer", "frac_copy", "vs_default", "max_err"]
 BLOCK = 16
-
-
-def candidates(b: int) -> list[dict[str, object]]:
-    """Knobs to time at batch ``b`` besides ``default`` (labels: ``DecodePlan.label``)."""
-
-    def p(splits: int, n: int = 64, w: int = 4, st: int = 2, pf: bool = False, m: bool = True,
-          e: bool = False):  # fmt: skip
-        return {"num_splits": splits, "block_n": n, "num_warps": w, "num_stages": st,
-                "merge": m, "prefetch": pf or e, "early": e}  # fmt: skip
-
-    if b <= 2:
-        return [p(32), p(16), p(32, 32), p(16, pf=True), p(16, 32, pf=True), p(8, pf=True, w=8),
-                p(16, e=True), p(16, 32, e=True)]  # fmt: skip
-    return [
-        p(8),  # the default with the merge folded in: what the merge alone costs
-        p(8, pf=True), p(8, w=8, pf=True), p(4, pf=True), p(4, w=8, pf=True),
-        p(2, w=8, pf=True), p(4, 128, 8, pf=True), p(8, 32, pf=True), p(4, 32, pf=True),
-        p(16, 32, pf=True), p(8, e=True), p(4, e=True), p(4, 32, e=True),
-        p(8, 128, 8), p(8, st=5), p(4, st=5), p(16),
-        # the merge kernel kept (what the rule's plan does), other shapes around it
-        p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
-        p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
-        p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
-        # no split at all (one program per sequence and KV head streams its whole context, the
-        # output written directly: no merge kernel), the next tiles in flight
-        p(1, pf=True), p(1, w=8, pf=True), p(1, e=True), p(1, w=8, e=True), p(1, 32, e=True),
-        p(1, 128, 8, e=True), p(2, e=True), p(2, w=8, e=True),
-    ]  # fmt: skip
 
 
 def _pool(c: ModelConfig, blocks: int, dtype: torch.dtype, device: str) -> torch.Tensor:

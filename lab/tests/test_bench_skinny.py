@@ -1,9 +1,9 @@
-"""bench.skinny_gpu's summary and report from a made-up result (the GPU run itself is the
-lead's; ``python -m bench.skinny_gpu --dry-run`` checks the script on the CPU)."""
+"""lab.skinny_gpu's summary and report from a made-up result (the GPU run itself is the
+lead's; ``python -m lab.skinny_gpu --dry-run`` checks the script on the CPU)."""
 
 from __future__ import annotations
 
-from bench.skinny_gpu import report, summary
+from lab.skinny_gpu import report, summary
 
 
 def _step(weights: str, mode: str, batch: int, ms: float, roof: float) -> dict:

@@ -1,6 +1,6 @@
 """How long a restarted router takes to rebuild the block-location index, by index size.
 
-    python -m bench.location_restart --workers 1000 --entries 330,1100,2200
+    python -m lab.location_restart --workers 1000 --entries 330,1100,2200
 
 Writes, into a fresh etcd on loopback, what ``workers`` summary publishers would hold: one
 snapshot of ``entries`` random entries per worker plus a full ring of deltas (``RING`` deltas,

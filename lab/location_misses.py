@@ -11,7 +11,7 @@ than that holder held is a miss, counted in blocks, by cause:
 - ``delay``: the holder cached the missing blocks after its last summary write;
 - ``content``: they were cached before it, but the summary does not show them.
 
-Usage: ``python -m bench.location_misses --workers 100 --design summary``.
+Usage: ``python -m lab.location_misses --workers 100 --design summary``.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ Two modes, one script:
   speculative time = sum of the timed steps of the trace, plain time = one decode step per
   token. This is a projection from measured step times, and says so in its output.
 
-    python -m bench.spec_decode --out bench/results                         # CPU, real model
-    python -m bench.spec_decode --mode replay --shape llama-3.1-8b \\
+    python -m lab.spec_decode --out bench/results                         # CPU, real model
+    python -m lab.spec_decode --mode replay --shape llama-3.1-8b \\
         --trace bench/results/spec_decode_cpu.json --out $OUT               # GPU
 
 Writes ``spec_decode_<device>.json`` and ``.md`` to ``--out``.
@@ -196,7 +196,7 @@ def summarise(name: str, method: str, prompt_len: int, base: list[dict], spec: l
 def replay(args) -> dict:
     """Time a decode step verifying d drafts (d = 0..k) at batch 1 on a random-weight shape, then
     replay the per-step traces of a measure run."""
-    from bench.spec_replay import step_times
+    from lab.spec_replay import step_times
 
     trace_src = json.loads(Path(args.trace).read_text())
     k = SPEC["num_speculative_tokens"]
@@ -232,7 +232,7 @@ def draft_projection(args, times: dict[int, float]) -> dict:
     """Draft-model steps timed on random weights (draft + verify of k tokens), and the speedup
     they would give at acceptance rates ``alpha`` (each draft token kept with probability
     ``alpha`` while the ones before it were): tokens per step (1 - a^(k+1)) / (1 - a)."""
-    from bench.spec_replay import draft_step_time
+    from lab.spec_replay import draft_step_time
 
     k = args.draft_k
     spec_ms = draft_step_time(args.shape, args.draft_shape, k, args.context, args.steps)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     res.update(
         device=device_name(args),
         date=args.date,
-        command="python -m bench.spec_decode " + shlex.join(sys.argv[1:] if argv is None else argv),
+        command="python -m lab.spec_decode " + shlex.join(sys.argv[1:] if argv is None else argv),
         torch=torch.__version__,
     )
     md = report(res)

@@ -4,7 +4,7 @@ GPU (issue 18's checked KV on a contiguous run): the copy alone and the copy wit
 ``copy_`` of the same bytes (CUDA events, rounds interleaved). Exploration: the variants live
 here; the winner goes into ``kernels.triton_copy``.
 
-    python -m bench.kv_copy_sweep --tokens 1024 2048 4096 --out DIR
+    python -m lab.kv_copy_sweep --tokens 1024 2048 4096 --out DIR
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 import kernels
-from bench.kv_checksum import device_time
 from kernels import reference
+from lab.kv_checksum import device_time
 
 BLOCK_BYTES = (
     2 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""``python -m bench.decode_gpu --dry-run`` on the CPU (tiny shapes): the script the lead runs on
+"""``python -m lab.decode_gpu --dry-run`` on the CPU (tiny shapes): the script the lead runs on
 the GPU works end to end before a device call is spent on it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import decode_gpu
+from lab import decode_gpu
 
 
 def run_dry(tmp_path, *skip: str) -> dict:
@@ -20,7 +20,7 @@ def run_dry(tmp_path, *skip: str) -> dict:
 
 def test_the_spec_section_runs_dry(tmp_path, capsys) -> None:
     """The n-gram section replays the CPU traces over verify steps timed on the small shape
-    (it once failed: `bench.spec_decode.replay` reads arguments this bench did not give)."""
+    (it once failed: `lab.spec_decode.replay` reads arguments this bench did not give)."""
     res = run_dry(tmp_path, *(s for s in decode_gpu.SECTIONS if s != "spec"))
     assert res["errors"] == {} and set(res["seconds"]) == {"spec"}
     spec = res["spec"]

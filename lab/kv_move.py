@@ -12,8 +12,8 @@ decode worker, from the moment it leaves the first worker's batch to its next to
   a migration does when the KV is lost) and computes all of it before the next token (another
   tenant, so B's prefix cache does not help).
 
-    python -m bench.kv_move --model ~/.cache/tandem/models/SmolLM2-135M-Instruct
-    python -m bench.kv_move --transport nixl
+    python -m lab.kv_move --model ~/.cache/tandem/models/SmolLM2-135M-Instruct
+    python -m lab.kv_move --transport nixl
 
 Prints a table; ``--out DIR`` also writes ``kv_move_<transport>.json`` there.
 """

@@ -11,7 +11,7 @@ Within one (block, layer, K|V) both layouts hold the same contiguous ``block_siz
 head_dim`` rows, so attention reads the same runs of memory; only the stride between blocks of
 a layer differs.
 
-    python -m bench.kv_layout [--device cpu|cuda] [--model-shape smollm2|llama8b]
+    python -m lab.kv_layout [--device cpu|cuda] [--model-shape smollm2|llama8b]
 
 Prints a markdown table; writes ``kv_layout_<device>.json`` and ``.md`` to ``--out``.
 """
@@ -123,7 +123,7 @@ async def transfer_gbps(block_bytes: int, descs_per_block: int, blocks: int, tot
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.kv_layout", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m lab.kv_layout", description=__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model-shape", choices=tuple(SHAPES), default="smollm2")
     p.add_argument("--block-size", type=int, default=16)

@@ -10,10 +10,10 @@ options dict), the used-globals check and the launch hooks' metadata. The direct
 computes the variant's key from a few values (words, alignment, dtypes) and passes pointers
 as ints (the launcher then skips ``cuPointerGetAttribute`` for them).
 
-    PYTHONPATH=/tmp/triton-N python -m bench.kv_launch_host [--blocks 64] [--calls 20000]
+    PYTHONPATH=/tmp/triton-N python -m lab.kv_launch_host [--blocks 64] [--calls 20000]
 
 Needs triton (3.6, installed apart: see the README); refuses to run where CUDA is present
-(there ``bench.kv_checksum`` times the real launches). Patches torch's current-device and
+(there ``lab.kv_checksum`` times the real launches). Patches torch's current-device and
 stream lookups and Triton's active driver in this process only."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     args = p.parse_args(argv)
     if torch.cuda.is_available():
-        raise SystemExit("CUDA is here: bench.kv_checksum times the real launches")
+        raise SystemExit("CUDA is here: lab.kv_checksum times the real launches")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.driver import driver

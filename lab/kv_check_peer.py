@@ -8,7 +8,7 @@ of a prompt of each size it measures:
 
 - **the check on the hand-off's path:** wall time of ``fetch`` + ``verify`` with sums on
   against sums off (one ``cudaMemcpy`` a run, the copy kernel for scattered blocks), A/B
-  interleaved (`bench.kv_check_ab.paired`). Sums on, a run from the same GPU takes the SM copy
+  interleaved (`lab.kv_check_ab.paired`). Sums on, a run from the same GPU takes the SM copy
   that sums on its way, a run from another GPU the copy engines in chunks, each summed where
   it landed (`CudaIpcTransport._check_peer_runs`), and scattered blocks the copy-and-sum
   kernel; the compare goes behind;
@@ -23,11 +23,11 @@ the copy, and this GPU reads what landed about ten times faster than the link br
 the link copy slows while a sum reads beside it (two H100s: to about 70%), which is what the
 copy-engine path's chunk sizes and side-sum programs trade against (``--trail`` sets them for a
 run, ``TRAILS`` sweeps them). ``--timeline N`` profiles N fetches each way and says op by op
-where the checked one's time goes (`bench.kv_timeline`).
+where the checked one's time goes (`lab.kv_timeline`).
 
-    python -m bench.kv_check_peer --src cuda:0 --dst cuda:1 --tokens 1024 2048 4096 \\
+    python -m lab.kv_check_peer --src cuda:0 --dst cuda:1 --tokens 1024 2048 4096 \\
         --pairs 200 --stack-handoff-ms 2048=0.78 4096=0.94 --out DIR
-    python -m bench.kv_check_peer shares DIR/kv_check_peer.json ON/results.json OFF/results.json
+    python -m lab.kv_check_peer shares DIR/kv_check_peer.json ON/results.json OFF/results.json
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ import numpy as np
 import torch
 
 import kernels
-from bench import kv_peer, kv_timeline
-from bench.kv_check_ab import paired, sm_check, transport_arms
-from bench.kv_checksum import device_time
+from bench import kv_peer
+from bench.kv_peer import pattern_sums
+from lab import kv_timeline
+from lab.kv_check_ab import paired, sm_check, transport_arms
+from lab.kv_checksum import device_time
 from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
-from libkv.transfer.fetch_checks import MASK
 
 BLOCK_SIZE = 16  # tokens a block
 # (last chunk MiB, ratio, largest chunk MiB or 0, side-sum programs per multiprocessor) of
@@ -63,14 +64,6 @@ TRAILS = ((16, 4, 0, 0), (16, 4, 64, 2), (16, 4, 64, 1), (16, 4, 128, 1), (16, 4
           (8, 4, 64, 2), (16, 4, 64, 0))  # fmt: skip
 # One 16-token block of the Llama-3.1-8B shape: 32 layers x 8 KV heads x 128 x (K, V) x bf16.
 BLOCK_BYTES_8B = 16 * 32 * 8 * 128 * 2 * 2
-
-
-def pattern_sums(blocks: list[int], block_bytes: int, device: torch.device) -> list[int]:
-    """The sender's ``wsum64`` of each of ``blocks`` of a `kv_peer.fill_pattern` pool
-    (unsigned, as a handle carries them)."""
-    words = torch.stack([kv_peer.expected_block(b, block_bytes, device) for b in blocks])
-    sums = kernels.block_wsum64(words, torch.arange(len(blocks), device=device))
-    return [s & MASK for s in sums.tolist()]
 
 
 def device_times(
@@ -383,7 +376,7 @@ HEADER = (
 def timeline(off: Callable[[], float], on: Callable[[], float], tokens: int,
              args: argparse.Namespace) -> dict:  # fmt: skip
     """Op by op, where the checked run's ``fetch`` + ``verify`` spends its time against the
-    plain one's (`bench.kv_timeline`), ``args.timeline`` windows of each; the trace goes
+    plain one's (`lab.kv_timeline`), ``args.timeline`` windows of each; the trace goes
     beside the results, gzipped."""
     import gzip
 

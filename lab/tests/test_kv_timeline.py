@@ -1,9 +1,9 @@
-"""`bench.kv_timeline`'s reading of a profiler trace: windows, ops matched to their launches,
+"""`lab.kv_timeline`'s reading of a profiler trace: windows, ops matched to their launches,
 and the medians (the profiling itself needs CUDA: `test_kv_checked_peer_gpu.py` runs it)."""
 
 from __future__ import annotations
 
-from bench import kv_timeline
+from lab import kv_timeline
 
 
 def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None) -> dict:

@@ -19,8 +19,8 @@ same run:
    <= 0.6x at batch 1; decode >= 90% of the roofline); the skinny plan each product took and
    where the plans came from.
 
-    SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.skinny_gpu --out $OUT
-    python -m bench.skinny_gpu --dry-run --out /tmp/dry   # off the GPU: tiny shapes, CPU
+    SHAPE=llama-3.1-8b bash bench/device/run.sh bench lab.skinny_gpu --out $OUT
+    python -m lab.skinny_gpu --dry-run --out /tmp/dry   # off the GPU: tiny shapes, CPU
 
 ``--plans FILE`` installs the plans of an earlier run (``--skip products``: steps only).
 Prints short tables; writes ``skinny_gpu_<device>.md`` and ``.json`` to ``--out``.
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="products: leave out the fused prologues against the unfused pair",
     )
-    args = parse_bench_args(p, "bench.skinny_gpu", argv)
+    args = parse_bench_args(p, "lab.skinny_gpu", argv)
     run = Run(args)
     measured = "products" not in args.skip
     given = f"--plans {args.plans}" if args.plans is not None else "kernels/skinny_plans.json"

@@ -11,8 +11,8 @@ what helps:
 Then a per-kernel profile of the plain step with PDL off (with PDL on a kernel's time includes
 its wait for the previous one). Prints a table; writes ``decode_variants_<device>.md``/``.json``.
 
-    bash bench/device/run.sh bench bench.decode_variants --out $OUT
-    python -m bench.decode_variants --dry-run --out /tmp/dry   # off the GPU: the script only
+    bash bench/device/run.sh bench lab.decode_variants --out $OUT
+    python -m lab.decode_variants --dry-run --out /tmp/dry   # off the GPU: the script only
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch
 import kernels
 from bench.gpu_common import measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
-from bench.skinny_gpu import shapes
 from engine.config import ModelConfig
 from engine.fp8 import quantize_layer
 from engine.shapes import SHAPES
 from kernels import reference
+from lab.skinny_gpu import shapes
 
 COLS = [
     "weights",
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> dict:
                  "rows": [], "profiles": []}  # fmt: skip
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # a dry run through the interpreter
     if (device == "cuda" or interpret) and (args.attention or args.only_attention):
-        from bench import decode_attention_gpu
+        from lab import decode_attention_gpu
 
         ctxs = args.ctxs if device == "cuda" else [40]
         res.update(decode_attention_gpu.run(c, ceil, args.batches, ctxs, device,
@@ -414,7 +414,7 @@ def report(res: dict) -> str:
              f"shape {res['shape']}; copy bandwidth {res['copy_TBps']:.3f} TB/s", "",
              table(res["rows"], COLS + ["error"]), ""]  # fmt: skip
     if res.get("attention"):
-        from bench import decode_attention_gpu
+        from lab import decode_attention_gpu
 
         lines += decode_attention_gpu.report(res)
     for p in res["profiles"]:
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--plans", type=Path, default=None,
-                   help="install these plans first (bench.skinny_gpu's _plans.json)")  # fmt: skip
+                   help="install these plans first (lab.skinny_gpu's _plans.json)")  # fmt: skip
     p.add_argument(
         "--attention",
         action="store_true",
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
         "--variants", nargs="+", default=None, help="run only these step variants (and installed)"
     )
     p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
-    args = parse_bench_args(p, "bench.decode_variants", argv)
+    args = parse_bench_args(p, "lab.decode_variants", argv)
     res = run(args)
     md = report(res)
     print(md)

@@ -24,13 +24,13 @@ short still returns what it did), and one that fails is recorded without stoppin
    weights: the GPU host has no checkpoint; ``--model DIR`` takes one);
 9. ``spec``: n-gram speculative decoding at batch 1 on the 8B shape: a step verifying d drafts
    timed for each d, then the measured CPU run's per-step traces replayed (a projection:
-   random weights accept no drafts; ``bench.spec_decode --mode replay``).
+   random weights accept no drafts; ``lab.spec_decode --mode replay``).
 
-    SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.decode_gpu --out $OUT
+    SHAPE=llama-3.1-8b bash bench/device/run.sh bench lab.decode_gpu --out $OUT
     # the FP8 steps (bf16, FP8, FP8 with the LM head) and the agreement alone:
-    bash bench/device/run.sh bench bench.decode_gpu --out $OUT --skip checks roofline fp8_kv \
+    bash bench/device/run.sh bench lab.decode_gpu --out $OUT --skip checks roofline fp8_kv \
         gemv handoff spec
-    python -m bench.decode_gpu --dry-run --out /tmp/dry     # off the GPU: tiny shapes, no
+    python -m lab.decode_gpu --dry-run --out /tmp/dry     # off the GPU: tiny shapes, no
                                                            # Triton; checks that it runs
 
 Prints short tables; writes ``decode_gpu_<device>.md`` and ``.json`` to ``--out``.
@@ -49,12 +49,12 @@ from pathlib import Path
 import torch
 
 import kernels
-from bench import gpu_fp8
 from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
 from engine.fp8 import quantize_head, quantize_layer
 from engine.shapes import SHAPES
+from lab import gpu_fp8
 from tests.kernel_cases import rel_err
 
 SECTIONS = (
@@ -193,7 +193,7 @@ def set_mode(fuse: bool, split: int) -> None:
 
     kernels.FUSE_DECODE = fuse
     # The split-K modes are the first skinny kernel's (``triton_gemv``); the others run the
-    # default one (``triton_skinny``, whose plans carry their own split-K: bench.skinny_gpu).
+    # default one (``triton_skinny``, whose plans carry their own split-K: lab.skinny_gpu).
     kernels.SKINNY_KERNEL = "gemv" if split > 1 else "skinny"
     triton_gemv.SPLIT_K_TILES_PER_SM = 4 if split > 1 else 0
     triton_gemv.SPLIT_K = split
@@ -320,9 +320,9 @@ def agreement(run: Run) -> list[dict]:
 
 
 def spec(run: Run) -> dict:
-    from bench.spec_decode import replay
+    from lab.spec_decode import replay
 
-    args = argparse.Namespace(  # replay's arguments (bench.spec_decode); n-gram only here
+    args = argparse.Namespace(  # replay's arguments (lab.spec_decode); n-gram only here
         trace=str(run.args.trace), shape=run.shape, context=1024 if not run.dry else 64,
         steps=40 if not run.dry else 3, draft_shape="",
     )  # fmt: skip
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="agreement: a real checkpoint")
     p.add_argument("--trace", type=Path, default=Path("bench/results/spec_decode_cpu.json"))
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
-    args = parse_bench_args(p, "bench.decode_gpu", argv)
+    args = parse_bench_args(p, "lab.decode_gpu", argv)
     run = Run(args)
     steps: dict[str, Callable[[Run], object]] = {
         "ceilings": ceilings, "checks": checks, "roofline": roofline, "fp8_weights": fp8_weights,

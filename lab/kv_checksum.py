@@ -18,13 +18,13 @@ upper bound. Two figures per prompt size:
 
 On one GPU, with ``wsum64``, also the check the CUDA IPC transport runs: the device time of
 its fused copy+sum (and with the compare and count) over the plain copy kernel, and its wall
-time against the bare copy, A/B interleaved in the same run (`bench.kv_check_ab`: the device
+time against the bare copy, A/B interleaved in the same run (`lab.kv_check_ab`: the device
 work by hand, and `CudaIpcTransport.fetch` + ``verify`` with sums off and on), as a share of
 the bare copy and of the serving stack's CUDA IPC hand-off (``--stack-handoff-ms``).
 
-    python -m bench.kv_checksum                     # CPU, SmolLM2-135M shape, float32
-    python -m bench.kv_checksum --shape llama-3.1-8b --device cuda   # bf16 on the GPU
-    python -m bench.kv_checksum --dry-run           # every path this machine can run, tiny
+    python -m lab.kv_checksum                     # CPU, SmolLM2-135M shape, float32
+    python -m lab.kv_checksum --shape llama-3.1-8b --device cuda   # bf16 on the GPU
+    python -m lab.kv_checksum --dry-run           # every path this machine can run, tiny
 
 Prints a table; ``--out DIR`` also writes ``kv_checksum_<device>_<algorithm>.json`` there.
 """
@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 import kernels
-from bench import kv_check_ab
 from engine.kv_checksum import ALGORITHMS, WSUM64, BlockChecksums, SealedSums
+from lab import kv_check_ab
 
 # (layers, kv heads, head dim) of the model shapes the benches use.
 SHAPES = {"smollm2-135m": (30, 3, 64), "llama-3.1-8b": (32, 8, 128)}

@@ -11,7 +11,7 @@
    then in FP8 too) against bf16 through the engine, on the SmolLM2 shape with shared random
    weights (the GPU host has no real checkpoint; ``--model DIR`` takes one).
 
-    python -m bench.gpu_fp8 [--out bench/results] [--model DIR]
+    python -m lab.gpu_fp8 [--out bench/results] [--model DIR]
 
 Prints markdown and writes ``gpu_fp8_<device>.md`` and ``.json`` to ``--out``.
 """
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     res: dict = {
         "device": torch.cuda.get_device_name(),
         "date": args.date,
-        "command": "python -m bench.gpu_fp8 " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m lab.gpu_fp8 " + shlex.join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
     }
     ceil = measure_ceilings()

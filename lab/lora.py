@@ -22,9 +22,9 @@ the LoRA kernels of every layer alone (captured in a graph of their own): fused,
 runs them (one shrink and one expand per input: q/k/v and gate/up share theirs), and one
 projection at a time.
 
-    SHAPE=llama-3.1-8b bash bench/device/run.sh bench bench.lora --model /tmp/models/llama-3.1-8b \
+    SHAPE=llama-3.1-8b bash bench/device/run.sh bench lab.lora --model /tmp/models/llama-3.1-8b \
         --load-format dummy --out "$OUT"
-    python -m bench.lora --requests 8 --adapters 4 --output 8   # CPU smoke run, bundled model
+    python -m lab.lora --requests 8 --adapters 4 --output 8   # CPU smoke run, bundled model
 """
 
 from __future__ import annotations
@@ -40,35 +40,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.lora_config import module_shape
+from tests.lora_adapters import write_adapter
 
 DEFAULT_MODEL = Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def write_adapter(
-    out: Path, engine: LLMEngine, rank: int, targets: list[str], seed: int, std: float = 0.01
-) -> Path:
-    """A random PEFT LoRA folder for the engine's model (A, B ~ N(0, std)), stored bf16."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(engine.model_config.num_layers):
-        for m in targets:
-            fan_in, fan_out = module_shape(engine.model_config, m)
-            block = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{block}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, out / "adapter_model.safetensors"
-    )
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return out
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], output: int) -> dict:

@@ -1,11 +1,11 @@
-"""bench.location_misses: every miss of a small simulator row is counted under one cause."""
+"""lab.location_misses: every miss of a small simulator row is counted under one cause."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.location_misses import CAUSES, explain
 from bench.location_run import SimConfig
+from lab.location_misses import CAUSES, explain
 
 pytestmark = pytest.mark.timeout(300)
 
