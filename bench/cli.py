@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import handoff, kv_stats
+from bench import extra, handoff, kv_stats
 from bench.gpu_busy import GpuSampler
 from bench.metrics import SLO, summarize
 from bench.proc_cpu import CpuMeter, with_engines
@@ -273,6 +273,7 @@ def _meta(args: argparse.Namespace, command: str, workloads: list[Workload], slo
 
 def run(args: argparse.Namespace, command: str | None = None) -> int:
     """Run every target x workload x rate; print and write the results."""
+    extra.require(plots=args.plots)
     command = command or "tandem " + shlex.join(sys.argv[1:])
     rates = [r for group in args.rate for r in group]  # none: each workload's default
     slo = SLO(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 
 import httpx
+import pytest
 
 from bench.runner import Endpoint, LoadConfig, RequestOptions, run_load
 from bench.workloads import ApproxCounter, WorkloadConfig, generate
@@ -146,3 +148,20 @@ def test_trace_replay_keeps_the_traces_times():
     assert poisson.trace_speed is None and max(r.start for r in poisson.records) < 0.05
     cut = run(FakeServer(), wl, LoadConfig(time_limit=0.1, trace_speed=1.0))
     assert len(cut.records) == 2 and cut.not_sent == 2  # the time limit still stops sending
+
+
+@pytest.mark.parametrize("gone,plots", [("tqdm", False), ("matplotlib", True)])
+def test_a_missing_extra_is_named_before_anything_runs(monkeypatch, tmp_path, gone, plots):
+    """Without a module of the ``bench`` extra, ``tandem bench`` names it and the extra to
+    install, and exits before it starts a stack or sends a request (matplotlib only matters
+    with plots)."""
+    from bench.cli import main
+
+    monkeypatch.setitem(sys.modules, gone, None)  # its import fails, as when not installed
+    argv = ["--endpoint", "http://127.0.0.1:9/v1", "--out", str(tmp_path), "--no-progress"]
+    with pytest.raises(SystemExit) as exited:
+        main(argv + ([] if plots else ["--no-plots"]))
+    assert f"needs {gone}" in str(exited.value) and "pip install 'tandem[bench]'" in str(
+        exited.value
+    )
+    assert not list(tmp_path.iterdir())  # nothing written
