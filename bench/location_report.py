@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from bench.etcd_ceiling import Ceiling
 from bench.report import cpu_model
 
-MEMBER_REFRESH_S = 3.0  # every worker re-puts its member key this often (same in both designs)
+MEMBER_REFRESH_S = 3.0  # every worker re-puts its member key this often (in every design)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,27 +91,26 @@ def targets(rows: Sequence[Row], design: str) -> str:
 
 
 ABOUT = """\
-What is real: etcd (a fresh one per row, on loopback), the publishers (`SummaryPublisher`, or
-the first design's `LocationPublisher`, one per simulated worker, fed block by block as the
-engine's `KVCacheManager` would), every write they make, a router's index following etcd by
-watch (with `RecentRoutes` in the `summary+hints` rows), its lookups, and a restarted router's
-rebuild (a new `LocationIndex` reading etcd). Simulated: the workers (an LRU prefix cache of
-`capacity` blocks and a prefill clock each), the trace (shared system prompts with Zipf
-popularity, multi-turn conversations; each distinct prefix a random 128-bit hash instead of the
-sha256 chain) and time: requests arrive so that every worker prefills `rate` tokens per virtual
-second; each publisher flushes once per virtual interval (all sharing 4 etcd connections), and
-the index catches up with etcd before routing goes on, so watch latency is not in the figures.
-Rates are per virtual second; whether etcd could take them in real time is what the ceiling
-above (same run, same machine) says. A second cluster routes the same requests by an exact index
-of every cached block (no delay): the hit rate to compare with. Routing: lowest estimated time
+What is real: etcd (a fresh one per row, on loopback), the publishers (`SummaryPublisher`, one per
+simulated worker, fed block by block as the engine's `KVCacheManager` would), every write they make,
+a router's index following etcd by watch (with `RecentRoutes` in the `summary+hints` rows), its
+lookups, and a restarted router's rebuild (a new `LocationIndex` reading etcd). Simulated: the
+workers (an LRU prefix cache of `capacity` blocks and a prefill clock each), the trace (shared
+system prompts with Zipf popularity, multi-turn conversations; each distinct prefix a random 128-bit
+hash instead of the sha256 chain) and time: requests arrive so that every worker prefills `rate`
+tokens per virtual second; each publisher flushes once per virtual interval (all sharing 4 etcd
+connections), and the index catches up with etcd before routing goes on, so watch latency is not in
+the figures. Rates are per virtual second; whether etcd could take them in real time is what the
+ceiling above (same run, same machine) says. A second cluster routes the same requests by an exact
+index of every cached block (no delay): the hit rate to compare with. Routing: lowest estimated time
 to first token (wait until idle + uncached tokens / rate) over the holders a lookup reports (the
 first 32 per chain position) and the least busy worker. Index memory: tracemalloc of an index
 rebuilt from etcd. Lookup times: the last 20,000 prompts looked up again after the run (the
 simulator's own objects frozen out of the garbage collector), once each, right after reading its
-hashes (as a router has just computed them), in the thread's CPU time (`time.thread_time_ns`):
-on this shared 2-core machine other processes preempt the simulator for milliseconds at a time,
-which wall-clock percentiles would count. Member-key refreshes (every worker every 3 s, both
-designs) are added, not simulated."""
+hashes (as a router has just computed them), in the thread's CPU time (`time.thread_time_ns`): on
+this shared 2-core machine other processes preempt the simulator for milliseconds at a time, which
+wall-clock percentiles would count. Member-key refreshes (every worker every 3 s, every design) are
+added, not simulated."""
 
 
 def render(

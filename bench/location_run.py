@@ -1,5 +1,5 @@
-"""One row of the block-location simulator (``bench/location_sim.py``): a design at one cluster
-size, against a fresh etcd."""
+"""One row of the block-location simulator (``bench/location_sim.py``): a design (summaries,
+with or without the router's recent routes) at one cluster size, against a fresh etcd."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import aetcd
 from bench.location_cluster import BLOCK, Cluster
 from bench.location_report import Row
 from bench.location_trace import Trace, TraceConfig
-from libkv.cluster import location_index, locations, summary_index
+from libkv.cluster import summary_index
 from libkv.cluster.etcd_follow import EtcdConnection, read_prefix
 from libkv.cluster.location_summary import LOCATIONS_PREFIX, delta_key
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
 from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
 
-DESIGNS = ("summary", "summary+hints", "per-block")
+DESIGNS = ("summary", "summary+hints")
 PER_REQUEST_GUESS = 800.0  # prefilled tokens per request, until measured
 LOOKUP_SAMPLE = 20_000  # recent prompts looked up again, timed, after the run
 
@@ -67,17 +67,16 @@ class Sim:
 
     def __init__(self, cfg: SimConfig, endpoint: str, conns: list[EtcdConnection]) -> None:
         self.cfg, self.endpoint, self.conns = cfg, endpoint, conns
-        self.summary = cfg.design.startswith("summary")
         self.hinted: HintedIndex | None = None
         self.now = 0.0  # virtual
         self.per_request = PER_REQUEST_GUESS  # prefilled tokens per request, lately
         self._last = (0, 0)  # (requests, prefilled tokens) at the last rate update
-        self.interval = cfg.interval if self.summary else locations.PublisherConfig().interval
+        self.interval = cfg.interval
         # A conversation's next turn comes after about `active` other requests.
         active = int(cfg.think * cfg.workers * cfg.rate / PER_REQUEST_GUESS)
         self.trace = Trace(TraceConfig(active=active, seed=cfg.seed))
-        self.pubs: list = []
-        self.index: summary_index.LocationIndex | location_index.LocationIndex | None = None
+        self.pubs: list[SummaryPublisher] = []
+        self.index: summary_index.LocationIndex | None = None
         self.apply_s = [0.0]
         self.chains: deque[list[bytes]] = deque(maxlen=LOOKUP_SAMPLE)  # recent prompts
         self._widx: dict[tuple[str, str], int] = {}
@@ -88,18 +87,13 @@ class Sim:
                                         for w in range(cfg.workers)))  # fmt: skip
         for w, lease in enumerate(leases):
             conn, lh = self.conns[w % 4], SimLease(lease.id)
-            if self.summary:
-                config = SummaryConfig(interval=cfg.interval, budget=cfg.budget)
-                pub = SummaryPublisher(self.endpoint, f"w{w}", "i0", lh, config, etcd=conn)
-            else:
-                pub = locations.LocationPublisher(self.endpoint, f"w{w}", "i0", lh, etcd=conn)
+            config = SummaryConfig(interval=cfg.interval, budget=cfg.budget)
+            pub = SummaryPublisher(self.endpoint, f"w{w}", "i0", lh, config, etcd=conn)
             self.pubs.append(pub)
-        cls = summary_index.LocationIndex if self.summary else location_index.LocationIndex
-        self.index = await cls.start(self.endpoint)
+        self.index = await summary_index.LocationIndex.start(self.endpoint)
         self.index.put = _timed(self.index.put, self.apply_s)  # type: ignore[method-assign]
         self.index.delete = _timed(self.index.delete, self.apply_s)  # type: ignore[method-assign]
         if cfg.design == "summary+hints":
-            assert isinstance(self.index, summary_index.SummaryIndex)
             self.hinted = HintedIndex(self.index, RecentRoutes(ttl=2 * cfg.interval))
 
     def _match(self, chain: list[bytes], now: float):
@@ -110,11 +104,8 @@ class Sim:
 
     def _hits(self, match):
         w = self._widx
-        if self.summary:
-            return ((d, (w.setdefault(h, int(h[0][1:])) for h in hs))
-                    for d, hs in match.positions())  # fmt: skip
-        return ((d, (w.setdefault(h, int(h[0][1:])),))
-                for h, d in sorted(match.items(), key=lambda kv: -kv[1]))  # fmt: skip
+        return ((d, (w.setdefault(h, int(h[0][1:])) for h in hs))
+                for d, hs in match.positions())  # fmt: skip
 
     async def _revision(self) -> int:
         client = self.conns[0].client
@@ -139,13 +130,9 @@ class Sim:
         """(etcd writes, keys written, bytes, entry changes) so far, over all publishers."""
         st = [p.stats for p in self.pubs]
         txns = sum(s.txns for s in st)
-        if self.summary:
-            key_bytes = len(delta_key("w100", "i0", 0))
-            return (txns, txns, sum(s.bytes for s in st) + txns * key_bytes,
-                    sum(s.puts + s.deletes for s in st))  # fmt: skip
-        keys = sum(s.puts + s.deletes for s in st)
-        key_bytes = len(locations.location_key("w100", "i0", bytes(16)))
-        return txns, keys, keys * key_bytes + sum(s.puts for s in st) * 2, keys
+        key_bytes = len(delta_key("w100", "i0", 0))
+        return (txns, txns, sum(s.bytes for s in st) + txns * key_bytes,
+                sum(s.puts + s.deletes for s in st))  # fmt: skip
 
     async def run(self) -> Row:
         """Warm up until the caches are full, then measure ``cfg.measure`` virtual seconds; both
@@ -206,7 +193,7 @@ class Sim:
         ora = _rate(oracle.counters, ora0)
         prefilled = ((sim.counters.prompt_tokens - sim0["prompt_tokens"])
                      - (sim.counters.hit_tokens - sim0["hit_tokens"]))  # fmt: skip
-        grans = [p.granularity for p in self.pubs] if self.summary else [4]
+        grans = [p.granularity for p in self.pubs]
         assert self.index is not None
         return Row(
             design=self.cfg.design, workers=n,
@@ -256,9 +243,8 @@ class Sim:
 
     async def _memory(self) -> int:
         """Bytes the index structures take (tracemalloc, rebuilt from a read of etcd)."""
-        prefix = (LOCATIONS_PREFIX if self.summary else locations.LOCATIONS_PREFIX).encode()
-        items, _ = await read_prefix(self.conns[0], prefix)
-        sink = summary_index.SummaryIndex() if self.summary else location_index.PrefixIndex()
+        items, _ = await read_prefix(self.conns[0], LOCATIONS_PREFIX.encode())
+        sink = summary_index.SummaryIndex()
         tracemalloc.start()
         sink.reset(items)
         size = tracemalloc.get_traced_memory()[0]

@@ -2,8 +2,8 @@
 
     python -m bench.location_sim --workers 10,100,1000 --out bench/results/location_scale
 
-Real: etcd (a fresh one per row, on loopback), the publishers (``SummaryPublisher``, or the
-first per-block design ``LocationPublisher``) fed block by block as ``KVCacheManager`` would,
+Real: etcd (a fresh one per row, on loopback), the publishers (``SummaryPublisher``) fed block
+by block as ``KVCacheManager`` would,
 their writes, the router's index following etcd by watch, its lookups, and a restarted
 router's rebuild. Simulated: the workers (an LRU prefix cache and a prefill clock each,
 ``bench/location_cluster.py``), the trace (``bench/location_trace.py``) and time. Time is
@@ -38,9 +38,6 @@ async def run_all(args: argparse.Namespace) -> tuple[list[Row], list]:
     rows, ceiling = [], []
     for n in [int(x) for x in args.workers.split(",")]:
         for design in args.designs.split(","):
-            if design == "per-block" and n > args.per_block_max:
-                print(f"skipping per-block at {n} workers (--per-block-max {args.per_block_max})")
-                continue
             with EtcdServer() as etcd:
                 conns = [EtcdConnection(etcd.endpoint, 60, "sim") for _ in range(4)]
                 if not ceiling:
@@ -65,9 +62,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="summary: s between writes")
     p.add_argument("--think", type=float, default=2.0, help="virtual s between turns")
     p.add_argument("--budget", type=int, default=256, help="summary entry changes/s/worker")
-    p.add_argument("--per-block-max", type=int, default=100,
-                   help="largest cluster for the per-block design (at 1,000 workers one virtual "
-                   "second of it takes minutes here)")  # fmt: skip
     p.add_argument("--out", default="", help="write OUT.md and OUT.json")
     p.add_argument("--from-json", default="", help="only render the .md of an earlier run")
     args = p.parse_args(argv)

@@ -4,17 +4,37 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
-from libkv.cluster.location_index import PrefixIndex
-from libkv.cluster.locations import location_key
 from libkv.cluster.registry import LORAS, Member, MemberChange, MemberLoad
 from libkv.hashing import encode_extra_keys, hash_prefix_blocks
 from libkv.kv_layout import LAYOUT_KEY, KVLayout
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
 
 BS = 16
+Holder = tuple[str, str]  # (worker_id, incarnation)
+
+
+class PrefixIndex:
+    """A hand-filled `LocationLookup`: the chain positions each worker incarnation published."""
+
+    def __init__(self) -> None:
+        self._by_hash: dict[bytes, set[Holder]] = {}
+
+    def put(self, holder: Holder, block_hash: bytes) -> None:
+        self._by_hash.setdefault(block_hash, set()).add(holder)
+
+    def match(self, hashes: Sequence[bytes]) -> dict[Holder, int]:
+        """Each holder's deepest published position of the chain, in blocks."""
+        depth: dict[Holder, int] = {}
+        for i in range(len(hashes) - 1, -1, -1):
+            for holder in self._by_hash.get(hashes[i], ()):
+                depth.setdefault(holder, i + 1)
+        return depth
+
+
 PROMPT = list(range(1000, 1000 + 40 * BS))  # 40 blocks
 
 
@@ -35,7 +55,7 @@ def publish(index: PrefixIndex, m: Member, prompt: list[int], blocks: int, tenan
     """``m`` holds the first ``blocks`` blocks of ``prompt`` (published every 4 blocks)."""
     chain = hash_prefix_blocks(prompt, BS, encode_extra_keys(tenant or None))
     for i in range(3, blocks, 4):
-        index.put(location_key(m.worker_id, m.incarnation, chain[i]), str(i + 1).encode())
+        index.put((m.worker_id, m.incarnation), chain[i])
 
 
 def chooser(members, policy="kv", index=None, threshold=256, inflight=None) -> Chooser:
@@ -311,7 +331,7 @@ def test_prefix_hashes_are_salted_by_adapter():
     index = PrefixIndex()
     hit = member("d1", "decode")
     chain = hash_prefix_blocks(PROMPT, BS, encode_extra_keys(None, "a"))
-    index.put(location_key("d1", hit.incarnation, chain[31]), b"32")
+    index.put(("d1", hit.incarnation), chain[31])
     members = [member("d0", "decode"), with_loras(hit, "a")]
     plan = chooser(members, index=index).plan(RouteRequest(PROMPT, lora="a"), set())
     assert plan.decode.worker_id == "d1" and plan.cached_blocks == 32

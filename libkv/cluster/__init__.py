@@ -5,8 +5,7 @@ thread of their own) over ``etcd_follow`` (connections, watches that survive etc
 Block locations: each worker publishes a bounded summary of its prefix cache
 (``summary_publisher``, deciding what to write in ``summary_state``, encoded by
 ``location_summary``) and routers index them (``summary_index``), remembering their own recent
-routes meanwhile (``recent_routes``); ``locations`` and ``location_index``, one key per block,
-are the first design, kept as the simulator's baseline. ``adapters``: the LoRA adapters loaded at
+routes meanwhile (``recent_routes``). ``adapters``: the LoRA adapters loaded at
 run time, kept (without a lease) for workers that start later. The pure bookkeeping these describe
 (block pool, KV manager, hash chain) stays in ``libkv`` itself and knows nothing of etcd.
 """

@@ -31,16 +31,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Protocol
 
 from libkv.cluster.etcd_follow import Endpoints, EtcdConnection, backoff, cancel_task
 from libkv.cluster.location_summary import SNAPSHOT, delta_key, snapshot_key
-from libkv.cluster.locations import LeaseHolder
 from libkv.cluster.summary_state import SummaryConfig, SummaryState, SummaryStats
 from libkv.hashing import BlockHash
 
 __all__ = ["SummaryConfig", "SummaryPublisher", "SummaryStats"]
 
 log = logging.getLogger(__name__)
+
+
+class LeaseHolder(Protocol):
+    """What the publisher needs of a `Registration`: its current lease and how many times a
+    lease was granted (a change means the old lease, and the entries under it, are gone)."""
+
+    lease_id: int | None
+    registered: bool
+    registrations: int
 
 
 class SummaryPublisher:
