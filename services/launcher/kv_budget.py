@@ -26,7 +26,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from services.launcher.stack import StackConfig
+    from services.launcher.stack_config import StackConfig
 
 CPU_KV_CACHE_MIN_BYTES = 128 * 1024**2  # a CPU worker's pool at least, when none is given
 CPU_KV_CACHE_MAX_BYTES = 2 * 1024**3  # and at most (then the context is capped)

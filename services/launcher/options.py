@@ -17,13 +17,11 @@ from services.common.engine_options import engine_spec
 from services.launcher.adapters import SYNTAX
 from services.launcher.kv_budget import CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES
 from services.launcher.placement import DEFAULT_UTILIZATION, parse_gpus
-
-# Launcher policy. A CPU step's time grows with its tokens, and the decodes batched with a
-# prefill chunk wait for it: on a CPU stack the chunk is smaller than the workers' default.
-CPU_MAX_NUM_BATCHED_TOKENS = 256
-# Workers run this many nice steps below the other processes once they serve, so the gateway
-# and routers still get a core at once (bench/results/overload_cpu.md).
-DEFAULT_WORKER_NICE = 10
+from services.launcher.stack_config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_WORKER_NICE,
+    StackConfig,
+)
 
 # The engine knobs passed to every worker as given, in --help order.
 PASSED_KNOBS = (
@@ -141,8 +139,6 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
 def worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """`StackConfig` fields from the flags of `add_worker_options` (only those given); engine
     knobs that are not StackConfig fields go to every worker in ``worker_args``."""
-    from services.launcher.stack import StackConfig  # stack.py imports this module's policy
-
     try:
         gpus = parse_gpus(args.gpus)
     except ValueError as e:
