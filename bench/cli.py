@@ -40,7 +40,8 @@ from bench.report import (
 )
 from bench.runner import Endpoint, LoadConfig, RequestOptions, run_load
 from bench.stacks import StackSpec, parse_stack, running_stack
-from bench.trace_workload import add_trace_arguments, describe, generate_trace, trace_config
+from bench.trace_workload import add_trace_arguments, generate_trace, trace_config
+from bench.traces import describe
 from bench.workloads import (
     KINDS,
     Workload,

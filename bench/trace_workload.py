@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench.traces import (
@@ -30,7 +29,9 @@ from bench.traces import (
     FORMATS,
     OVERLONG,
     Selection,
+    TraceConfig,
     TraceRow,
+    TraceStats,
     block_lengths,
     detect_format,
     load_trace,
@@ -38,71 +39,6 @@ from bench.traces import (
     sharing,
 )
 from bench.workloads import Message, RequestSpec, TextMaker, TokenCounter, Workload
-
-
-@dataclass(frozen=True, slots=True)
-class TraceConfig:
-    """What to replay (``tandem bench --trace`` and its flags)."""
-
-    path: str
-    num_requests: int = 50
-    seed: int = 0
-    format: str = "auto"  # or "mooncake", "azure"
-    start: float = 0.0  # seconds into the trace
-    speed: float = 1.0  # 2.0: arrivals twice as fast
-    max_input_len: int | None = None
-    max_output_len: int | None = None
-    overlong: str = "cut"  # or "skip": prompts over max_input_len
-    kind: str = "trace"
-
-    @property
-    def name(self) -> str:
-        return f"trace:{Path(self.path).stem}"
-
-    def resolved(self) -> TraceConfig:
-        return self
-
-
-@dataclass(frozen=True, slots=True)
-class TraceStats:
-    """What a replay sends and the sharing the trace itself has, for the results (compare
-    ``reuse`` with a server's prefix hit rate on the same run)."""
-
-    trace: str  # the file's name
-    format: str
-    rows_in_file: int
-    start: float
-    speed: float
-    requests: int
-    scanned: int  # rows read from ``start`` on to collect them
-    overlong: str  # what happened to prompts over max_input_len: "cut" or "skip"
-    max_input_len: int | None
-    max_output_len: int | None
-    cut: int
-    skipped: int
-    span_s: float  # first to last arrival, after the speed
-    input_tokens: int  # as sent, without any chat template
-    output_tokens: int
-    reused_tokens: int  # in leading blocks an earlier request of the replay had
-    reuse: float  # reused_tokens / input_tokens
-    reuse_uncut: float  # the same over the same requests before the caps
-    blocks: int
-    unique_blocks: int
-    exact_prompts: bool  # counted with the model's tokenizer
-    inexact_prompts: int  # prompts whose count differed from the trace's (0 when exact)
-
-
-def describe(t: TraceStats) -> str:
-    """One line for the console."""
-    over = "" if t.max_input_len is None else (
-        f", {t.cut} prompts cut to {t.max_input_len} tokens" if t.overlong == "cut"
-        else f", {t.skipped} prompts over {t.max_input_len} tokens skipped"
-    )  # fmt: skip
-    return (
-        f"trace {t.trace} ({t.format}): {t.requests} requests from {t.start:g} s over "
-        f"{t.span_s:.1f} s at x{t.speed:g}{over}; {t.input_tokens} prompt tokens, "
-        f"{t.reuse:.1%} in blocks seen before ({t.reuse_uncut:.1%} uncut)"
-    )
 
 
 class BlockTexts:

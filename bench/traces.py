@@ -1,5 +1,6 @@
-"""Public request traces for ``tandem bench --trace``: parsing, the replayed slice, and the
-prefix sharing the trace itself has.
+"""Public request traces for ``tandem bench --trace``: parsing, the replayed slice, the
+prefix sharing the trace itself has, and what a replay is asked for and sends (``TraceConfig``,
+``TraceStats``; the replay itself is ``bench.trace_workload``).
 
 Formats (``detect_format`` tells them apart by the file's first line):
 
@@ -203,3 +204,68 @@ def sharing(rows: Sequence[TraceRow]) -> Sharing:
         for h, n in zip(row.hash_ids, lengths, strict=True):
             seen[h] = max(seen.get(h, 0), n)
     return Sharing(total, reused, blocks, len(seen))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceConfig:
+    """What to replay (``tandem bench --trace`` and its flags)."""
+
+    path: str
+    num_requests: int = 50
+    seed: int = 0
+    format: str = "auto"  # or "mooncake", "azure"
+    start: float = 0.0  # seconds into the trace
+    speed: float = 1.0  # 2.0: arrivals twice as fast
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    overlong: str = "cut"  # or "skip": prompts over max_input_len
+    kind: str = "trace"
+
+    @property
+    def name(self) -> str:
+        return f"trace:{Path(self.path).stem}"
+
+    def resolved(self) -> TraceConfig:
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class TraceStats:
+    """What a replay sends and the sharing the trace itself has, for the results (compare
+    ``reuse`` with a server's prefix hit rate on the same run)."""
+
+    trace: str  # the file's name
+    format: str
+    rows_in_file: int
+    start: float
+    speed: float
+    requests: int
+    scanned: int  # rows read from ``start`` on to collect them
+    overlong: str  # what happened to prompts over max_input_len: "cut" or "skip"
+    max_input_len: int | None
+    max_output_len: int | None
+    cut: int
+    skipped: int
+    span_s: float  # first to last arrival, after the speed
+    input_tokens: int  # as sent, without any chat template
+    output_tokens: int
+    reused_tokens: int  # in leading blocks an earlier request of the replay had
+    reuse: float  # reused_tokens / input_tokens
+    reuse_uncut: float  # the same over the same requests before the caps
+    blocks: int
+    unique_blocks: int
+    exact_prompts: bool  # counted with the model's tokenizer
+    inexact_prompts: int  # prompts whose count differed from the trace's (0 when exact)
+
+
+def describe(t: TraceStats) -> str:
+    """One line for the console."""
+    over = "" if t.max_input_len is None else (
+        f", {t.cut} prompts cut to {t.max_input_len} tokens" if t.overlong == "cut"
+        else f", {t.skipped} prompts over {t.max_input_len} tokens skipped"
+    )  # fmt: skip
+    return (
+        f"trace {t.trace} ({t.format}): {t.requests} requests from {t.start:g} s over "
+        f"{t.span_s:.1f} s at x{t.speed:g}{over}; {t.input_tokens} prompt tokens, "
+        f"{t.reuse:.1%} in blocks seen before ({t.reuse_uncut:.1%} uncut)"
+    )

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 from bench.words import WORDS
 
 if TYPE_CHECKING:
-    from bench.trace_workload import TraceConfig, TraceStats
+    from bench.traces import TraceConfig, TraceStats
 
 KINDS = ("random", "chat", "shared-prefix", "multi-turn", "prefill-heavy", "decode-heavy")
 

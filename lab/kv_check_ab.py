@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import kernels
+from lab.timing import device_time
 from libkv.transfer.fetch_checks import MASK, WSUM64, signed64
 
 
@@ -295,8 +296,6 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     """The receiver's check as the CUDA IPC transport runs it: device time of the fused
     copy+sum, and of it with the compare and count, over the plain copy kernel; and the wall
     time of the hand-off with the check against without, A/B (`lab.kv_check_ab`)."""
-    from lab.kv_checksum import device_time  # the bench's CUDA-event timing (its caller)
-
     dev = src.device
     s8 = src.view(src.shape[0], -1).view(torch.uint8)
     d8 = dst.view(dst.shape[0], -1).view(torch.uint8)
@@ -372,7 +371,6 @@ def per_sm_sweep(check: Callable[[], None], memcpy_s: float, repeat: int) -> dic
     """The check of runs' device time on one run by ``triton_copy.PROGRAMS_PER_SM`` (each
     program loops over more chunks when fewer run per SM), as a ratio to one ``copy_``."""
     from kernels import triton_copy
-    from lab.kv_checksum import device_time
 
     kept = triton_copy.PROGRAMS_PER_SM
     out = {}

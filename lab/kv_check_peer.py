@@ -49,7 +49,7 @@ from bench import kv_peer
 from bench.kv_peer import pattern_sums
 from lab import kv_timeline
 from lab.kv_check_ab import paired, sm_check, transport_arms
-from lab.kv_checksum import device_time
+from lab.timing import device_time
 from libkv.transfer import CUDA_IPC_KEY, cuda_ipc_checks
 
 BLOCK_SIZE = 16  # tokens a block

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +41,7 @@ import torch
 import kernels
 from engine.kv_checksum import ALGORITHMS, WSUM64, BlockChecksums, SealedSums
 from lab import kv_check_ab
+from lab.timing import device_time, timed
 
 # (layers, kv heads, head dim) of the model shapes the benches use.
 SHAPES = {"smollm2-135m": (30, 3, 64), "llama-3.1-8b": (32, 8, 128)}
@@ -52,38 +51,6 @@ BLOCK_SIZE = 16
 def pool(shape: str, blocks: int, device: str, dtype: torch.dtype) -> torch.Tensor:
     layers, heads, dim = SHAPES[shape]  # head-major, as the engine's pools (engine.kv_pool)
     return torch.randn(blocks, heads, layers, 2, BLOCK_SIZE, dim, device=device).to(dtype)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
-    """Median wall seconds of ``fn``, waited for (launches and host round trips included)."""
-    times = []
-    for _ in range(repeat + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])  # the first run warms up
-
-
-def device_time(fn: Callable[[], object], device: str, repeat: int) -> float:
-    """Seconds of device time per call of ``fn`` (CUDA events around ``repeat`` calls in a row,
-    so launch latency hides behind the previous call); wall time on CPU."""
-    if not device.startswith("cuda"):
-        return timed(fn, device, repeat)
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeat
 
 
 def last_step_blocks(tokens: int, chunk: int) -> list[int]:

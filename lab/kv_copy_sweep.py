@@ -21,7 +21,7 @@ import triton.language as tl
 
 import kernels
 from kernels import reference
-from lab.kv_checksum import device_time
+from lab.timing import device_time
 
 BLOCK_BYTES = (
     2 * 1024 * 1024
