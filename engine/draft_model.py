@@ -41,6 +41,7 @@ from engine.errors import UnsupportedConfigError
 from engine.model_runner import ModelRunner, StepPlan
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from engine.warmup import warm_up
 from libkv.block_pool import BlockPool
 from libkv.kv_manager import CopyOp, KVCacheManager
 
@@ -118,6 +119,7 @@ class DraftProposer:
         self.runner = ModelRunner(
             dconf, draft_mc, max_len, num_blocks=num_blocks, graph_rows=config.max_draft_rows
         )
+        warm_up(self.runner, max_len)
         self.model_config = draft_mc
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)

@@ -40,6 +40,7 @@ from engine.step_loop import InFlight, StepMixin
 from engine.step_stats import SpecStats, StepObserver
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
+from engine.warmup import warm_up
 from kernels import compile_counter
 from kernels.compile_counter import CompileCounts
 from libkv.block_pool import BlockPool
@@ -113,6 +114,7 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
             comm = self.ranks.comm if self.ranks else None
             draft = ModelConfig.from_dir(draft_dir) if draft_dir else None
             self.runner = ModelRunner(config, mc, self.max_model_len, comm, self.ranks, draft)
+            warm_up(self.runner, self.max_model_len)
         except BaseException:
             self.close()
             raise

@@ -23,7 +23,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -46,21 +46,28 @@ from engine.lora import LoRABatch, LoRAManager
 from engine.lora_config import LoRASpec
 from engine.model import DecoderModel
 from engine.parallel.comm import TPComm
-from engine.parallel.ranks import rank_device
+from engine.parallel.devices import rank_device
 from engine.parallel.shard import ModelShard
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import TokenLogprob
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import StepSample, VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
-from engine.warmup import warm_up
+from engine.warmup_shapes import WarmupReport
 from libkv.kv_layout import KVLayout
 from libkv.kv_manager import CopyOp
 
-if TYPE_CHECKING:
-    from engine.parallel.ranks import RankGroup
-
 log = logging.getLogger(__name__)
+
+
+class Peers(Protocol):
+    """The other ranks, as rank 0's runner drives them (``engine.parallel.ranks.RankGroup``)."""
+
+    def send(self, op: str, args: tuple) -> None:
+        """Queue ``follow(op, args)`` on every other rank, in order with the commands before."""
+
+    def step_failed(self) -> None:
+        """Rank 0's part of a command raised: end the process if a rank died (``RANK_DIED``)."""
 
 
 def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
@@ -120,7 +127,7 @@ class ModelRunner:
         model_config: ModelConfig,
         max_len: int,
         comm: TPComm | None = None,
-        peers: RankGroup | None = None,
+        peers: Peers | None = None,
         draft: ModelConfig | None = None,
         num_blocks: int | None = None,
         graph_rows: int | None = None,
@@ -247,7 +254,9 @@ class ModelRunner:
             self.graphs.capture()
             memory.check_graphs(self.kv_plan, torch.cuda.memory_reserved(self.device) - before)
         log.info("%s", self.kv_plan.describe())
-        self.warmup = warm_up(self, max_len)  # every kernel variant compiled before serving
+        # Set by ``engine.warmup.warm_up``, which the runner's builder runs next: every kernel
+        # variant compiled before serving.
+        self.warmup: WarmupReport | None = None
 
     @property
     def block_bytes(self) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +44,7 @@ from engine.lora import LoRABatch
 from engine.lora_config import LORA_MODULES
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.warmup_shapes import WarmupLimits, WarmupStep, warmup_steps
+from engine.warmup_shapes import WarmupLimits, WarmupReport, WarmupStep, warmup_steps
 from kernels import compile_counter
 
 if TYPE_CHECKING:
@@ -54,20 +53,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class WarmupReport:
-    """What a runner's warm-up did: forward passes, wall time, and the new kernel
-    specialisations it met (``compiles``), ``cached`` of them loaded from the on-disk cache."""
-
-    passes: int
-    seconds: float
-    compiles: int
-    cached: int
-
-
 def warm_up(runner: ModelRunner, max_len: int) -> WarmupReport | None:
-    """Run the warm-up passes of ``runner`` (context limit ``max_len``); None where nothing
-    compiles (off CUDA, or without Triton: the CPU runs the PyTorch references)."""
+    """Run the warm-up passes of ``runner`` (context limit ``max_len``) and keep the report as
+    ``runner.warmup``; None where nothing compiles (off CUDA, or without Triton: the CPU runs the
+    PyTorch references). Whoever builds a runner runs this next, before it serves (every rank
+    at the same point of its build: the passes' collectives meet)."""
     if runner.device.type != "cuda" or not kernels.use_triton(runner.kv_cache):
         return None
     counter = compile_counter.COUNTER
@@ -84,6 +74,7 @@ def warm_up(runner: ModelRunner, max_len: int) -> WarmupReport | None:
              report.compiles, report.cached, _cache_note())  # fmt: skip
     if runner.comm.rank > 0:  # a tensor-parallel rank's process: its runner is all there is
         counter.mark_ready()
+    runner.warmup = report
     return report
 
 

@@ -131,3 +131,14 @@ def _mixed(limits: WarmupLimits) -> list[WarmupStep]:
         decodes = tuple(WarmupSeq(1, n) for n in spread(d, longest))
         out.append((WarmupSeq(q, q), *decodes))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What a runner's warm-up did: forward passes, wall time, and the new kernel
+    specialisations it met (``compiles``), ``cached`` of them loaded from the on-disk cache."""
+
+    passes: int
+    seconds: float
+    compiles: int
+    cached: int

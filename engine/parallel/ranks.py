@@ -32,7 +32,6 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -40,24 +39,19 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.comm import TPComm, init_group, leave_group, master_store
+from engine.parallel.devices import rank_device, set_cpu_threads
 from engine.parallel.rpc import RpcClient
 from engine.parallel.shard import ModelShard, check_tp, uneven
+from engine.parallel.worker import (
+    DUMP_STACKS_ENV,
+    RANK_DIED,
+    RankSpec,
+    dump_stacks_every,
+    rank_main,
+)
 
 log = logging.getLogger(__name__)
-RANK_DIED = 70  # exit status of an engine process whose rank died (EX_SOFTWARE)
 START_TIMEOUT = 300.0  # seconds for a rank to come up (spawn and import torch)
-
-
-@dataclass(frozen=True, slots=True)
-class RankSpec:
-    """What a rank process needs to build its shard of the engine."""
-
-    config: EngineConfig
-    max_len: int
-    rank: int
-    size: int
-    store_host: str
-    store_port: int
 
 
 class RankGroup:
@@ -79,8 +73,6 @@ class RankGroup:
         then joins the process group as rank 0 (``store``)."""
         size = config.tensor_parallel_size
         group = cls(size)
-        from engine.parallel.worker import DUMP_STACKS_ENV, dump_stacks_every, rank_main
-
         dump_stacks_every(os.environ.get(DUMP_STACKS_ENV, ""))  # this process is rank 0
         group.store = master_store(size)
         ctx = multiprocessing.get_context("spawn")
@@ -207,25 +199,6 @@ class RankGroup:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self.kill()
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank ``rank``'s device: ``cuda:k`` (``k`` from ``config.device``, 0 by default) gives
-    rank r ``cuda:k+r``; a CPU engine's ranks all use the CPU."""
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    base = device.index if device.index is not None else 0
-    return torch.device("cuda", base + rank)
-
-
-def set_cpu_threads(size: int) -> None:
-    """On a CPU host each of the ``size`` ranks computes with its share of the cores (they
-    would otherwise all spin on every core and slow each other down)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
 def start_ranks(config: EngineConfig, model_config: ModelConfig, max_len: int) -> RankGroup:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.parallel.comm import TPComm, client_store, init_group, leave_group
-from engine.parallel.ranks import RANK_DIED, RankSpec, rank_device, set_cpu_threads
+from engine.parallel.devices import rank_device, set_cpu_threads
 from engine.parallel.rpc import RpcServer
 from engine.parallel.shard import ModelShard
 
@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+RANK_DIED = 70  # exit status of an engine process whose rank died (EX_SOFTWARE)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a rank process needs to build its shard of the engine."""
+
+    config: EngineConfig
+    max_len: int
+    rank: int
+    size: int
+    store_host: str
+    store_port: int
 
 
 @dataclass
@@ -58,10 +71,12 @@ def rank_main(spec: RankSpec, commands: Connection, calls: Connection) -> None:
     init_group(client_store(spec.store_host, spec.store_port, spec.size), spec.rank, spec.size,
                device)  # fmt: skip
     from engine.model_runner import ModelRunner
+    from engine.warmup import warm_up
 
     mc = ModelConfig.from_dir(spec.config.model_dir)
     comm = TPComm(ModelShard.of(mc, spec.size, spec.rank))
     runner = ModelRunner(spec.config, mc, spec.max_len, comm)
+    warm_up(runner, spec.max_len)  # at the point of its build where rank 0 warms up too
     server.context = RankContext(spec.rank, spec.size, runner)
     server.start()
     while True:
