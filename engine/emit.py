@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 from engine.choices import Choice, Request
 from engine.detokenizer import DetokenizerDelta
+from engine.request_output import RequestOutput
 from engine.sampling_params import TokenLogprob
 from engine.sequence import FinishReason, SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from engine.llm_engine import RequestOutput
     from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,6 @@ class EmitMixin:
         new_text: str,
         new_lps: list[TokenLogprob],
     ) -> RequestOutput:
-        from engine.llm_engine import RequestOutput
-
         seq = choice.seq
         return RequestOutput(
             request_id=seq.request_id,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -33,7 +32,8 @@ from engine.model_runner import ModelRunner
 from engine.ngram import NgramProposer, Proposer
 from engine.parallel.ranks import RankGroup, start_ranks
 from engine.pooling import PoolingConfig, PoolingMixin
-from engine.sampling_params import SamplingParams, TokenLogprob
+from engine.request_output import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_loop import InFlight, StepMixin
@@ -46,35 +46,6 @@ from kernels.compile_counter import CompileCounts
 from libkv.block_pool import BlockPool
 from libkv.hashing import encode_extra_keys
 from libkv.kv_manager import KVCacheManager
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one choice of a request has produced: cumulative fields plus the delta of the latest
-    step. ``index`` is the choice (``0 <= index < params.n``); ``others_pending`` says that other
-    choices of the request still run here, so the request is not over although this one is."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprob]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    num_cached_tokens: int
-    stop_reason: str | int | None = None
-    kv_held: bool = False  # prefill hand-off: blocks kept for a decode worker (see release)
-    index: int = 0
-    others_pending: bool = False
-    # A prefill's held KV (``engine.core.messages.Handoff``), on the request's last output
-    # through an engine client; None elsewhere.
-    handoff: Any = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 
     from engine.choices import Choice
     from engine.config import EngineConfig
-    from engine.llm_engine import RequestOutput
     from engine.model_runner import ModelRunner
     from engine.ngram import Proposer
     from engine.parallel.ranks import RankGroup
+    from engine.request_output import RequestOutput
     from engine.scheduler import Scheduler
     from engine.structured import GrammarRuntime
     from libkv.kv_manager import KVCacheManager
