@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.adapters import AdapterMixin
+from engine.adapters import Adapters
 from engine.choices import Choice, Request
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -28,12 +29,13 @@ from engine.errors import (
     RequestNotFoundError,
 )
 from engine.handoff import HandoffMixin
+from engine.lora_config import LoRASpec
 from engine.model_runner import ModelRunner
 from engine.ngram import NgramProposer, Proposer
 from engine.parallel.ranks import RankGroup, start_ranks
-from engine.pooling import PoolingConfig, PoolingMixin
+from engine.pooling import PoolingConfig, PromptPasses
 from engine.request_output import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_loop import InFlight, StepMixin
@@ -63,7 +65,7 @@ class EngineStats:
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
 
 
-class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
+class LLMEngine(StepMixin, EmitMixin, HandoffMixin):
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -89,6 +91,9 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         except BaseException:
             self.close()
             raise
+        self._lock = threading.RLock()
+        self._requests: dict[str, Request] = {}
+        self.adapters = Adapters(self.runner, self._lock, self._requests)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.pool, config.enable_prefix_caching, track_seals=config.seal_checksums
@@ -104,14 +109,15 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
         self._last_read = 0.0  # perf_counter() when a step was last read back
         self.overlapped_steps = 0  # steps left in flight across a step() call
         self.dropped_tokens = 0  # sampled in flight for a sequence that ended meanwhile
-        self._unloading: set[str] = set()  # adapters unloaded once their requests finish
-        self._requests: dict[str, Request] = {}
         self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
         self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
         self._held_seqs: dict[str, dict[int, Sequence]] = {}
-        self._lock = threading.RLock()
         self._counter = itertools.count()
         self._prefix_hit_tokens = 0
+        self._passes = PromptPasses(
+            config, self.kv, self.runner, self.pooling, self._lock, self._counter,
+            self._validate, self.adapters.check,
+        )  # fmt: skip
         self._prompt_tokens = 0
         self.proposer: Proposer | None = None
         if spec is not None and draft_dir:
@@ -252,6 +258,52 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin, AdapterMixin, PoolingMixin):
                 self.proposer.retain(self.scheduler.running)
             self._settle_if_idle()  # (emits nothing: no live sequence was in it)
             return outs[0] if outs else None
+
+    # -- LoRA adapters (``engine.adapters``) ----------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoRASpec:
+        """Load a PEFT adapter folder under ``name``; requests then name it as their adapter.
+
+        Raises InvalidAdapterError with the reason when the folder cannot be served."""
+        return self.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter: new requests for it fail at once, requests using it finish first.
+        Raises AdapterNotFoundError if not loaded."""
+        self.adapters.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the loaded adapters (not those being unloaded)."""
+        return self.adapters.names()
+
+    def resident_loras(self) -> list[str]:
+        """Adapters in device slots now, least recently used first."""
+        return self.adapters.resident()
+
+    def check_lora(self, name: str | None) -> str:
+        """``name`` if it is a loaded adapter ("" for None or ""); else AdapterNotFoundError."""
+        return self.adapters.check(name)
+
+    def _drop_unused_loras(self) -> None:
+        self.adapters.drop_unused()
+
+    # -- one prompt alone (``engine.pooling``) ---------------------------------------------------
+    def embed(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
+        """The prompt's embedding (float32 [hidden], on the CPU), pooled by ``self.pooling``."""
+        return self._passes.embed(prompt, lora)
+
+    def prompt_logprobs(
+        self, prompt: list[int], k: int = 0, lora: str | None = None
+    ) -> list[TokenLogprob]:
+        """Each prompt token's raw-model logprob and rank after the tokens before it, with the
+        ``k`` most likely tokens there (vLLM's ``prompt_logprobs``; the first token has none)."""
+        return self._passes.prompt_logprobs(prompt, k, lora)
+
+    def score(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
+        """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill)."""
+        return self._passes.score(prompt, lora)
+
+    def _alone(self, prompt: list[int], lora: str | None, run: Callable) -> list:
+        return self._passes.alone(prompt, lora, run)
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

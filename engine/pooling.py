@@ -26,6 +26,7 @@ from libkv.kv_manager import PrefixHit
 
 if TYPE_CHECKING:
     import itertools
+    from collections.abc import Callable
 
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
@@ -69,23 +70,31 @@ class PoolingConfig:
         return F.normalize(v, dim=-1) if self.normalize else v
 
 
-class PoolingMixin:
-    """Methods of ``LLMEngine`` that run one prompt alone: ``embed`` and ``score``."""
+class PromptPasses:
+    """Passes over one whole prompt outside the continuous batch: ``embed``, ``score`` and
+    ``prompt_logprobs``; a part the engine holds.
 
-    # Provided by LLMEngine.
-    config: EngineConfig
-    kv: KVCacheManager
-    runner: ModelRunner
-    pooling: PoolingConfig
-    _lock: threading.RLock
-    _counter: itertools.count
+    It borrows blocks from the engine's ``kv`` for the prompt and returns them at once, under
+    the engine's ``lock``. ``validate`` checks a prompt as the engine checks a request's
+    (raising its errors); ``check_lora`` resolves an adapter name (``engine.adapters``);
+    ``counter`` numbers the engine's sequences (shared, so ids never repeat)."""
 
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        pooling: PoolingConfig,
+        lock: threading.RLock,
+        counter: itertools.count,
+        validate: Callable[[list[int], SamplingParams], None],
+        check_lora: Callable[[str | None], str],
+    ) -> None:
+        self.config, self.kv, self.runner, self.pooling = config, kv, runner, pooling
+        self._lock, self._counter = lock, counter
+        self._validate, self.check_lora = validate, check_lora
 
-        def _validate(self, ids: list[int], params: SamplingParams) -> None: ...
-        def check_lora(self, name: str | None) -> str: ...
-
-    def _alone(self, prompt: list[int], lora: str | None, run):
+    def alone(self, prompt: list[int], lora: str | None, run: Callable) -> list:
         """``run(sched)`` on one-sequence steps over the whole prompt, outside the continuous
         batch, under the engine lock, in blocks borrowed from the pool and returned at once; a
         list of what each step gave. The steps are chunks of at most ``max_num_batched_tokens``
@@ -112,7 +121,7 @@ class PoolingMixin:
 
     def embed(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """The prompt's embedding (float32 [hidden], on the CPU), pooled by ``self.pooling``."""
-        hidden = torch.cat(self._alone(prompt, lora, self.runner.hidden_all))
+        hidden = torch.cat(self.alone(prompt, lora, self.runner.hidden_all))
         return self.pooling.pool(hidden).cpu()
 
     def prompt_logprobs(
@@ -132,9 +141,9 @@ class PoolingMixin:
             lo = sched.scheduled[0].seq.num_computed  # this chunk's rows: tokens lo, lo + 1, ...
             return self.runner.prompt_logprobs(sched, k, targets[lo : lo + sched.num_tokens])
 
-        return [lp for part in self._alone(prompt, lora, run) for lp in part]
+        return [lp for part in self.alone(prompt, lora, run) for lp in part]
 
     def score(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill);
         used to check logits against a reference implementation."""
-        return torch.cat(self._alone(prompt, lora, self.runner.logits_all))
+        return torch.cat(self.alone(prompt, lora, self.runner.logits_all))
