@@ -19,20 +19,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class EmitMixin:
-    """Methods of ``LLMEngine`` run after each forward pass, under the engine lock."""
+class Emitter:
+    """Turns each step's sampled tokens into outputs, under the engine lock; a part the engine
+    holds.
 
-    # Provided by LLMEngine.
-    scheduler: Scheduler
-    max_model_len: int
-    eos_token_ids: frozenset[int]
-    _requests: dict[str, Request]
-    _held: set[str]
-    _held_seqs: dict[str, dict[int, Sequence]]
-    _prefix_hit_tokens: int
-    _prompt_tokens: int
+    ``requests`` is the engine's table of live requests (a request leaves it when done);
+    ``held`` and ``held_seqs`` its tables of prefill hand-offs (``engine.handoff``), which a
+    request joins after its first tokens; ``scheduler`` finishes and detaches sequences. Counts
+    the prompt tokens it has seen and those served from the prefix cache."""
 
-    def _emit(
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        requests: dict[str, Request],
+        held: set[str],
+        held_seqs: dict[str, dict[int, Sequence]],
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.scheduler, self.max_model_len, self.eos_token_ids = (
+            scheduler, max_model_len, eos_token_ids
+        )  # fmt: skip
+        self._requests, self._held, self._held_seqs = requests, held, held_seqs
+        self.prefix_hit_tokens = 0
+        self.prompt_tokens = 0
+
+    def emit(
         self,
         due: list[Sequence],
         tokens: Seq[Seq[int]],
@@ -67,8 +79,8 @@ class EmitMixin:
         dropped)."""
         seq = choice.seq
         if not seq.output_token_ids and seq is req.parent:
-            self._prefix_hit_tokens += seq.num_cached_prompt_tokens
-            self._prompt_tokens += len(seq.prompt_token_ids)
+            self.prefix_hit_tokens += seq.num_cached_prompt_tokens
+            self.prompt_tokens += len(seq.prompt_token_ids)
         new_ids: list[int] = []
         new_lps: list[TokenLogprob] = []
         new_text = ""
@@ -97,7 +109,7 @@ class EmitMixin:
                 self.scheduler.finish(seq, reason)
             del req.live[seq.index]
         choice.text += new_text
-        return self._output(choice, new_ids, new_text, new_lps)
+        return self.output(choice, new_ids, new_text, new_lps)
 
     def _stop_token(self, seq: Sequence, token: int) -> bool:
         """Whether ``token`` (just appended) ends ``seq``: one of its ``stop_token_ids``, or an
@@ -144,7 +156,7 @@ class EmitMixin:
             self.scheduler.finish(parent, reason)
         req.live.clear()
 
-    def _output(
+    def output(
         self,
         choice: Choice,
         new_ids: list[int],

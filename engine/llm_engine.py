@@ -22,7 +22,7 @@ from engine.choices import Choice, Request
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_model import DraftProposer
-from engine.emit import EmitMixin
+from engine.emit import Emitter
 from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
@@ -65,8 +65,12 @@ class EngineStats:
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
 
 
-class LLMEngine(StepMixin, EmitMixin, HandoffMixin):
-    """Continuous-batching engine over one model."""
+class LLMEngine(StepMixin, HandoffMixin):
+    """Continuous-batching engine over one model.
+
+    Parts it holds, each given what it needs when built: ``adapters`` (``engine.adapters``),
+    ``emitter`` (``engine.emit``: outputs from sampled tokens) and the passes over one prompt
+    alone (``engine.pooling``); the step loop and the KV hand-off are still mixed in."""
 
     def __init__(self, config: EngineConfig) -> None:
         compile_counter.COUNTER.start_build()  # compiles until mark_ready below: the build's
@@ -113,12 +117,10 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin):
         self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
         self._held_seqs: dict[str, dict[int, Sequence]] = {}
         self._counter = itertools.count()
-        self._prefix_hit_tokens = 0
         self._passes = PromptPasses(
             config, self.kv, self.runner, self.pooling, self._lock, self._counter,
             self._validate, self.adapters.check,
         )  # fmt: skip
-        self._prompt_tokens = 0
         self.proposer: Proposer | None = None
         if spec is not None and draft_dir:
             self.proposer = DraftProposer(
@@ -132,6 +134,10 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin):
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.emitter = Emitter(
+            self.scheduler, self._requests, self._held, self._held_seqs, self.max_model_len,
+            self.eos_token_ids,
+        )  # fmt: skip
         self.grammar = GrammarRuntime(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(eos))
         # Built and warmed up (``engine.warmup``, in each ModelRunner): a kernel compiled from
         # now on is a serving stall, counted and logged as one.
@@ -252,7 +258,7 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin):
             for index in sorted(req.live):
                 choice = req.live[index]
                 self.scheduler.abort(choice.seq)
-                outs.append(self._output(choice, [], "", []))
+                outs.append(self.emitter.output(choice, [], "", []))
             self._drop_unused_loras()
             if self.proposer is not None:
                 self.proposer.retain(self.scheduler.running)
@@ -315,8 +321,8 @@ class LLMEngine(StepMixin, EmitMixin, HandoffMixin):
                 kv_blocks_used=self.pool.num_used,
                 kv_blocks_cached=self.pool.num_cached,
                 num_preemptions=self.scheduler.num_preemptions,
-                prefix_hit_tokens=self._prefix_hit_tokens,
-                prompt_tokens=self._prompt_tokens,
+                prefix_hit_tokens=self.emitter.prefix_hit_tokens,
+                prompt_tokens=self.emitter.prompt_tokens,
                 spec=self._spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
             )

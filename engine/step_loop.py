@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from engine.choices import Choice
     from engine.config import EngineConfig
+    from engine.emit import Emitter
     from engine.model_runner import ModelRunner
     from engine.ngram import Proposer
     from engine.parallel.ranks import RankGroup
@@ -83,6 +84,7 @@ class StepMixin:
 
     # Provided by LLMEngine.
     config: EngineConfig
+    emitter: Emitter
     scheduler: Scheduler
     runner: ModelRunner
     kv: KVCacheManager
@@ -101,7 +103,6 @@ class StepMixin:
 
     if TYPE_CHECKING:
 
-        def _emit(self, due: list[Sequence], tokens: Any, logprobs: Any) -> list[RequestOutput]: ...
         def _choice_of(self, seq: Sequence) -> Choice: ...
         def seal_pending(self) -> None: ...
         def _drop_unused_loras(self) -> None: ...
@@ -196,7 +197,8 @@ class StepMixin:
             step.due[j].num_inflight -= 1
         self._join_forks(step.sched.scheduled)
         due = [step.due[j] for j in live]
-        outputs = self._emit(due, [out.token_ids[j] for j in live], [out.logprobs[j] for j in live])
+        tokens, lps = [out.token_ids[j] for j in live], [out.logprobs[j] for j in live]
+        outputs = self.emitter.emit(due, tokens, lps)
         for seq in due:
             if seq.status is SeqStatus.RUNNING and seq.key in self.kv:
                 self.scheduler.commit(seq)
