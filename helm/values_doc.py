@@ -5,7 +5,7 @@
 
 A `# -- text` comment (continued by the `#` lines under it) documents the key on the next line;
 the table lists each documented key with its type and default. Keys inside a documented key
-(e.g. `resources.requests`) and list items are covered by it. tests/test_helm_values_doc.py
+(e.g. `resources.requests`) and list items are covered by it. tests/deploy/test_helm_values_doc.py
 checks that the table is current and that every key is covered.
 """
 

@@ -13,7 +13,7 @@ the pair is then added in float32. About three instructions a weight. The epilog
 
 Rounding: each product is rounded to bf16 (8 bits) and two are added in bf16 before float32
 takes over: relative errors of a few 1e-3 on an output, against about 2.7% for the weights'
-own e4m3 rounding (tests: ``tests/test_skinny_gpu.py``). Needs sm_90 (``mul.rn.bf16x2``)."""
+own e4m3 rounding (tests: ``tests/gpu/test_skinny_gpu.py``). Needs sm_90 (``mul.rn.bf16x2``)."""
 
 from __future__ import annotations
 

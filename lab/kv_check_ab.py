@@ -15,7 +15,7 @@ the pairwise difference B - A, which is the check's cost:
   ``sums`` off (A) and on (B), the handle carrying the sender's ``wsum64`` (a `KVHandle` as
   the prefill worker sends it). The peer's pool is exported as a prefill worker exports it,
   but mapped as itself: CUDA IPC cannot open an allocation in the process that exported it
-  (the tests do the same; two processes: ``tests/test_serving_gpu.py``).
+  (the tests do the same; two processes: ``tests/gpu/test_serving_gpu.py``).
 
 Off CUDA (``--dry-run`` of `lab.kv_checksum`) the kernel arms run the torch references, so
 the code is checked on any machine; the transport arms need CUDA."""

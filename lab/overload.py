@@ -2,7 +2,7 @@
 gateway, one prefill and one decode worker, gRPC KV transport, default admission bounds) takes
 bursts of concurrent streaming completions (160 of 469 prompt tokens, 16 out, greedy); for each
 burst, what was served in full, refused, broken, the 429 latency (p90, max) and each process's
-CPU seconds during the burst. The slow test ``tests/test_e2e_overload.py -k scenario`` asserts
+CPU seconds during the burst. The slow test ``tests/stack/test_e2e_overload.py -k scenario`` asserts
 one burst (two when the first misses); this shows how bursts vary on one stack and across
 stacks, and what a setting changes (``--worker-nice``; environment variables such as
 ``TANDEM_REFUSAL_MEMORY=0`` or ``TANDEM_TOKENIZER_THREADS=40`` reach the services).
@@ -27,7 +27,7 @@ from pathlib import Path
 from engine.bundled import DEFAULT_DIR, convert
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
-from tests.test_e2e_overload import SCENARIO_PROMPT, SCENARIO_STREAMS, overload_lean, p90
+from tests.stack.test_e2e_overload import SCENARIO_PROMPT, SCENARIO_STREAMS, overload_lean, p90
 
 
 def cpu_seconds(pid: int) -> float:

@@ -8,7 +8,7 @@ alignment, constexprs, launch options: what its in-memory cache is keyed on) and
 nothing runs. Every floating-point tensor the launch takes is zeroed instead (but those of
 ``keep``: the weights and the KV pool, only read), so its outputs are zeros: the step goes on
 with finite values, and a whole engine runs its scheduler, sampler and kernels' launch sites
-with no GPU. Needs Triton installed (see ``tests/test_pdl_compile.py``); no compile happens.
+with no GPU. Needs Triton installed (see ``tests/kernels/test_pdl_compile.py``); no compile happens.
 """
 
 from __future__ import annotations

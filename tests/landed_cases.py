@@ -1,8 +1,8 @@
 """What landed in a receiver's KV pool after a hand-off, compared byte for byte with the
 sender's blocks: the patterns every transport test moves (one long run, two and four runs,
 more runs than CUDA IPC copies one by one, scattered blocks, no run on either side) and the
-check, for the CPU transports (``tests/test_kv_landed.py``) and CUDA IPC between two processes
-(``tests/test_kv_landed_gpu.py``).
+check, for the CPU transports (``tests/libkv/test_kv_landed.py``) and CUDA IPC between two processes
+(``tests/gpu/test_kv_landed_gpu.py``).
 
 Why bytes: a CUDA IPC copy that left its destination blocks unwritten once passed the serving
 GPU tests, which compared greedy tokens and the copy's own checksums but never the blocks.

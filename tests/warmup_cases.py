@@ -1,5 +1,6 @@
-"""A mixed serving workload for the warm-up's tests (``tests/test_warmup_record.py`` on the CPU,
-``tests/test_warmup_gpu.py`` on a GPU): requests arriving a few per step, so decode batches take
+"""A mixed serving workload for the warm-up's tests (``tests/engine/test_warmup_record.py``
+on the CPU,
+``tests/gpu/test_warmup_gpu.py`` on a GPU): requests arriving a few per step, so decode batches take
 many sizes; prompts from one token to the context limit (chunked where longer than the token
 budget); n > 1; greedy and sampled with top-k / top-p, seeds and logprobs; adapters where given."""
 

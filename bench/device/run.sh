@@ -47,7 +47,7 @@ case $job in
       --out "$OUT" "$@" 2>&1 | tee "$OUT/probe.log"
     ;;
   tests)
-    case " $* " in *" tests/"*) ;; *) set -- tests/test_serving_gpu.py tests/test_gpu_sharing.py "$@" ;; esac
+    case " $* " in *" tests/"*) ;; *) set -- tests/gpu/test_serving_gpu.py tests/gpu/test_gpu_sharing.py "$@" ;; esac
     rc=0
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rA --durations=15 "$@" 2>&1 \
       | tee "$OUT/tests.log" || rc=$?

@@ -16,7 +16,7 @@ TWO = torch.cuda.is_available() and torch.cuda.device_count() > 1
 
 def test_the_check_bench_runs_dry(tmp_path, capsys) -> None:
     """``lab.kv_checksum --dry-run`` runs the A/B of the check's kernel arms on the torch
-    references (the transport's arms need CUDA: ``tests/test_kv_checked_gpu.py``)."""
+    references (the transport's arms need CUDA: ``tests/gpu/test_kv_checked_gpu.py``)."""
     import json
 
     from lab import kv_checksum
