@@ -26,21 +26,18 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from bench.gpu_checks import check_kernels, time_attention, time_gemv
+from bench.gpu_checks import GEMV_VARIANTS, check_kernels, time_attention, time_gemv
 from bench.gpu_common import llama_config, measure_ceilings, table
 from bench.gpu_llama import BLOCK, LlamaBench, kv_bytes_per_token
+from engine.model import DecoderModel
+from kernels import KernelChoices
 
 DECODE = [(b, ctx) for ctx in (1024, 8192) for b in (1, 8, 32, 128)]
 PREFILL = [1024, 4096, 8192]
 HF_MAX_TOKENS = 8192 * 32  # prompt tokens of one generate call (its prefill is one pass)
 
 
-GEMV_COLS = ["weight", "rows"] + [
-    f"{v}_{x}"
-    for v in ("triton", "triton_n32", "triton_k512_s3", "cublas")
-    for x in ("us", "frac_copy_bw")
-]
+GEMV_COLS = ["weight", "rows"] + [f"{v}_{x}" for v in GEMV_VARIANTS for x in ("us", "frac_copy_bw")]
 DECODE_COLS = [
     "batch",
     "ctx",
@@ -102,7 +99,7 @@ def run_model(res: dict, ceil) -> None:
     c = llama_config()
     blocks, fits = pool_blocks(c, DECODE, reserve_bytes=6 * 1024**3)
     bench = LlamaBench(c, blocks, max_len=16384)
-    if kernels.FOLD_DECODE:  # as the engine folds a bf16 model of one rank on CUDA
+    if KernelChoices().fold_norms:  # as the engine folds a bf16 model of one rank on CUDA
         bench.model.fold()
     res["folded"] = bench.model.folded
     res["decode"] = []
@@ -125,13 +122,15 @@ def run_model(res: dict, ceil) -> None:
 
 
 def decode_without_gemv(bench: LlamaBench, ceil) -> list[dict]:
-    """The same decode steps with every matrix product on cuBLAS (A/B of the skinny kernel)."""
-    saved = kernels.GEMV_MAX_ROWS
-    kernels.GEMV_MAX_ROWS = 0
+    """The same decode steps with every matrix product on cuBLAS (A/B of the skinny kernel): a
+    second model over the same (folded) weights, built with ``skinny_rows`` 0."""
+    skinny = bench.model
+    bench.model = DecoderModel(bench.c, bench.w, bench.max_len,
+                               choices=KernelChoices(skinny_rows=0))  # fmt: skip
     try:
         rows = [bench.decode(b, ctx, ceil) for b, ctx in [(1, 1024), (8, 1024)]]
     finally:
-        kernels.GEMV_MAX_ROWS = saved
+        bench.model = skinny
     print(rows, flush=True)
     return rows
 

@@ -9,11 +9,11 @@ from bench.gpu_common import Ceilings, graph_time_ms
 from kernels import reference
 from kernels.triton_cache import write_kv
 from kernels.triton_decode import decode_attention
-from kernels.triton_gemv import GemvPlan, linear
 from kernels.triton_norm import rms_norm, silu_and_mul
 from kernels.triton_prefill import prefill_attention
 from kernels.triton_rope import rotary_embedding
 from kernels.triton_rope_kv import rope_write_kv
+from kernels.triton_skinny import SkinnyPlan, linear
 from tests.kernel_cases import make_paged_batch, reference_attention, rel_err
 
 TOL = 1e-2
@@ -65,7 +65,7 @@ def check_kernels(seed: int) -> list[dict]:
     write_kv(unfused, 1, got[1], k, meta.slot_blocks, meta.slot_offsets)
     exact = torch.equal(got_q, got[0]) and torch.equal(cache, unfused)
     rows.append(("rope_write_kv", rel_err(got_q, want[0]) if exact else float("inf")))
-    for m in (1, 8, 16):
+    for m in (1, 3, 8):  # the skinny kernel's rows (more take cuBLAS)
         xm, wm = torch.randn(m, 4096, device="cuda"), torch.randn(6144, 4096, device="cuda")
         bias = torch.randn(6144, device="cuda")
         got = linear(xm.bfloat16(), wm.bfloat16(), bias.bfloat16())
@@ -142,22 +142,22 @@ GEMV_SHAPES = {  # Llama-3.1-8B weights: (N, K)
 
 
 GEMV_VARIANTS = {
-    "triton": None,  # the default plan
-    "triton_n32": GemvPlan(block_n=32),
-    "triton_k512_s3": GemvPlan(block_k=512, num_stages=3),
+    "triton": None,  # the installed (measured) plan, else the heuristic
+    "triton_fma_n8": SkinnyPlan(block_n=8, block_k=1024),  # CUDA cores
+    "triton_dot_n64": SkinnyPlan(block_n=64, block_k=128, num_stages=6, dot=True),  # tensor cores
     "cublas": "cublas",
 }
 
 
 def time_gemv(ceil: Ceilings) -> list[dict]:
-    """Skinny products of the 8B weights: Triton kernel (a few tile plans) against cuBLAS
+    """Skinny products of the 8B weights: the Triton kernel (a few plans) against cuBLAS
     (F.linear), over enough distinct weight copies that the L2 cannot serve them."""
     rows = []
     for name, (n, k) in GEMV_SHAPES.items():
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-        for m in (1, 8, 16):
+        for m in (1, 4, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row: dict = {"weight": name, "rows": m}
             for label, plan in GEMV_VARIANTS.items():

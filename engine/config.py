@@ -7,10 +7,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UnsupportedModelError
 from engine.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:  # (kernels imports torch; this module stays torch-free)
+    from kernels.choices import KernelChoices
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -264,6 +267,9 @@ class EngineConfig:
         "(grammars, penalties, speculative decoding, ...) run synchronously. "
         "--no-async-scheduling: every step synchronous",
     )
+    # Which kernels the model takes where there is a choice (kernels.choices); None: the
+    # device's defaults, what the engine serves with. Tests and benchmarks compare others.
+    kernels: KernelChoices | None = None
 
     @property
     def max_decode_rows(self) -> int:

@@ -51,21 +51,24 @@ class LoRABatch:
     # [layers, slots, sum(out), R] (``a``/``b`` of its modules are views of them)
     fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def add(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        """``y += lora(x)`` for ``module`` of ``layer`` (``y`` may be a slice of a fused output)."""
+    def add(
+        self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor,
+        choices: kernels.KernelChoices = kernels.KernelChoices(),  # noqa: B008 - frozen
+    ) -> None:  # fmt: skip
+        """``y += lora(x)`` for ``module`` of ``layer`` (``y`` may be a slice of a fused output;
+        ``choices``: the model's)."""
         if module not in self.modules:
             return
-        kernels.lora_add(y, x, self.a[module][layer], self.b[module][layer], self.meta)
+        a, b = self.a[module][layer], self.b[module][layer]
+        kernels.lora_add(y, x, a, b, self.meta, choices)
 
     def add_parts(
         self, layer: int, parts: tuple[tuple[str, int], ...], y: torch.Tensor, x: torch.Tensor,
-        norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+        choices: kernels.KernelChoices = kernels.KernelChoices(),  # noqa: B008 - frozen
     ) -> None:  # fmt: skip
         """``y += lora(x)`` for projections of one input side by side in ``y``'s columns
         (``parts``: each one's name and width, in order): in one fused call where they are a
-        group of the buffers (``LORA_GROUPS``), else one call each. With ``norm`` (weight,
-        eps) or ``silu_mul`` the input is made from ``x`` in the fused call (only where
-        ``makes_inputs``: then the base product keeps its fused decode kernel)."""
+        group of the buffers (``LORA_GROUPS``), else one call each."""
         names = [m for m, _ in parts]
         if not self.modules.intersection(names):
             return
@@ -73,21 +76,12 @@ class LoRABatch:
         if stacked is not None and kernels.use_triton(x):
             a, b = stacked
             widths = [w for _, w in parts]
-            kernels.lora_add_fused(y, x, a[layer], b[layer], widths, self.meta, norm, silu_mul)
+            kernels.lora_add_fused(y, x, a[layer], b[layer], widths, self.meta, choices=choices)
             return
-        if norm is not None or silu_mul:
-            raise ValueError("only the fused CUDA kernels make their input (see makes_inputs)")
         lo = 0
         for m, width in parts:
-            self.add(layer, m, y[:, lo : lo + width], x)
+            self.add(layer, m, y[:, lo : lo + width], x, choices)
             lo += width
-
-    def makes_inputs(self, x: torch.Tensor) -> bool:
-        """Whether the model leaves the normed (``norm``) or activated (``silu_mul``) input to
-        ``add_parts``: on CUDA (Triton), where the shrink makes it, and only where the base
-        products take their fused decode kernels (``kernels.FUSE_DECODE``); otherwise they make
-        that input anyway and the shrink would only make it a second time."""
-        return bool(kernels.FUSE_DECODE) and kernels.use_triton(x)
 
 
 class LoRAManager:

@@ -101,9 +101,11 @@ class DecoderModel:
         weights: ModelWeights,
         max_len: int,
         comm: TPComm | None = None,
+        choices: kernels.KernelChoices = kernels.KernelChoices(),  # noqa: B008 - frozen
     ) -> None:
         self.config = config
         self.w = weights
+        self.choices = choices  # which kernels every call takes, fixed at load
         self.comm = comm or TPComm(ModelShard.of(config, 1, 0))
         self.num_heads = self.comm.shard.num_heads  # this rank's (all of them at TP=1)
         self.num_kv_heads = self.comm.shard.num_kv_heads
@@ -163,7 +165,7 @@ class DecoderModel:
                 (("gate_proj", n), ("up_proj", n)),
             )  # fmt: skip
             x = self.comm.all_reduce(self._down(i, lw, gate_up, lora))
-        out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual)
+        out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual, self.choices)
         return out
 
     def _forward_folded(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
@@ -171,42 +173,37 @@ class DecoderModel:
         residual stream itself; each product that follows a norm normalizes ``s`` in its
         epilogue, and the two that end a block add the stream in theirs (and leave its sums
         of squares for the next norm, where their kernel can)."""
-        eps = self.config.rms_norm_eps
+        eps, c = self.config.rms_norm_eps, self.choices
         s = x
         sums = None  # s's sums of squares, where the product that made s left them
         for i, lw in enumerate(self.w.layers):
-            qkv = kernels.rms_linear(s, lw.input_norm, eps, lw.qkv, lw.qkv_bias, sums=sums)
+            qkv = kernels.rms_linear(s, lw.input_norm, eps, lw.qkv, lw.qkv_bias, sums=sums,
+                                     choices=c)  # fmt: skip
             s, sums = kernels.linear_add_sums(
-                self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta), lw.o_proj, s
+                self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta), lw.o_proj, s, c
             )
-            act = kernels.rms_linear(s, lw.post_norm, eps, lw.gate_up, silu=True, sums=sums)
-            s, sums = kernels.linear_add_sums(act, lw.down, s)
-        out, _ = kernels.rms_norm(s, self.w.norm, eps)
+            act = kernels.rms_linear(s, lw.post_norm, eps, lw.gate_up, silu=True, sums=sums,
+                                     choices=c)  # fmt: skip
+            s, sums = kernels.linear_add_sums(act, lw.down, s, c)
+        out, _ = kernels.rms_norm(s, self.w.norm, eps, choices=c)
         return out
 
     def _normed_product(self, i, x, residual, norm, w, bias, lora, parts):
-        """``linear(rms_norm(x + residual) * norm, w, bias)`` and the next residual: one launch
-        for decode batches (``kernels.norm_linear``; with LoRA on CUDA too, the adapters'
-        shrink norming the residual sum itself, elsewhere the normed rows are made first);
-        ``parts``: the adapter projections in the fused product's columns, with their widths."""
-        eps = self.config.rms_norm_eps
-        if lora is None:
-            return kernels.norm_linear(x, residual, norm, eps, w, bias)
-        if lora.makes_inputs(x):  # the LoRA shrink norms the residual sum itself
-            out, residual = kernels.norm_linear(x, residual, norm, eps, w, bias)
-            lora.add_parts(i, parts, out, residual, norm=(norm, eps))
-            return out, residual
-        h, residual = kernels.rms_norm(x, norm, eps, residual)
-        out = kernels.linear(h, w, bias)
-        lora.add_parts(i, parts, out, h)
+        """``linear(rms_norm(x + residual) * norm, w, bias)`` and the next residual, plus the
+        adapters' deltas from the normed rows (``parts``: the adapter projections in the fused
+        product's columns, with their widths)."""
+        h, residual = kernels.rms_norm(x, norm, self.config.rms_norm_eps, residual, self.choices)
+        out = kernels.linear(h, w, bias, self.choices)
+        if lora is not None:
+            lora.add_parts(i, parts, out, h, self.choices)
         return out, residual
 
     def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
         """Attention of the layer from its (normed) input's QKV product; returns o_proj's."""
         o = self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta)
-        out = kernels.linear(o, lw.o_proj)
+        out = kernels.linear(o, lw.o_proj, choices=self.choices)
         if lora is not None:
-            lora.add(i, "o_proj", out, o)
+            lora.add(i, "o_proj", out, o, self.choices)
         return self.comm.all_reduce(out)
 
     def _attention_out(self, i, lw, qkv, cos, sin, kv_cache, meta) -> torch.Tensor:
@@ -218,25 +215,20 @@ class DecoderModel:
         k = k.view(t, self.num_kv_heads, c.head_dim)
         v = v.view(t, self.num_kv_heads, c.head_dim)
         o = kernels.rope_attention(q, k, v, cos, sin, kv_cache, i, meta, self.scale, lw.k_scale,
-                                   lw.v_scale)  # fmt: skip
+                                   lw.v_scale, self.choices)  # fmt: skip
         return o.reshape(t, self.q_size)
 
     def _down(self, i: int, lw: LayerWeights, gate_up: torch.Tensor, lora: LoRABatch | None):
-        """The down product of SiLU-and-multiply of ``gate_up`` (one launch for decode
-        batches, ``kernels.silu_mul_linear``; with LoRA on CUDA too, the adapters' shrink making
-        the activation itself, elsewhere it is made first)."""
-        if lora is None:
-            return kernels.silu_mul_linear(gate_up, lw.down)
-        if lora.makes_inputs(gate_up):  # the LoRA shrink makes the activation itself
-            out = kernels.silu_mul_linear(gate_up, lw.down)
-            lora.add_parts(i, (("down_proj", out.shape[1]),), out, gate_up, silu_mul=True)
-            return out
-        act = kernels.silu_and_mul(gate_up)
-        out = kernels.linear(act, lw.down)
-        lora.add(i, "down_proj", out, act)
+        """The down product of SiLU-and-multiply of ``gate_up``, plus the adapters' delta."""
+        act = kernels.silu_and_mul(gate_up, self.choices)
+        out = kernels.linear(act, lw.down, choices=self.choices)
+        if lora is not None:
+            lora.add(i, "down_proj", out, act, self.choices)
         return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given hidden rows."""
-        return self.comm.gather_vocab(kernels.linear(hidden, self.w.lm_head)).float()
+        return self.comm.gather_vocab(
+            kernels.linear(hidden, self.w.lm_head, choices=self.choices)
+        ).float()

@@ -183,10 +183,11 @@ class ModelRunner:
                 Path(config.model_dir), model_config, self.device, self.dtype, shard, quantize,
                 fp8_head,
             )  # fmt: skip
-        self.model = DecoderModel(model_config, weights, max_len, self.comm)
+        choices = config.kernels or kernels.KernelChoices.for_device(self.device)
+        self.model = DecoderModel(model_config, weights, max_len, self.comm, choices)
         if (
             on_cuda
-            and kernels.FOLD_DECODE
+            and choices.fold_norms
             and shard.size == 1
             and not config.enable_lora
             and not quantize

@@ -97,7 +97,7 @@ def run_passes(runner: ModelRunner, max_len: int) -> int:
 def _limits(runner: ModelRunner, max_len: int) -> WarmupLimits:
     c = runner.config
     return WarmupLimits(c.max_num_seqs, c.max_num_batched_tokens, max_len, c.block_size,
-                        runner.num_blocks, kernels.GEMV_MAX_ROWS)  # fmt: skip
+                        runner.num_blocks, runner.model.choices.skinny_rows)  # fmt: skip
 
 
 def runner_steps(runner: ModelRunner, max_len: int) -> list[WarmupStep]:

@@ -9,7 +9,8 @@ compiled variants:
   on the longest query), over batch sizes 1 .. `WarmupLimits.max_decode_seqs` and longest
   queries 2 .. `WarmupLimits.max_chunk`: the smallest and the largest size of each variant;
 - the skinny products (``kernels.linear`` up to `WarmupLimits.skinny_rows` rows, i.e.
-  ``kernels.GEMV_MAX_ROWS``: one compiled variant per power-of-two row bucket, and the LM head
+  the model's ``KernelChoices.skinny_rows``: one compiled variant per power-of-two row
+  bucket, and the LM head
   by the number of sampled rows): every token count and sampled-row count up to there;
 - everything else (RMSNorm, SiLU, RoPE and the KV write, LoRA, more rows than that):
   only grid sizes change with the step, so any step compiles it;

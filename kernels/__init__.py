@@ -3,7 +3,9 @@
 Each public function here dispatches to a Triton kernel when the tensors live on CUDA and
 Triton imports, and to the pure-PyTorch reference in ``kernels.reference`` otherwise. The engine
 imports only this module, so swapping implementations needs no other change. Triton modules are
-imported on first use only, so CPU hosts without Triton never touch them.
+imported on first use only, so CPU hosts without Triton never touch them. Where there is more
+than one kernel for a call, the caller's `KernelChoices` (``choices``, fixed when its model
+loads) says which; the default is what the engine serves with.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from kernels import reference
 from kernels._triton import pdl_on, use_triton
+from kernels.choices import DEFAULT, KernelChoices
 from kernels.reference import (
     FP8,
     AttentionMetadata,
@@ -24,52 +27,10 @@ from kernels.reference import (
     quantize_fp8_rows,
 )
 
-# Up to this many rows, a bf16/fp16 matrix product on CUDA takes the Triton skinny kernel
-# (decode of small batches); above it, cuBLAS. Benchmarks set it to 0 to compare.
-GEMV_MAX_ROWS = 8
-# Which skinny kernel: "skinny" (``triton_skinny``: wide weight loads, small row tiles and
-# split-K, measured plans) or "gemv" (``triton_gemv``, the first one; benchmarks compare).
-SKINNY_KERNEL = "skinny"
-# Within that range, fold RMSNorm into the QKV and gate/up products and SiLU-and-multiply into
-# the down product (`norm_linear`, `silu_mul_linear`): three fewer launches per layer. Off: on
-# an H100 the fused decode step of the 8B shape took 32 ms against 6.2 ms unfused
-# (bench/results/decode_gpu_h100.md); the kernels match their references but are not fast yet.
-FUSE_DECODE = False
-# Decode with the norms folded into the products: on CUDA, a model of one rank without LoRA
-# or FP8 weights takes ``engine.model.fold_norms`` at load, and its decode step takes
-# `rms_linear` and `linear_add` (the residual adds in the products' epilogues; at one row also
-# the RMSNorm and SiLU-and-multiply: six launches a layer instead of ten). On H100s the 8B step
-# at batch 1 took 0.988-0.989x the unfolded one, at batch 8 1.002x (session 14); with
-# FOLD_SUMS and ROPE_IN_ATTENTION below, 0.962x session 14's folded step at batch 8
-# (bench/results/decode_gpu_h100.md, session 15).
-FOLD_DECODE = True
-# `rms_linear` in one launch on the tensor cores' plans too (2-8 rows). Off: on an H100 the
-# sums of squares beside the pipelined product cost what the two launches saved (the folded
-# 8B step at batch 8 took 0.997-1.011x the unfolded one; at one row, on the CUDA cores, 0.989x),
-# so there the folded model's step takes `rms_norm` then the product.
-FOLD_DOT = False
-# The folded norms' sums of squares made by the product before them: `linear_add`'s epilogue
-# (o_proj, down) leaves each row's sums per row tile, and the next `rms_linear` (gate/up, the
-# next layer's QKV) adds those up instead of summing its input's squares, so it is one launch
-# on the tensor cores' plans too. From FOLD_SUMS_MIN_ROWS rows: at one row the norm's own pass
-# before the loop was faster (bench/results/decode_gpu_h100.md, session 15).
-FOLD_SUMS = True
-FOLD_SUMS_MIN_ROWS = 2
-# RoPE and the KV write of a decode batch inside decode attention (`rope_attention`): the split
-# that holds the new token rotates and writes it and attends to it from registers, one launch a
-# layer fewer. (The timing is in bench/results/decode_gpu_h100.md, session 15.)
-ROPE_IN_ATTENTION = True
-# Programmatic dependent launch (Hopper and newer): the decode step's Triton kernels launch
-# while the previous kernel finishes (``launch_pdl``) and wait for its results in the kernel
-# (``griddepcontrol.wait``); the skinny products load their first weights before that wait.
-# Also recorded in CUDA graphs. On: on an H100 the 8B decode step took 5.52 ms with it against
-# 5.77 ms without at batch 1 (91.8% of the roofline), the same at batch 8, with logits bit for
-# bit equal (``bench/results/decode_gpu_h100.md``, ``lab.skinny_gpu``'s ``pdl`` modes).
-PDL = True
-
 __all__ = [
     "FP8",
     "AttentionMetadata",
+    "KernelChoices",
     "attention_variant",
     "Fp8Weight",
     "LoRAMetadata",
@@ -90,7 +51,6 @@ __all__ = [
     "linear_add_sums",
     "lora_add",
     "lora_add_fused",
-    "norm_linear",
     "paged_attention",
     "rope_attention",
     "quantize_fp8_rows",
@@ -99,46 +59,42 @@ __all__ = [
     "rope_write_kv",
     "rotary_embedding",
     "silu_and_mul",
-    "silu_mul_linear",
     "write_kv",
 ]
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+    choices: KernelChoices = DEFAULT,
 ) -> torch.Tensor:
     """``x @ w.T + bias`` (``F.linear``) for ``x`` of shape ``[T, K]``.
 
-    An FP8 weight (``Fp8Weight``) on CUDA: up to ``GEMV_MAX_ROWS`` rows, the skinny Triton
-    kernel reads it as is (weight-only FP8: half the bytes of bf16); more rows quantize ``x``
-    per row to FP8 too and use the FP8 tensor cores (``torch._scaled_mm``, row-wise scales).
+    On CUDA, up to ``choices.skinny_rows`` rows take the skinny Triton kernel (an FP8 weight,
+    ``Fp8Weight``, read as is: weight-only FP8, half the bytes of bf16); more rows of an FP8
+    weight quantize ``x`` per row to FP8 too and use the FP8 tensor cores (``torch._scaled_mm``,
+    row-wise scales), of a bf16/fp16 one cuBLAS.
     """
     if isinstance(w, Fp8Weight):
-        return _fp8_linear(x, w, bias)
-    if _skinny(x, w):
-        return _skinny_module().linear(x, w, bias)
+        return _fp8_linear(x, w, bias, choices)
+    if _skinny(x, w, choices):
+        from kernels import triton_skinny
+
+        return triton_skinny.linear(x, w, bias, pdl=choices.pdl)
     return reference.linear(x, w, bias)
 
 
-def _skinny_module():  # noqa: ANN202 - a Triton module, imported on first use
-    if SKINNY_KERNEL == "gemv":
-        from kernels import triton_gemv
-
-        return triton_gemv
-    from kernels import triton_skinny
-
-    return triton_skinny
-
-
 def lora_add(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata
-) -> None:
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata,
+    choices: KernelChoices = DEFAULT,
+) -> None:  # fmt: skip
     """``y[t] += (x[t] @ a[s].T) @ b[s].T * scale[s]`` for the tokens of each LoRA slot ``s``
     (``meta``); ``a``: [S, R, in], ``b``: [S, out, R]. In place; base-only tokens untouched."""
     if use_triton(x):
         from kernels import triton_lora
 
-        triton_lora.lora_add(y, x, a, b, meta)
+        triton_lora.lora_add(y, x, a, b, meta, pdl=choices.pdl)
         return
     reference.lora_add(y, x, a, b, meta)
 
@@ -146,6 +102,7 @@ def lora_add(
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
     meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+    choices: KernelChoices = DEFAULT,
 ) -> None:  # fmt: skip
     """``lora_add`` for projections of one input sharing a fused output (q/k/v, gate/up):
     ``a`` [S, len(widths) * R, in] (their A stacked), ``b`` [S, sum(widths), R] (their B in
@@ -155,16 +112,16 @@ def lora_add_fused(
     if use_triton(x):
         from kernels import triton_lora
 
-        triton_lora.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul)
+        triton_lora.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul, pdl=choices.pdl)
         return
     reference.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul)
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
+def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight, choices: KernelChoices) -> bool:
     """Whether the product takes the skinny Triton kernel (see `linear`)."""
     weight = w.weight if isinstance(w, Fp8Weight) else w
     return (
-        x.shape[0] <= GEMV_MAX_ROWS
+        x.shape[0] <= choices.skinny_rows
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
@@ -172,29 +129,10 @@ def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
     )
 
 
-def _skinny_16(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
+def _skinny_16(x: torch.Tensor, w: torch.Tensor | Fp8Weight, choices: KernelChoices) -> bool:
     """Whether a bf16/fp16 weight's product takes ``triton_skinny`` (the folded decode's
     kernels: its epilogues add the stream, apply the norm, leave the sums)."""
-    return SKINNY_KERNEL == "skinny" and not isinstance(w, Fp8Weight) and _skinny(x, w)
-
-
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm: torch.Tensor,
-    eps: float,
-    w: torch.Tensor | Fp8Weight,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(rms_norm(x + residual) * norm, w, bias), x + residual)``: `rms_norm` then
-    `linear`; in one launch where the product takes the skinny kernel (``FUSE_DECODE``)."""
-    if FUSE_DECODE and _skinny(x, w) and norm.dtype == x.dtype:
-        mod = _skinny_module()
-        if isinstance(w, Fp8Weight):
-            return mod.norm_linear(x, residual, norm, eps, w.weight, bias, scale=w.scale)
-        return mod.norm_linear(x, residual, norm, eps, w, bias)
-    h, residual_out = rms_norm(x, norm, eps, residual)
-    return linear(h, w, bias), residual_out
+    return not isinstance(w, Fp8Weight) and _skinny(x, w, choices)
 
 
 def rms_linear(
@@ -205,67 +143,66 @@ def rms_linear(
     bias: torch.Tensor | None = None,
     silu: bool = False,
     sums: torch.Tensor | None = None,
+    choices: KernelChoices = DEFAULT,
 ) -> torch.Tensor:
     """``linear(rms_norm(x), w, bias)`` for a ``w`` that holds the norm's weight in its columns
     (``engine.model.fold_norms``); ``silu``: ``w`` is ``[gate; up]`` and the result is
-    ``silu_and_mul`` of the product. Where the product takes the skinny kernel on the CUDA
-    cores (or the tensor cores with ``FOLD_DOT``), one launch
-    (``triton_skinny.rms_linear``: ``x`` unchanged into the product, ``1/rms`` and SiLU in the
-    epilogue); elsewhere `rms_norm` with ``unit_norm`` (the folded norm's weight: ones), then
-    `linear` (then `silu_and_mul`). ``sums``: what `linear_add_sums` left for
-    ``x`` (``FOLD_SUMS``): the norm takes them instead of summing ``x``'s squares."""
-    if _skinny_16(x, w) and (bias is None or not silu):
+    ``silu_and_mul`` of the product. One launch (``triton_skinny.rms_linear``: ``x`` unchanged
+    into the product, ``1/rms`` and SiLU in the epilogue) where the product takes the skinny
+    kernel on the CUDA cores, or on the tensor cores with ``sums``: what `linear_add_sums` left
+    for ``x`` (``choices.fold_sums``), taken instead of summing ``x``'s squares; elsewhere
+    `rms_norm` with ``unit_norm`` (the folded norm's weight: ones), then `linear` (then
+    `silu_and_mul`)."""
+    if _skinny_16(x, w, choices) and (bias is None or not silu):
         from kernels import triton_skinny
 
         dot = triton_skinny.plan_for(x.shape[0], *w.shape, w.dtype, 3).dot
         fits = not silu or triton_skinny.silu_fits(x.shape[0], *w.shape, w.dtype)
-        if fits and FOLD_SUMS and sums is not None:
-            return triton_skinny.rms_linear(x, eps, w, bias, silu=silu, sums=sums)
-        if fits and (FOLD_DOT or not dot):
-            return triton_skinny.rms_linear(x, eps, w, bias, silu=silu)
-    h, _ = rms_norm(x, unit_norm, eps)
-    out = linear(h, w, bias)
-    return silu_and_mul(out) if silu else out
+        if fits and choices.fold_sums and sums is not None:
+            return triton_skinny.rms_linear(x, eps, w, bias, silu=silu, sums=sums, pdl=choices.pdl)
+        if fits and not dot:
+            return triton_skinny.rms_linear(x, eps, w, bias, silu=silu, pdl=choices.pdl)
+    h, _ = rms_norm(x, unit_norm, eps, choices=choices)
+    out = linear(h, w, bias, choices)
+    return silu_and_mul(out, choices) if silu else out
 
 
-def linear_add(x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor) -> torch.Tensor:
+def linear_add(
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor,
+    choices: KernelChoices = DEFAULT,
+) -> torch.Tensor:  # fmt: skip
     """``linear(x, w) + add`` (the residual stream): where the product takes the skinny
     kernel, added in its epilogue before the one rounding; elsewhere added after."""
-    if _skinny_16(x, w):
+    if _skinny_16(x, w, choices):
         from kernels import triton_skinny
 
-        return triton_skinny.linear(x, w, add=add)
-    return linear(x, w).add_(add)
+        return triton_skinny.linear(x, w, add=add, pdl=choices.pdl)
+    return linear(x, w, choices=choices).add_(add)
 
 
 def linear_add_sums(
-    x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor,
+    choices: KernelChoices = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """`linear_add`, and the sums of squares of the result's rows that the folded norm after
-    it takes (`rms_linear`'s ``sums``), made in the skinny kernel's epilogue (``FOLD_SUMS``,
-    from ``FOLD_SUMS_MIN_ROWS`` rows); ``None`` where the product takes another path."""
-    if FOLD_SUMS and x.shape[0] >= FOLD_SUMS_MIN_ROWS and _skinny_16(x, w):
+    it takes (`rms_linear`'s ``sums``), made in the skinny kernel's epilogue
+    (``choices.fold_sums``, from ``choices.fold_sums_min_rows`` rows); ``None`` where the
+    product takes another path."""
+    if choices.fold_sums and x.shape[0] >= choices.fold_sums_min_rows and _skinny_16(x, w, choices):
         from kernels import triton_skinny
 
-        return triton_skinny.linear_sums(x, w, add)
-    return linear_add(x, w, add), None
+        return triton_skinny.linear_sums(x, w, add, pdl=choices.pdl)
+    return linear_add(x, w, add, choices), None
 
 
-def silu_mul_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
-    """``linear(silu_and_mul(x), w)`` for the fused gate/up output ``x``; in one launch where
-    the product takes the skinny kernel (``FUSE_DECODE``)."""
-    if FUSE_DECODE and _skinny(x, w):
-        mod = _skinny_module()
-        if isinstance(w, Fp8Weight):
-            return mod.silu_mul_linear(x, w.weight, scale=w.scale)
-        return mod.silu_mul_linear(x, w)
-    return linear(silu_and_mul(x), w)
-
-
-def _fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_linear(
+    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, choices: KernelChoices
+) -> torch.Tensor:
     if use_triton(x) and x.stride(-1) == 1:
-        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            return _skinny_module().linear(x, w.weight, bias, scale=w.scale)
+        if x.shape[0] <= choices.skinny_rows and x.dtype in (torch.bfloat16, torch.float16):
+            from kernels import triton_skinny
+
+            return triton_skinny.linear(x, w.weight, bias, scale=w.scale, pdl=choices.pdl)
         n, k = w.shape
         if x.dtype in (torch.bfloat16, torch.float16) and n % 16 == 0 and k % 16 == 0:
             from kernels import fp8_gemm
@@ -477,8 +414,8 @@ def compare_sums(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
     what the copy took) differ from ``host[:n]`` (the sender's, the same bits as int64; on
     CUDA pinned host memory, read by the device where it lies), stored in ``host[n]``; and
     ``sums[:n]`` left zero for the next copy. Not waited for. On CUDA one Triton program
-    (with ``PDL``, launched early: it reads the sender's sums while the copy still runs, and
-    waits in the kernel for the copy's end); elsewhere torch."""
+    (on Hopper launched early, by programmatic dependent launch: it reads the sender's sums
+    while the copy still runs, and waits in the kernel for the copy's end); elsewhere torch."""
     if sums.dtype != torch.int64 or host.dtype != torch.int64:
         raise ValueError("the sums and the host words must be int64")
     if n > sums.numel() or host.numel() < n + 1:
@@ -519,22 +456,23 @@ def block_wsum64(words: torch.Tensor, block_idx: torch.Tensor, offset: int = 0) 
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    choices: KernelChoices = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(norm(x + residual) * weight, x + residual)``."""
     if use_triton(x):
         from kernels import triton_norm
 
-        return triton_norm.rms_norm(x, weight, eps, residual)
+        return triton_norm.rms_norm(x, weight, eps, residual, pdl=choices.pdl)
     return reference.rms_norm(x, weight, eps, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, choices: KernelChoices = DEFAULT) -> torch.Tensor:
     """``silu(gate) * up`` of the fused ``[T, 2n]`` gate/up projection."""
     if use_triton(x):
         from kernels import triton_norm
 
-        return triton_norm.silu_and_mul(x)
+        return triton_norm.silu_and_mul(x, pdl=choices.pdl)
     return reference.silu_and_mul(x)
 
 
@@ -581,6 +519,7 @@ def rope_write_kv(
     meta: AttentionMetadata,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    choices: KernelChoices = DEFAULT,
 ) -> torch.Tensor:
     """``rotary_embedding`` of q and k, then ``write_kv`` of the rotated k and v; returns the
     rotated q. On CUDA one kernel does both (the rotated k never goes through memory)."""
@@ -589,7 +528,7 @@ def rope_write_kv(
 
         return triton_rope_kv.rope_write_kv(
             q, k, v, cos, sin, kv_cache, layer, meta.slot_blocks, meta.slot_offsets,
-            k_scale, v_scale,
+            k_scale, v_scale, pdl=choices.pdl,
         )  # fmt: skip
     return reference.rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale)
 
@@ -606,19 +545,20 @@ def rope_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    choices: KernelChoices = DEFAULT,
 ) -> torch.Tensor:
     """`rope_write_kv` then `paged_attention`: the attention output of the new tokens' unrotated
-    q, k and v. A decode batch on CUDA takes one kernel (``ROPE_IN_ATTENTION``)."""
-    if ROPE_IN_ATTENTION and use_triton(q) and _decode_batch(q, meta):
+    q, k and v. A decode batch on CUDA takes one kernel (``choices.rope_in_attention``)."""
+    if choices.rope_in_attention and use_triton(q) and _decode_batch(q, meta):
         from kernels import triton_decode
 
         rope = triton_decode.Rope(k, v, cos, sin, meta.slot_blocks, meta.slot_offsets)
         return triton_decode.decode_attention(
             q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
-            k_scale=k_scale, v_scale=v_scale, rope=rope,
+            k_scale=k_scale, v_scale=v_scale, rope=rope, pdl=choices.pdl,
         )  # fmt: skip
-    q = rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale)
-    return paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale)
+    q = rope_write_kv(q, k, v, cos, sin, kv_cache, layer, meta, k_scale, v_scale, choices)
+    return paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale, choices)
 
 
 def _decode_batch(q: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -634,6 +574,7 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    choices: KernelChoices = DEFAULT,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over their sequences' paged KV (an FP8 cache
     is read as ``k * k_scale``, ``v * v_scale``).
@@ -648,7 +589,7 @@ def paged_attention(
 
             return triton_decode.decode_attention(
                 q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, pdl=choices.pdl,
             )  # fmt: skip
         from kernels import triton_prefill
 

@@ -34,18 +34,17 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def pdl_on(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch (``kernels.PDL``) for a launch on ``t``'s device: Hopper
-    or newer only (``griddepcontrol``); never off CUDA (Triton's interpreter)."""
-    import kernels
+def pdl_on(t: torch.Tensor, wanted: bool = True) -> bool:
+    """Programmatic dependent launch for a launch on ``t``'s device, where ``wanted`` (the
+    caller's ``KernelChoices.pdl``): Hopper or newer only (``griddepcontrol``); never off CUDA
+    (Triton's interpreter)."""
+    return wanted and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
 
-    return bool(kernels.PDL) and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
 
-
-def pdl_kwargs(t: torch.Tensor) -> dict:
+def pdl_kwargs(t: torch.Tensor, wanted: bool = True) -> dict:
     """A taking-part kernel's launch options: ``PDL`` (its constexpr: ``griddepcontrol.wait``
-    before it reads or writes anything) and ``launch_pdl`` where on."""
-    on = pdl_on(t)
+    before it reads or writes anything) and ``launch_pdl`` where on (see `pdl_on`)."""
+    on = pdl_on(t, wanted)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 

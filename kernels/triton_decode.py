@@ -475,6 +475,7 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rope: Rope | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q``: ``[B, H, D]``) over its paged KV (an
     FP8 cache holds ``k / k_scale`` and ``v / v_scale``).
@@ -482,7 +483,8 @@ def decode_attention(
     ``seq_lens[b]`` counts the KV of sequence ``b`` including the new token, already written;
     ``seq_lens[b] == 0`` gives a zero output (padding rows of a captured batch). With
     ``rope``, ``q`` and the new token's k are not rotated yet and its k and v not written:
-    the kernel does what ``triton_rope_kv.rope_write_kv`` would have done first.
+    the kernel does what ``triton_rope_kv.rope_write_kv`` would have done first. ``pdl``:
+    programmatic dependent launch where the GPU has it.
     """
     paged = PagedLayer.of(kv_cache, layer)
     b, h, d = q.shape
@@ -515,7 +517,7 @@ def decode_attention(
         HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
         PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
         num_warps=plan.num_warps,
-        num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q),
+        num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q, pdl),
         **(rope.kernel_args(k_scale, v_scale, paged.k.dtype == torch.float8_e4m3fn)
            if rope is not None else {}),
     )  # fmt: skip
@@ -526,6 +528,6 @@ def decode_attention(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
-        **pdl_kwargs(q),
+        **pdl_kwargs(q, pdl),
     )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ The projections of one input (q/k/v, gate/up) go through the same two launches
 and B in the fused output's column order; each expand program's column block lies in one
 projection, whose ranks it reads from the shrunk rows.
 
-Both take part in programmatic dependent launch (``kernels.PDL``): ``griddepcontrol.wait``
+Both take part in programmatic dependent launch (``KernelChoices.pdl``): ``griddepcontrol.wait``
 before anything is read.
 
 Every token appears in one tile and every (tile, split) and (tile, column block) is one
@@ -152,17 +152,19 @@ def _expand_kernel(
 
 
 def lora_add(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata
-) -> None:
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata,
+    pdl: bool = True,
+) -> None:  # fmt: skip
     """Triton form of ``kernels.reference.lora_add`` (same arguments; ``meta`` in the tile
     form, on CUDA: built per step, or the fixed-size tables of a decode CUDA graph). Launches
     depend on shapes only, never on the tables' contents, so they can be captured."""
-    lora_add_fused(y, x, a, b, [b.shape[1]], meta)
+    lora_add_fused(y, x, a, b, [b.shape[1]], meta, pdl=pdl)
 
 
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
     meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+    pdl: bool = True,
 ) -> None:  # fmt: skip
     """Triton form of ``kernels.reference.lora_add_fused``: the projections of one input
     (q/k/v, gate/up) in two launches. ``a``: [S, len(widths) * R, in] (each projection's A
@@ -171,8 +173,8 @@ def lora_add_fused(
     one expand adds each column block's delta from its own projection's ranks. ``norm``
     (weight, eps): ``x`` is the residual sum and the input is its RMS norm; ``silu_mul``: ``x``
     is ``[gate | up]`` and the input is ``silu(gate) * up``; both made in the shrink, as
-    ``kernels.rms_norm`` and ``kernels.silu_and_mul`` make them (the base product keeps its
-    fused decode kernel)."""
+    ``kernels.rms_norm`` and ``kernels.silu_and_mul`` make them. ``pdl``: programmatic
+    dependent launch where the GPU has it."""
     if meta.rows is None or meta.tile_slot is None or meta.tile_start is None:
         raise ValueError("LoRAMetadata was built for the reference path (not on CUDA)")
     if meta.tile_len is None or meta.scales_t is None:
@@ -215,7 +217,7 @@ def lora_add_fused(
         x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, norm_w, eps, k,
         rt, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_R=block_rt, BLOCK_K=block_k, K_SPLIT=K_SPLIT, PREC=prec,
-        INPUT=mode, NORM_K=NORM_K, num_warps=4, **pdl_kwargs(x),
+        INPUT=mode, NORM_K=NORM_K, num_warps=4, **pdl_kwargs(x, pdl),
     )  # fmt: skip
     w = [*widths, 0, 0][:3]
     nb = [triton.cdiv(v, BLOCK_N) for v in w]
@@ -224,5 +226,5 @@ def lora_add_fused(
         w[0], w[1], w[2], nb[0], nb[1],
         part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_R=max(16, next_pow2(r)), BLOCK_N=BLOCK_N, SPLITS=splits,
-        PREC=prec, num_warps=4, **pdl_kwargs(x),
+        PREC=prec, num_warps=4, **pdl_kwargs(x, pdl),
     )  # fmt: skip

@@ -51,9 +51,11 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + residual) * weight, x + residual)`` over the last dim of ``[T, N]`` rows."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(norm(x + residual) * weight, x + residual)`` over the last dim of ``[T, N]`` rows
+    (``pdl``: programmatic dependent launch where the GPU has it)."""
     if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(f"x must be [T, N] with unit last stride, weight [N]; got {x.shape}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
@@ -80,7 +82,7 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
-        **pdl_kwargs(x),
+        **pdl_kwargs(x, pdl),
     )
     return out, res_out
 
@@ -100,8 +102,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + offs, (act.to(tl.float32) * u).to(act.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :n]) * x[:, n:]`` for ``x`` of shape ``[T, 2n]``."""
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """``silu(x[:, :n]) * x[:, n:]`` for ``x`` of shape ``[T, 2n]`` (``pdl``: as `rms_norm`)."""
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2n] with unit last stride, got {list(x.shape)}")
     t, n = x.shape[0], x.shape[1] // 2
@@ -110,6 +112,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(n), 2048)
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs(x)
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs(x, pdl)
     )
     return out

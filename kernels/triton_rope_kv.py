@@ -108,9 +108,11 @@ def rope_write_kv(
     slot_offsets: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """Rotate ``q`` ``[T, H, D]`` (returned, a new tensor) and ``k`` ``[T, Hkv, D]``, and write
-    the rotated ``k`` and ``v`` into their slots of ``layer`` (negative block: no write)."""
+    the rotated ``k`` and ``v`` into their slots of ``layer`` (negative block: no write).
+    ``pdl``: programmatic dependent launch where the GPU has it."""
     paged = PagedLayer.of(kv_cache, layer)
     check_inputs(q, k, v, cos, sin, paged)
     t, h, d = q.shape
@@ -125,6 +127,6 @@ def rope_write_kv(
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         paged.stride_block, paged.stride_token, paged.stride_head, h, hk,
         HALF=d // 2, BLOCK_HQ=next_pow2(h), BLOCK_HK=next_pow2(hk), BLOCK_HALF=next_pow2(d // 2),
-        FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl_kwargs(q),
+        FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl_kwargs(q, pdl),
     )  # fmt: skip
     return q_out

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_skinny import _finish, _prefetch_l2, _prefetch_steps
+from kernels.triton_skinny_common import _finish, _prefetch_l2, _prefetch_steps
 
 UNIT = tl.constexpr(2.0**56)  # 2**120 of the weights' bit placement, less 2**64 of x's scale
 

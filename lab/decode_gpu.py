@@ -5,19 +5,19 @@ Sections, in order; each is saved to ``decode_gpu_<device>.json`` as soon as it 
 short still returns what it did), and one that fails is recorded without stopping the next:
 
 1. ``ceilings``: device-to-device copy bandwidth and the bf16 matrix rate;
-2. ``checks``: every Triton kernel against its reference (``bench.gpu_checks``), the FP8 ones,
-   and the decode fusions (RMSNorm and SiLU-and-multiply folded into the skinny product,
-   split-K); a fusion that fails its check is turned off for the timings, and the table says so;
+2. ``checks``: every Triton kernel against its reference (``bench.gpu_checks``) and the FP8
+   ones;
 3. ``roofline``: decode steps of the 8B shape (random bf16 weights, CUDA-graph replay) at batch
-   1 and 8, ctx 1k, as a fraction of the bandwidth roofline (bytes read / copy bandwidth):
-   fusions off, on, and on with split-K 2 and 4 for the products with few row tiles;
+   1 and 8, ctx 1k, as a fraction of the bandwidth roofline (bytes read / copy bandwidth): the
+   skinny products (the default kernel choices) and every product on cuBLAS
+   (``KernelChoices(skinny_rows=0)``);
 4. ``fp8_weights``: the same steps with the layers' matrices in FP8, against bf16 (target: the
    FP8 step <= 0.6x the bf16 one at batch 1), then with the LM head in FP8 too (the engine's
    ``quantize_lm_head``: rows ``weights+lm_head``, with their ratio to the FP8 step);
 5. ``fp8_kv``: a step where the KV dominates (batch 16, ctx 8k), KV in bf16 against FP8 (the
    weights as section 4 left them);
-6. ``gemv``: each product of the 8B shape alone at 1 and 8 rows: the skinny kernel, split-K 2
-   and 4, and each fused prologue against the unfused pair of kernels;
+6. ``gemv``: each product of the 8B shape alone at 1 and 8 rows: the skinny kernel's installed
+   plan, the same plan with split-K 2 and 4, and cuBLAS;
 7. ``handoff``: bytes per block and per 1k-token prompt and the CUDA IPC gather, bf16 vs FP8;
 8. ``agreement``: greedy agreement and mean |logprob change| of FP8 KV and FP8 weights (the LM
    head in bf16, then in FP8 too) against bf16 through the engine (SmolLM2 shape, shared random
@@ -39,6 +39,7 @@ Prints short tables; writes ``decode_gpu_<device>.md`` and ``.json`` to ``--out`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -53,17 +54,16 @@ from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_be
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
 from engine.fp8 import quantize_head, quantize_layer
+from engine.model import DecoderModel
 from engine.shapes import SHAPES
 from lab import gpu_fp8
-from tests.kernel_cases import rel_err
 
 SECTIONS = (
     "ceilings", "checks", "roofline", "fp8_weights", "fp8_kv", "gemv", "handoff", "agreement",
     "spec",
 )  # fmt: skip
-# Decode modes of the roofline section: (fusions on, split-K parts for short products; 1: off).
-MODES = {"unfused": (False, 1), "fused": (True, 1), "fused_splitk2": (True, 2),
-         "fused_splitk4": (True, 4)}  # fmt: skip
+# Decode modes of the roofline section: the kernel choices of the model each step takes.
+MODES = {"skinny": kernels.KernelChoices(), "cublas": kernels.KernelChoices(skinny_rows=0)}
 ROOF_COLS = ["mode", "batch", "ctx", "step_ms", "roofline_ms", "frac_roofline",
              "step_with_host_ms"]  # fmt: skip
 FP8_COLS = ["fp8", "batch", "ctx", "bf16_ms", "fp8_ms", "ratio", "vs_fp8", "bf16_frac_roofline",
@@ -94,7 +94,6 @@ class Run:
         }
         self.ceil: Ceilings | None = None
         self.bench: LlamaBench | None = None
-        self.splitk_ok = True
         stem = "decode_gpu_" + name.lower().replace("nvidia ", "").replace(" ", "_")
         self.stem = args.out / stem.replace("(", "").replace(")", "")
 
@@ -131,52 +130,13 @@ def ceilings(run: Run) -> dict:
 
 
 def checks(run: Run) -> list[dict]:
-    rows = fusion_checks(run)
-    if run.device == "cuda":
-        from bench.gpu_checks import check_kernels
+    if run.device != "cuda":
+        return [{"skipped": "needs CUDA (Triton)"}]
+    from bench.gpu_checks import check_kernels
 
-        rows = check_kernels(1) + gpu_fp8.checks() + rows
+    rows = check_kernels(1) + gpu_fp8.checks()
     print(table(rows, ["kernel", "rel_err", "ok"]), flush=True)
-    bad = {r["kernel"] for r in rows if not r["ok"]}
-    if any(k.startswith("fused_") for k in bad):
-        kernels.FUSE_DECODE = False
-        run.res["fusion_off"] = "a fused kernel failed its check: the timings run unfused"
-    run.splitk_ok = not any(k.startswith("splitk") for k in bad)
     return rows
-
-
-def fusion_checks(run: Run) -> list[dict]:
-    """The fused prologues (through the engine's dispatch: fused on CUDA within GEMV_MAX_ROWS)
-    against norm-then-product / SiLU-then-product, and split-K against the reference."""
-    c, dev = run.config, run.device
-    hidden, inter = c.hidden_size, c.intermediate_size
-    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    rows = []
-    for m in (1, 8):
-        x, res = (torch.randn(m, hidden, device=dev).bfloat16() for _ in range(2))
-        g = (1 + 0.1 * torch.randn(hidden, device=dev)).bfloat16()
-        w = (torch.randn(qkv_rows, hidden, device=dev) * 0.02).bfloat16()
-        out, res_out = kernels.norm_linear(x, res, g, 1e-5, w)
-        h, want = kernels.reference.rms_norm(x, g, 1e-5, res)
-        err = rel_err(out, kernels.reference.linear(h.float(), w.float()))
-        rows.append(("fused_norm_qkv", m, err if torch.equal(res_out, want) else float("inf")))
-        y = torch.randn(m, 2 * inter, device=dev).bfloat16()
-        wd = (torch.randn(hidden, inter, device=dev) * 0.02).bfloat16()
-        got = kernels.silu_mul_linear(y, wd)
-        exact = torch.equal(got, kernels.linear(kernels.silu_and_mul(y), wd))
-        err = rel_err(got, kernels.reference.linear(kernels.reference.silu_and_mul(y.float()),
-                                                    wd.float()))  # fmt: skip
-        rows.append(("fused_silu_down", m, err if exact else float("inf")))
-        if dev == "cuda":
-            from kernels.triton_gemv import GemvPlan, linear
-
-            for split in (2, 4):
-                a = linear(y[:, :inter].contiguous(), wd, None, GemvPlan(split_k=split))
-                again = linear(y[:, :inter].contiguous(), wd, None, GemvPlan(split_k=split))
-                ref = kernels.reference.linear(y[:, :inter].float(), wd.float())
-                err = rel_err(a, ref) if torch.equal(a, again) else float("inf")
-                rows.append((f"splitk{split}_down", m, err))
-    return [{"kernel": f"{n}_rows{m}", "rel_err": e, "ok": e < 1e-2} for n, m, e in rows]
 
 
 # -- 3, 4, 5: decode steps of the 8B shape -----------------------------------------------------
@@ -188,37 +148,25 @@ def bench_for(run: Run) -> LlamaBench:
     return run.bench
 
 
-def set_mode(fuse: bool, split: int) -> None:
-    from kernels import triton_gemv  # noqa: F401 - only where Triton imports
-
-    kernels.FUSE_DECODE = fuse
-    # The split-K modes are the first skinny kernel's (``triton_gemv``); the others run the
-    # default one (``triton_skinny``, whose plans carry their own split-K: lab.skinny_gpu).
-    kernels.SKINNY_KERNEL = "gemv" if split > 1 else "skinny"
-    triton_gemv.SPLIT_K_TILES_PER_SM = 4 if split > 1 else 0
-    triton_gemv.SPLIT_K = split
-
-
 def roofline(run: Run) -> list[dict]:
     bench, ceil = bench_for(run), run.ceil or measure_ceilings(small=run.dry)
     ctx = 1024 if not run.dry else 64
-    fused_ok = "fusion_off" not in run.res  # fusion is off by default; timed unless a check failed
+    default = bench.model
     rows = []
-    for mode, (fuse, split) in MODES.items():
-        if (fuse and not fused_ok) or (split > 1 and not run.splitk_ok):
-            continue
+    try:
+        for mode, choices in MODES.items():
+            # a model over the bench's weights that takes the mode's kernels
+            bench.model = DecoderModel(bench.c, bench.w, bench.max_len, choices=choices)
+            for b in (1, 8):
+                rows.append({"mode": mode, **bench.decode(b, ctx, ceil)})
+                print(rows[-1], flush=True)
+        best = min((r for r in rows if r["batch"] == 1), key=lambda r: r["step_ms"])
         if run.device == "cuda":
-            set_mode(fuse, split)
-        else:
-            kernels.FUSE_DECODE = fuse
-        for b in (1, 8):
-            rows.append({"mode": mode, **bench.decode(b, ctx, ceil)})
-            print(rows[-1], flush=True)
-    best = min((r for r in rows if r["batch"] == 1), key=lambda r: r["step_ms"])
-    fuse, split = MODES[best["mode"]]
-    if run.device == "cuda":
-        set_mode(fuse, split)
-        run.res["profile_best_b1"] = bench.profile_decode(1, ctx)
+            bench.model = DecoderModel(bench.c, bench.w, bench.max_len,
+                                       choices=MODES[best["mode"]])  # fmt: skip
+            run.res["profile_best_b1"] = bench.profile_decode(1, ctx)
+    finally:
+        bench.model = default
     run.res["best_mode"] = best["mode"]
     print(table(rows, ROOF_COLS), flush=True)
     return rows
@@ -287,23 +235,22 @@ def gemv(run: Run) -> list[dict]:
 
 
 def gemv_variants(name: str, m: int, k: int) -> dict[str, Callable[[torch.Tensor], object]]:
-    """The ways to run product ``name`` of ``m`` rows: split-K 1/2/4, and for the products
-    that follow a norm or SiLU-and-multiply, fused and unfused."""
-    from kernels.triton_gemv import GemvPlan, linear, norm_linear, silu_mul_linear
-    from kernels.triton_norm import rms_norm, silu_and_mul
+    """The ways to run product ``name`` of ``m`` rows: the skinny kernel's installed plan, the
+    same with split-K 2 and 4, and cuBLAS."""
+    from kernels import triton_skinny
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    out: dict[str, Callable[[torch.Tensor], object]] = {
-        f"split{s}": lambda w, s=s: linear(x, w, plan=GemvPlan(split_k=s)) for s in (1, 2, 4)
-    }
-    if name in ("qkv", "gate_up"):
-        g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-        out["fused"] = lambda w: norm_linear(x, x, g, 1e-5, w)
-        out["unfused"] = lambda w: linear(rms_norm(x, g, 1e-5, x)[0], w)
-    elif name == "down":
-        y = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-        out["fused"] = lambda w: silu_mul_linear(y, w)
-        out["unfused"] = lambda w: linear(silu_and_mul(y), w)
+
+    def skinny(split: int) -> Callable[[torch.Tensor], object]:
+        def run(w: torch.Tensor) -> object:
+            plan = triton_skinny.plan_for(m, *w.shape, w.dtype)
+            plan = plan if split == 1 else dataclasses.replace(plan, split_k=split)
+            return triton_skinny.linear(x, w, plan=plan)
+
+        return run
+
+    out = {f"split{s}": skinny(s) for s in (1, 2, 4)}
+    out["cublas"] = lambda w: x @ w.T
     return out
 
 
@@ -343,8 +290,6 @@ def report(res: dict) -> str:
         c = res["ceilings"]
         out.append(f"- copy bandwidth (read + write) {c['copy_TBps']:.3f} TB/s; bf16 matmul "
                    f"{c['matmul_TFLOPs']:.1f} TFLOP/s")  # fmt: skip
-    if res.get("fusion_off"):
-        out.append(f"- {res['fusion_off']}")
     if res["errors"]:
         out += ["", "## Sections that failed", "```", json.dumps(res["errors"], indent=1), "```"]
     parts = [

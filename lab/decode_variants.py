@@ -6,7 +6,10 @@ what helps:
 - other skinny plans for the layers' four products (every product of the step takes the plan);
 - the LM head in FP8 too (``--quantization fp8`` keeps it in bf16, as vLLM does, unless
   ``--quantize-lm-head``);
-- programmatic dependent launch off.
+- other kernel choices (``KernelChoices``: programmatic dependent launch off, RoPE in its own
+  kernel, the norms folded or not, their sums of squares from the product before or not), each
+  taken by a model built over the same weights;
+- what-ifs: upper bounds with a kernel left out (wrong logits), what fusing it could save.
 
 Then a per-kernel profile of the plain step with PDL off (with PDL on a kernel's time includes
 its wait for the previous one). Prints a table; writes ``decode_variants_<device>.md``/``.json``.
@@ -33,8 +36,10 @@ from bench.gpu_common import measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
 from engine.fp8 import quantize_layer
+from engine.model import DecoderModel
 from engine.shapes import SHAPES
 from kernels import reference
+from kernels.choices import DEFAULT
 from lab.skinny_gpu import shapes
 
 COLS = [
@@ -167,23 +172,29 @@ ATTENTION_B8 = {
 
 
 @contextlib.contextmanager
-def kernels_set(**values: object) -> Iterator[None]:
-    """``kernels``' module settings (``PDL``, ``FUSE_DECODE``, ``rms_norm``...) replaced for the
-    block, put back after."""
-    saved = {name: getattr(kernels, name) for name in values}
-    for name, value in values.items():
-        setattr(kernels, name, value)
+def choosing(bench: LlamaBench, **change: object) -> Iterator[None]:
+    """The step taken by a model over the bench's weights whose kernel choices are the current
+    model's with ``change`` (``KernelChoices`` fields); the bench's model comes back after."""
+    model = bench.model
+    choices = dataclasses.replace(model.choices, **change)  # type: ignore[arg-type]
+    bench.model = DecoderModel(bench.c, bench.w, bench.max_len, choices=choices)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(kernels, name, value)
+        bench.model = model
 
 
-def fused() -> contextlib.AbstractContextManager:
-    """RMSNorm folded into the QKV and gate/up products and SiLU-and-multiply into down
-    (``kernels.FUSE_DECODE``, off by default) with the installed plans."""
-    return kernels_set(FUSE_DECODE=True)
+@contextlib.contextmanager
+def kernels_patched(**functions: Callable[..., object]) -> Iterator[None]:
+    """``kernels``' functions replaced for the block (the what-ifs below), put back after."""
+    saved = {name: getattr(kernels, name) for name in functions}
+    for name, fn in functions.items():
+        setattr(kernels, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
 
 
 def what_if_without(name: str) -> contextlib.AbstractContextManager:
@@ -191,18 +202,19 @@ def what_if_without(name: str) -> contextlib.AbstractContextManager:
     SiLU-and-multiply kernels (``silu``) left out (the products read their input unchanged, so
     the logits are wrong): what folding them into the products could save at most."""
     if name == "rms_norm":
-        return kernels_set(rms_norm=lambda x, weight, eps, residual=None: (x, x))
-    return kernels_set(silu_and_mul=lambda x: x[:, : x.shape[1] // 2])
+        return kernels_patched(rms_norm=lambda x, weight, eps, residual=None, choices=None: (x, x))
+    return kernels_patched(silu_and_mul=lambda x, choices=None: x[:, : x.shape[1] // 2])
 
 
 def what_if_no_rope() -> contextlib.AbstractContextManager:
     """An upper bound: the step without RoPE and the KV write (attention reads the unrotated q
     and the cache as it was): what fusing them into attention could save at most."""
 
-    def attention(q, k, v, cos, sin, kv_cache, layer, meta, scale, k_scale=1.0, v_scale=1.0):  # noqa: ANN001, ANN202
-        return kernels.paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale)
+    def attention(q, k, v, cos, sin, kv_cache, layer, meta, scale, k_scale=1.0, v_scale=1.0,  # noqa: ANN001, ANN202
+                  choices=DEFAULT):  # fmt: skip
+        return kernels.paged_attention(q, kv_cache, layer, meta, scale, k_scale, v_scale, choices)
 
-    return kernels_set(rope_attention=attention)
+    return kernels_patched(rope_attention=attention)
 
 
 @contextlib.contextmanager
@@ -232,20 +244,12 @@ def combined(*changes: Callable[[], contextlib.AbstractContextManager]) -> Itera
 
 
 @contextlib.contextmanager
-def folded(
-    bench: LlamaBench,
-    norm_first: bool | str | None = None,
-    xb: int = 0,
-    fold_dot: bool = False,
-    sums: bool = True,
-) -> Iterator[None]:
+def folded(bench: LlamaBench, **change: object) -> Iterator[None]:
     """The norms folded into the products (``engine.model.fold_norms``, what the engine does
-    on CUDA): the step takes ``kernels.rms_linear``/``linear_add``, six launches a layer
-    instead of ten (``norm_first``, ``xb``: ``triton_skinny.NORM_FIRST``/``NORM_XB``, where the
-    norm's sums of squares are made; ``fold_dot``: ``kernels.FOLD_DOT``, the norm in the product
-    on the tensor cores' plans too; ``sums``: ``kernels.FOLD_SUMS``, the norms' sums of squares
-    from the products before them, which takes the place of the other three where it applies).
-    The folded matrices are copies; the bench's own come back after."""
+    on CUDA): the step takes ``kernels.rms_linear``/``linear_add_sums``, six launches a layer
+    instead of ten, with the current model's kernel choices and ``change`` (``fold_sums``: the
+    norms' sums of squares from the products before them, ...). The folded matrices are
+    copies; the bench's own come back after."""
     from engine.model import fold_norms
 
     layers = bench.w.layers
@@ -253,24 +257,17 @@ def folded(
               for lw in layers]  # fmt: skip
     bench.w.layers = copies
     fold_norms(bench.w)
-    bench.model.folded = True
-    from kernels import triton_skinny
-
-    saved = triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT, kernels.FOLD_SUMS
-    triton_skinny.NORM_FIRST, triton_skinny.NORM_XB = norm_first, xb
-    kernels.FOLD_DOT, kernels.FOLD_SUMS = fold_dot, sums
     try:
-        yield
+        with choosing(bench, **change):  # a model over the folded copies
+            yield
     finally:
-        triton_skinny.NORM_FIRST, triton_skinny.NORM_XB, kernels.FOLD_DOT, kernels.FOLD_SUMS = saved
         bench.w.layers = layers
-        bench.model.folded = False
         del copies
         torch.cuda.empty_cache()
 
 
-def pdl_off() -> contextlib.AbstractContextManager:
-    return kernels_set(PDL=False)
+def pdl_off(bench: LlamaBench) -> contextlib.AbstractContextManager:
+    return choosing(bench, pdl=False)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -314,21 +311,18 @@ def run(args: argparse.Namespace) -> dict:
         for b in args.batches:
             variants: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
                 "installed": contextlib.nullcontext,
-                "pdl_off": pdl_off,
+                "pdl_off": lambda: pdl_off(bench),
             }
             if weights == "fp8":
                 variants["lm_head_fp8"] = lambda: lm_head_fp8(bench)
-            variants["fused"] = fused
             # RoPE and the KV write in their own kernel, as before session 15
-            variants["rope_unfused"] = lambda: kernels_set(ROPE_IN_ATTENTION=False)
+            variants["rope_unfused"] = lambda: choosing(bench, rope_in_attention=False)
             if weights == "bf16":
                 # What the engine runs on CUDA: the norms folded, their sums of squares from
                 # the products before them, RoPE in attention
                 variants["folded"] = lambda: folded(bench)
-                variants["folded_no_sums"] = lambda: folded(bench, sums=False)
-                variants["folded_sums_one_row"] = functools.partial(
-                    combined, lambda: folded(bench), lambda: kernels_set(FOLD_SUMS_MIN_ROWS=1)
-                )
+                variants["folded_no_sums"] = lambda: folded(bench, fold_sums=False)
+                variants["folded_sums_one_row"] = lambda: folded(bench, fold_sums_min_rows=1)
                 variants["folded_rope_unfused"] = functools.partial(
                     combined, lambda: folded(bench), variants["rope_unfused"]
                 )
@@ -344,19 +338,6 @@ def run(args: argparse.Namespace) -> dict:
                 # the engine's step of session 14
                 variants["folded_s14"] = functools.partial(
                     combined, variants["folded_no_sums"], variants["rope_unfused"]
-                )
-                variants["folded_ssq_in_loop"] = lambda: folded(bench, False, 0, True, False)
-                variants["folded_ssq_first"] = lambda: folded(bench, True, 0, True, False)
-                variants["folded_ssq_first_xb1024"] = lambda: folded(bench, True, 1024, True, False)
-                variants["what_if_folded_no_ssq"] = lambda: folded(bench, "skip", 0, True, False)
-                variants["folded_fuse_dot"] = lambda: folded(bench, fold_dot=True, sums=False)
-            if weights == "bf16":
-                no_ssq = variants["what_if_folded_no_ssq"]
-                variants["what_if_folded_no_ssq_no_rope"] = functools.partial(
-                    combined, no_ssq, what_if_no_rope
-                )
-                variants["what_if_folded_no_ssq_no_rope_no_merge"] = functools.partial(
-                    combined, no_ssq, what_if_no_rope, what_if_no_merge
                 )
             variants["what_if_no_rope"] = what_if_no_rope
             variants["what_if_no_merge"] = what_if_no_merge
@@ -401,7 +382,7 @@ def run(args: argparse.Namespace) -> dict:
                 for vname in ("installed", "folded") if "folded" in variants else ("installed",):
                     if args.variants and vname not in args.variants and vname != "installed":
                         continue
-                    with pdl_off(), variants[vname]():
+                    with pdl_off(bench), variants[vname]():
                         prof = bench.profile_graph(b, ctx)
                     res["profiles"].append({"weights": weights, "variant": vname, **prof})
                     print(table(prof.get("rows", []), PROF_COLS))

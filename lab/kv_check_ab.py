@@ -157,21 +157,31 @@ def _maps_pinned(dst: torch.Tensor) -> bool:
 
 
 def sm_check(
-    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int]
+    dst: torch.Tensor, src: torch.Tensor, start: int, n: int, want: list[int], pdl: bool = True
 ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """The check of one run the transport takes on one GPU, ``src[start:start + n]`` into
     ``dst[:n]``: the SM copy that sums on its way (`kernels.runs_copy_sum`, nothing uploaded),
     the compare behind it reading the sender's sums (``want``, unsigned) from pinned memory
     and writing the count there. Returns (launch it on the current stream, its device sums,
-    the pinned sums with the count behind them)."""
+    the pinned sums with the count behind them). ``pdl`` False: the same kernels launched
+    plainly, without programmatic dependent launch (what the transport takes has it where the
+    GPU does)."""
     sums = torch.zeros(n, dtype=torch.int64, device=dst.device)
     host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=True)
     host.numpy().view("uint64")[:n] = want
-    copy = kernels.runs_copy_sum(dst, src, sums)
+    if pdl:
+        copy, compare = kernels.runs_copy_sum(dst, src, sums), kernels.compare_sums
+    else:
+        from kernels import triton_copy
+
+        copy = triton_copy.RunsCopySum(dst, src, sums, False, 0, False)
+
+        def compare(sums: torch.Tensor, host: torch.Tensor, n: int) -> None:
+            triton_copy.compare_sums(sums, host, n, False)
 
     def check() -> None:
         copy([(start, 0, n)])
-        kernels.compare_sums(sums, host, n)
+        compare(sums, host, n)
 
     return check, sums, host
 
@@ -327,11 +337,7 @@ def checked_copy(src, dst, src_ids, dst_ids, expected, repeat, pairs, stack_ms) 
     d_runs_run = device_time(runs_check, "cuda", repeat)
     if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} on a clean run")
-    pdl, kernels.PDL = kernels.PDL, False  # the same with the compare launched plainly
-    try:
-        d_runs_nopdl = device_time(sm_check(d8, s8, 0, n, run)[0], "cuda", repeat)
-    finally:
-        kernels.PDL = pdl
+    d_runs_nopdl = device_time(sm_check(d8, s8, 0, n, run, pdl=False)[0], "cuda", repeat)
     sweep = per_sm_sweep(runs_check, d_memcpy_run, max(repeat, 20))
     if int(host[n]) != 0 or int(zeros.count_nonzero()):
         raise AssertionError(f"the check of runs counted {int(host[n])} in the sweep")

@@ -4,20 +4,17 @@ same run:
 
 1. ``ceilings``: device-to-device copy bandwidth (read + write bytes per second);
 2. ``products``: each matrix product of the 8B shape alone (``qkv``, ``o_proj``, ``gate_up``,
-   ``down``; ``lm_head`` with the default plan), 1 and 8 rows, bf16 and FP8 weights: the first
-   skinny kernel (``triton_gemv``), cuBLAS (bf16), and every candidate plan of the new one
-   (``triton_skinny.candidates``), each checked against the reference, as a fraction of the
-   copy bandwidth (weight bytes / copy rate / time); the fastest correct plan is installed for
-   the steps and written to ``skinny_plans_<device>.json`` (the format of
-   ``kernels/skinny_plans.json``); then the fused prologues (RMSNorm into ``qkv``, SiLU into
-   ``down``) against the unfused pair, for the new kernel and the first one;
+   ``down``; ``lm_head`` with the default plan), 1 and 8 rows, bf16 and FP8 weights: cuBLAS
+   (bf16) and every candidate plan of the skinny kernel (``triton_skinny.candidates``), each
+   checked against the reference, as a fraction of the copy bandwidth (weight bytes / copy
+   rate / time); the fastest correct plan is installed for the steps and written to
+   ``skinny_plans_<device>.json`` (the format of ``kernels/skinny_plans.json``);
 3. ``steps``: decode steps of the 8B shape (random weights, CUDA-graph replay, ctx 1k) at
-   batch 1 and 8, against the roofline (bytes read / copy bandwidth): the first kernel
-   unfused, the new one unfused and fused, each also with programmatic dependent launch
-   (``_pdl`` modes, Hopper: ``same_as_no_pdl`` says the logits equal those with it off), then
-   the layers in FP8 (new kernel, the same modes): the FP8 step against the bf16 one (target
-   <= 0.6x at batch 1; decode >= 90% of the roofline); the skinny plan each product took and
-   where the plans came from.
+   batch 1 and 8, against the roofline (bytes read / copy bandwidth), with and without
+   programmatic dependent launch (``KernelChoices.pdl``; the ``step_pdl`` mode, Hopper:
+   ``same_as_no_pdl`` says the logits equal those with it off), then the layers in FP8 (the
+   same modes): the FP8 step against the bf16 one (target <= 0.6x at batch 1; decode >= 90%
+   of the roofline); the skinny plan each product took and where the plans came from.
 
     SHAPE=llama-3.1-8b bash bench/device/run.sh bench lab.skinny_gpu --out $OUT
     python -m lab.skinny_gpu --dry-run --out /tmp/dry   # off the GPU: tiny shapes, CPU
@@ -39,24 +36,24 @@ from pathlib import Path
 
 import torch
 
-import kernels
 from bench.gpu_common import Ceilings, graph_time_ms, measure_ceilings, parse_bench_args, table
 from bench.gpu_llama import BLOCK, LlamaBench
 from engine.config import ModelConfig
 from engine.fp8 import quantize_layer
+from engine.model import DecoderModel
 from engine.shapes import SHAPES
-from kernels import reference
+from kernels import KernelChoices, reference
 
 SECTIONS = ("ceilings", "products", "steps")
 ROWS = (1, 8)
 TOL = 2e-2  # bf16 outputs against the float32 reference of the same (dequantized) weights
-PROD_COLS = ["weight", "dtype", "rows", "old_us", "old_frac", "cublas_frac", "default_frac",
-             "best_us", "best_frac", "best_plan", "bad_plans"]  # fmt: skip
-FUSE_COLS = ["weight", "dtype", "rows", "kernel", "unfused_us", "fused_us", "fused_vs_unfused"]
+PROD_COLS = ["weight", "dtype", "rows", "cublas_frac", "default_frac", "best_us", "best_frac",
+             "best_plan", "bad_plans"]  # fmt: skip
 STEP_COLS = ["weights", "mode", "batch", "step_ms", "roofline_ms", "frac_roofline",
              "step_with_host_ms"]  # fmt: skip
-# ``_pdl`` modes: programmatic dependent launch (``kernels.PDL``), ``same_as_no_pdl``: the
-# step's logits equal those with it off bit for bit.
+# The steps' modes: the kernel choices of the model each takes (``step_pdl``: programmatic
+# dependent launch; its ``same_as_no_pdl``: the logits equal ``step``'s bit for bit).
+MODES = {"step": KernelChoices(pdl=False), "step_pdl": KernelChoices(pdl=True)}
 
 
 class Run:
@@ -145,13 +142,13 @@ def _time_us(ws: list, fn: Callable) -> float:
 def products(run: Run) -> dict:
     if run.device != "cuda":
         return {"skipped": "needs CUDA (Triton)"}
-    from kernels import triton_gemv, triton_skinny
+    from kernels import triton_skinny
 
     ceil = run.ceilings()
     # kernels/skinny_plans.json first (under --plans), so that what this section does not
     # measure keeps the file's plans and "default" below is the heuristic
     triton_skinny.load_plans()
-    rows_out, fused_out = [], []
+    rows_out = []
     for name, (n, k) in shapes(run.config).items():
         for fp8 in (False, True):
             # (the LM head stays bf16 under --quantization fp8 unless --quantize-lm-head)
@@ -167,8 +164,6 @@ def products(run: Run) -> dict:
                 w0, s0 = ws[0]
                 want = reference.linear(x.float(), w0.float() * (s0[:, None] if fp8 else 1))
                 row: dict = {"weight": name, "dtype": "fp8" if fp8 else "bf16", "rows": m}
-                row["old_us"] = _time_us(ws, lambda w, s, x=x: triton_gemv.linear(x, w, scale=s))
-                row["old_frac"] = frac(row["old_us"])
                 if not fp8:
                     row["cublas_frac"] = frac(_time_us(ws, lambda w, s, x=x: x @ w.T))
                 key = triton_skinny.plan_key(m, n, k, wdtype)
@@ -203,54 +198,13 @@ def products(run: Run) -> dict:
                 row["bad_plans"] = "; ".join(bad)
                 rows_out.append(row)
                 print({c: row.get(c) for c in PROD_COLS}, flush=True)
-                if name in ("qkv", "down") and not run.args.skip_fused:
-                    fused_out += fused_rows(name, m, ws, frac, run.args.old_fused)
             del ws
             free()
     plans = triton_skinny.plans_json(run.name)
     run.args.out.mkdir(parents=True, exist_ok=True)
     run.stem.with_name(run.stem.name + "_plans.json").write_text(json.dumps(plans, indent=1))
-    print(table(rows_out, PROD_COLS))
-    print(table(fused_out, FUSE_COLS), flush=True)
-    return {"rows": rows_out, "fused": fused_out, "plans": plans}
-
-
-def fused_rows(
-    name: str, m: int, ws: list, frac: Callable[[float], float], old: bool
-) -> list[dict]:
-    """The prologue folded into the product against the unfused pair (norm or SiLU kernel, then
-    the product), for the new kernel (its installed plan) and, with ``old``, the first one."""
-    from kernels import triton_gemv, triton_skinny
-    from kernels.triton_norm import rms_norm, silu_and_mul
-
-    k = ws[0][0].shape[1]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-    out = []
-    for label, mod in (("new", triton_skinny), ("old", triton_gemv))[: 2 if old else 1]:
-        if name == "qkv":
-
-            def fused(w, s, mod=mod):  # noqa: ANN001, ANN202
-                return mod.norm_linear(x, res, g, 1e-5, w, scale=s)
-
-            def unfused(w, s, mod=mod):  # noqa: ANN001, ANN202
-                return mod.linear(rms_norm(x, g, 1e-5, res)[0], w, scale=s)
-        else:
-
-            def fused(w, s, mod=mod):  # noqa: ANN001, ANN202
-                return mod.silu_mul_linear(y, w, scale=s)
-
-            def unfused(w, s, mod=mod):  # noqa: ANN001, ANN202
-                return mod.linear(silu_and_mul(y), w, scale=s)
-
-        u, f = _time_us(ws, unfused), _time_us(ws, fused)
-        out.append({"weight": name, "dtype": "fp8" if ws[0][1] is not None else "bf16",
-                    "rows": m, "kernel": label, "unfused_us": u, "fused_us": f,
-                    "fused_vs_unfused": f / u, "fused_frac": frac(f)})  # fmt: skip
-        print(out[-1], flush=True)
-    return out
+    print(table(rows_out, PROD_COLS), flush=True)
+    return {"rows": rows_out, "plans": plans}
 
 
 # -- 3: decode steps -------------------------------------------------------------------------------
@@ -259,49 +213,35 @@ def steps(run: Run) -> list[dict]:
     ctx = 1024 if not run.dry else 64
     bench = LlamaBench(run.config, 16 * -(-(ctx + 1) // BLOCK), max_len=2 * ctx,
                        device=run.device)  # fmt: skip
-    # (skinny kernel, fused prologues, programmatic dependent launch)
-    modes = {"old_unfused": ("gemv", False, False), "new_unfused": ("skinny", False, False),
-             "new_unfused_pdl": ("skinny", False, True), "new_fused": ("skinny", True, False),
-             "new_fused_pdl": ("skinny", True, True)}  # fmt: skip
     rows, used, profiles = [], [], []
     logits: dict[tuple, torch.Tensor] = {}
-    saved = kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL
-    try:
-        for weights in ("bf16", "fp8"):
-            if weights == "fp8":
-                bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
-                free()
+    for weights in ("bf16", "fp8"):
+        if weights == "fp8":
+            bench.w.layers[:] = [quantize_layer(lw) for lw in bench.w.layers]
+            free()
+        for b in (1, 8):
+            used.append({"weights": weights, "batch": b, **step_plans(run, b, weights)})
+        for mode, choices in MODES.items():
+            if run.args.modes and mode not in run.args.modes:
+                continue
+            if choices.pdl and (run.device != "cuda" or torch.cuda.get_device_capability()[0] < 9):
+                continue  # griddepcontrol: Hopper and newer
+            # a model over the bench's weights that takes the mode's kernels
+            bench.model = DecoderModel(bench.c, bench.w, bench.max_len, choices=choices)
             for b in (1, 8):
-                used.append({"weights": weights, "batch": b, **step_plans(run, b, weights)})
-            for mode, (kernel, fuse, pdl) in modes.items():
-                if weights == "fp8" and kernel == "gemv":
-                    continue
-                if run.args.modes and mode not in run.args.modes:
-                    continue
-                if pdl and (run.device != "cuda" or torch.cuda.get_device_capability()[0] < 9):
-                    continue  # griddepcontrol: Hopper and newer
-                kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL = kernel, fuse, pdl
-                for b in (1, 8):
-                    r = {"weights": weights, "mode": mode, **bench.decode(b, ctx, ceil)}
-                    out = bench.last_logits
-                    logits[weights, kernel, fuse, pdl, b] = out
-                    prev = logits.get((weights, kernel, fuse, False, b))
-                    if pdl and prev is not None:  # PDL off: the same logits bit for bit
-                        r["same_as_no_pdl"] = bool(torch.equal(out, prev))
-                    rows.append(r)
-                    print({c: r.get(c) for c in STEP_COLS}, flush=True)
-                    if mode == run.args.profile and run.device == "cuda":
-                        prof = bench.profile_graph(b, ctx)
-                        profiles.append({"weights": weights, "mode": mode, **prof})
-                        print(
-                            table(
-                                prof.get("rows", []), ["kernel", "us_per_step", "calls_per_step"]
-                            ),
-                            flush=True,
-                        )
-                        print({k: v for k, v in prof.items() if k != "rows"}, flush=True)
-    finally:
-        kernels.SKINNY_KERNEL, kernels.FUSE_DECODE, kernels.PDL = saved
+                r = {"weights": weights, "mode": mode, **bench.decode(b, ctx, ceil)}
+                out = logits[weights, choices.pdl, b] = bench.last_logits
+                prev = logits.get((weights, False, b))
+                if choices.pdl and prev is not None:  # PDL off: the same logits bit for bit
+                    r["same_as_no_pdl"] = bool(torch.equal(out, prev))
+                rows.append(r)
+                print({c: r.get(c) for c in STEP_COLS}, flush=True)
+                if mode == run.args.profile and run.device == "cuda":
+                    prof = bench.profile_graph(b, ctx)
+                    profiles.append({"weights": weights, "mode": mode, **prof})
+                    cols = ["kernel", "us_per_step", "calls_per_step"]
+                    print(table(prof.get("rows", []), cols), flush=True)
+                    print({k: v for k, v in prof.items() if k != "rows"}, flush=True)
     print(table(rows, STEP_COLS), flush=True)
     print(table(used, list(used[0])), flush=True)
     return {"rows": rows, "plans": used, "plans_source": run.plans_source, "profiles": profiles}
@@ -353,8 +293,7 @@ def report(res: dict) -> str:
     p = res.get("products") or {}
     if p.get("rows"):
         out += ["", "## Products alone (CUDA graph of back-to-back calls over L2-sized copies)",
-                table(p["rows"], PROD_COLS), "", "## Fused prologues against the unfused pair",
-                table(p["fused"], FUSE_COLS)]  # fmt: skip
+                table(p["rows"], PROD_COLS)]  # fmt: skip
     if _step_rows(res):
         out += ["", "## Decode step, ctx 1k, CUDA graph replay",
                 table(_step_rows(res), STEP_COLS + ["same_as_no_pdl"])]  # fmt: skip
@@ -378,20 +317,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="install the plans of an earlier run (its _plans.json)")  # fmt: skip
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), choices=ROWS,
                    help="products: the row counts measured (8 stands for 2-8)")  # fmt: skip
-    p.add_argument("--old-fused", action="store_true",
-                   help="products: also time the first kernel's fused prologues")  # fmt: skip
     p.add_argument(
         "--profile",
-        default="new_unfused_pdl",
+        default="step_pdl",
         help="steps: the mode whose replays are profiled per kernel ('' for none)",
     )
     p.add_argument(
         "--modes", nargs="*", default=None, help="steps: only these modes (default: all)"
-    )
-    p.add_argument(
-        "--skip-fused",
-        action="store_true",
-        help="products: leave out the fused prologues against the unfused pair",
     )
     args = parse_bench_args(p, "lab.skinny_gpu", argv)
     run = Run(args)

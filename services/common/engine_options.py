@@ -5,7 +5,8 @@ default, help and values from the setting's one declaration, ``engine.config.ENG
 
 from __future__ import annotations
 
-import typing
+import dataclasses
+import sys
 from typing import Any
 
 from engine.config import ENGINE_KNOBS, EngineConfig
@@ -26,5 +27,15 @@ def engine_spec(name: str) -> Spec:
     (`Spec.read`, as the worker reads it), its default and help."""
     f = engine_option(name)
     opt = f.metadata["option"]
-    kind = opt.raw or kind_of(typing.get_type_hints(EngineConfig)[name])
+    kind = opt.raw or kind_of(_knob_type(name))
     return Spec((name,), opt, kind, f.default)
+
+
+def _knob_type(name: str) -> Any:
+    """Engine knob ``name``'s type: its annotation resolved alone, in ``engine.config``'s
+    namespace (not the whole class's hints: a field that is not a knob may name a type imported
+    only for type checking, as ``kernels: KernelChoices | None`` does to keep torch out)."""
+    (f,) = [f for f in dataclasses.fields(EngineConfig) if f.name == name]
+    if not isinstance(f.type, str):
+        return f.type
+    return eval(f.type, vars(sys.modules[EngineConfig.__module__]))  # the module's own text

@@ -30,11 +30,12 @@ from engine.warmup_shapes import (
     representatives,
     warmup_steps,
 )
-from kernels import GEMV_MAX_ROWS as SKINNY_ROWS
-from kernels import compile_counter
+from kernels import KernelChoices, compile_counter
 from kernels.compile_counter import CompileCounter, CompileCounts, describe
 from services.observability.engine import EngineCollector
 from tests.conftest import make_random_model_dir
+
+SKINNY_ROWS = KernelChoices().skinny_rows  # what the engine's model takes on CUDA
 
 
 def next_pow2(n: int) -> int:

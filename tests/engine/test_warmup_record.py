@@ -51,7 +51,7 @@ def test_serving_meets_no_specialisation_the_warm_up_did_not(case, tmp_path, smo
         max_num_batched_tokens=48, block_size=4, num_kv_blocks=2048, **options,
     )  # fmt: skip
     engine = LLMEngine(config)
-    engine.runner.model.fold()  # as on CUDA (kernels.FOLD_DECODE)
+    engine.runner.model.fold()  # as on CUDA (KernelChoices.fold_norms)
     keep = storages(engine.runner.model.w, engine.runner.kv_pool)
     with recording(monkeypatch, keep) as rec:
         run_passes(engine.runner, engine.max_model_len)

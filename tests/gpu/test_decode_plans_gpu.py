@@ -169,7 +169,7 @@ def test_make_takes_the_measured_fp8_kv_plan_at_batch_8_and_the_rule_otherwise()
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_rope_inside_matches_rope_write_then_attention(kv_dtype):
-    """``kernels.ROPE_IN_ATTENTION``'s kernel (the split that holds the new token rotates and
+    """``KernelChoices.rope_in_attention``'s kernel (the split that holds the new token rotates and
     writes it, and attends to it from registers) against ``rope_write_kv`` then the same plan:
     the 8B shape's heads, the rule's plan and one of each kind, the cache written bit for bit
     the same, a padding row zero."""
@@ -186,10 +186,11 @@ def test_rope_inside_matches_rope_write_then_attention(kv_dtype):
     assert not bad, bad
 
 
-def test_rope_attention_api_in_a_cuda_graph(monkeypatch):
+def test_rope_attention_api_in_a_cuda_graph():
     """``kernels.rope_attention`` on a decode batch of 8 takes the one kernel, replays in a
     CUDA graph with new k and v each time (the cache slot rewritten, the output following),
-    and equals its two-kernel path (``ROPE_IN_ATTENTION`` off) within bf16 rounding."""
+    and equals its two-kernel path (``KernelChoices.rope_in_attention`` off) within bf16
+    rounding."""
     import kernels
 
     lens = [1000, 1, 300, 17, 64, 129, 2048, 700]
@@ -201,8 +202,9 @@ def test_rope_attention_api_in_a_cuda_graph(monkeypatch):
     ang = torch.rand(8, 64, generator=g, device="cuda") * 6
     cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
 
-    def step(cache: torch.Tensor) -> torch.Tensor:
-        return kernels.rope_attention(q, k, v, cos, sin, cache, 1, meta, 0.088)
+    def step(cache: torch.Tensor, inside: bool = True) -> torch.Tensor:
+        c = kernels.KernelChoices(rope_in_attention=inside)
+        return kernels.rope_attention(q, k, v, cos, sin, cache, 1, meta, 0.088, choices=c)
 
     two = kv.clone()
     step(kv)  # compile outside the capture
@@ -212,9 +214,7 @@ def test_rope_attention_api_in_a_cuda_graph(monkeypatch):
     for seed in range(3):
         qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda") * (1 + seed))
         graph.replay()
-        monkeypatch.setattr(kernels, "ROPE_IN_ATTENTION", False)
-        want = step(two)
-        monkeypatch.setattr(kernels, "ROPE_IN_ATTENTION", True)
+        want = step(two, inside=False)
         assert torch.equal(kv.view(torch.uint8), two.view(torch.uint8))
         assert rel_err(out, want) < 1e-2
         ref = reference_attention(kernels.rope_write_kv(q, k, v, cos, sin, two, 1, meta), two, 1,

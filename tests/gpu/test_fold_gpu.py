@@ -85,10 +85,11 @@ def test_the_8b_products_with_the_installed_plans(m):
     assert len(rows) >= 8
 
 
-def test_the_kernels_api_takes_the_fused_path_and_replays_in_a_graph(monkeypatch):
-    """``kernels.rms_linear``/``linear_add`` at 8 rows on CUDA: the skinny kernels (one launch
-    each, the same values as calling them directly), also replayed in a CUDA graph with PDL;
-    without ``FOLD_DOT`` a tensor-core plan's norm is `rms_norm` with the unit weight first."""
+def test_the_kernels_api_takes_the_skinny_kernels_and_replays_in_a_graph():
+    """``kernels.rms_linear``/``linear_add`` at 8 rows on CUDA: on a tensor-core plan without
+    the sums from the product before, the norm is `rms_norm` with the unit weight, then the
+    skinny product and SiLU; the add in the next product's epilogue; also replayed in a CUDA
+    graph with PDL."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 512, generator=g).to("cuda", torch.bfloat16)
     w = (torch.randn(768, 512, generator=g) * 0.05).to("cuda", torch.bfloat16)
@@ -101,14 +102,11 @@ def test_the_kernels_api_takes_the_fused_path_and_replays_in_a_graph(monkeypatch
         return kernels.linear_add(act, w2, add)
 
     assert triton_skinny.plan_for(8, 768, 512, torch.bfloat16, 3).dot
-    monkeypatch.setattr(kernels, "FOLD_DOT", False)
     h, _ = kernels.rms_norm(x, ones, EPS)
-    assert torch.equal(kernels.rms_linear(x, ones, EPS, w, silu=True),
-                       kernels.silu_and_mul(triton_skinny.linear(h, w)))  # fmt: skip
-    monkeypatch.setattr(kernels, "FOLD_DOT", True)
-    direct = triton_skinny.linear(triton_skinny.rms_linear(x, EPS, w, silu=True), w2, add=add)
+    act = kernels.silu_and_mul(triton_skinny.linear(h, w))
+    assert torch.equal(kernels.rms_linear(x, ones, EPS, w, silu=True), act)
     eager = step()
-    assert torch.equal(eager, direct)
+    assert torch.equal(eager, triton_skinny.linear(act, w2, add=add))
     assert_replays_in_a_cuda_graph(step, x, eager)
     # past 8 rows: the unfused path (rms_norm with the unit weight, cuBLAS, SiLU, add)
     xs = torch.randn(20, 512, generator=g).to("cuda", torch.bfloat16)
@@ -141,12 +139,7 @@ def test_the_engine_folds_on_cuda_and_keeps_its_greedy_agreement(tmp_path):
     fold, is_folded = greedy(device="cuda")
     assert is_folded
     eager, _ = greedy(device="cuda", enforce_eager=True)
-    saved = kernels.FOLD_DECODE
-    kernels.FOLD_DECODE = False
-    try:
-        plain, plain_folded = greedy(device="cuda")
-    finally:
-        kernels.FOLD_DECODE = saved
+    plain, plain_folded = greedy(device="cuda", kernels=kernels.KernelChoices(fold_norms=False))
     assert not plain_folded
 
     def rate(a, b) -> float:
@@ -158,23 +151,8 @@ def test_the_engine_folds_on_cuda_and_keeps_its_greedy_agreement(tmp_path):
     assert rate(fold, eager) >= 0.8
 
 
-def test_the_sums_of_squares_in_the_loop_too(monkeypatch):
-    """``triton_skinny.NORM_FIRST`` both ways on every plan kind: the norm's squares summed in
-    a pass before the loop (also of other widths) or beside the product in every step (the
-    default takes one per plan kind; the bench compares them)."""
-    plans = small_plans()[::2] + [SkinnyPlan(block_n=64, block_k=64, num_stages=4, dot=True)]
-    rows = []
-    for first, xb in ((False, 0), (True, 0), (True, 64)):
-        monkeypatch.setattr(triton_skinny, "NORM_FIRST", first)
-        monkeypatch.setattr(triton_skinny, "NORM_XB", xb)
-        for m in (1, 3, 8):
-            rows += [(f"{first}_{xb}_{n}", e)
-                     for n, e in _cases(96, 128, m, torch.bfloat16, plans, seed=m)]  # fmt: skip
-    _check(rows)
-
-
 def test_the_sums_of_squares_from_the_product_before():
-    """``kernels.FOLD_SUMS``: ``linear_sums`` (the residual added in the epilogue) leaves each
+    """``KernelChoices.fold_sums``: ``linear_sums`` (the residual added in the epilogue) leaves each
     row's sums of squares per row tile, and ``rms_linear(sums=)`` takes them: every plan kind
     on small shapes, bf16 and fp16, against the references."""
     from tests.skinny_cases import fold_sums_cases
@@ -187,13 +165,13 @@ def test_the_sums_of_squares_from_the_product_before():
 
 
 @pytest.mark.parametrize("m", [1, 8])
-def test_the_8b_layer_with_the_sums_and_the_installed_plans(m, monkeypatch):
+def test_the_8b_layer_with_the_sums_and_the_installed_plans(m):
     """The folded 8B layer's products as the engine chains them on CUDA (``kernels``' API):
     o_proj's sums feed gate/up, down's feed the next QKV, one launch each, equal to the
-    products with the norms made apart (``FOLD_SUMS`` off) within bf16 rounding; also in a
-    CUDA graph with PDL. (At one row the engine does not take the sums, ``FOLD_SUMS_MIN_ROWS``;
-    the kernels are checked there too.)"""
-    monkeypatch.setattr(kernels, "FOLD_SUMS_MIN_ROWS", 1)
+    products with the norms made apart (``KernelChoices.fold_sums`` off) within bf16 rounding;
+    also in a CUDA graph with PDL. (At one row the engine does not take the sums,
+    ``fold_sums_min_rows``; the kernels are checked there too.)"""
+    sums_on = kernels.KernelChoices(fold_sums_min_rows=1)
     g = torch.Generator().manual_seed(m)
 
     def rand(*shape: int, s: float = 1.0) -> torch.Tensor:
@@ -203,17 +181,16 @@ def test_the_8b_layer_with_the_sums_and_the_installed_plans(m, monkeypatch):
     w = {name: rand(n, k, s=0.02) for name, (n, k) in SHAPES.items()}
     ones = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
 
-    def layer() -> torch.Tensor:
-        s, sums = kernels.linear_add_sums(attn, w["o_proj"], stream)
-        act = kernels.rms_linear(s, ones, EPS, w["gate_up"], silu=True, sums=sums)
-        s, sums = kernels.linear_add_sums(act, w["down"], s)
-        return kernels.rms_linear(s, ones, EPS, w["qkv"], sums=sums)
+    def layer(c: kernels.KernelChoices = sums_on) -> torch.Tensor:
+        s, sums = kernels.linear_add_sums(attn, w["o_proj"], stream, c)
+        act = kernels.rms_linear(s, ones, EPS, w["gate_up"], silu=True, sums=sums, choices=c)
+        s, sums = kernels.linear_add_sums(act, w["down"], s, c)
+        return kernels.rms_linear(s, ones, EPS, w["qkv"], sums=sums, choices=c)
 
     got = layer()
-    assert kernels.linear_add_sums(attn, w["o_proj"], stream)[1] is not None
+    assert kernels.linear_add_sums(attn, w["o_proj"], stream, sums_on)[1] is not None
     assert_replays_in_a_cuda_graph(layer, attn, got)
-    monkeypatch.setattr(kernels, "FOLD_SUMS", False)
-    assert kernels.linear_add_sums(attn, w["o_proj"], stream)[1] is None
-    want = layer()
-    monkeypatch.setattr(kernels, "FOLD_SUMS", True)
+    sums_off = kernels.KernelChoices(fold_sums=False)
+    assert kernels.linear_add_sums(attn, w["o_proj"], stream, sums_off)[1] is None
+    want = layer(sums_off)  # on the new values the replay check wrote into ``attn``
     assert rel_err(layer(), want) < TOL

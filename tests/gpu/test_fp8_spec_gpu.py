@@ -25,7 +25,6 @@ from kernels.fp8_gemm import scaled_mm_linear  # noqa: E402
 from kernels.reference import FP8, quantize_fp8_rows, to_fp8  # noqa: E402
 from kernels.triton_cache import write_kv  # noqa: E402
 from kernels.triton_decode import decode_attention  # noqa: E402
-from kernels.triton_gemv import linear as gemv  # noqa: E402
 from kernels.triton_prefill import prefill_attention  # noqa: E402
 from kernels.triton_rope import rotary_embedding  # noqa: E402
 from tests.handoff_cases import check_handoff_matches_colocated  # noqa: E402
@@ -43,15 +42,6 @@ SPEC = {
 
 
 # -- kernels -----------------------------------------------------------------------------------
-@needs_fp8
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
-def test_fp8_gemv_matches_dequantized_reference(rows):
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
-    w = quantize_fp8_rows(torch.randn(1536, 4096, device="cuda", generator=g) * 0.02)
-    bias = torch.randn(1536, device="cuda", generator=g).bfloat16()
-    out = gemv(x, w.weight, bias, scale=w.scale)
-    assert rel_err(out, reference.linear(x.float(), w, bias.float())) < 1e-2
 
 
 @needs_fp8

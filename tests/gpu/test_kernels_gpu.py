@@ -21,7 +21,6 @@ import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.triton_cache import write_kv  # noqa: E402
 from kernels.triton_decode import DecodePlan, decode_attention  # noqa: E402
-from kernels.triton_gemv import GemvPlan, linear  # noqa: E402
 from kernels.triton_norm import rms_norm, silu_and_mul  # noqa: E402
 from kernels.triton_prefill import prefill_attention  # noqa: E402
 from kernels.triton_rope import rotary_embedding  # noqa: E402
@@ -208,20 +207,10 @@ def test_rotary_embedding_on_strided_views(h, hkv, d):
     assert rel_err(out_q, ref_q) < 1e-2 and rel_err(out_k, ref_k) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 1000), (33, 70)])
-def test_skinny_linear(m, n, k):
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
-    assert rel_err(linear(x, w, bias), want) < 1e-2
-    assert rel_err(linear(x, w, plan=GemvPlan(32, 128, 4, 2)), want - bias.float()) < 1e-2
-
-
 def test_linear_dispatch():
     w = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
-    for m in (1, kernels.GEMV_MAX_ROWS, 40):  # Triton up to GEMV_MAX_ROWS rows, then cuBLAS
+    rows = kernels.KernelChoices().skinny_rows
+    for m in (1, rows, 40):  # the skinny Triton kernel up to skinny_rows rows, then cuBLAS
         x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
         assert rel_err(kernels.linear(x, w), x.float() @ w.float().T) < 1e-2
 

@@ -153,18 +153,20 @@ def test_dispatch_takes_the_new_kernel_and_measured_plans():
         triton_skinny.set_plan(key, None)
 
 
-def _pdl_chain(x, res, g, wq, sq, wg, sg, wd, sd):  # noqa: ANN001, ANN202
-    """A decode layer's Triton kernels back to back (norm, products, SiLU, split-K)."""
-    h, r = kernels.rms_norm(x, g, 1e-5, res)
-    a = linear(h, wq, None, sq)
-    y = linear(h, wg, None, sg, SkinnyPlan(block_n=4, block_k=1024, split_k=2))
-    return a, r, linear(kernels.silu_and_mul(y), wd, None, sd)
+def _pdl_chain(pdl, x, res, g, wq, sq, wg, sg, wd, sd):  # noqa: ANN001, ANN202
+    """A decode layer's Triton kernels back to back (norm, products, SiLU, split-K), taking
+    part in programmatic dependent launch or not (``KernelChoices.pdl``)."""
+    c = kernels.KernelChoices(pdl=pdl)
+    h, r = kernels.rms_norm(x, g, 1e-5, res, choices=c)
+    a = linear(h, wq, None, sq, pdl=pdl)
+    y = linear(h, wg, None, sg, SkinnyPlan(block_n=4, block_k=1024, split_k=2), pdl=pdl)
+    return a, r, linear(kernels.silu_and_mul(y, c), wd, None, sd, pdl=pdl)
 
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_pdl_on_is_pdl_off_bit_for_bit_in_a_cuda_graph(rows):
-    """``kernels.PDL`` (programmatic dependent launch, Hopper): the same outputs bit for bit,
-    eager and replayed from a CUDA graph, as with it off, FP8 and bf16 weights."""
+    """``KernelChoices.pdl`` (programmatic dependent launch, Hopper): the same outputs bit for
+    bit, eager and replayed from a CUDA graph, as with it off, FP8 and bf16 weights."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("griddepcontrol needs sm 9.0+")
     k, n = 4096, 2048
@@ -177,22 +179,33 @@ def test_pdl_on_is_pdl_off_bit_for_bit_in_a_cuda_graph(rows):
         for w in ws:
             q = reference.quantize_fp8_rows(w)
             args += [q.weight, q.scale] if fp8 else [w, None]
-        saved = kernels.PDL
-        try:
-            kernels.PDL = False
-            want = _pdl_chain(x, res, g, *args)
-            kernels.PDL = True
-            eager = _pdl_chain(x, res, g, *args)
-            assert all(torch.equal(a, b) for a, b in zip(eager, want, strict=True))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = _pdl_chain(x, res, g, *args)
-        finally:
-            kernels.PDL = saved
+        want = _pdl_chain(False, x, res, g, *args)
+        eager = _pdl_chain(True, x, res, g, *args)
+        assert all(torch.equal(a, b) for a, b in zip(eager, want, strict=True))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = _pdl_chain(True, x, res, g, *args)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), fp8
+
+
+def test_the_engine_with_pdl_gives_the_same_tokens(tmp_path):
+    """``KernelChoices.pdl`` of an engine (``EngineConfig.kernels``): the same kernels launched
+    early and waiting in the kernel, in the engine's decode graphs and eager prefill, give the
+    same greedy tokens as with it off."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch: sm 9.0+")
+    from tests.gpu_report import agreement, generate, report
+    from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
+
+    model_dir = make_smol_shape_dir(tmp_path / "model", seed=0)
+    prompts = random_prompts(8, SMOL_CONFIG["vocab_size"], seed=11, hi=200)
+    plain = generate(model_dir, prompts, max_num_seqs=8, kernels=kernels.KernelChoices(pdl=False))
+    pdl = generate(model_dir, prompts, max_num_seqs=8, kernels=kernels.KernelChoices(pdl=True))
+    report("pdl_vs_no_pdl_cuda_bf16", match_rate=agreement(pdl, plain))
+    assert pdl == plain
 
 
 def test_fp8_several_rows_on_the_cuda_cores_against_the_reference():

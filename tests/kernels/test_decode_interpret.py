@@ -74,7 +74,7 @@ print(json.dumps(rows))
 
 
 def test_rope_inside_matches_rope_write_then_attention():
-    """``kernels.ROPE_IN_ATTENTION``'s kernel against ``rope_write_kv`` then the same plan:
+    """``KernelChoices.rope_in_attention``'s kernel against ``rope_write_kv`` then the same plan:
     every kind of plan, bf16-like and FP8 caches, the cache written bit for bit the same, a
     padding row left zero."""
     rows = interpreted_json(ROPE)

@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (``kernels.PDL``): every Triton kernel of the decode step that
-takes part compiles for sm_90 off the GPU with ``griddepcontrol.wait`` (and the launch of its
-dependents) before anything else, and without them when off. Triton's compiler and ptxas need
-no device; skipped where Triton (or its ptxas) is missing:
+"""Programmatic dependent launch (``KernelChoices.pdl``): every Triton kernel of the decode
+step that takes part compiles for sm_90 off the GPU with ``griddepcontrol.wait`` (and the
+launch of its dependents) before anything else, and without them when off. Triton's compiler
+and ptxas need no device; skipped where Triton (or its ptxas) is missing:
 
     pip install --target /tmp/triton-3.6 triton==3.6.0
     PYTHONPATH=/tmp/triton-3.6 .venv/bin/python -m pytest -q tests/kernels/test_pdl_compile.py
@@ -39,7 +39,7 @@ CASES = {
     "decode_split": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
         MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False, ROPE=False, FP8=False)),
-    # RoPE and the new token's KV write inside (kernels.ROPE_IN_ATTENTION)
+    # RoPE and the new token's KV write inside (KernelChoices.rope_in_attention)
     "decode_split_rope": (triton_decode._decode_split_kernel, dict(
         GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
         MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False, ROPE=True, FP8=False)),
@@ -53,20 +53,20 @@ CASES = {
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
         XR=1, QX=False, N_PREFETCH=0, LINE=64, NORM=False, ADD=False, SILU=False,
-        NORM_FIRST=False, XB=16, NO_SSQ=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
+        NORM_FIRST=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
     # the tensor cores' loop (pipelined after the wait): its first tiles asked into L2 before
     "skinny_dot": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
         BLOCK_N=32, BLOCK_K=256, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=256,
         XR=32, QX=False, N_PREFETCH=2, LINE=64, NORM=False, ADD=False, SILU=False,
-        NORM_FIRST=False, XB=16, NO_SSQ=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
+        NORM_FIRST=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
     # the folded norm's sums of squares from the product before (read after the wait) and
-    # for the one after (kernels.FOLD_SUMS), with the residual add
+    # for the one after (KernelChoices.fold_sums), with the residual add
     "skinny_dot_sums": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=3, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
         BLOCK_N=64, BLOCK_K=128, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=128,
         XR=64, QX=False, N_PREFETCH=0, LINE=64, NORM=True, ADD=True, SILU=False,
-        NORM_FIRST=False, XB=16, NO_SSQ=False, SUMS_IN=True, SUMS_T=64, SUMS_OUT=True)),
+        NORM_FIRST=False, SUMS_IN=True, SUMS_T=64, SUMS_OUT=True)),
     "lora_shrink": (triton_lora._shrink_kernel, dict(
         BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
     "lora_expand": (triton_lora._expand_kernel, dict(

@@ -28,7 +28,7 @@ rows += product_cases("cpu", torch.bfloat16, fma[2:4], shapes=((40, 96),), rows=
 rows += product_cases("cpu", torch.float16, dot, shapes=((40, 96),), rows=(2,))
 rows += prologue_cases("cpu", torch.bfloat16, fma[:3] + fma[-1:], rows=(1, 3), exact=False)
 rows += prologue_cases("cpu", torch.float16, dot[:1], rows=(2,))
-# the folded norm's sums of squares from the product before it (kernels.FOLD_SUMS)
+# the folded norm's sums of squares from the product before it (KernelChoices.fold_sums)
 rows += fold_sums_cases("cpu", torch.bfloat16, fma[:1] + fma[2:3] + fma[-1:], rows=(1, 3))
 rows += fold_sums_cases("cpu", torch.float16, dot, rows=(2,))
 print(json.dumps(rows))
@@ -77,7 +77,7 @@ for wt in ("*bf16", "*fp8e4nv"):
         sums = prologue == 3 and pdl  # (the cases above with the sums are the ones with PDL)
         fold = dict(NORM=prologue == 3, SILU=prologue == 3 and plan.dot and not sums,
                     ADD=plan.block_n == 64, NORM_FIRST=prologue == 3 and not plan.dot and not sums,
-                    XB=plan.block_k, NO_SSQ=False, SUMS_IN=sums, SUMS_T=64 if sums else 1,
+                    SUMS_IN=sums, SUMS_T=64 if sums else 1,
                     SUMS_OUT=sums and plan.block_n == 64)
         consts = dict(PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_SCALE=wt == "*fp8e4nv",
                       HAS_BIAS=False, SPLIT_K=1, BLOCK_M=rows, PDL=pdl,
