@@ -10,9 +10,11 @@ block tables share every block of choice 0 (copy-on-write, see ``libkv.kv_manage
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.sampling_params import TokenLogprob
 from engine.sequence import Sequence
 
@@ -54,6 +56,28 @@ class Request:
     def forking(self, seq: Sequence) -> bool:
         """Whether ``seq`` is about to sample the first token from which choices fork."""
         return bool(self.unborn) and seq is self.parent and not seq.output_token_ids
+
+
+@dataclass(slots=True)
+class RequestTables:
+    """The engine's request tables, one object its parts share (each changed under the engine
+    lock): ``requests``, the live requests by id (a request leaves when done, aborted, moved
+    or handed off); ``reserved``, decode-side block tables reserved for KV that will arrive;
+    ``held``, prefill-side block tables kept for a decode worker, with ``held_seqs`` the
+    choices of each that go on there (by index)."""
+
+    requests: dict[str, Request] = field(default_factory=dict)
+    reserved: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)
+    held_seqs: dict[str, dict[int, Sequence]] = field(default_factory=dict)
+
+    def register(self, req: Request, tables_in_use: Container[str]) -> None:
+        """Add ``req`` as live. Its id must be free: neither live nor the key of a block table
+        in ``tables_in_use`` (the KV manager's), unless that table is reserved for it."""
+        rid = req.request_id
+        if rid in self.requests or (rid in tables_in_use and rid not in self.reserved):
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        self.requests[rid] = req
 
 
 def fork_sequence(parent: Sequence, index: int) -> Sequence:

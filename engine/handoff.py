@@ -13,24 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.choices import Choice, Request
+from engine.choices import Choice, Request, RequestTables
 from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.hashing import encode_extra_keys
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Callable
 
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
+    from engine.step_loop import Stepper
     from engine.structured import GrammarRuntime
-    from libkv.block_pool import BlockPool
     from libkv.kv_manager import KVCacheManager
 
 
@@ -73,47 +74,50 @@ def advance(generator: torch.Generator, steps: int, width: int) -> None:
         scratch.uniform_(generator=generator)
 
 
-class HandoffMixin:
-    """Methods of ``LLMEngine`` for moving a request's KV between workers."""
+class Handoff:
+    """Moving a request's KV between workers, under the engine lock; a part the engine holds.
 
-    # Provided by LLMEngine.
-    config: EngineConfig
-    kv: KVCacheManager
-    pool: BlockPool
-    runner: ModelRunner
-    scheduler: Scheduler
-    max_model_len: int
-    _lock: threading.RLock
-    _requests: dict
-    _reserved: set[str]
-    _held: set[str]
-    _held_seqs: dict[str, dict[int, Sequence]]
-    grammar: GrammarRuntime
+    ``tables`` are the engine's request tables (``engine.choices.RequestTables``): a reserved
+    table joins ``requests`` in ``add_prefilled``, a moved request leaves it for ``held``.
+    ``stepper`` is the engine's step loop: the step in flight is waited for before KV arrives
+    from off the engine's stream, and a token of a moving sequence still in flight is taken
+    back. ``validate`` checks a prompt and its parameters, ``new_choice`` builds a choice
+    (``LLMEngine._new_choice``), ``check_lora`` names a loaded adapter."""
 
-    if TYPE_CHECKING:
-
-        def _validate(self, ids: list[int], params: SamplingParams) -> None: ...
-        def _new_choice(self, *args: Any, **kwargs: Any) -> Choice: ...
-        def check_lora(self, name: str | None) -> str: ...
-        def _register(self, req: Request) -> None: ...
-        def _await_device(self) -> None: ...
-        def _unsample(self, seq: Sequence) -> None: ...
-        def _settle_if_idle(self) -> list: ...
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        grammar: GrammarRuntime,
+        lock: threading.RLock,
+        tables: RequestTables,
+        stepper: Stepper,
+        max_model_len: int,
+        validate: Callable[[list[int], SamplingParams], None],
+        new_choice: Callable[..., Choice],
+        check_lora: Callable[[str | None], str],
+    ) -> None:
+        self.config, self.kv, self.runner, self.scheduler = config, kv, runner, scheduler
+        self.grammar, self._lock, self._tables, self._stepper = grammar, lock, tables, stepper
+        self.max_model_len = max_model_len
+        self._validate, self._new_choice, self._check_lora = validate, new_choice, check_lora
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks a prefill hand-off keeps for the decode worker, in token order."""
         with self._lock:
-            if request_id not in self._held:
+            if request_id not in self._tables.held:
                 raise RequestNotFoundError(f"no held KV for request {request_id!r}")
             return self.kv.block_ids(request_id)
 
     def release(self, request_id: str) -> bool:
         """Free held (prefill) or reserved (decode) blocks; full ones stay in the prefix cache."""
         with self._lock:
-            if request_id in self._held or request_id in self._reserved:
-                self._held.discard(request_id)
-                self._held_seqs.pop(request_id, None)
-                self._reserved.discard(request_id)
+            if request_id in self._tables.held or request_id in self._tables.reserved:
+                self._tables.held.discard(request_id)
+                self._tables.held_seqs.pop(request_id, None)
+                self._tables.reserved.discard(request_id)
                 self.kv.free(request_id)
                 return True
             return False
@@ -122,7 +126,7 @@ class HandoffMixin:
         """Serialized state of the seeded generator of a held request's choice ``index`` (b""
         when unseeded, or when that choice already finished)."""
         with self._lock:
-            seq = self._held_seqs.get(request_id, {}).get(index)
+            seq = self._tables.held_seqs.get(request_id, {}).get(index)
             if seq is None or seq.generator is None:
                 return b""
             return bytes(seq.generator.get_state().numpy().tobytes())
@@ -130,11 +134,7 @@ class HandoffMixin:
     def held_choices(self, request_id: str) -> list[int]:
         """Indices of a held request's choices that go on at the decode worker."""
         with self._lock:
-            return sorted(self._held_seqs.get(request_id, {}))
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
+            return sorted(self._tables.held_seqs.get(request_id, {}))
 
     def reserve(
         self,
@@ -156,15 +156,15 @@ class HandoffMixin:
         """
         self._validate(prompt, SamplingParams(max_tokens=1))
         with self._lock:
-            self._await_device()
-            extra = encode_extra_keys(tenant, self.check_lora(lora) or None)
-            if request_id in self._requests or request_id in self.kv:
+            self._stepper.await_device()
+            extra = encode_extra_keys(tenant, self._check_lora(lora) or None)
+            if request_id in self._tables.requests or request_id in self.kv:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             hit = self.kv.find_prefix(prompt, extra)
             cached = min(hit.num_tokens(self.config.block_size), len(prompt))
             if self.kv.admit(request_id, hit, len(prompt), len(prompt), extra) is None:
                 raise KVCapacityError("no free KV blocks for the incoming request; retry later")
-            self._reserved.add(request_id)
+            self._tables.reserved.add(request_id)
             return self.kv.block_ids(request_id), cached
 
     def add_prefilled(
@@ -198,7 +198,7 @@ class HandoffMixin:
             firsts = [FirstToken(0, first_token, first_logprob, generator_state)]
         self._validate(prompt, params)
         with self._lock:
-            adapter = self.check_lora(lora)
+            adapter = self._check_lora(lora)
         salt = encode_extra_keys(tenant, adapter or None)
         choices = [
             self._prefilled_choice(request_id, prompt, params, salt, f, adapter) for f in firsts
@@ -212,14 +212,14 @@ class HandoffMixin:
         req = Request(choices[0].seq, {c.seq.index: c for c in choices})
         with self._lock:
             if recompute:
-                self._register(req)
+                self._tables.register(req, self.kv)
                 for c in choices:
                     self.scheduler.add(c.seq)
                 return
-            if request_id not in self._reserved:
+            if request_id not in self._tables.reserved:
                 raise RequestNotFoundError(f"no reserved KV for request {request_id!r}")
-            self._register(req)
-            self._reserved.discard(request_id)
+            self._tables.register(req, self.kv)
+            self._tables.reserved.discard(request_id)
             self._share_reserved(request_id, [c.seq for c in choices])
 
     def _prefilled_choice(
@@ -278,7 +278,7 @@ class HandoffMixin:
         outputs; `release` frees the blocks. A token of it still in flight (async scheduling)
         is taken back unread: it moves at the tokens its stream has."""
         with self._lock:
-            req = self._requests.get(request_id)
+            req = self._tables.requests.get(request_id)
             if req is None or req.hold_kv or req.unborn or len(req.live) != 1:
                 return None
             (choice,) = req.live.values()
@@ -286,14 +286,14 @@ class HandoffMixin:
             if seq not in self.scheduler.running or (seq.num_inflight and not seq.output_token_ids):
                 return None  # (its first token in flight: not decoding yet)
             if seq.num_inflight:
-                self._unsample(seq)
+                self._stepper.unsample(seq)
             if seq.num_computed != seq.num_tokens - 1:
                 return None
             self.scheduler.detach(seq)
-            del self._requests[request_id]
-            self._settle_if_idle()  # (emits nothing: this was its last live sequence)
-            self._held.add(request_id)
-            self._held_seqs[request_id] = {}  # no choice goes on here
+            del self._tables.requests[request_id]
+            self._stepper.settle_if_idle()  # (emits nothing: this was its last live sequence)
+            self._tables.held.add(request_id)
+            self._tables.held_seqs[request_id] = {}  # no choice goes on here
             state = b""
             if seq.generator is not None:
                 state = bytes(seq.generator.get_state().numpy().tobytes())
@@ -302,21 +302,13 @@ class HandoffMixin:
                 tuple(seq.output_token_ids), state,
             )  # fmt: skip
 
-    def seal_pending(self) -> None:
-        """Checksum the blocks sealed since the last call (``config.seal_checksums``) and keep
-        the sums; a launch on a GPU, which waits for nothing."""
-        with self._lock:
-            sealed = self.kv.take_sealed()
-            if sealed:
-                self.runner.seal_checksums(sealed)
-
     def handoff_checksums(self, block_ids: list[int]) -> list[int]:
         """The checksums a hand-off of ``block_ids`` carries (the pool's own function): those
         of sealed blocks as kept when they were sealed, the others (a last, partial block;
         every block where seals are not tracked) computed now."""
         with self._lock:
-            self.seal_pending()
-            sealed = [self.pool.blocks[i].sealed for i in block_ids]
+            self._stepper.seal_pending()
+            sealed = [self.kv.pool.blocks[i].sealed for i in block_ids]
             return self.runner.handoff_checksums(block_ids, sealed)
 
     def block_checksums(self, block_ids: list[int], algorithm: str | None = None) -> list[int]:

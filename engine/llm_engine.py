@@ -13,12 +13,13 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.adapters import Adapters
-from engine.choices import Choice, Request
+from engine.choices import Choice, Request, RequestTables
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_model import DraftProposer
@@ -28,7 +29,7 @@ from engine.errors import (
     PromptTooLongError,
     RequestNotFoundError,
 )
-from engine.handoff import HandoffMixin
+from engine.handoff import FirstToken, Handoff, HeldKV
 from engine.lora_config import LoRASpec
 from engine.model_runner import ModelRunner
 from engine.ngram import NgramProposer, Proposer
@@ -38,7 +39,7 @@ from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.step_loop import InFlight, StepMixin
+from engine.step_loop import InFlight, Stepper
 from engine.step_stats import SpecStats, StepObserver
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
@@ -65,12 +66,15 @@ class EngineStats:
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
 
 
-class LLMEngine(StepMixin, HandoffMixin):
+class LLMEngine:
     """Continuous-batching engine over one model.
 
     Parts it holds, each given what it needs when built: ``adapters`` (``engine.adapters``),
-    ``emitter`` (``engine.emit``: outputs from sampled tokens) and the passes over one prompt
-    alone (``engine.pooling``); the step loop and the KV hand-off are still mixed in."""
+    ``emitter`` (``engine.emit``: outputs from sampled tokens), the passes over one prompt
+    alone (``engine.pooling``), ``stepper`` (``engine.step_loop``: ``step``, async
+    scheduling) and ``handoff`` (``engine.handoff``: KV moved between workers). ``tables``
+    (``engine.choices.RequestTables``), the live, reserved and held requests, is shared by
+    them; the lock too."""
 
     def __init__(self, config: EngineConfig) -> None:
         compile_counter.COUNTER.start_build()  # compiles until mark_ready below: the build's
@@ -96,8 +100,8 @@ class LLMEngine(StepMixin, HandoffMixin):
             self.close()
             raise
         self._lock = threading.RLock()
-        self._requests: dict[str, Request] = {}
-        self.adapters = Adapters(self.runner, self._lock, self._requests)
+        self.tables = RequestTables()
+        self.adapters = Adapters(self.runner, self._lock, self.tables.requests)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.pool, config.enable_prefix_caching, track_seals=config.seal_checksums
@@ -109,36 +113,36 @@ class LLMEngine(StepMixin, HandoffMixin):
             config.max_loras if config.enable_lora else 0,
             self.max_model_len,
         )
-        self._inflight: InFlight | None = None  # the step launched and not read back yet
-        self._last_read = 0.0  # perf_counter() when a step was last read back
-        self.overlapped_steps = 0  # steps left in flight across a step() call
-        self.dropped_tokens = 0  # sampled in flight for a sequence that ended meanwhile
-        self._reserved: set[str] = set()  # block tables reserved for incoming KV (decode side)
-        self._held: set[str] = set()  # block tables held for a decode worker (prefill side)
-        self._held_seqs: dict[str, dict[int, Sequence]] = {}
         self._counter = itertools.count()
         self._passes = PromptPasses(
             config, self.kv, self.runner, self.pooling, self._lock, self._counter,
             self._validate, self.adapters.check,
         )  # fmt: skip
-        self.proposer: Proposer | None = None
+        proposer: Proposer | None = None
         if spec is not None and draft_dir:
-            self.proposer = DraftProposer(
+            proposer = DraftProposer(
                 config, mc, self.tokenizer, self.max_model_len, self.runner.num_blocks
             )
         elif spec is not None:
-            self.proposer = NgramProposer.of(spec)
-        self._spec = SpecStats(accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
-        self.on_step: StepObserver | None = None  # called with each step's StepStats
+            proposer = NgramProposer.of(spec)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        t = self.tables
         self.emitter = Emitter(
-            self.scheduler, self._requests, self._held, self._held_seqs, self.max_model_len,
-            self.eos_token_ids,
-        )  # fmt: skip
+            self.scheduler, t.requests, t.held, t.held_seqs, self.max_model_len, self.eos_token_ids
+        )
         self.grammar = GrammarRuntime(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(eos))
+        self.stepper = Stepper(
+            config, self.scheduler, self.runner, self.kv, self.grammar, self.emitter, self._lock,
+            t.requests, proposer, self.ranks, self.max_model_len, self._choice_of,
+            self.adapters.drop_unused,
+        )  # fmt: skip
+        self.handoff = Handoff(
+            config, self.kv, self.runner, self.scheduler, self.grammar, self._lock, t,
+            self.stepper, self.max_model_len, self._validate, self._new_choice, self.adapters.check,
+        )  # fmt: skip
         # Built and warmed up (``engine.warmup``, in each ModelRunner): a kernel compiled from
         # now on is a serving stall, counted and logged as one.
         compile_counter.COUNTER.mark_ready()
@@ -212,10 +216,7 @@ class LLMEngine(StepMixin, HandoffMixin):
         return Choice(seq, detok, [] if params.logprobs is not None else None)
 
     def _register(self, req: Request) -> None:
-        rid = req.request_id
-        if rid in self._requests or (rid in self.kv and rid not in self._reserved):
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
-        self._requests[rid] = req
+        self.tables.register(req, self.kv)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -249,7 +250,7 @@ class LLMEngine(StepMixin, HandoffMixin):
 
         Raises RequestNotFoundError if the id is unknown."""
         with self._lock:
-            req = self._requests.pop(request_id, None)
+            req = self.tables.requests.pop(request_id, None)
             if req is None:
                 if self.release(request_id):
                     return None
@@ -259,11 +260,146 @@ class LLMEngine(StepMixin, HandoffMixin):
                 choice = req.live[index]
                 self.scheduler.abort(choice.seq)
                 outs.append(self.emitter.output(choice, [], "", []))
-            self._drop_unused_loras()
+            self.adapters.drop_unused()
             if self.proposer is not None:
                 self.proposer.retain(self.scheduler.running)
-            self._settle_if_idle()  # (emits nothing: no live sequence was in it)
+            self.stepper.settle_if_idle()  # (emits nothing: no live sequence was in it)
             return outs[0] if outs else None
+
+    # -- the step loop (``engine.step_loop``) ---------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: this step's outputs, or with async scheduling the previous one's
+        (``Stepper.step``)."""
+        return self.stepper.step()
+
+    def has_unfinished(self) -> bool:
+        """Whether ``step()`` has work: sequences to run, or a step in flight to read back."""
+        return self.stepper.has_unfinished()
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """Speculative decoding's draft proposer (None without); may be replaced between steps."""
+        return self.stepper.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self.stepper.proposer = proposer
+
+    @property
+    def on_step(self) -> StepObserver | None:
+        """Called with each step's StepStats when set."""
+        return self.stepper.on_step
+
+    @on_step.setter
+    def on_step(self, observer: StepObserver | None) -> None:
+        self.stepper.on_step = observer
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Steps left in flight across a ``step()`` call (async scheduling)."""
+        return self.stepper.overlapped_steps
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens sampled in flight for a sequence that ended (or left) meanwhile."""
+        return self.stepper.dropped_tokens
+
+    @property
+    def _inflight(self) -> InFlight | None:
+        return self.stepper.inflight
+
+    def _settle_if_idle(self) -> list[RequestOutput]:
+        return self.stepper.settle_if_idle()
+
+    # -- KV hand-off between workers (``engine.handoff``) ----------------------------------------
+    @property
+    def _requests(self) -> dict[str, Request]:
+        return self.tables.requests
+
+    @property
+    def _reserved(self) -> set[str]:
+        return self.tables.reserved
+
+    @property
+    def num_held(self) -> int:
+        """Block tables held for a decode worker (prefill side)."""
+        return len(self.tables.held)
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        tenant: str | None = None,
+        lora: str | None = None,
+    ) -> tuple[list[int], int]:
+        """Allocate blocks for a prompt whose KV will arrive from a prefill worker: (block ids,
+        leading tokens already cached here); KVCapacityError when full (``Handoff.reserve``)."""
+        return self.handoff.reserve(request_id, prompt, tenant, lora)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt: list[int],
+        first_token: int | None,
+        params: SamplingParams,
+        *,
+        tenant: str | None = None,
+        first_logprob: TokenLogprob | None = None,
+        generator_state: bytes = b"",
+        num_cached_tokens: int = 0,
+        recompute: bool = False,
+        priority: int = 0,
+        firsts: Seq[FirstToken] = (),
+        lora: str | None = None,
+    ) -> None:
+        """Join a reserved request, whose prompt KV has been written, to the running batch
+        (``Handoff.add_prefilled``)."""
+        self.handoff.add_prefilled(
+            request_id, prompt, first_token, params, tenant=tenant, first_logprob=first_logprob,
+            generator_state=generator_state, num_cached_tokens=num_cached_tokens,
+            recompute=recompute, priority=priority, firsts=firsts, lora=lora,
+        )  # fmt: skip
+
+    def release(self, request_id: str) -> bool:
+        """Free held (prefill) or reserved (decode) blocks; full ones stay in the prefix cache."""
+        return self.handoff.release(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks a prefill hand-off keeps for the decode worker, in token order."""
+        return self.handoff.held_block_ids(request_id)
+
+    def generator_state(self, request_id: str, index: int = 0) -> bytes:
+        """Serialized state of the seeded generator of a held request's choice ``index``."""
+        return self.handoff.generator_state(request_id, index)
+
+    def held_choices(self, request_id: str) -> list[int]:
+        """Indices of a held request's choices that go on at the decode worker."""
+        return self.handoff.held_choices(request_id)
+
+    def hold_for_move(self, request_id: str) -> HeldKV | None:
+        """Take a running single-choice request out of the batch, its blocks held for another
+        decode worker; None when it cannot move now (``Handoff.hold_for_move``)."""
+        return self.handoff.hold_for_move(request_id)
+
+    def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
+        """Copy raw block bytes (pool layout and dtype) into this pool."""
+        self.handoff.write_blocks(block_ids, data)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""
+        return self.handoff.read_blocks(block_ids)
+
+    def seal_pending(self) -> None:
+        """Checksum the blocks sealed since the last call (``config.seal_checksums``)."""
+        self.stepper.seal_pending()
+
+    def handoff_checksums(self, block_ids: list[int]) -> list[int]:
+        """The checksums a hand-off of ``block_ids`` carries (``Handoff.handoff_checksums``)."""
+        return self.handoff.handoff_checksums(block_ids)
+
+    def block_checksums(self, block_ids: list[int], algorithm: str | None = None) -> list[int]:
+        """Checksums of whole blocks by ``algorithm`` (None: the pool's own)."""
+        return self.handoff.block_checksums(block_ids, algorithm)
 
     # -- LoRA adapters (``engine.adapters``) ----------------------------------------------------
     def add_lora(self, name: str, path: str) -> LoRASpec:
@@ -288,9 +424,6 @@ class LLMEngine(StepMixin, HandoffMixin):
     def check_lora(self, name: str | None) -> str:
         """``name`` if it is a loaded adapter ("" for None or ""); else AdapterNotFoundError."""
         return self.adapters.check(name)
-
-    def _drop_unused_loras(self) -> None:
-        self.adapters.drop_unused()
 
     # -- one prompt alone (``engine.pooling``) ---------------------------------------------------
     def embed(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
@@ -323,7 +456,7 @@ class LLMEngine(StepMixin, HandoffMixin):
                 num_preemptions=self.scheduler.num_preemptions,
                 prefix_hit_tokens=self.emitter.prefix_hit_tokens,
                 prompt_tokens=self.emitter.prompt_tokens,
-                spec=self._spec.copy(),
+                spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
             )
 

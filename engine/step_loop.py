@@ -23,7 +23,7 @@ engine (block copies, forward passes, sampling, copies to and from the host, che
 reads and writes) is issued on one CUDA stream, in program order. A block freed on the host
 while the step in flight still writes it can only be written again, or read, by work issued
 later, which the stream runs after. KV written from off the stream (a NIXL or CUDA IPC transfer
-into reserved blocks) must wait for the step in flight first (``_await_device``).
+into reserved blocks) must wait for the step in flight first (``Stepper.await_device``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from engine.step_stats import SpecStats, StepObserver, StepStats, batch_stats
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Callable
 
     from engine.choices import Choice
     from engine.config import EngineConfig
@@ -68,7 +69,7 @@ class InFlight:
     started: float  # perf_counter() when the step() call that launched it began
     done: torch.cuda.Event | None  # behind its last kernel (None off CUDA)
     # Seeded generators' states before this step sampled, by id(sequence): a live move takes
-    # a token in flight back (``_unsample``).
+    # a token in flight back (``Stepper.unsample``).
     states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def feed(self) -> InflightIds | None:
@@ -79,33 +80,44 @@ class InFlight:
         return InflightIds(tokens, {id(seq): i for i, seq in enumerate(self.due)})
 
 
-class StepMixin:
-    """``LLMEngine.step`` and what it runs, under the engine lock."""
+class Stepper:
+    """``LLMEngine.step`` and what it runs, under the engine lock; a part the engine holds.
 
-    # Provided by LLMEngine.
-    config: EngineConfig
-    emitter: Emitter
-    scheduler: Scheduler
-    runner: ModelRunner
-    kv: KVCacheManager
-    grammar: GrammarRuntime
-    proposer: Proposer | None
-    ranks: RankGroup | None
-    on_step: StepObserver | None
-    max_model_len: int
-    _lock: threading.RLock
-    _requests: dict[str, Request]
-    _spec: SpecStats
-    _inflight: InFlight | None
-    _last_read: float
-    overlapped_steps: int  # steps left in flight across a step() call (async scheduling)
-    dropped_tokens: int  # sampled in flight for a sequence that ended (or left) meanwhile
+    ``requests`` is the engine's table of live requests (read; forks join a request's live
+    choices); ``emitter`` turns sampled tokens into outputs; ``choice_of``
+    builds a forked choice (generator, detokenizer); ``drop_unused_loras`` frees adapters no
+    request uses any more. ``proposer`` (speculative decoding) and ``on_step`` (the observer
+    of each step's ``StepStats``) may be replaced between steps. Counts ``overlapped_steps``
+    (left in flight across a ``step()`` call) and ``dropped_tokens`` (sampled in flight for a
+    sequence that ended, or left, meanwhile), and the drafts in ``spec``."""
 
-    if TYPE_CHECKING:
-
-        def _choice_of(self, seq: Sequence) -> Choice: ...
-        def seal_pending(self) -> None: ...
-        def _drop_unused_loras(self) -> None: ...
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        grammar: GrammarRuntime,
+        emitter: Emitter,
+        lock: threading.RLock,
+        requests: dict[str, Request],
+        proposer: Proposer | None,
+        ranks: RankGroup | None,
+        max_model_len: int,
+        choice_of: Callable[[Sequence], Choice],
+        drop_unused_loras: Callable[[], None],
+    ) -> None:
+        self.config, self.scheduler, self.runner, self.kv = config, scheduler, runner, kv
+        self.grammar, self.emitter, self._lock, self._requests = grammar, emitter, lock, requests
+        self.proposer, self.ranks, self.max_model_len = proposer, ranks, max_model_len
+        self._choice_of, self._drop_unused_loras = choice_of, drop_unused_loras
+        spec = config.speculative_config
+        self.spec = SpecStats(accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
+        self.on_step: StepObserver | None = None
+        self.inflight: InFlight | None = None  # the step launched and not read back yet
+        self._last_read = 0.0  # perf_counter() when a step was last read back
+        self.overlapped_steps = 0
+        self.dropped_tokens = 0
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Synchronous: schedule, run the model, sample, detokenize, finish what
@@ -114,7 +126,7 @@ class StepMixin:
         must not stay in flight (``_must_sync``) is read back in the same call."""
         with self._lock:
             t0 = time.perf_counter()
-            prev, self._inflight = self._inflight, None
+            prev, self.inflight = self.inflight, None
             if self.proposer is not None:  # a proposer makes every step synchronous
                 self._propose(self.proposer)
             sched = self.scheduler.schedule()
@@ -126,9 +138,9 @@ class StepMixin:
             if step is not None and sync:
                 outputs += self._read(step)
             elif step is not None:
-                self._inflight = step
+                self.inflight = step
                 self.overlapped_steps += 1
-            return outputs + self._settle_if_idle()
+            return outputs + self.settle_if_idle()
 
     def _must_sync(self, sched: SchedulerOutput) -> bool:
         """Whether the step ``sched`` must be read back before ``step()`` returns, instead of
@@ -225,41 +237,49 @@ class StepMixin:
     def has_unfinished(self) -> bool:
         """Whether ``step()`` has work: sequences to run, or a step in flight to read back."""
         with self._lock:
-            return self.scheduler.has_work() or self._inflight is not None
+            return self.scheduler.has_work() or self.inflight is not None
 
-    def _settle_if_idle(self) -> list[RequestOutput]:
+    def settle_if_idle(self) -> list[RequestOutput]:
         """Read the step in flight back now if no live sequence waits for its tokens and there
         is nothing else to run (its last sequences ended, were aborted or moved): the engine
         then goes idle with nothing in flight, and that step's report holds no idle time."""
-        step = self._inflight
+        step = self.inflight
         if step is None or self.scheduler.has_work() or any(self._live(s) for s in step.due):
             return []
-        self._inflight = None
+        self.inflight = None
         return self._read(step)
 
-    def _await_device(self) -> None:
+    def await_device(self) -> None:
         """Block until the device has run the step in flight (nothing is read back): before
         KV is written into blocks from off the engine's stream, where the one-stream
         invariant of the module's note does not reach."""
-        step = self._inflight
+        step = self.inflight
         if step is not None and step.done is not None:
             step.done.synchronize()
 
-    def _unsample(self, seq: Sequence) -> None:
+    def unsample(self, seq: Sequence) -> None:
         """Take back ``seq``'s token in flight, unread, so that it can move to another worker
         at the tokens its stream has (``hold_for_move``): the step in flight's result for it
         is dropped once it leaves, the KV that step writes at its newest known position is not
         counted (the taker computes it again), and a seeded generator returns to its state
         before that step sampled."""
-        step = self._inflight
+        step = self.inflight
         assert step is not None and seq.num_inflight == 1
-        self._await_device()  # the blocks' bytes are final before a peer reads them
+        self.await_device()  # the blocks' bytes are final before a peer reads them
         seq.num_inflight = 0
         seq.num_computed = seq.num_tokens - 1
         self.kv.truncate(seq.key, seq.num_computed)
         state = step.states.get(id(seq))
         if state is not None:
             seq.generator.set_state(state)
+
+    def seal_pending(self) -> None:
+        """Checksum the blocks sealed since the last call (``config.seal_checksums``) and keep
+        the sums; a launch on a GPU, which waits for nothing."""
+        with self._lock:
+            sealed = self.kv.take_sealed()
+            if sealed:
+                self.runner.seal_checksums(sealed)
 
     def _due(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
         """The sequences sampling this step, in the runner's row order; forks the other choices
@@ -307,7 +327,7 @@ class StepMixin:
         for s in scheduled:
             if s.draft:
                 s.num_accepted = kept[id(s.seq)]
-                self._spec.add(len(s.draft), s.num_accepted)
+                self.spec.add(len(s.draft), s.num_accepted)
 
     def _join_forks(self, scheduled: list[ScheduledSeq]) -> None:
         """After the prompt's forward pass: forked choices share its blocks and join the batch
