@@ -62,22 +62,33 @@ def test_fp8_pool_keeps_triton():
     assert torch.equal(got, want)
 
 
-def test_the_engine_with_fa3_agrees_with_triton(tmp_path):
+def test_the_engine_with_fa3_is_as_close_to_fp32_as_with_triton(tmp_path):
+    """Greedy tokens of a bf16 random model with FA3 and with Triton attention, each against
+    the same model in float32 (Triton: FA3 takes no fp32). Two bf16 kernels round differently
+    and rounding alone flips some greedy choices of a random model (11 of 16 prompts agreed
+    between the two on the H200), so the check is test_engine_gpu's: FA3's match rate with
+    fp32 is at least the smaller of 80% and Triton's less 10 points."""
     from engine import LLM, SamplingParams
     from tests.smol_shape import SMOL_CONFIG, make_smol_shape_dir, random_prompts
 
     model = make_smol_shape_dir(tmp_path / "model", seed=0)
-    prompts = random_prompts(16, SMOL_CONFIG["vocab_size"], seed=1, hi=400)
+    prompts = random_prompts(20, SMOL_CONFIG["vocab_size"], seed=1, hi=400)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = {}
-    for backend in ("fa3", "triton"):
+    for name, options in {
+        "fp32": {"dtype": "float32", "attention_backend": "triton"},
+        "fa3": {"attention_backend": "fa3"},
+        "triton": {"attention_backend": "triton"},
+    }.items():
         llm = LLM(model, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=2048,
-                  attention_backend=backend)  # fmt: skip
-        choices = llm.engine.runner.model.choices
-        assert choices.flash_attention == (backend == "fa3")
-        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+                  **options)  # fmt: skip
+        assert llm.engine.runner.model.choices.flash_attention == (name == "fa3")
+        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(outs["fa3"], outs["triton"], strict=True))
-    # bf16 rounding flips some greedy choices of a random model (see test_engine_gpu).
-    assert same >= 0.8 * len(prompts), (same, len(prompts))
+
+    def rate(name: str) -> float:
+        return sum(a == b for a, b in zip(outs[name], outs["fp32"], strict=True)) / len(prompts)
+
+    print({"fa3_vs_fp32": rate("fa3"), "triton_vs_fp32": rate("triton")})
+    assert rate("fa3") >= min(0.8, rate("triton") - 0.1)
