@@ -68,7 +68,7 @@ CASES = {
         XR=64, QX=False, N_PREFETCH=0, LINE=64, NORM=True, ADD=True, SILU=False,
         NORM_FIRST=False, SUMS_IN=True, SUMS_T=64, SUMS_OUT=True)),
     "lora_shrink": (triton_lora._shrink_kernel, dict(
-        BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
+        BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32")),
     "lora_expand": (triton_lora._expand_kernel, dict(
         BLOCK_M=16, BLOCK_R=16, BLOCK_N=128, SPLITS=4, PREC="tf32")),
 }
