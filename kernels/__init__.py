@@ -101,20 +101,18 @@ def lora_add(
 
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-    meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
-    choices: KernelChoices = DEFAULT,
+    meta: LoRAMetadata, choices: KernelChoices = DEFAULT,
 ) -> None:  # fmt: skip
     """``lora_add`` for projections of one input sharing a fused output (q/k/v, gate/up):
     ``a`` [S, len(widths) * R, in] (their A stacked), ``b`` [S, sum(widths), R] (their B in
     the output's column order), ``y`` [T, sum(widths)]. Two launches on CUDA, whatever the
-    number of projections. The input is ``x``, or ``rms_norm(x, *norm)`` with ``norm``, or
-    ``silu_and_mul(x)`` with ``silu_mul`` (made in the shrink on CUDA)."""
+    number of projections."""
     if use_triton(x):
         from kernels import triton_lora
 
-        triton_lora.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul, pdl=choices.pdl)
+        triton_lora.lora_add_fused(y, x, a, b, widths, meta, pdl=choices.pdl)
         return
-    reference.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul)
+    reference.lora_add_fused(y, x, a, b, widths, meta)
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight, choices: KernelChoices) -> bool:
