@@ -30,6 +30,7 @@ from engine.errors import (
     RequestNotFoundError,
 )
 from engine.handoff import FirstToken, Handoff, HeldKV
+from engine.host_store import make_tier, tier_stats
 from engine.lora_config import LoRASpec
 from engine.model_runner import ModelRunner
 from engine.ngram import NgramProposer, Proposer
@@ -48,6 +49,7 @@ from kernels import compile_counter
 from kernels.compile_counter import CompileCounts
 from libkv.block_pool import BlockPool
 from libkv.hashing import encode_extra_keys
+from libkv.host_tier import TierStats
 from libkv.kv_manager import KVCacheManager
 
 
@@ -64,6 +66,7 @@ class EngineStats:
     spec: SpecStats = field(default_factory=SpecStats)
     # Triton kernel specialisations this process met before and after ready (plain numbers).
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
+    tier: TierStats | None = None  # the host tier's counters (None: no host tier)
 
 
 class LLMEngine:
@@ -106,6 +109,7 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.pool, config.enable_prefix_caching, track_seals=config.seal_checksums
         )
+        self.kv.set_tier(make_tier(config, self.runner.host_store, self.runner.layout.block_bytes))
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -458,6 +462,7 @@ class LLMEngine:
                 prompt_tokens=self.emitter.prompt_tokens,
                 spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
+                tier=tier_stats(self.kv.tier, self.runner.host_store),
             )
 
     def try_stats(self, timeout: float) -> EngineStats | None:
@@ -473,6 +478,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         with self._lock:
             self.kv.check_integrity()
+            if self.kv.tier is not None:
+                self.kv.tier.check_integrity()
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.check_integrity()
 
