@@ -165,7 +165,9 @@ class Handoff:
             if self.kv.admit(request_id, hit, len(prompt), len(prompt), extra) is None:
                 raise KVCapacityError("no free KV blocks for the incoming request; retry later")
             self._tables.reserved.add(request_id)
-            return self.kv.block_ids(request_id), cached
+            ids = self.kv.block_ids(request_id)
+            self.runner.settle_host(ids)  # no host-tier page-out still reads them
+            return ids, cached
 
     def add_prefilled(
         self,

@@ -1,0 +1,110 @@
+"""The host tier in a real engine on CPU (plain memory copies, the same code as on CUDA):
+prefixes evicted from the device pool page back in, preempted sequences swap back in, and
+greedy outputs are token-identical with and without the tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import make_random_model_dir
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+TIER = dict(kv_host_cache_gib=0.002, kv_swap_min_tokens=16)  # 87 host blocks of this model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smol_dir):
+    return make_random_model_dir(tmp_path_factory.mktemp("tier"), smol_dir, "llama")
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    opts = dict(num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
+    opts.update(kw)
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), **opts))
+
+
+def prompt(i: int, n: int = 70) -> list[int]:
+    return [(7 * i + 3 * j) % 4000 + 10 for j in range(n)]
+
+
+def run_one(engine: LLMEngine, rid: str, ids: list[int], params=GREEDY, **kw):
+    engine.add_request(rid, ids, params, **kw)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    assert final is not None
+    return final
+
+
+def test_evicted_prefixes_page_back_in_with_identical_outputs(tiny_dir) -> None:
+    base, tiered = make_engine(tiny_dir), make_engine(tiny_dir, **TIER)
+    order = [0, 1, 2, 3, 0, 1]  # 0 and 1 are evicted from the 12-block pool by 2 and 3
+    outs = {}
+    for name, engine in (("base", base), ("tier", tiered)):
+        outs[name] = [run_one(engine, f"r{k}", prompt(i)) for k, i in enumerate(order)]
+        engine.check_integrity()
+        assert engine.pool.num_used == 0
+    assert [o.token_ids for o in outs["tier"]] == [o.token_ids for o in outs["base"]]
+    assert [o.num_cached_tokens for o in outs["base"]] == [0] * 6
+    assert [o.num_cached_tokens for o in outs["tier"]] == [0, 0, 0, 0, 64, 64]
+    tier = tiered.stats().tier
+    assert tier is not None and base.stats().tier is None
+    assert tier.hit_blocks == tier.page_in_blocks == 8
+    assert tier.page_out_blocks == 16  # each prompt's four full blocks, once
+    assert tier.used_blocks == 16 and tier.capacity_blocks == 87
+
+
+def test_short_host_hits_are_recomputed(tiny_dir) -> None:
+    engine = make_engine(tiny_dir, kv_host_cache_gib=0.002, kv_swap_min_tokens=128)
+    outs = [run_one(engine, f"r{k}", prompt(i)) for k, i in enumerate([0, 1, 2, 3, 0])]
+    assert outs[-1].num_cached_tokens == 0
+    stats = engine.stats().tier
+    assert stats is not None and stats.short_hits >= 1 and stats.page_in_blocks == 0
+
+
+def test_preempted_sequences_swap_back_in_with_identical_outputs(tiny_dir) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [prompt(i, 40 + 5 * i) for i in range(6)]
+    outs, stats = {}, {}
+    for name, kw in (("base", {}), ("tier", TIER)):
+        engine = make_engine(tiny_dir, num_kv_blocks=16, max_num_batched_tokens=128,
+                             max_num_seqs=6, **kw)  # fmt: skip
+        for k, p in enumerate(prompts):
+            engine.add_request(f"r{k}", p, params)
+        finals = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+        engine.check_integrity()
+        assert engine.pool.num_used == 0
+        outs[name], stats[name] = finals, engine.stats()
+    assert outs["tier"] == outs["base"]
+    assert stats["base"].num_preemptions > 0 and stats["tier"].num_preemptions > 0
+    tier = stats["tier"].tier
+    assert tier is not None and tier.swaps > 0 and tier.page_in_blocks > 0
+
+
+def test_tenants_do_not_page_in_each_others_blocks(tiny_dir) -> None:
+    engine = make_engine(tiny_dir, **TIER)
+    run_one(engine, "a0", prompt(0), tenant="acme")
+    for k in (1, 2, 3):  # evict it from the device pool
+        run_one(engine, f"f{k}", prompt(k))
+    other = run_one(engine, "g0", prompt(0), tenant="globex")
+    again = run_one(engine, "a1", prompt(0), tenant="acme")
+    assert other.num_cached_tokens == 0
+    assert again.num_cached_tokens == 64
+    assert other.token_ids == again.token_ids
+
+
+def test_a_restarted_engine_starts_with_an_empty_tier(tiny_dir) -> None:
+    first = make_engine(tiny_dir, **TIER)
+    for k in (0, 1, 2, 3):
+        run_one(first, f"r{k}", prompt(k))
+    assert first.stats().tier.used_blocks == 16
+    second = make_engine(tiny_dir, **TIER)
+    assert second.stats().tier.used_blocks == 0
+    assert run_one(second, "r0", prompt(0)).num_cached_tokens == 0
