@@ -184,6 +184,32 @@ def kv() -> Dashboard:
               "short", (Target(f"sum by (worker) (tandem_engine_kv_held_requests{{{sel()}}})",
                                "{{worker}}"),)),
     )  # fmt: skip
+    tier_used = f"sum by (tier) (tandem_engine_kv_tier_used_blocks{{{sel()}}})"
+    tier_cap = f"sum by (tier) (tandem_engine_kv_tier_capacity_blocks{{{sel()}}})"
+    tier_hits = f"sum by (tier) ({rate('tandem_engine_kv_tier_hit_tokens_total')})"
+    paged = "tandem_engine_kv_tier_page"
+    d.row(
+        "KV tiers (GPU, host)",
+        Panel("Tier occupancy", "Blocks holding data over each tier's capacity: GPU (used + "
+              "cached) and the host tier (--kv-host-cache-gib).", "percentunit",
+              (Target(ratio(tier_used, tier_cap), "{{tier}}"),)),
+        Panel("Prefix hits by tier", "Prompt tokens per second served from the GPU prefix "
+              "cache and paged in from the host tier instead of computed.", TOK,
+              (Target(tier_hits, "{{tier}}"),), stacked=True),
+        Panel("Host tier paging", "Bytes per second copied out to the host tier "
+              "(write-through) and paged back in.", "Bps",
+              (Target(f"sum by (direction) ({rate(paged + '_bytes_total')})",
+                      "{{direction}}"),)),
+        Panel("Host tier copy bandwidth", "Bytes copied over the device time of those copies "
+              "(CUDA events), by direction: what one copy achieves, not the load.", "Bps",
+              (Target(ratio(f"sum by (direction) ({rate(paged + '_bytes_total')})",
+                            f"sum by (direction) ({rate(paged + '_seconds_total')})"),
+                      "{{direction}}"),)),
+        Panel("Preempted sequences resumed", "Per second, by how: swapped in from the host "
+              "tier or recomputed.", "ops",
+              (Target(f"sum by (how) ({rate('tandem_engine_preemption_resumes_total')})",
+                      "{{how}}"),)),
+    )  # fmt: skip
     xfer = "tandem_kv_transfer"
     d.row(
         "KV transfer",

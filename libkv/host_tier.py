@@ -91,6 +91,7 @@ class TierStats:
     capacity_blocks: int = 0
     used_blocks: int = 0
     block_bytes: int = 0
+    block_size: int = 0  # tokens per block
     hit_blocks: int = 0  # prompt blocks served from the host tier (paged in)
     short_hits: int = 0  # host hits under ``min_tokens``, recomputed instead
     page_out_blocks: int = 0
@@ -114,7 +115,7 @@ class HostTier:
         if num_slots < 1 or block_size < 1:
             raise ValueError("num_slots and block_size must be positive")
         self.num_slots, self.block_size, self.min_tokens = num_slots, block_size, min_tokens
-        self.stats = TierStats(capacity_blocks=num_slots, block_bytes=block_bytes)
+        self.stats = TierStats(num_slots, block_bytes=block_bytes, block_size=block_size)
         self._entries: dict[BlockHash, HostEntry] = {}
         self._leaves: OrderedDict[BlockHash, None] = OrderedDict()  # childless, least recent first
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from libkv.cluster.registry import Member, MemberChange, MemberDirectory, MemberLoad
+from libkv.cluster.tiers import tier_cached_blocks, tier_depths
 from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
 from libkv.kv_layout import pair_refusal
 from libkv.transfer import handoff_path
@@ -88,7 +89,7 @@ class Plan:
     decode: Member
     prefill: Member | None
     reason: str
-    cached_blocks: int = 0  # blocks the computing worker is expected to hold
+    cached_blocks: float = 0  # blocks the computing worker is expected to hold (host: less)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +118,16 @@ class _Chain:
             self._hashes[block_size] = hash_prefix_blocks(self.req.prompt, block_size, extra)
         return self._hashes[block_size]
 
-    def cached_blocks(self, m: Member) -> int:
+    def cached_blocks(self, m: Member) -> float:
+        """Prompt blocks ``m`` holds, a host-tier hit weighed below a device hit
+        (``libkv.cluster.tiers``)."""
         if self.index is None:
             return 0
         bs = m.block_size or DEFAULT_BLOCK_SIZE
         if bs not in self._depths:
             self._depths[bs] = self.index.match(self.hashes(bs))
-        return self._depths[bs].get((m.worker_id, m.incarnation), 0)
+        gpu, host = tier_depths(self._depths[bs], m.worker_id, m.incarnation)
+        return tier_cached_blocks(gpu, host)
 
     def remember(self, *members: Member | None) -> None:
         """Tell a `RouteMemory` index that ``members`` will cache this prompt."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from libkv.cluster.etcd_follow import Endpoints
 from libkv.cluster.registry import Member, MemberLoad, Registration
 from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
+from libkv.cluster.tiers import HOST, tier_incarnation
 from libkv.kv_layout import LAYOUT_KEY
 from services.worker.config import WorkerConfig
 
@@ -17,11 +18,18 @@ if TYPE_CHECKING:
 
 
 class Presence:
-    """The registration plus the location publisher attached to the engine's prefix cache."""
+    """The registration plus the location publishers attached to the engine's prefix cache
+    and, when it has one, its host tier (``libkv.cluster.tiers``)."""
 
-    def __init__(self, registration: Registration, publisher: SummaryPublisher) -> None:
+    def __init__(
+        self,
+        registration: Registration,
+        publisher: SummaryPublisher,
+        host: SummaryPublisher | None = None,
+    ) -> None:
         self.registration = registration
         self.publisher = publisher
+        self.host_publisher = host
 
     @classmethod
     def start(
@@ -36,13 +44,21 @@ class Presence:
         publisher = SummaryPublisher(
             endpoints, member.worker_id, member.incarnation, registration, config
         )
+        host = None
+        if engine.info.host_blocks:
+            inc = tier_incarnation(member.incarnation, HOST)
+            host = SummaryPublisher(endpoints, member.worker_id, inc, registration, config)
+            engine.set_host_listener(host)
+            host.start()
         engine.set_listener(publisher)
         publisher.start()
-        return cls(registration, publisher)
+        return cls(registration, publisher, host)
 
     async def stop(self) -> None:
         """Stop publishing, then revoke the lease (which deletes member key and locations)."""
         await self.publisher.stop()
+        if self.host_publisher is not None:
+            await self.host_publisher.stop()
         await self.registration.stop()
 
 
