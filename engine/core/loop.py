@@ -174,8 +174,9 @@ class EngineLoop:
         elif isinstance(command, Listen):
             self._events = CacheEvents() if command.on else None
             self.engine.kv.set_listener(self._events)
-            if self.engine.kv.tier is not None:
-                self.engine.kv.tier.listener = TierEvents(self._events) if self._events else None
+            tier = getattr(self.engine.kv, "tier", None)  # the host tier, if any
+            if tier is not None:
+                tier.listener = TierEvents(self._events) if self._events else None
         elif isinstance(command, Stop):
             self._stopped = True
         else:

@@ -4,9 +4,14 @@ greedy outputs are token-identical with and without the tier."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.core.client import EngineClient
+from libkv.hashing import hash_prefix_blocks
 from tests.conftest import make_random_model_dir
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -108,3 +113,46 @@ def test_a_restarted_engine_starts_with_an_empty_tier(tiny_dir) -> None:
     second = make_engine(tiny_dir, **TIER)
     assert second.stats().tier.used_blocks == 0
     assert run_one(second, "r0", prompt(0)).num_cached_tokens == 0
+
+
+class Events:
+    """A cache listener recording the prefix hashes it is told of."""
+
+    def __init__(self) -> None:
+        self.added: list[bytes] = []
+        self.removed: list[bytes] = []
+
+    def cached(self, index: int, block_hash: bytes, parent: bytes) -> None:
+        self.added.append(block_hash)
+
+    def evicted(self, block_hash: bytes) -> None:
+        self.removed.append(block_hash)
+
+
+async def _until(predicate, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_the_worker_hears_the_host_tier_apart_from_the_gpu_cache(tiny_dir) -> None:
+    """Through the engine client (what a worker's host-tier publisher listens to): the host
+    tier's entries arrive as their own events, and the client says it has a host tier."""
+    client = await EngineClient.local(make_engine(tiny_dir, **TIER))
+    gpu, host = Events(), Events()
+    try:
+        assert client.info.host_blocks == 87
+        client.set_host_listener(host)
+        client.set_listener(gpu)
+        await asyncio.sleep(0.1)  # the engine turns its events on
+        for k in range(4):
+            outs = [o async for o in client.generate(f"r{k}", prompt(k), GREEDY)]
+            assert outs[-1].finished
+        chains = [hash_prefix_blocks(prompt(k), 16) for k in range(4)]
+        await _until(lambda: len(host.added) == 16)
+        assert host.added == [h for chain in chains for h in chain]
+        assert host.removed == []
+        assert gpu.added[:4] == chains[0] and len(gpu.removed) > 0  # the GPU pool is small
+    finally:
+        client.stop()
