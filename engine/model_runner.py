@@ -55,6 +55,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import StepSample, VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
 from engine.warmup_shapes import WarmupReport
+from libkv.host_tier import TierCopies
 from libkv.kv_layout import KVLayout
 from libkv.kv_manager import CopyOp
 
@@ -424,6 +425,13 @@ class ModelRunner:
     def _tier(self, *args) -> None:
         assert self.host_store is not None
         self.host_store.copy(*args)
+
+    def run_tier(self, copies: TierCopies) -> None:
+        """Issue host-tier copies now, outside a step (a hand-off's page-ins)."""
+        if self.host_store is not None and copies:
+            self.bind_thread()
+            c = copies
+            self._command("tier", c.out_blocks, c.out_slots, c.in_slots, c.in_blocks, [])
 
     def _settle(self, block_ids: list[int]) -> None:
         assert self.host_store is not None

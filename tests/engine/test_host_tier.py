@@ -156,3 +156,34 @@ async def test_the_worker_hears_the_host_tier_apart_from_the_gpu_cache(tiny_dir)
         assert gpu.added[:4] == chains[0] and len(gpu.removed) > 0  # the GPU pool is small
     finally:
         client.stop()
+
+
+def test_a_decode_worker_takes_a_handoffs_prefix_from_its_host_tier(tiny_dir) -> None:
+    """The decode side of a hand-off counts what its host tier holds as cached (paged in at
+    once): only the rest of the blocks come from the prefill worker, and the stream goes on
+    token-identically."""
+    prefill, decode = make_engine(tiny_dir), make_engine(tiny_dir, **TIER)
+    ids = prompt(0)
+    expected = run_one(make_engine(tiny_dir), "ref", ids).token_ids
+    run_one(decode, "warm", ids)  # the decode worker saw this prompt before...
+    for k in (1, 2, 3):
+        run_one(decode, f"f{k}", prompt(k))  # ...and its GPU pool has evicted it since
+    assert len(decode.kv.find_prefix(ids, b"").blocks) == 0
+    prefill.add_request("h", ids, GREEDY, hold_kv=True)
+    first = None
+    while prefill.has_unfinished():
+        first = next((o for o in prefill.step() if o.request_id == "h"), first)
+    assert first is not None and first.kv_held
+    reserved, cached = decode.reserve("h", ids)
+    assert cached == 64  # four blocks from the host tier
+    assert decode.stats().tier.page_in_blocks == 4  # (paged in already)
+    skip = cached // 16
+    decode.write_blocks(reserved[skip:], prefill.read_blocks(prefill.held_block_ids("h")[skip:]))
+    assert prefill.release("h")
+    decode.add_prefilled("h", ids, first.token_ids[0], GREEDY, num_cached_tokens=cached)
+    final = None
+    while decode.has_unfinished():
+        final = next((o for o in decode.step() if o.request_id == "h" and o.finished), final)
+    assert final is not None and final.token_ids == expected
+    decode.check_integrity()
+    assert decode.pool.num_used == 0
