@@ -100,7 +100,8 @@ class HostStore:
         self.pool = pool
         self.device = pool.device
         on_cuda = self.device.type == "cuda"
-        self.host = torch.zeros((num_slots, *pool.shape[1:]), dtype=pool.dtype, pin_memory=on_cuda)
+        # Not zeroed: a slot is always written (paged out) before it is read.
+        self.host = torch.empty((num_slots, *pool.shape[1:]), dtype=pool.dtype, pin_memory=on_cuda)
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._batches: list[_Batch] = []  # page-outs issued and maybe not finished
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []

@@ -306,9 +306,7 @@ class ModelRunner:
         at once). ``fed``: the previous step's sampled ids, for the sequences whose newest
         token is still in flight."""
         self.bind_thread()
-        if self.host_store is not None:  # host tier copies, and no write under a page-out
-            t, written = sched.tier, written_blocks(sched, self.config.block_size)
-            self._command("tier", t.out_blocks, t.out_slots, t.in_slots, t.in_blocks, written)
+        self._tier_step(sched)
         if sched.copies:
             self._command("copy", [c.src for c in sched.copies], [c.dst for c in sched.copies])
         sampling = _sampling(sched)
@@ -425,6 +423,12 @@ class ModelRunner:
     def _tier(self, *args) -> None:
         assert self.host_store is not None
         self.host_store.copy(*args)
+
+    def _tier_step(self, sched: SchedulerOutput) -> None:
+        """Before a step: the host tier's copies, and no write under a page-out in flight."""
+        if self.host_store is not None:
+            t, written = sched.tier, written_blocks(sched, self.config.block_size)
+            self._command("tier", t.out_blocks, t.out_slots, t.in_slots, t.in_blocks, written)
 
     def run_tier(self, copies: TierCopies) -> None:
         """Issue host-tier copies now, outside a step (a hand-off's page-ins)."""
@@ -599,6 +603,7 @@ class ModelRunner:
         return self._all_rows(sched, hidden=False)
 
     def _all_rows(self, sched: SchedulerOutput, hidden: bool) -> torch.Tensor:
+        self._tier_step(sched)
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
         plan.hidden = hidden
@@ -612,6 +617,7 @@ class ModelRunner:
         """Raw-model logprob and rank of ``targets[i]`` given the scheduled tokens up to row
         ``i`` (the prompt's next tokens: one fewer than the rows in the prompt's last chunk), with
         the ``k`` most likely tokens at that place (a prompt alone, ``engine.pooling``)."""
+        self._tier_step(sched)
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
         plan.hidden = True
