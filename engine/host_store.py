@@ -62,7 +62,14 @@ def host_slots(
 
 
 def _available_memory() -> int:
-    """MemAvailable of /proc/meminfo (bytes), or the physical memory where that is missing."""
+    """Memory this process may still take (bytes): the host's MemAvailable, capped by the
+    cgroup's limit less its use (a container's /proc/meminfo shows the whole host's)."""
+    available = _meminfo_available()
+    limit = _cgroup_room()
+    return min(available, limit) if limit is not None else available
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -71,6 +78,28 @@ def _available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _cgroup_room(files: tuple[tuple[str, str], ...] = CGROUP_FILES) -> int | None:
+    """The cgroup's memory limit less its usage, or None without a limit."""
+    for limit_path, usage_path in files:
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for none
+            return None
+        return max(int(limit) - usage, 0)
+    return None
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -187,3 +187,23 @@ def test_a_decode_worker_takes_a_handoffs_prefix_from_its_host_tier(tiny_dir) ->
     assert final is not None and final.token_ids == expected
     decode.check_integrity()
     assert decode.pool.num_used == 0
+
+
+def test_host_tier_sizing(tmp_path) -> None:
+    """Off on CPU hosts by default; a size in GiB is that many canonical blocks; the room a
+    container may take is its cgroup's limit less its use, not the host's free memory."""
+    import torch
+
+    from engine.host_store import _cgroup_room, host_slots
+
+    cpu = torch.device("cpu")
+    assert host_slots(None, 1 << 20, cpu, 1 << 30) == 0
+    assert host_slots(0.0, 1 << 20, cpu, 1 << 30) == 0
+    assert host_slots(2.0, 1 << 20, cpu, 1 << 30) == 2048
+    limit, usage = tmp_path / "max", tmp_path / "current"
+    limit.write_text("8589934592\n")
+    usage.write_text("1073741824\n")
+    assert _cgroup_room(((str(limit), str(usage)),)) == 7 << 30
+    limit.write_text("max\n")
+    assert _cgroup_room(((str(limit), str(usage)),)) is None
+    assert _cgroup_room(((str(tmp_path / "none"), str(usage)),)) is None
