@@ -147,7 +147,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def decode_tpot(args, engine: LLMEngine) -> dict:
     """Decode step times of ``--batch`` sequences, the tier quiet, then busy with page-outs."""
-    max_tokens = 2 * args.steps + args.user_tokens + 16
+    max_tokens = 2 * args.steps + 8  # decoding through both timed phases
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(conversations(args)[: args.batch]):
         engine.add_request(f"d{i}", p, params)
@@ -182,13 +182,21 @@ def decode_tpot(args, engine: LLMEngine) -> dict:
     }  # fmt: skip
 
 
-def build(args, num_blocks: int, host_gib: float) -> LLMEngine:
+def build(args, num_blocks: int, host_gib: float, seqs: int = 0) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model_dir=str(args.model), load_format="dummy", device=args.device,
-        num_kv_blocks=num_blocks, kv_host_cache_gib=host_gib, max_num_seqs=args.concurrency,
+        num_kv_blocks=num_blocks, kv_host_cache_gib=host_gib,
+        max_num_seqs=seqs or args.concurrency,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_swap_min_tokens=args.swap_min_tokens,
     ))  # fmt: skip
+
+
+def _free() -> None:
+    """Free a dropped engine's memory before the next one plans its pool."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swap-min-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=64, help="decoding sequences (TPOT)")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
-    p.add_argument("--busy-blocks", type=int, default=32, help="page-outs per busy step")
+    p.add_argument("--busy-blocks", type=int, default=16, help="page-outs per busy step")
     p.add_argument("--out", type=Path, default=Path("bench/results/host_tier.json"))
     args = parse_bench_args(p, "bench.host_tier", argv)
     tmp = tempfile.TemporaryDirectory()
@@ -234,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = multi_turn(args, engine)
         if name == "host_tier":
             bw = bandwidth(args, engine)
-            tpot = decode_tpot(args, engine)
         engine.close()
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free()
+    engine = build(args, args.pool_blocks, args.host_gib, seqs=args.batch)
+    tpot = decode_tpot(args, engine)
+    engine.close()
+    del engine
+    _free()
     g, h, u = runs["gpu"], runs["host_tier"], runs["unbounded"]
     summary = {
         "working_set_x": working_set / args.pool_blocks,

@@ -434,8 +434,13 @@ class ModelRunner:
         """Issue host-tier copies now, outside a step (a hand-off's page-ins)."""
         if self.host_store is not None and copies:
             self.bind_thread()
-            c = copies
-            self._command("tier", c.out_blocks, c.out_slots, c.in_slots, c.in_blocks, [])
+            out_b, out_s, in_s, in_b = (
+                copies.out_blocks,
+                copies.out_slots,
+                copies.in_slots,
+                copies.in_blocks,
+            )
+            self._command("tier", out_b, out_s, in_s, in_b, [])
 
     def _settle(self, block_ids: list[int]) -> None:
         assert self.host_store is not None

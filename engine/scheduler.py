@@ -3,10 +3,13 @@
 Each step spends a token budget: running sequences first, oldest first (a decode costs one
 token, an unfinished prefill takes the next chunk), then waiting sequences in arrival order
 (their cached prefix is skipped). When the KV pool cannot grow a running sequence, the newest
-running sequence is preempted by recomputation: its blocks are freed and it returns to the
-front of the queue, keeping its output tokens. The oldest sequence therefore always makes
-progress, and no sequence is admitted whose worst case cannot fit in the pool alone, so the
-loop can neither crash nor deadlock.
+running sequence is preempted: its blocks are freed and it returns to the front of the queue,
+keeping its output tokens. It resumes like a new prompt: what the prefix cache still holds is
+reused, and with a host tier (``libkv.host_tier``, which has had its full blocks since they
+were computed) the rest of its KV is paged back in (a swap) when at least
+``kv_swap_min_tokens`` are there; otherwise it is recomputed. The oldest sequence therefore
+always makes progress, and no sequence is admitted whose worst case cannot fit in the pool
+alone, so the loop can neither crash nor deadlock.
 
 With async scheduling (``engine.step_loop``) a step is planned while the previous one still
 runs: a running sequence may have its newest token in flight (``Sequence.num_inflight``). Its
