@@ -8,13 +8,15 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
+from tandem.v1 import common_pb2, worker_pb2_grpc
 
 from libkv.cluster.summary_index import LocationIndex
 from libkv.cluster.tiers import HOST, TIER_SEPARATOR
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
-from tests.stack.test_kv_routing import chain, prompt, stats, warm
+from tests.stack.test_kv_routing import chain, prompt, warm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,6 +52,12 @@ def depths(index: LocationIndex, tokens: list[int]) -> dict[str, int]:
     return out
 
 
+async def prefill_stats(stack: Stack) -> common_pb2.WorkerStats:
+    async with grpc.aio.insecure_channel(stack.children["prefill-0"].address) as ch:
+        stub = worker_pb2_grpc.PrefillStub(ch)
+        return await stub.Stats(common_pb2.StatsRequest(), timeout=10)
+
+
 def metric(stack: Stack, worker: str, name: str, **labels: str) -> float:
     target = stack.scrape_targets()[worker]
     with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as r:
@@ -69,9 +77,9 @@ async def test_an_evicted_prompt_stays_published_and_pages_back_in(stack, index)
         await warm(stack, "prefill-0", tokens)
     assert await index.wait_for(lambda i: "gpu" not in depths(i, first), timeout=10.0)
     assert depths(index, first)[HOST] == 16  # the host tier still holds it
-    before = (await stats(stack))["prefill-0"]
+    before = await prefill_stats(stack)
     await warm(stack, "prefill-0", first)
-    after = (await stats(stack))["prefill-0"]
+    after = await prefill_stats(stack)
     assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 17 * 16  # paged back in
     assert metric(stack, "prefill-0", "tandem_engine_kv_tier_hit_tokens_total", tier="host") > 0
     assert metric(stack, "prefill-0", "tandem_engine_kv_tier_capacity_blocks", tier="host") > 0
