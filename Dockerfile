@@ -31,6 +31,17 @@ ARG TORCH_VERSION=2.11.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
+# FlashAttention 3 for Hopper GPUs (kernels.flash_attn: prefill and mixed steps): the one
+# extension file of vLLM's wheel, which is built against one torch release (vLLM 0.26.0: torch
+# 2.11, as above). Keep FA3_FROM in step with TORCH_VERSION; FA3_FROM="" leaves it out (Triton
+# attention throughout; --attention-backend auto falls back by itself).
+ARG FA3_FROM=vllm==0.26.0
+RUN if [ -n "${FA3_FROM}" ]; then \
+      pip download --no-deps --only-binary=:all: -d /tmp/fa3 "${FA3_FROM}" \
+   && python3 -c "import glob, site, zipfile; w = zipfile.ZipFile(glob.glob('/tmp/fa3/*.whl')[0]); \
+open(site.getsitepackages()[0] + '/_vllm_fa3_C.abi3.so', 'wb').write(w.read('vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'))" \
+   && rm -rf /tmp/fa3; fi
+
 # The package (engine, kernels, libkv, services and the generated tandem.v1 API), not editable,
 # with the NIXL build of the image's CUDA major version (the `cu12` / `cu13` extra).
 ARG NIXL=cu12

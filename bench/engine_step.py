@@ -94,7 +94,7 @@ def run_mode(args: argparse.Namespace, overlap: bool) -> tuple[dict, dict[str, l
         "ms_per_step_median": statistics.median(ms),
         "ms_per_step_p90": sorted(ms)[int(0.9 * (len(ms) - 1))],
         "tokens_per_s": args.batch / (mean / 1e3),
-        "overlapped_steps": engine.overlapped_steps,
+        "overlapped_steps": engine.stepper.overlapped_steps,
         "graphed": engine.runner.graphs is not None,
     }
     engine.close()

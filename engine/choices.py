@@ -1,8 +1,9 @@
 """A request's choices as the engine tracks them (no torch): ``n`` sequences of one prompt.
 
 The prompt is computed once, by choice 0. When choice 0 samples its first token, the other
-choices are forked from it: they sample their first tokens from the same logits, and their
-block tables share every block of choice 0 (copy-on-write, see ``libkv.kv_manager.fork``)::
+choices are forked from it (``due_sequences``, as the step is launched): they sample their first
+tokens from the same logits, and once it is read (``join_forks``) their block tables share every
+block of choice 0 (copy-on-write, see ``libkv.kv_manager.fork``)::
 
     prompt KV:  [ b0 | b1 | b2 (partial) ]  <- shared by choices 0..n-1 after the fork
     choice 1 writes its first output token into b2: grow() copies b2 into b7 first
@@ -12,11 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.sampling_params import TokenLogprob
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from engine.scheduler import ScheduledSeq, Scheduler
+    from libkv.kv_manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -97,3 +105,44 @@ def fork_sequence(parent: Sequence, index: int) -> Sequence:
         matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
         lora=parent.lora,
     )
+
+
+def due_sequences(
+    scheduled: list[ScheduledSeq],
+    requests: dict[str, Request],
+    choice_of: Callable[[Sequence], Choice],
+) -> list[Sequence]:
+    """The sequences sampling in a step of ``scheduled``, in the runner's row order; forks the
+    other choices of a request whose prompt is done (they sample from the same logits row;
+    ``choice_of`` builds each one's choice)."""
+    due: list[Sequence] = []
+    for s in scheduled:
+        if not s.samples:
+            continue
+        req = requests[s.seq.request_id]
+        if req.forking(s.seq):
+            for index in req.unborn:
+                req.live[index] = choice_of(fork_sequence(s.seq, index))
+                s.forks.append(req.live[index].seq)
+            req.unborn = []
+        due.append(s.seq)
+        due.extend(s.forks)
+    return due
+
+
+def join_forks(
+    scheduled: list[ScheduledSeq],
+    requests: dict[str, Request],
+    kv: KVCacheManager,
+    scheduler: Scheduler,
+) -> None:
+    """After the prompt's forward pass: forked choices share its blocks and join the batch
+    (unless the request is a prefill hand-off, which decodes elsewhere)."""
+    for s in scheduled:
+        for child in s.forks:
+            child.num_computed = s.seq.num_computed
+            if requests[s.seq.request_id].hold_kv:
+                child.status = SeqStatus.RUNNING
+                continue
+            kv.fork(s.seq.key, child.key)
+            scheduler.attach(child)

@@ -256,6 +256,12 @@ class EngineConfig:
         "Prefill and decode workers must agree",
         choices=("auto", "fp8", "fp8_e4m3"),
     )
+    attention_backend: str = knob(
+        "auto",
+        "attention kernels: auto (FlashAttention 3 on Hopper for bf16/fp16 KV where its "
+        "extension is installed, else Triton), triton, or fa3 (an error where FA3 cannot serve)",
+        choices=("auto", "triton", "fa3"),
+    )
     quantization: str | None = knob(
         None,
         "fp8: the layers' weight matrices in e4m3 with per-channel scales computed at load "
@@ -328,7 +334,7 @@ class EngineConfig:
             )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        for name in ("load_format", "kv_cache_dtype", "quantization"):
+        for name in ("load_format", "kv_cache_dtype", "attention_backend", "quantization"):
             value, declared = getattr(self, name), ENGINE_KNOBS[name]
             off = value is None and declared.default is None  # quantization None: none
             if value not in declared.choices and not off:

@@ -83,7 +83,7 @@ class Handoff:
     ``stepper`` is the engine's step loop: the step in flight is waited for before KV arrives
     from off the engine's stream, and a token of a moving sequence still in flight is taken
     back. ``validate`` checks a prompt and its parameters, ``new_choice`` builds a choice
-    (``LLMEngine._new_choice``), ``check_lora`` names a loaded adapter."""
+    (``Intake.new_choice``), ``check_lora`` names a loaded adapter."""
 
     def __init__(
         self,
@@ -104,6 +104,11 @@ class Handoff:
         self.grammar, self._lock, self._tables, self._stepper = grammar, lock, tables, stepper
         self.max_model_len = max_model_len
         self._validate, self._new_choice, self._check_lora = validate, new_choice, check_lora
+
+    @property
+    def num_held(self) -> int:
+        """Block tables held for a decode worker (prefill side)."""
+        return len(self._tables.held)
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks a prefill hand-off keeps for the decode worker, in token order."""

@@ -1,4 +1,5 @@
-"""Input ids of a step whose previous step has not been read back yet (async scheduling).
+"""A step launched and not read back yet (``InFlight``, which ``engine.step_loop`` keeps until
+it reads the step's tokens), and the input ids of the step launched after it (async scheduling).
 
 Step N+1 is launched while step N still runs, so the newest token of a sequence that sampled in
 step N is known only on the device. The host plans that position with a placeholder id and, for
@@ -9,11 +10,17 @@ in the same stream, with no round trip through the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.scheduler import SchedulerOutput
+    from engine.spec_decode import StepSample
+    from engine.step_stats import StepStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +30,28 @@ class InflightIds:
 
     tokens: torch.Tensor
     rows: dict[int, int]
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    sched: SchedulerOutput
+    due: list[Sequence]  # the sampling sequences, in the runner's row order
+    sample: StepSample
+    stats: StepStats | None
+    started: float  # perf_counter() when the step() call that launched it began
+    done: torch.cuda.Event | None  # behind its last kernel (None off CUDA)
+    # Seeded generators' states before this step sampled, by id(sequence): a live move takes
+    # a token in flight back (``Stepper.unsample``).
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def feed(self) -> InflightIds | None:
+        """Its sampled ids on the device, for the next step's tokens in flight."""
+        tokens = self.sample.tokens
+        if tokens is None:
+            return None
+        return InflightIds(tokens, {id(seq): i for i, seq in enumerate(self.due)})
 
 
 def known_tokens(seq: Sequence, lo: int, hi: int) -> list[int]:

@@ -10,27 +10,20 @@ the next forward pass before it reads back the previous one, and returns that on
 
 from __future__ import annotations
 
-import itertools
 import threading
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.adapters import Adapters
-from engine.choices import Choice, Request, RequestTables
+from engine.choices import RequestTables
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_model import DraftProposer
 from engine.emit import Emitter
-from engine.errors import (
-    InvalidRequestError,
-    PromptTooLongError,
-    RequestNotFoundError,
-)
-from engine.handoff import FirstToken, Handoff, HeldKV
+from engine.errors import RequestNotFoundError
+from engine.handoff import Handoff
 from engine.host_store import make_tier, tier_stats
+from engine.intake import Intake
 from engine.lora_config import LoRASpec
 from engine.model_runner import ModelRunner
 from engine.ngram import NgramProposer, Proposer
@@ -39,8 +32,7 @@ from engine.pooling import PoolingConfig, PromptPasses
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step_loop import InFlight, Stepper
+from engine.step_loop import Stepper
 from engine.step_stats import SpecStats, StepObserver
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
@@ -48,7 +40,6 @@ from engine.warmup import warm_up
 from kernels import compile_counter
 from kernels.compile_counter import CompileCounts
 from libkv.block_pool import BlockPool
-from libkv.hashing import encode_extra_keys
 from libkv.host_tier import TierStats
 from libkv.kv_manager import KVCacheManager
 
@@ -73,11 +64,13 @@ class LLMEngine:
     """Continuous-batching engine over one model.
 
     Parts it holds, each given what it needs when built: ``adapters`` (``engine.adapters``),
-    ``emitter`` (``engine.emit``: outputs from sampled tokens), the passes over one prompt
-    alone (``engine.pooling``), ``stepper`` (``engine.step_loop``: ``step``, async
-    scheduling) and ``handoff`` (``engine.handoff``: KV moved between workers). ``tables``
-    (``engine.choices.RequestTables``), the live, reserved and held requests, is shared by
-    them; the lock too."""
+    ``intake`` (``engine.intake``: checks, choices, queueing), ``emitter`` (``engine.emit``:
+    outputs from sampled tokens), the passes over one prompt alone (``engine.pooling``),
+    ``stepper`` (``engine.step_loop``: ``step``, async scheduling; its ``overlapped_steps``
+    and ``dropped_tokens`` count what async scheduling did) and ``handoff``
+    (``engine.handoff``: KV moved between workers: ``reserve``, ``add_prefilled``,
+    ``release``, ...; callers use it directly). ``tables`` (``engine.choices.RequestTables``),
+    the live, reserved and held requests, is shared by them; the lock too."""
 
     def __init__(self, config: EngineConfig) -> None:
         compile_counter.COUNTER.start_build()  # compiles until mark_ready below: the build's
@@ -117,10 +110,19 @@ class LLMEngine:
             config.max_loras if config.enable_lora else 0,
             self.max_model_len,
         )
-        self._counter = itertools.count()
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.grammar = GrammarRuntime(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(eos))
+        t = self.tables
+        self.intake = Intake(
+            config, mc.vocab_size, self.max_model_len, self.tokenizer, self.runner, self.kv,
+            self.scheduler, self.grammar, self._lock, t, self.eos_token_ids, self.adapters.check,
+        )  # fmt: skip
         self._passes = PromptPasses(
-            config, self.kv, self.runner, self.pooling, self._lock, self._counter,
-            self._validate, self.adapters.check,
+            config, self.kv, self.runner, self.pooling, self._lock, self.intake.counter,
+            self.intake.validate, self.adapters.check,
         )  # fmt: skip
         proposer: Proposer | None = None
         if spec is not None and draft_dir:
@@ -129,23 +131,18 @@ class LLMEngine:
             )
         elif spec is not None:
             proposer = NgramProposer.of(spec)
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        t = self.tables
         self.emitter = Emitter(
             self.scheduler, t.requests, t.held, t.held_seqs, self.max_model_len, self.eos_token_ids
         )
-        self.grammar = GrammarRuntime(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(eos))
         self.stepper = Stepper(
             config, self.scheduler, self.runner, self.kv, self.grammar, self.emitter, self._lock,
-            t.requests, proposer, self.ranks, self.max_model_len, self._choice_of,
+            t.requests, proposer, self.ranks, self.max_model_len, self.intake.choice_of,
             self.adapters.drop_unused,
         )  # fmt: skip
         self.handoff = Handoff(
             config, self.kv, self.runner, self.scheduler, self.grammar, self._lock, t,
-            self.stepper, self.max_model_len, self._validate, self._new_choice, self.adapters.check,
+            self.stepper, self.max_model_len, self.intake.validate, self.intake.new_choice,
+            self.adapters.check,
         )  # fmt: skip
         # Built and warmed up (``engine.warmup``, in each ModelRunner): a kernel compiled from
         # now on is a serving stall, counted and logged as one.
@@ -169,84 +166,14 @@ class LLMEngine:
         ``priority``: 0 (interactive) is scheduled before 1 (batch), which is preempted first.
 
         ``hold_kv`` makes it a prefill: after the first tokens (one per choice) the request
-        leaves the batch but keeps its prompt's blocks (outputs ``kv_held``) until ``release``;
+        leaves the batch but keeps its prompt's blocks (outputs ``kv_held``) until
+        ``handoff.release``;
         unless every choice already finished.
         """
-        params = params or SamplingParams()
-        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids, params)
-        with self._lock:
-            adapter = self.check_lora(lora)
-        salt = encode_extra_keys(tenant, adapter or None)
-        first = self._new_choice(request_id, ids, params, salt, 0, adapter)
-        if params.grammar is not None:
-            first.seq.matcher = self.grammar.matcher(params.grammar)
-        first.seq.priority = priority
-        req = Request(first.seq, {0: first}, list(range(1, params.n)), hold_kv)
-        with self._lock:
-            self._register(req)
-            self.scheduler.add(first.seq)
-
-    def _new_choice(
-        self,
-        request_id: str,
-        ids: list[int],
-        params: SamplingParams,
-        salt: bytes,
-        index: int,
-        lora: str = "",
-    ) -> Choice:
-        seq = Sequence(request_id, ids, params, next(self._counter), salt, index=index, lora=lora)
-        return self._choice_of(seq)
-
-    def _choice_of(self, seq: Sequence) -> Choice:
-        """A Choice around ``seq``, with its seeded generator (seed + index) and detokenizer."""
-        params = seq.params
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(
-                (params.seed + seq.index) % 2**64
-            )
-        if params.min_tokens:
-            eos = () if params.ignore_eos else self.eos_token_ids
-            seq.stop_ids = tuple(sorted({*params.stop_token_ids, *eos}))
-        detok = IncrementalDetokenizer(
-            self.tokenizer.hf,
-            seq.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop=params.include_stop_str_in_output,
-            min_tokens=params.min_tokens,
-        )
-        return Choice(seq, detok, [] if params.logprobs is not None else None)
-
-    def _register(self, req: Request) -> None:
-        self.tables.register(req, self.kv)
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias: token ids must be in [0, {vocab})")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the context limit is {limit} tokens "
-                "(prompt plus at least one generated token)"
-            )
-        if len(ids) + params.max_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(ids) + params.max_tokens} exceeds the context limit of {limit} tokens"
-            )
-        need = self.kv.blocks_for(len(ids) + params.max_tokens)
-        if need > self.pool.num_blocks:
-            raise PromptTooLongError(
-                f"prompt + max_tokens need {need} KV blocks but the cache holds "
-                f"{self.pool.num_blocks} ({self.pool.num_blocks * self.config.block_size} tokens)"
-            )
+        self.intake.add(
+            request_id, prompt, params, tenant=tenant, hold_kv=hold_kv, priority=priority,
+            lora=lora,
+        )  # fmt: skip
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (every choice) and free its blocks now (held or reserved blocks too;
@@ -256,7 +183,7 @@ class LLMEngine:
         with self._lock:
             req = self.tables.requests.pop(request_id, None)
             if req is None:
-                if self.release(request_id):
+                if self.handoff.release(request_id):
                     return None
                 raise RequestNotFoundError(f"no live request {request_id!r}")
             outs = []
@@ -298,113 +225,6 @@ class LLMEngine:
     def on_step(self, observer: StepObserver | None) -> None:
         self.stepper.on_step = observer
 
-    @property
-    def overlapped_steps(self) -> int:
-        """Steps left in flight across a ``step()`` call (async scheduling)."""
-        return self.stepper.overlapped_steps
-
-    @property
-    def dropped_tokens(self) -> int:
-        """Tokens sampled in flight for a sequence that ended (or left) meanwhile."""
-        return self.stepper.dropped_tokens
-
-    @property
-    def _inflight(self) -> InFlight | None:
-        return self.stepper.inflight
-
-    def _settle_if_idle(self) -> list[RequestOutput]:
-        return self.stepper.settle_if_idle()
-
-    # -- KV hand-off between workers (``engine.handoff``) ----------------------------------------
-    @property
-    def _requests(self) -> dict[str, Request]:
-        return self.tables.requests
-
-    @property
-    def _reserved(self) -> set[str]:
-        return self.tables.reserved
-
-    @property
-    def num_held(self) -> int:
-        """Block tables held for a decode worker (prefill side)."""
-        return len(self.tables.held)
-
-    def reserve(
-        self,
-        request_id: str,
-        prompt: list[int],
-        tenant: str | None = None,
-        lora: str | None = None,
-    ) -> tuple[list[int], int]:
-        """Allocate blocks for a prompt whose KV will arrive from a prefill worker: (block ids,
-        leading tokens already cached here); KVCapacityError when full (``Handoff.reserve``)."""
-        return self.handoff.reserve(request_id, prompt, tenant, lora)
-
-    def add_prefilled(
-        self,
-        request_id: str,
-        prompt: list[int],
-        first_token: int | None,
-        params: SamplingParams,
-        *,
-        tenant: str | None = None,
-        first_logprob: TokenLogprob | None = None,
-        generator_state: bytes = b"",
-        num_cached_tokens: int = 0,
-        recompute: bool = False,
-        priority: int = 0,
-        firsts: Seq[FirstToken] = (),
-        lora: str | None = None,
-    ) -> None:
-        """Join a reserved request, whose prompt KV has been written, to the running batch
-        (``Handoff.add_prefilled``)."""
-        self.handoff.add_prefilled(
-            request_id, prompt, first_token, params, tenant=tenant, first_logprob=first_logprob,
-            generator_state=generator_state, num_cached_tokens=num_cached_tokens,
-            recompute=recompute, priority=priority, firsts=firsts, lora=lora,
-        )  # fmt: skip
-
-    def release(self, request_id: str) -> bool:
-        """Free held (prefill) or reserved (decode) blocks; full ones stay in the prefix cache."""
-        return self.handoff.release(request_id)
-
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """Blocks a prefill hand-off keeps for the decode worker, in token order."""
-        return self.handoff.held_block_ids(request_id)
-
-    def generator_state(self, request_id: str, index: int = 0) -> bytes:
-        """Serialized state of the seeded generator of a held request's choice ``index``."""
-        return self.handoff.generator_state(request_id, index)
-
-    def held_choices(self, request_id: str) -> list[int]:
-        """Indices of a held request's choices that go on at the decode worker."""
-        return self.handoff.held_choices(request_id)
-
-    def hold_for_move(self, request_id: str) -> HeldKV | None:
-        """Take a running single-choice request out of the batch, its blocks held for another
-        decode worker; None when it cannot move now (``Handoff.hold_for_move``)."""
-        return self.handoff.hold_for_move(request_id)
-
-    def write_blocks(self, block_ids: list[int], data: list[bytes]) -> None:
-        """Copy raw block bytes (pool layout and dtype) into this pool."""
-        self.handoff.write_blocks(block_ids, data)
-
-    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""
-        return self.handoff.read_blocks(block_ids)
-
-    def seal_pending(self) -> None:
-        """Checksum the blocks sealed since the last call (``config.seal_checksums``)."""
-        self.stepper.seal_pending()
-
-    def handoff_checksums(self, block_ids: list[int]) -> list[int]:
-        """The checksums a hand-off of ``block_ids`` carries (``Handoff.handoff_checksums``)."""
-        return self.handoff.handoff_checksums(block_ids)
-
-    def block_checksums(self, block_ids: list[int], algorithm: str | None = None) -> list[int]:
-        """Checksums of whole blocks by ``algorithm`` (None: the pool's own)."""
-        return self.handoff.block_checksums(block_ids, algorithm)
-
     # -- LoRA adapters (``engine.adapters``) ----------------------------------------------------
     def add_lora(self, name: str, path: str) -> LoRASpec:
         """Load a PEFT adapter folder under ``name``; requests then name it as their adapter.
@@ -421,14 +241,6 @@ class LLMEngine:
         """Names of the loaded adapters (not those being unloaded)."""
         return self.adapters.names()
 
-    def resident_loras(self) -> list[str]:
-        """Adapters in device slots now, least recently used first."""
-        return self.adapters.resident()
-
-    def check_lora(self, name: str | None) -> str:
-        """``name`` if it is a loaded adapter ("" for None or ""); else AdapterNotFoundError."""
-        return self.adapters.check(name)
-
     # -- one prompt alone (``engine.pooling``) ---------------------------------------------------
     def embed(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """The prompt's embedding (float32 [hidden], on the CPU), pooled by ``self.pooling``."""
@@ -444,9 +256,6 @@ class LLMEngine:
     def score(self, prompt: list[int], lora: str | None = None) -> torch.Tensor:
         """Float32 logits [len(prompt), vocab] of every prompt position (one paged prefill)."""
         return self._passes.score(prompt, lora)
-
-    def _alone(self, prompt: list[int], lora: str | None, run: Callable) -> list:
-        return self._passes.alone(prompt, lora, run)
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -185,7 +185,9 @@ class ModelRunner:
                 Path(config.model_dir), model_config, self.device, self.dtype, shard, quantize,
                 fp8_head,
             )  # fmt: skip
-        choices = config.kernels or kernels.KernelChoices.for_device(self.device)
+        choices = config.kernels or kernels.KernelChoices.for_device(
+            self.device, self.kv_dtype, model_config.head_dim, config.attention_backend
+        )
         self.model = DecoderModel(model_config, weights, max_len, self.comm, choices)
         if (
             on_cuda

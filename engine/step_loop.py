@@ -29,55 +29,28 @@ into reserved blocks) must wait for the step in flight first (``Stepper.await_de
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
-from engine.choices import Request, fork_sequence
+from engine.choices import due_sequences, join_forks
 from engine.device_io import mark
-from engine.inflight import InflightIds
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.inflight import InFlight
 from engine.sequence import SeqStatus, Sequence
-from engine.spec_decode import StepSample
-from engine.step_stats import SpecStats, StepObserver, StepStats, batch_stats
+from engine.step_stats import SpecStats, StepObserver, batch_stats
 
 if TYPE_CHECKING:
     import threading
     from collections.abc import Callable
 
-    from engine.choices import Choice
+    from engine.choices import Choice, Request
     from engine.config import EngineConfig
     from engine.emit import Emitter
     from engine.model_runner import ModelRunner
     from engine.ngram import Proposer
     from engine.parallel.ranks import RankGroup
     from engine.request_output import RequestOutput
-    from engine.scheduler import Scheduler
+    from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
     from engine.structured import GrammarRuntime
     from libkv.kv_manager import KVCacheManager
-
-
-@dataclass(slots=True)
-class InFlight:
-    """A launched step whose sampled tokens the host has not read yet."""
-
-    sched: SchedulerOutput
-    due: list[Sequence]  # the sampling sequences, in the runner's row order
-    sample: StepSample
-    stats: StepStats | None
-    started: float  # perf_counter() when the step() call that launched it began
-    done: torch.cuda.Event | None  # behind its last kernel (None off CUDA)
-    # Seeded generators' states before this step sampled, by id(sequence): a live move takes
-    # a token in flight back (``Stepper.unsample``).
-    states: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def feed(self) -> InflightIds | None:
-        """Its sampled ids on the device, for the next step's tokens in flight."""
-        tokens = self.sample.tokens
-        if tokens is None:
-            return None
-        return InflightIds(tokens, {id(seq): i for i, seq in enumerate(self.due)})
 
 
 class Stepper:
@@ -185,7 +158,7 @@ class Stepper:
         advance the host's bookkeeping as if it had run: its chunks count as computed, and
         each sampling sequence has one more token in flight."""
         stats = batch_stats(sched) if self.on_step is not None else None
-        due = self._due(sched.scheduled)
+        due = due_sequences(sched.scheduled, self._requests, self._choice_of)
         states = {}
         if keep_states:
             states = {id(s): s.generator.get_state() for s in due if s.generator is not None}
@@ -207,7 +180,7 @@ class Stepper:
         self.dropped_tokens += len(step.due) - len(live)
         for j in live:  # a dropped sequence never runs again: its count no longer matters
             step.due[j].num_inflight -= 1
-        self._join_forks(step.sched.scheduled)
+        join_forks(step.sched.scheduled, self._requests, self.kv, self.scheduler)
         due = [step.due[j] for j in live]
         tokens, lps = [out.token_ids[j] for j in live], [out.logprobs[j] for j in live]
         outputs = self.emitter.emit(due, tokens, lps)
@@ -281,23 +254,6 @@ class Stepper:
             if sealed:
                 self.runner.seal_checksums(sealed)
 
-    def _due(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
-        """The sequences sampling this step, in the runner's row order; forks the other choices
-        of a request whose prompt is done (they sample from the same logits row)."""
-        due: list[Sequence] = []
-        for s in scheduled:
-            if not s.samples:
-                continue
-            req = self._requests[s.seq.request_id]
-            if req.forking(s.seq):
-                for index in req.unborn:
-                    req.live[index] = self._choice_of(fork_sequence(s.seq, index))
-                    s.forks.append(req.live[index].seq)
-                req.unborn = []
-            due.append(s.seq)
-            due.extend(s.forks)
-        return due
-
     def _propose(self, proposer: Proposer) -> None:
         """Set the draft of every decoding sequence for the next step: never past its
         ``max_tokens`` or the context limit (a step emits the kept drafts plus one token), and
@@ -328,15 +284,3 @@ class Stepper:
             if s.draft:
                 s.num_accepted = kept[id(s.seq)]
                 self.spec.add(len(s.draft), s.num_accepted)
-
-    def _join_forks(self, scheduled: list[ScheduledSeq]) -> None:
-        """After the prompt's forward pass: forked choices share its blocks and join the batch
-        (unless the request is a prefill hand-off, which decodes elsewhere)."""
-        for s in scheduled:
-            for child in s.forks:
-                child.num_computed = s.seq.num_computed
-                if self._requests[s.seq.request_id].hold_kv:
-                    child.status = SeqStatus.RUNNING
-                    continue
-                self.kv.fork(s.seq.key, child.key)
-                self.scheduler.attach(child)

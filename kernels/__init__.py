@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from kernels import reference
+from kernels import flash_attn, reference
 from kernels._triton import pdl_on, use_triton
 from kernels.choices import DEFAULT, KernelChoices
 from kernels.reference import (
@@ -101,20 +101,18 @@ def lora_add(
 
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-    meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
-    choices: KernelChoices = DEFAULT,
+    meta: LoRAMetadata, choices: KernelChoices = DEFAULT,
 ) -> None:  # fmt: skip
     """``lora_add`` for projections of one input sharing a fused output (q/k/v, gate/up):
     ``a`` [S, len(widths) * R, in] (their A stacked), ``b`` [S, sum(widths), R] (their B in
     the output's column order), ``y`` [T, sum(widths)]. Two launches on CUDA, whatever the
-    number of projections. The input is ``x``, or ``rms_norm(x, *norm)`` with ``norm``, or
-    ``silu_and_mul(x)`` with ``silu_mul`` (made in the shrink on CUDA)."""
+    number of projections."""
     if use_triton(x):
         from kernels import triton_lora
 
-        triton_lora.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul, pdl=choices.pdl)
+        triton_lora.lora_add_fused(y, x, a, b, widths, meta, pdl=choices.pdl)
         return
-    reference.lora_add_fused(y, x, a, b, widths, meta, norm, silu_mul)
+    reference.lora_add_fused(y, x, a, b, widths, meta)
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight, choices: KernelChoices) -> bool:
@@ -549,7 +547,12 @@ def rope_attention(
 ) -> torch.Tensor:
     """`rope_write_kv` then `paged_attention`: the attention output of the new tokens' unrotated
     q, k and v. A decode batch on CUDA takes one kernel (``choices.rope_in_attention``)."""
-    if choices.rope_in_attention and use_triton(q) and _decode_batch(q, meta):
+    if (
+        choices.rope_in_attention
+        and use_triton(q)
+        and _decode_batch(q, meta)
+        and not _flash(kv_cache, True, choices)
+    ):
         from kernels import triton_decode
 
         rope = triton_decode.Rope(k, v, cos, sin, meta.slot_blocks, meta.slot_offsets)
@@ -564,6 +567,13 @@ def rope_attention(
 def _decode_batch(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     """One new token per sequence (what the decode kernel takes)."""
     return meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+
+
+def _flash(kv_cache: torch.Tensor, decode: bool, choices: KernelChoices) -> bool:
+    """Whether FlashAttention 3 takes this step's attention (``choices.flash_attention``, and
+    ``choices.flash_decode`` for a decode batch) over this pool (bf16/fp16 on CUDA)."""
+    wanted = choices.flash_decode if decode else choices.flash_attention
+    return wanted and kv_cache.is_cuda and kv_cache.dtype in flash_attn.DTYPES
 
 
 def paged_attention(
@@ -581,10 +591,15 @@ def paged_attention(
 
     On CUDA, a batch of single-token queries (decode) takes the split-KV decode kernel, which
     reads no host-side lengths and so can be captured in a CUDA graph; anything else takes the
-    varlen prefill kernel.
+    varlen prefill kernel. Where the model's choices say so (a Hopper with FlashAttention 3
+    installed, a bf16/fp16 pool), FA3 takes the steps that are not a decode batch, and with
+    ``flash_decode`` the decode batches too (`kernels.flash_attn`).
     """
+    decode = _decode_batch(q, meta)
+    if _flash(kv_cache, decode, choices):
+        return flash_attn.paged_attention(q, kv_cache, layer, meta, scale)
     if use_triton(q):
-        if _decode_batch(q, meta):
+        if decode:
             from kernels import triton_decode
 
             return triton_decode.decode_attention(

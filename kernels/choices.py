@@ -38,6 +38,11 @@ class KernelChoices:
     - ``pdl``: programmatic dependent launch where the GPU has it (Hopper and newer): the decode
       step's kernels launch while the previous one finishes and wait for its results in the
       kernel (5.52 against 5.77 ms for the 8B step at batch 1, logits bit for bit equal).
+    - ``flash_attention``: steps that are not a pure decode batch (prefill chunks, mixed steps
+      of chunks and decodes) take FlashAttention 3 (`kernels.flash_attn`) over a bf16/fp16
+      pool instead of the Triton prefill kernel; ``flash_decode``: decode batches too, instead
+      of the Triton split-KV decode kernel. Chosen at load where FA3 is installed and the GPU
+      is a Hopper (`for_device`); the H200 figures behind them: ``bench/results/attention_h200.md``.
     """
 
     skinny_rows: int = 8
@@ -46,6 +51,8 @@ class KernelChoices:
     fold_sums_min_rows: int = 2
     rope_in_attention: bool = True
     pdl: bool = True
+    flash_attention: bool = False
+    flash_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.skinny_rows < 0 or self.skinny_rows > 8:
@@ -54,13 +61,37 @@ class KernelChoices:
             raise ValueError(f"fold_sums_min_rows must be >= 1, got {self}")
 
     @classmethod
-    def for_device(cls, device: torch.device) -> KernelChoices:
-        """The engine's choices on ``device``: the defaults, with ``pdl`` only where the GPU
-        has programmatic dependent launch (compute capability 9.0 and up)."""
+    def for_device(
+        cls,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+        head_dim: int = 0,
+        attention: str = "auto",
+    ) -> KernelChoices:
+        """The engine's choices on ``device`` for a KV pool of ``kv_dtype`` and ``head_dim``:
+        the defaults, with ``pdl`` only where the GPU has programmatic dependent launch
+        (compute capability 9.0 and up), and FlashAttention 3 per ``attention``: ``auto``
+        where it can serve the pool (`kernels.flash_attn.unavailable_reason`), ``fa3``
+        (an error where it cannot), ``triton`` never."""
         import torch
 
-        pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-        return cls(pdl=pdl)
+        from kernels import flash_attn
 
+        pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {attention!r} is not one of {ATTENTION_BACKENDS}")
+        why = "not asked for"
+        if attention != "triton" and kv_dtype is not None:
+            why = flash_attn.unavailable_reason(device, kv_dtype, head_dim)
+        if attention == "fa3" and why is not None:
+            raise ValueError(f"--attention-backend fa3: {why}")
+        fa3 = why is None
+        return cls(pdl=pdl, flash_attention=fa3, flash_decode=fa3 and FLASH_DECODE)
+
+
+# The attention backends a model can be loaded with (``EngineConfig.attention_backend``).
+ATTENTION_BACKENDS = ("auto", "triton", "fa3")
+# Whether decode batches take FA3 too where it serves the pool (see ``flash_decode``).
+FLASH_DECODE = False
 
 DEFAULT = KernelChoices()

@@ -406,17 +406,12 @@ def lora_add(
 
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-    meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+    meta: LoRAMetadata,
 ) -> None:  # fmt: skip
     """``lora_add`` for the projections of one input that share a fused output (q/k/v,
     gate/up): ``a`` [S, len(widths) * R, in] holds each projection's A stacked, ``b``
     [S, sum(widths), R] each one's B in the output's column order, ``y`` [T, sum(widths)].
-    The same as one ``lora_add`` per projection on its columns of ``y``. The input is ``x``,
-    or ``rms_norm(x, *norm)`` with ``norm``, or ``silu_and_mul(x)`` with ``silu_mul``."""
-    if silu_mul:
-        x = silu_and_mul(x)
-    elif norm is not None:
-        x = rms_norm(x, norm[0], norm[1])[0]
+    The same as one ``lora_add`` per projection on its columns of ``y``."""
     r = a.shape[1] // len(widths)
     lo = 0
     for j, w in enumerate(widths):

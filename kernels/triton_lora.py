@@ -39,7 +39,6 @@ BLOCK_M = LORA_TILE_M  # tile rows
 BLOCK_K = 128
 K_SPLIT = 1024  # input columns per shrink program (a multiple of BLOCK_K)
 BLOCK_N = 128
-NORM_K = 512  # columns per step of the RMS_NORM input's sum of squares (the whole row)
 
 
 @triton.jit
@@ -54,16 +53,12 @@ def _tile(rows_ptr, start_ptr, len_ptr, slot_ptr, BLOCK_M: tl.constexpr):
     return n_rows, start, tl.load(slot_ptr + tile).to(tl.int64), m_mask, rows
 
 
-PLAIN, SILU_MUL, RMS_NORM = 0, 1, 2  # what the shrink makes of its input (``INPUT``)
-
-
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, part_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, norm_ptr, eps, K, R,
+    x_ptr, a_ptr, part_ptr, rows_ptr, start_ptr, len_ptr, slot_ptr, K, R,
     stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_SPLIT: tl.constexpr, PREC: tl.constexpr, INPUT: tl.constexpr, NORM_K: tl.constexpr,
-    PDL: tl.constexpr,
+    K_SPLIT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
@@ -77,14 +72,6 @@ def _shrink_kernel(
     offs_k = split * K_SPLIT + tl.arange(0, BLOCK_K)
     r_mask = offs_r < R
     x_rows = x_ptr + rows[:, None] * stride_xm
-    if INPUT == 2:  # RMS_NORM: each row's 1 / rms over all K columns first
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, NORM_K):
-            cols = k0 + tl.arange(0, NORM_K)
-            v = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
-                        other=0.0).to(tl.float32)  # fmt: skip
-            ss += tl.sum(v * v, axis=1)
-        inv = tl.rsqrt(ss / K + eps)
     a_ptrs = a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in range(0, K_SPLIT, BLOCK_K):
@@ -92,15 +79,6 @@ def _shrink_kernel(
         k_mask = cols < K
         mask = m_mask[:, None] & k_mask[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
-        if INPUT == 1:  # SILU_MUL: x is [gate | up] (2K columns), as kernels.silu_and_mul
-            g = x.to(tl.float32)
-            u = tl.load(x_rows + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
-            x = (act.to(tl.float32) * u).to(x_ptr.dtype.element_ty)
-        if INPUT == 2:  # RMS_NORM: x is the residual sum, as kernels.rms_norm
-            w = tl.load(norm_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * inv[:, None]).to(x_ptr.dtype.element_ty)
-            x = (w[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
         a = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(a), input_precision=PREC)
         a_ptrs += BLOCK_K
@@ -163,18 +141,14 @@ def lora_add(
 
 def lora_add_fused(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-    meta: LoRAMetadata, norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
-    pdl: bool = True,
+    meta: LoRAMetadata, pdl: bool = True,
 ) -> None:  # fmt: skip
     """Triton form of ``kernels.reference.lora_add_fused``: the projections of one input
     (q/k/v, gate/up) in two launches. ``a``: [S, len(widths) * R, in] (each projection's A
     stacked), ``b``: [S, sum(widths), R] (each projection's B, in the output's column order),
     ``y``: [T, sum(widths)]. One shrink computes every projection's ``x @ A.T`` (x read once);
-    one expand adds each column block's delta from its own projection's ranks. ``norm``
-    (weight, eps): ``x`` is the residual sum and the input is its RMS norm; ``silu_mul``: ``x``
-    is ``[gate | up]`` and the input is ``silu(gate) * up``; both made in the shrink, as
-    ``kernels.rms_norm`` and ``kernels.silu_and_mul`` make them. ``pdl``: programmatic
-    dependent launch where the GPU has it."""
+    one expand adds each column block's delta from its own projection's ranks. ``pdl``:
+    programmatic dependent launch where the GPU has it."""
     if meta.rows is None or meta.tile_slot is None or meta.tile_start is None:
         raise ValueError("LoRAMetadata was built for the reference path (not on CUDA)")
     if meta.tile_len is None or meta.scales_t is None:
@@ -185,13 +159,11 @@ def lora_add_fused(
     segs = len(widths)
     if not 1 <= segs <= 3:
         raise ValueError(f"1 to 3 fused projections, not {segs}")
-    if norm is not None and silu_mul:
-        raise ValueError("norm or silu_mul, not both")
     s, rt, k = a.shape
     n = sum(widths)
     r = rt // segs
     if (
-        rt != segs * r or b.shape != (s, n, r) or x.shape[1] != (2 * k if silu_mul else k)
+        rt != segs * r or b.shape != (s, n, r) or x.shape[1] != k
         or y.shape[1] != n
         or x.shape[0] != y.shape[0]
     ):  # fmt: skip
@@ -201,23 +173,16 @@ def lora_add_fused(
         )
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("lora_add needs unit strides along the last dimension")
-    mode, norm_w, eps = PLAIN, x, 0.0
-    if silu_mul:
-        mode = SILU_MUL
-    elif norm is not None:
-        (norm_w, eps), mode = norm, RMS_NORM
-        if norm_w.shape != (k,) or norm_w.stride(0) != 1:
-            raise ValueError(f"norm weight {list(norm_w.shape)} for {k} columns")
     prec = dot_precision(x.dtype)
     block_rt = max(16, next_pow2(rt))
     block_k = BLOCK_K if block_rt <= 64 else BLOCK_K // 2
     splits = triton.cdiv(k, K_SPLIT)
     part = torch.empty((splits, meta.rows.numel(), block_rt), dtype=torch.float32, device=x.device)
     _shrink_kernel[(tiles, splits)](
-        x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, norm_w, eps, k,
-        rt, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
+        x, a, part, meta.rows, meta.tile_start, meta.tile_len, meta.tile_slot, k, rt,
+        x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_R=block_rt, BLOCK_K=block_k, K_SPLIT=K_SPLIT, PREC=prec,
-        INPUT=mode, NORM_K=NORM_K, num_warps=4, **pdl_kwargs(x, pdl),
+        num_warps=4, **pdl_kwargs(x, pdl),
     )  # fmt: skip
     w = [*widths, 0, 0][:3]
     nb = [triton.cdiv(v, BLOCK_N) for v in w]

@@ -26,13 +26,10 @@ natural layout, with the ``x`` tile padded to 16 rows; Triton pipelines those lo
 The compiled code was checked off the GPU (``triton.compile`` for sm_90): 16-byte (bf16) or
 8-byte (FP8) weight loads, no layout conversion inside the loop, 31-116 registers.
 
-Prologues (kept with their tests; the engine's decode step calls none now): 1 = RMSNorm of
-``x + residual`` (the norm's ``1/rms`` factors out of each output row: the epilogue applies
-it; the first program also stores ``x + residual``), 2 = SiLU-and-multiply of ``[gate | up]``
-rounded as ``silu_and_mul`` rounds. The prologue works on the few rows of ``x`` only, once
-per program and step.
-3 = the folded norm (``rms_linear``): the norm's weight is in ``w``'s columns, so ``x`` goes
-into the product unchanged and the loads stay pipelined; only its squares are summed beside it.
+Prologues: 0 = none; 3 = the folded norm (``rms_linear``): the norm's weight is in ``w``'s
+columns, so ``x`` goes into the product unchanged and the loads stay pipelined; only its squares
+are summed beside it, and the norm's ``1/rms`` factors out of each output row (the epilogue
+applies it).
 Epilogues: ``add`` (the residual stream added before the one rounding) and ``silu`` (each
 program takes matching rows of gate and up, and stores ``silu(gate) * up``).
 
@@ -63,7 +60,7 @@ from kernels.triton_skinny_common import (
 )
 
 __all__ = ["SUMS_ROWS", "SUMS_STRIDE", "SkinnyPlan", "candidates", "linear", "linear_sums",
-           "norm_linear", "plan_for", "rms_linear", "silu_mul_linear"]  # fmt: skip
+           "plan_for", "rms_linear"]  # fmt: skip
 
 MAX_ROWS = 8
 _MAX_TILES = 1 << 17
@@ -72,50 +69,27 @@ PLANS_FILE = Path(__file__).with_name("skinny_plans.json")
 
 
 @triton.jit
-def _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, rows, store_rows, offs_k, M, K, stride_xm,
-            stride_rm, stride_rom, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+def _x_tile(x_ptr, rows, offs_k, M, K, stride_xm, PROLOGUE: tl.constexpr):
     """Rows ``rows`` of the product's left side over columns ``offs_k`` (a tile shaped like the
     weight's, so both share one register layout and nothing is shuffled through shared memory
-    per step), after the prologue, rounded to the input dtype as the unfused kernels round;
-    and the elementwise squares of ``x + residual`` (the norm's; zeros otherwise). Tile rows
-    in ``store_rows`` store ``x + residual``."""
+    per step); and the elementwise squares of ``x`` (the folded norm's; zeros otherwise)."""
     mask = (rows < M)[:, None] & (offs_k < K)[None, :]
     xp = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     sq = tl.zeros([rows.shape[0], offs_k.shape[0]], tl.float32)
-    if PROLOGUE == 2:
-        gate = tl.load(xp, mask=mask, other=0.0)
-        up = tl.load(xp + K, mask=mask, other=0.0).to(tl.float32)
-        gf = gate.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
-        x = (act.to(tl.float32) * up).to(gate.dtype)
-    else:
-        x = tl.load(xp, mask=mask, other=0.0)
-        if PROLOGUE == 1:
-            if HAS_RES:
-                r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], mask=mask,
-                            other=0.0)  # fmt: skip
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                ro = res_out_ptr + rows[:, None] * stride_rom + offs_k[None, :]
-                tl.store(ro, x, mask=mask & store_rows[:, None])
-            xf = x.to(tl.float32)
-            sq = xf * xf
-            # The norm's weight as a tile like x's too (a [K] vector would be shuffled).
-            g = tl.load(g_ptr + rows[:, None] * 0 + offs_k[None, :], mask=mask, other=0.0)
-            x = (xf * g.to(tl.float32)).to(x.dtype)
-        elif PROLOGUE == 3:  # the folded norm: x as it is (the norm's weight is in w's columns)
-            xf = x.to(tl.float32)
-            sq = xf * xf
+    x = tl.load(xp, mask=mask, other=0.0)
+    if PROLOGUE == 3:  # the folded norm: x as it is (the norm's weight is in w's columns)
+        xf = x.to(tl.float32)
+        sq = xf * xf
     return x, sq
 
 
 @triton.jit
 def _row_part(wf, x_ptr, rows, offs_k, M, K, stride_xm, PROLOGUE: tl.constexpr,
               BLOCK_N: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
-    """One row of ``x`` (tile rows ``rows``, all the same row; no norm prologue) times the
+    """One row of ``x`` (tile rows ``rows``, all the same row; no norm) times the
     float32 weight tile ``wf``: each thread's ``VEC`` products summed in registers,
     ``[BLOCK_N, BLOCK_K / VEC]``."""
-    x, sq = _x_tile(x_ptr, x_ptr, x_ptr, x_ptr, rows, rows < 0, offs_k, M, K, stride_xm, 0, 0,
-                    PROLOGUE, False)  # fmt: skip
+    x, sq = _x_tile(x_ptr, rows, offs_k, M, K, stride_xm, PROLOGUE)
     prod = wf * x.to(tl.float32)
     return tl.sum(tl.reshape(prod, [BLOCK_N, offs_k.shape[0] // VEC, VEC]), axis=2)
 
@@ -128,9 +102,9 @@ def _put(acc, part, offs_m, m: tl.constexpr):
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, part_ptr, lock_ptr,
-    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
-    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, eps,
+    PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PREFETCH: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr, PDL: tl.constexpr,
@@ -152,15 +126,12 @@ def _skinny_kernel(
     offs_kb = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     k_start = pid_k * K_SPLIT
-    store_res = (pid_n == 0) & (pid_k == 0)  # one program writes x + residual
     # CUDA cores: x is loaded broadcast over the weight tile's rows, VEC = 8 weights per thread
     # and load (16 bytes of x; 8 or 16 of the weight), so x and w share one register layout.
     # x tile rows: XR = 1 where one row of x has the weight tile's register layout (BLOCK_K a
     # multiple of 8 x 32 x num_warps: every thread holds whole rows' worth of its columns), so
     # x is loaded and converted once and broadcast in registers; else XR = BLOCK_N copies.
     bcast = tl.zeros([XR], tl.int32)  # every tile row reads x's row 0 (+ m)
-    first = (tl.arange(0, XR) == 0) & store_res
-    every = offs_m >= 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
     # One row on the CUDA cores: each thread sums its VEC products in registers, so the
@@ -189,7 +160,7 @@ def _skinny_kernel(
         k_pf = k_start if DOT else k_start + BLOCK_K
         _prefetch_l2(w_ptr, w_rows, k_pf, K, stride_wn, N_PREFETCH, BLOCK_K, LINE)
     if PDL:  # launched early (programmatic dependent launch): the first weights are in flight,
-        # now wait for the previous kernel's results (x, the residual), then let the next start
+        # now wait for the previous kernel's results (x), then let the next start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # Loads that only the epilogue needs are issued here and wait there (their latency is
@@ -229,9 +200,7 @@ def _skinny_kernel(
         else:
             w = tl.load(w_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
         if DOT:
-            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, offs_m, every & store_res,
-                            offs_k, M, K, stride_xm, stride_rm, stride_rom, PROLOGUE,
-                            HAS_RES)  # fmt: skip
+            x, sq = _x_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, PROLOGUE)
             if NORM and not NORM_FIRST and not SUMS_IN:
                 ssq += tl.sum(sq, axis=1)
             if QX:  # x in e4m3 with one scale per row and step: FP8 x FP8 on the tensor cores
@@ -242,8 +211,7 @@ def _skinny_kernel(
             else:
                 acc += tl.dot(w.to(x.dtype), tl.trans(x))
         elif BLOCK_M == 1:
-            x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast, first, offs_k, M, K,
-                            stride_xm, stride_rm, stride_rom, PROLOGUE, HAS_RES)  # fmt: skip
+            x, sq = _x_tile(x_ptr, bcast, offs_k, M, K, stride_xm, PROLOGUE)
             if NORM and not NORM_FIRST and not SUMS_IN:
                 sq2 += tl.sum(tl.reshape(sq, [XR, BLOCK_K // VEC, VEC]), axis=2)
             prod = w.to(tl.float32) * x.to(tl.float32)
@@ -271,9 +239,7 @@ def _skinny_kernel(
         else:  # several rows with the norm: one reduction per row and step
             wf = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
-                x, sq = _x_tile(x_ptr, res_ptr, res_out_ptr, g_ptr, bcast + m, first, offs_k,
-                                M, K, stride_xm, stride_rm, stride_rom, PROLOGUE,
-                                HAS_RES)  # fmt: skip
+                x, sq = _x_tile(x_ptr, bcast + m, offs_k, M, K, stride_xm, PROLOGUE)
                 s = tl.sum(wf * x.to(tl.float32), axis=1)
                 acc += tl.where(offs_m[None, :] == m, s[:, None], 0.0)
                 if NORM and not NORM_FIRST and not SUMS_IN:
@@ -313,7 +279,7 @@ def linear(
     (bf16/fp16, or float8_e4m3fn with a float32 ``scale`` ``[N]``: weight-only FP8); ``add``
     ``[M, N]`` (the residual stream) is added in float32 before the one rounding. ``pdl``:
     programmatic dependent launch where the GPU has it (every function here)."""
-    return _launch(x, w, bias, scale, plan, 0, None, 1e-6, None, add=add, pdl=pdl)[0]
+    return _launch(x, w, bias, scale, plan, 0, 1e-6, add=add, pdl=pdl)[0]
 
 
 def linear_sums(
@@ -323,26 +289,7 @@ def linear_sums(
     """``linear(x, w, add=add)`` and, from its epilogue, each output row's sums of squares per
     row tile (``[tiles, SUMS_STRIDE]`` float32, of the rounded outputs): what a folded norm
     after it (``rms_linear(sums=)``) needs instead of summing the squares itself."""
-    out, _, sums = _launch(x, w, None, None, plan, 0, None, 1e-6, None, add=add, sums_out=True,
-                           pdl=pdl)  # fmt: skip
-    return out, sums
-
-
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    plan: SkinnyPlan | None = None,
-    pdl: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``linear(rms_norm(x + residual) * norm, w)`` and ``x + residual`` in one launch."""
-    if norm.shape != (w.shape[1],):
-        raise ValueError("the norm's weight must be [K]")
-    return _launch(x, w, bias, scale, plan, 1, norm, eps, residual, pdl=pdl)[:2]
+    return _launch(x, w, None, None, plan, 0, 1e-6, add=add, sums_out=True, pdl=pdl)
 
 
 def rms_linear(
@@ -362,8 +309,7 @@ def rms_linear(
     for this ``x``), and the epilogue scales each row by its ``1/rms``. ``silu``: ``w`` is
     ``[gate; up]`` and the result ``silu(gate) * up`` (the SiLU-and-multiply made in the
     epilogue: each program takes matching rows of both)."""
-    return _launch(x, w, bias, scale, plan, 3, None, eps, None, silu=silu, sums_in=sums,
-                   pdl=pdl)[0]  # fmt: skip
+    return _launch(x, w, bias, scale, plan, 3, eps, silu=silu, sums_in=sums, pdl=pdl)[0]
 
 
 def silu_fits(m: int, n: int, k: int, w_dtype: torch.dtype) -> bool:
@@ -373,24 +319,11 @@ def silu_fits(m: int, n: int, k: int, w_dtype: torch.dtype) -> bool:
     return half >= 1 and n % 2 == 0 and (n // 2) % half == 0
 
 
-def silu_mul_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    plan: SkinnyPlan | None = None,
-    pdl: bool = True,
-) -> torch.Tensor:
-    """``linear(silu(x[:, :K]) * x[:, K:], w)`` for the gate/up output ``x`` ``[M, 2K]``."""
-    return _launch(x, w, bias, scale, plan, 2, None, 1e-6, None, pdl=pdl)[0]
-
-
-def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=False,  # noqa: ANN001, ANN202
+def _launch(x, w, bias, scale, plan, prologue, eps, add=None, silu=False,  # noqa: ANN001, ANN202
             sums_in=None, sums_out=False, pdl=True):  # fmt: skip
     m = x.shape[0]
     n, k = w.shape
-    kx = 2 * k if prologue == 2 else k
-    if x.dim() != 2 or m > MAX_ROWS or x.shape[1] != kx or x.stride(-1) != 1 or w.stride(-1) != 1:
+    if x.dim() != 2 or m > MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"x {list(x.shape)} / w {list(w.shape)}: need M <= 8, unit strides")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
@@ -407,8 +340,6 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
         raise ValueError("scale must be float32 [N]")
     if bias is not None and bias.shape != (n,):
         raise ValueError("bias must be [N]")
-    if res is not None and (res.shape != x.shape or res.stride(-1) != 1):
-        raise ValueError("residual must match x")
     n_out = n // 2 if silu else n
     if silu and (n % 2 or scale is not None or bias is not None):
         raise ValueError("the SiLU epilogue takes an even N and no scale or bias")
@@ -421,14 +352,13 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
         raise ValueError(f"sums must be [tiles, {SUMS_ROWS}] float32 (linear_sums) for "
                          "rms_linear")  # fmt: skip
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if res is not None else x
     plan = plan or plan_for(m, n, k, w.dtype, prologue)
     tiles = triton.cdiv(n, plan.block_n)
     f32 = torch.float32
     sums = torch.empty((tiles, SUMS_ROWS), dtype=f32, device=x.device) if sums_out else None
     if m == 0:
-        return out, res_out, sums
-    norm_k = prologue in (1, 3)
+        return out, sums
+    norm_k = prologue == 3
     split = plan.split_k if not norm_k else 1  # the norm needs each row's whole K
     block_m = 16 if plan.dot else triton.next_power_of_2(m)
     block_k = plan.block_k
@@ -450,13 +380,11 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
         if triton_skinny_fp8.fits(m, k, prologue, w, x):
             triton_skinny_fp8.launch(x, w, scale, bias, out, plan, k_split, split, part, locks,
                                      launch)  # fmt: skip
-            return out, res_out, sums
+            return out, sums
     _skinny_kernel[(tiles, split)](
-        x, w, scale if scale is not None else x, bias if bias is not None else x, out,
-        res if res is not None else x, res_out, norm if norm is not None else x, part, locks,
-        m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
-        res.stride(0) if res is not None else 0, res_out.stride(0), eps,
-        PROLOGUE=prologue, HAS_RES=res is not None, HAS_SCALE=scale is not None,
+        x, w, scale if scale is not None else x, bias if bias is not None else x, out, part, locks,
+        m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0), eps,
+        PROLOGUE=prologue, HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=plan.block_n,
         BLOCK_K=block_k, DOT=plan.dot, EVEN_K=k % block_k == 0 and k_split * split == k,
         EVEN_N=n % plan.block_n == 0, PREFETCH=plan.prefetch and not plan.dot,
@@ -473,11 +401,10 @@ def _launch(x, w, bias, scale, plan, prologue, norm, eps, res, add=None, silu=Fa
         sums_tiles=sums_in.shape[0] if sums_in is not None else 0, SUMS_IN=sums_in is not None,
         SUMS_T=triton.next_power_of_2(sums_in.shape[0]) if sums_in is not None else 1,
         SUMS_OUT=sums_out, **launch,
-        num_warps=plan.num_warps,  # a prologue's x/residual tiles go through shared memory too
-        # (the folded norm's x goes into the product as it is: the pipeline stays deep)
-        num_stages=min(plan.num_stages, 2) if prologue in (1, 2) and plan.dot else plan.num_stages,
+        # the folded norm's x goes into the product as it is: the pipeline keeps its stages
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
-    return out, res_out, sums
+    return out, sums
 
 
 def _locks(device: torch.device) -> torch.Tensor:
@@ -551,7 +478,7 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
     if tuned is not None:
         return tuned
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
-    big = prologue in (0, 3) and n % 128 == 0 and k % 1024 == 0  # an 8B-class product
+    big = n % 128 == 0 and k % 1024 == 0  # an 8B-class product
     if m <= 1:
         if big and wbytes == 1:  # FP8 in bf16 pairs: the best or near it on H100 and H200
             return SkinnyPlan(block_n=2, block_k=1024, num_warps=2, pairs=True)
@@ -565,7 +492,7 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
         return SkinnyPlan(block_n=64, block_k=128, num_stages=6, dot=True,
                           split_k=2 if n <= 8192 else 1)  # fmt: skip
     block_k = max(16, min(512 if wbytes == 1 else 256, triton.next_power_of_2(k)))
-    split = 2 if n <= 8192 and k >= 2048 and prologue != 1 else 1
+    split = 2 if n <= 8192 and k >= 2048 else 1
     return SkinnyPlan(block_n=16, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
                       dot=True)  # fmt: skip
 
@@ -573,11 +500,10 @@ def plan_for(m: int, n: int, k: int, w_dtype: torch.dtype, prologue: int = 0) ->
 def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPlan]:
     """The plans ``lab.skinny_gpu`` measures for one product (a bounded set: each is a
     compile): for one row, the CUDA cores with 2-8 weight rows of 512-2048 weights per
-    program and step; for more rows, the tensor cores with 16-32 weight rows; split-K 2 where the
-    prologue allows it."""
+    program and step; for more rows, the tensor cores with 16-32 weight rows; split-K 2 too."""
     wbytes = 1 if w_dtype == torch.float8_e4m3fn else 2
     kb = 1024 // wbytes  # 1 KiB of each weight row per step
-    split = 1 if prologue == 1 else 2
+    split = 2
     # FP8 on the FP8 tensor cores (warpgroup MMA from 64 weight rows up), x quantized per step:
     # no per-weight conversion instructions, which bound the CUDA-core FP8 plans
     qx = (
@@ -635,11 +561,11 @@ def candidates(m: int, w_dtype: torch.dtype, prologue: int = 0) -> list[SkinnyPl
             SkinnyPlan(block_n=64, block_k=64, num_stages=8, dot=True),
             SkinnyPlan(block_n=128, block_k=128, num_stages=4, dot=True),
         ]
-        if prologue != 1:  # more programs for the products with few 64-row tiles (o_proj and
-            # down: N = 4096 is 64 tiles for 132 SMs): split-K with the deep pipelines
-            dot += [
-                SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=2, dot=True),
-                SkinnyPlan(block_n=64, block_k=256, num_stages=3, split_k=2, dot=True),
-                SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=4, dot=True),
-            ]
+        # more programs for the products with few 64-row tiles (o_proj and down: N = 4096 is
+        # 64 tiles for 132 SMs): split-K with the deep pipelines
+        dot += [
+            SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=2, dot=True),
+            SkinnyPlan(block_n=64, block_k=256, num_stages=3, split_k=2, dot=True),
+            SkinnyPlan(block_n=64, block_k=128, num_stages=6, split_k=4, dot=True),
+        ]
     return fma + dot + qx

@@ -167,18 +167,18 @@ def measure_engine(model_dir: str, tokens: int, repeat: int, chunk: int) -> dict
     prefill.add_request("b", prompt, SamplingParams(max_tokens=2), hold_kv=True)
     while prefill.has_unfinished():
         prefill.step()
-    src = prefill.held_block_ids("b")
-    dst, _ = decode.reserve("b", prompt)
+    src = prefill.handoff.held_block_ids("b")
+    dst, _ = decode.handoff.reserve("b", prompt)
 
     def handoff() -> None:
-        decode.write_blocks(dst, prefill.read_blocks(src))
+        decode.handoff.write_blocks(dst, prefill.handoff.read_blocks(src))
 
     handoff()
     full = [i for i in src if prefill.pool.blocks[i].sealed]
-    assert prefill.handoff_checksums(src) == decode.block_checksums(dst)
+    assert prefill.handoff.handoff_checksums(src) == decode.handoff.block_checksums(dst)
     t_handoff = timed(handoff, "cpu", repeat)
-    t_at_handoff = timed(lambda: prefill.handoff_checksums(src), "cpu", repeat)
-    t_receive = timed(lambda: decode.block_checksums(dst), "cpu", repeat)
+    t_at_handoff = timed(lambda: prefill.handoff.handoff_checksums(src), "cpu", repeat)
+    t_receive = timed(lambda: decode.handoff.block_checksums(dst), "cpu", repeat)
     t_seal = timed(lambda: prefill.runner.seal_checksums(full), "cpu", repeat)
     last = [src[i] for i in last_step_blocks(tokens, chunk)]  # sealed in the prefill's last step
     t_last = timed(lambda: prefill.runner.seal_checksums(last), "cpu", repeat)

@@ -44,7 +44,7 @@ TRANSFER_REPEATS = 4  # "transfer ms": the median of the move's copy and this ma
 
 def copy_bytes(a: LLMEngine, b: LLMEngine) -> Move:
     def move(dst: list[int], src: list[int]) -> None:
-        b.write_blocks(dst, a.read_blocks(src))
+        b.handoff.write_blocks(dst, a.handoff.read_blocks(src))
 
     return move
 
@@ -82,11 +82,11 @@ def one(a: LLMEngine, b: LLMEngine, move: Move, prompt: list[int], produced: int
     while outs < produced:
         outs += sum(o.request_id == rid for o in a.step())
     t0 = time.perf_counter()
-    held = a.hold_for_move(rid)
+    held = a.handoff.hold_for_move(rid)
     assert held is not None
     done = list(held.output_token_ids)
     tenant = f"move-{tag}"  # B caches none of it: every block moves
-    dst, cached = b.reserve(rid, prompt + done[:-1], tenant=tenant)
+    dst, cached = b.handoff.reserve(rid, prompt + done[:-1], tenant=tenant)
     skip = cached // b.config.block_size
     t1 = time.perf_counter()
     move(dst[skip:], list(held.block_ids)[skip:])
@@ -97,16 +97,16 @@ def one(a: LLMEngine, b: LLMEngine, move: Move, prompt: list[int], produced: int
         transfers.append(time.perf_counter() - t1)
     t_transfer = statistics.median(transfers)
     t_move = -sum(transfers[1:])  # the repeats are not part of the move
-    a.release(rid)
+    a.handoff.release(rid)
     first = FirstToken(0, done[-1], None, held.generator_state, tuple(done[:-1]))
-    b.add_prefilled(rid, prompt, None, params, tenant=tenant, firsts=[first])
+    b.handoff.add_prefilled(rid, prompt, None, params, tenant=tenant, firsts=[first])
     next_token(b, rid)
     t_move += time.perf_counter() - t0
     b.abort(rid)
     t0 = time.perf_counter()
     again = f"again-{tag}"
-    b.add_prefilled(again, prompt, None, params, tenant=f"cold-{tag}", recompute=True,
-                    firsts=[FirstToken(0, done[-1], earlier=tuple(done[:-1]))])  # fmt: skip
+    b.handoff.add_prefilled(again, prompt, None, params, tenant=f"cold-{tag}", recompute=True,
+                            firsts=[FirstToken(0, done[-1], earlier=tuple(done[:-1]))])  # fmt: skip
     next_token(b, again)
     t_recompute = time.perf_counter() - t0
     b.abort(again)

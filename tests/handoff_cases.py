@@ -32,13 +32,13 @@ def handed_off(
         for out in prefill.step():
             first = out
     assert first is not None and first.kv_held
-    data = prefill.read_blocks(prefill.held_block_ids(rid))
+    data = prefill.handoff.read_blocks(prefill.handoff.held_block_ids(rid))
     assert {len(b) for b in data} == {prefill.runner.block_bytes}
-    reserved, cached = decode.reserve(rid, prompt)
+    reserved, cached = decode.handoff.reserve(rid, prompt)
     skip = cached // decode.config.block_size
-    decode.write_blocks(reserved[skip:], data[skip:])
-    prefill.release(rid)
-    decode.add_prefilled(rid, prompt, first.token_ids[0], params, num_cached_tokens=cached)
+    decode.handoff.write_blocks(reserved[skip:], data[skip:])
+    prefill.handoff.release(rid)
+    decode.handoff.add_prefilled(rid, prompt, first.token_ids[0], params, num_cached_tokens=cached)
     final = None
     while decode.has_unfinished():
         for out in decode.step():

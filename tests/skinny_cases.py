@@ -13,14 +13,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.triton_skinny import (
-    SkinnyPlan,
-    linear,
-    linear_sums,
-    norm_linear,
-    rms_linear,
-    silu_mul_linear,
-)
+from kernels.triton_skinny import SkinnyPlan, linear, linear_sums, rms_linear
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,42 +55,6 @@ def product_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
                     got = linear(x, wt, bias, sc, plan)
                     name = f"{'fp8' if fp8 else 'w16'}_n{n}_k{k}_m{m}_{plan.label()}"
                     out.append((name, rel_err(got, want)))
-    return out
-
-
-def prologue_cases(device: str, dtype: torch.dtype, plans: list[SkinnyPlan],
-                   rows: tuple[int, ...] = (1, 5, 8),
-                   exact: bool = True) -> list[tuple[str, float]]:  # fmt: skip
-    """RMSNorm (with and without a residual) and SiLU-and-multiply folded into the product;
-    ``x + residual`` must come back exactly (``exact``; the interpreter rounds float32 to
-    bfloat16 by truncation, so there it is only close)."""
-    g = torch.Generator().manual_seed(1)
-    n, k = 48, 96
-    out = []
-    for m in rows:
-        x, res = (torch.randn(m, k, generator=g).to(device, dtype) for _ in range(2))
-        norm = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-        w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
-        fw = reference.quantize_fp8_rows(w)
-        y = torch.randn(m, 2 * k, generator=g).to(device, dtype)
-        for plan in plans:
-            for fp8 in (False, True):
-                wt, sc = (fw.weight, fw.scale) if fp8 else (w, None)
-                wref = fw if fp8 else w.float()
-                tag = f"{'fp8' if fp8 else 'w16'}_m{m}_{plan.label()}"
-                for r in (None, res):
-                    got, r_out = norm_linear(x, r, norm, 1e-5, wt, None, sc, plan)
-                    h, want_res = reference.rms_norm(x.float(), norm.float(), 1e-5,
-                                                     None if r is None else r.float())  # fmt: skip
-                    same = (torch.equal(r_out, want_res.to(dtype)) if exact
-                            else rel_err(r_out, want_res) < 1e-2)  # fmt: skip
-                    if not same:
-                        raise AssertionError(f"norm_{tag}: x + residual differs")
-                    out.append((f"norm{'_res' if r is not None else ''}_{tag}",
-                                rel_err(got, reference.linear(h, wref))))  # fmt: skip
-                got = silu_mul_linear(y, wt, None, sc, plan)
-                act = reference.silu_and_mul(y.float()).to(dtype).float()
-                out.append((f"silu_{tag}", rel_err(got, reference.linear(act, wref))))
     return out
 
 

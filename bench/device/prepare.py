@@ -7,10 +7,16 @@ and its benchmarks:
 - ``nixl-cu13`` cut down to NIXL's core, its UCX plugin and UCX (the full wheel is 56 MiB,
   mostly NIXL's expert-parallel kernels and storage plugins the stack never loads);
 - the ``etcd`` server binary (xz-compressed; it needs only libc);
-- the bundled model's tokenizer, for ``python -m engine.shapes`` on the host.
+- the bundled model's tokenizer, for ``python -m engine.shapes`` on the host;
+- with ``--fa3``, FlashAttention 3's extension (``_vllm_fa3_C``, xz-compressed, ~11 MiB) taken
+  out of vLLM's wheel (`kernels.flash_attn`): the GPU host has no FA3 otherwise.
 
-    python -m bench.device.prepare         # then: device run with carry [".device"]
-                                           #   bash bench/device/run.sh JOB
+NIXL's wheel goes in its own folder (``.device/nixl``, ~15 MiB): a call that needs no NIXL
+(one GPU: the hand-off is CUDA IPC) carries ``.device/wheels``, ``.device/etcd.xz``,
+``.device/tokenizer`` and ``.device/fa3`` and stays under the 64 MiB a call carries.
+
+    python -m bench.device.prepare [--fa3]  # then: device run with carry [".device"]
+                                            #   bash bench/device/run.sh JOB
 
 Idempotent: wheels already in ``.device/wheels`` are kept.
 """
@@ -44,6 +50,9 @@ NEEDED = (
     "jsonschema-specifications", "referencing", "rpds-py", "httptools",
 )  # fmt: skip
 NIXL = "nixl-cu13==1.5.1"
+# FlashAttention 3 as vLLM builds it, for the GPU host's torch (2.11): vLLM 0.26.0's wheel.
+VLLM = "vllm==0.26.0"
+FA3_MEMBER = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64",
              "manylinux_2_34_x86_64")  # fmt: skip
@@ -82,20 +91,42 @@ def slim_nixl(wheel: Path, out_dir: Path) -> Path:
     return out
 
 
+def pack_fa3(out: Path, vllm_wheel: Path | None) -> None:
+    """``out/_vllm_fa3_C.abi3.so.xz`` from ``vllm_wheel`` (downloaded when None)."""
+    target = out / (Path(FA3_MEMBER).name + ".xz")
+    if target.is_file():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if vllm_wheel is None:
+            download([VLLM], Path(tmp))
+            vllm_wheel = next(Path(tmp).glob("vllm-*.whl"))
+        with zipfile.ZipFile(vllm_wheel) as z:
+            data = z.read(FA3_MEMBER)
+        target.write_bytes(lzma.compress(data, preset=6))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.device.prepare", description=__doc__)
     p.add_argument("--out", type=Path, default=Path(".device"))
+    p.add_argument("--fa3", action="store_true", help="also pack FlashAttention 3 (see above)")
+    p.add_argument("--vllm-wheel", type=Path, help="vLLM's wheel to take FA3 from (else pip)")
     args = p.parse_args(argv)
-    wheels = args.out / "wheels"
+    wheels, nixl = args.out / "wheels", args.out / "nixl"
     wheels.mkdir(parents=True, exist_ok=True)
+    nixl.mkdir(exist_ok=True)
     have = {w.name.split("-")[0].lower().replace("_", "-") for w in wheels.glob("*.whl")}
     pins = [f"{n}=={metadata.version(n)}" for n in NEEDED if n not in have]
     if pins:
         download(pins, wheels)
-    if not list(wheels.glob("nixl_cu13-*.whl")):
+    for old in wheels.glob("nixl_cu13-*.whl"):  # packed by an earlier version: its own folder
+        old.rename(nixl / old.name)
+    if not list(nixl.glob("nixl_cu13-*.whl")):
         with tempfile.TemporaryDirectory() as tmp:
             download([NIXL], Path(tmp))
-            slim_nixl(next(Path(tmp).glob("nixl_cu13-*.whl")), wheels)
+            slim_nixl(next(Path(tmp).glob("nixl_cu13-*.whl")), nixl)
+    if args.fa3:
+        pack_fa3(args.out / "fa3", args.vllm_wheel)
     etcd = shutil.which("etcd")
     if etcd is None:
         raise SystemExit("etcd is not installed here (make install puts it in)")
@@ -106,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for f in TOKENIZER_FILES:
         shutil.copyfile(DEFAULT_DIR / f, tok / f)
     total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"{args.out}: {len(list(wheels.glob('*.whl')))} wheels, {total / 2**20:.1f} MiB")
+    count = len(list(args.out.glob("*/*.whl")))
+    print(f"{args.out}: {count} wheels, {total / 2**20:.1f} MiB")
     return 0
 
 

@@ -19,8 +19,14 @@ cd "$(dirname "$0")/../.."
 D=.device
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/bin /tmp/models
+# NIXL and FlashAttention 3 where carried (.device/nixl, .device/fa3: prepare.py says when not).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$D"/wheels/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
+  --target /tmp/site "$D"/wheels/*.whl $(ls "$D"/nixl/*.whl 2>/dev/null) 2>&1 \
+  | grep -v "^WARNING: Target directory" || true
+for f in "$D"/fa3/*.so.xz; do
+  [ -e "$f" ] && python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.open(sys.argv[1]).read())" \
+    "$f" "/tmp/site/$(basename "${f%.xz}")"
+done
 export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
 python3 -c "import lzma; open('/tmp/bin/etcd', 'wb').write(lzma.open('$D/etcd.xz').read())"
 chmod +x /tmp/bin/etcd

@@ -223,7 +223,7 @@ class EngineClient:
         firsts: Sequence[FirstToken],
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """``LLMEngine.add_prefilled`` (``firsts``: each choice that goes on, from its first
+        """``Handoff.add_prefilled`` (``firsts``: each choice that goes on, from its first
         tokens; ``kwargs`` as there) and the request's outputs; their ``token_ids`` count the
         first tokens too."""
         stream = self._open(request_id, prompt, params)
@@ -247,7 +247,7 @@ class EngineClient:
 
     async def move_out(self, request_id: str) -> HeldKV | None:
         """Take a running request out of the batch between two steps with its KV held
-        (``LLMEngine.hold_for_move``); its stream then yields `Moved` last and ends."""
+        (``Handoff.hold_for_move``); its stream then yields `Moved` last and ends."""
         held = await self._call("hold_for_move", request_id)
         if held is not None:
             stream = self._streams.pop(request_id, None)
@@ -325,7 +325,7 @@ class EngineClient:
     async def reserve(
         self, request_id: str, prompt: list[int], tenant: str | None, lora: str | None
     ) -> tuple[list[int], int]:
-        """``LLMEngine.reserve``; released again if the caller is cancelled meanwhile."""
+        """``Handoff.reserve``; released again if the caller is cancelled meanwhile."""
         return await self._call(
             "reserve", request_id, prompt, tenant, lora,
             undo=lambda _: self._fire("release", request_id),

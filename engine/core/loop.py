@@ -57,20 +57,21 @@ def _worker_stats(engine: LLMEngine) -> tuple[Any, int, bool]:
         ok = True
     except IntegrityError:
         ok = False
-    return engine.stats(), engine.num_held, ok
+    return engine.stats(), engine.handoff.num_held, ok
 
 
-# The engine methods a client may call (`Call.method`), each run between two steps.
+# The engine methods a client may call (`Call.method`), each run between two steps (the KV
+# hand-off's run on the engine's ``handoff`` part, ``engine.handoff.Handoff``).
 CALLS: dict[str, Callable[..., Any]] = {
     "abort": _abort,
-    "add_prefilled": lambda e, *a, **k: e.add_prefilled(*a, **k),
-    "reserve": lambda e, *a: e.reserve(*a),
-    "release": lambda e, rid: e.release(rid),
-    "hold_for_move": lambda e, rid: e.hold_for_move(rid),
-    "handoff_checksums": lambda e, ids: e.handoff_checksums(ids),
-    "block_checksums": lambda e, ids, algorithm=None: e.block_checksums(ids, algorithm),
-    "read_blocks": lambda e, ids: e.read_blocks(ids),
-    "write_blocks": lambda e, ids, data: e.write_blocks(ids, data),
+    "add_prefilled": lambda e, *a, **k: e.handoff.add_prefilled(*a, **k),
+    "reserve": lambda e, *a: e.handoff.reserve(*a),
+    "release": lambda e, rid: e.handoff.release(rid),
+    "hold_for_move": lambda e, rid: e.handoff.hold_for_move(rid),
+    "handoff_checksums": lambda e, ids: e.handoff.handoff_checksums(ids),
+    "block_checksums": lambda e, ids, algorithm=None: e.handoff.block_checksums(ids, algorithm),
+    "read_blocks": lambda e, ids: e.handoff.read_blocks(ids),
+    "write_blocks": lambda e, ids, data: e.handoff.write_blocks(ids, data),
     "add_lora": lambda e, name, path: e.add_lora(name, path) and None,
     "remove_lora": lambda e, name: e.remove_lora(name),
     "list_loras": lambda e: e.list_loras(),
@@ -246,14 +247,14 @@ class EngineLoop:
 
     def _handoff(self, request_id: str, n: int, sums: bool) -> Handoff:
         """Where a prefill's KV is held, read before the client can release it."""
-        e = self.engine
-        block_ids = e.held_block_ids(request_id)
-        checksums = e.handoff_checksums(block_ids) if sums else []
+        e, h = self.engine, self.engine.handoff
+        block_ids = h.held_block_ids(request_id)
+        checksums = h.handoff_checksums(block_ids) if sums else []
         return Handoff(
             tuple(block_ids),
             tuple(checksums),
             e.runner.checksum_algorithm if checksums else "",
-            tuple(e.generator_state(request_id, i) for i in range(n)),
+            tuple(h.generator_state(request_id, i) for i in range(n)),
         )
 
     def _take_events(self) -> list[tuple]:
@@ -261,7 +262,7 @@ class EngineLoop:
 
     def _snapshot(self, now: float) -> Snapshot:
         self._last_snapshot = now
-        return Snapshot(self.engine.stats(), self.engine.num_held)
+        return Snapshot(self.engine.stats(), self.engine.handoff.num_held)
 
     def _flush_idle(self) -> None:
         """While idle: what calls changed since the last message (evictions, counters)."""

@@ -98,7 +98,7 @@ class PrefillCore:
         self._leases[request_id] = time.monotonic() + self.lease_seconds
         self._held[request_id] = frozenset(held.block_ids)
         # Each full block's sum was taken when the block was sealed; only a last, partial
-        # block was summed at the hand-off (``LLMEngine.handoff_checksums``).
+        # block was summed at the hand-off (``Handoff.handoff_checksums``).
         handle = kv_handle(
             self.engine.info, self.worker_id, self.incarnation, self.address, held.block_ids,
             len(prompt), self.lease_seconds, held.checksums, held.checksum_algorithm,

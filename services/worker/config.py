@@ -127,6 +127,7 @@ class WorkerConfig:
     max_lora_rank: int = engine_option("max_lora_rank")
     speculative_config: SpeculativeConfig | None = engine_option("speculative_config")
     kv_cache_dtype: str = engine_option("kv_cache_dtype")
+    attention_backend: str = engine_option("attention_backend")
     quantization: str | None = engine_option("quantization")
     quantize_lm_head: bool = engine_option("quantize_lm_head")
     async_scheduling: bool = engine_option("async_scheduling")
@@ -184,6 +185,7 @@ class WorkerConfig:
             # decode worker drafts from the whole history after the hand-off.
             speculative_config=None if self.role == "prefill" else self.speculative_config,
             kv_cache_dtype=self.kv_cache_dtype,
+            attention_backend=self.attention_backend,
             quantization=self.quantization,
             quantize_lm_head=self.quantize_lm_head,
             # A prefill worker sums each block once, when it is sealed; a hand-off reads them.

@@ -74,3 +74,17 @@ def test_image_installs_the_nixl_build_of_its_cuda() -> None:
     args = dict(a.split("=", 1) for a in instructions("ARG") if "=" in a)
     assert args["NIXL"] in extras and "cuda:12" in args["CUDA_IMAGE"]
     assert any('"/src[${NIXL}]"' in run for run in instructions("RUN"))
+
+
+def test_the_image_takes_fa3_from_the_vllm_wheel_built_for_its_torch() -> None:
+    """The FA3 extension is linked against one torch: the image's torch must be the one the
+    vLLM release it takes FA3 from was built for (vLLM 0.26.0: torch 2.11), and the file it
+    extracts is the one `kernels.flash_attn` imports and `bench.device.prepare` packs."""
+    from bench.device.prepare import FA3_MEMBER, VLLM
+    from kernels.flash_attn import MODULES
+
+    args = dict(a.split("=", 1) for a in instructions("ARG") if "=" in a)
+    assert args["FA3_FROM"] == VLLM == "vllm==0.26.0"
+    assert args["TORCH_VERSION"].startswith("2.11.")
+    text = (ROOT / "Dockerfile").read_text()
+    assert FA3_MEMBER in text and f"/{MODULES[0]}.abi3.so" in text

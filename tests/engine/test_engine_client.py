@@ -34,19 +34,39 @@ class _KV:
         self.listener = listener
 
 
+class _Handoff:
+    """The hand-off part of `SlowEngine`: a reservation takes ``seconds``; records which
+    blocks are reserved."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.reserved: set[str] = set()
+        self.num_held = 0
+
+    def reserve(self, request_id: str, *_: object) -> tuple[list[int], int]:
+        time.sleep(self.seconds)
+        self.reserved.add(request_id)
+        return [0], 0
+
+    def release(self, request_id: str) -> bool:
+        found = request_id in self.reserved
+        self.reserved.discard(request_id)
+        return found
+
+
 class SlowEngine:
     """Sleeps ``step_seconds`` per step (one token per live request, ``max_tokens`` each) and
-    ``add_seconds`` per add; records which requests are live and which blocks are reserved."""
+    ``add_seconds`` per add; records which requests are live (and, in ``handoff``, which
+    blocks are reserved)."""
 
     def __init__(self, step_seconds: float = 0.3, add_seconds: float = 0.0) -> None:
         self.step_seconds = step_seconds
         self.add_seconds = add_seconds
         self.live: dict[str, int] = {}  # request id -> tokens produced
-        self.reserved: set[str] = set()
+        self.handoff = _Handoff(step_seconds)
         self.max_tokens = 3
         self.kv = _KV()
         self.on_step = None
-        self.num_held = 0
 
     def add_request(self, request_id: str, prompt: list[int], params: object, **_: object) -> None:
         time.sleep(self.add_seconds)
@@ -55,16 +75,6 @@ class SlowEngine:
     def abort(self, request_id: str) -> None:
         if self.live.pop(request_id, None) is None:
             raise RequestNotFoundError(request_id)
-
-    def reserve(self, request_id: str, *_: object) -> tuple[list[int], int]:
-        time.sleep(self.step_seconds)
-        self.reserved.add(request_id)
-        return [0], 0
-
-    def release(self, request_id: str) -> bool:
-        found = request_id in self.reserved
-        self.reserved.discard(request_id)
-        return found
 
     def has_unfinished(self) -> bool:
         return bool(self.live)
@@ -185,7 +195,7 @@ async def test_a_cancelled_reservation_is_released() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _until(lambda: not fake.reserved and not client._calls)
+        await _until(lambda: not fake.handoff.reserved and not client._calls)
     finally:
         client.stop()
 

@@ -32,12 +32,12 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt, params) -> 
     prefill.add_request(rid, prompt, params, hold_kv=True)
     (first,) = [o for o in run(prefill) if o.request_id == rid]
     assert first.kv_held and first.finish_reason is None
-    blocks = prefill.held_block_ids(rid)
-    reserved, cached = decode.reserve(rid, prompt)
+    blocks = prefill.handoff.held_block_ids(rid)
+    reserved, cached = decode.handoff.reserve(rid, prompt)
     skip = cached // decode.config.block_size
-    decode.write_blocks(reserved[skip:], prefill.read_blocks(blocks[skip:]))
-    assert prefill.release(rid)
-    decode.add_prefilled(rid, prompt, first.token_ids[0], params, num_cached_tokens=cached)
+    decode.handoff.write_blocks(reserved[skip:], prefill.handoff.read_blocks(blocks[skip:]))
+    assert prefill.handoff.release(rid)
+    decode.handoff.add_prefilled(rid, prompt, first.token_ids[0], params, num_cached_tokens=cached)
     final = [o for o in run(decode) if o.request_id == rid][-1]
     assert final.finished
     return final.token_ids
@@ -62,7 +62,7 @@ def test_handoff_is_token_identical(pair, smol_dir):
     assert handoff(prefill, decode, "again", prompts[2], params) == ref["o2"]
     for e in (prefill, decode):
         e.check_integrity()
-        assert e.pool.num_used == 0 and e.num_held == 0
+        assert e.pool.num_used == 0 and e.handoff.num_held == 0
 
 
 def test_seeded_handoff_matches_offline(pair, smol_dir):
@@ -75,12 +75,12 @@ def test_seeded_handoff_matches_offline(pair, smol_dir):
 
     prefill.add_request("s", prompt, params, hold_kv=True)
     (first,) = run(prefill)
-    state = prefill.generator_state("s")
-    blocks = prefill.held_block_ids("s")
-    reserved, _ = decode.reserve("s", prompt)
-    decode.write_blocks(reserved, prefill.read_blocks(blocks))
-    prefill.release("s")
-    decode.add_prefilled("s", prompt, first.token_ids[0], params, generator_state=state)
+    state = prefill.handoff.generator_state("s")
+    blocks = prefill.handoff.held_block_ids("s")
+    reserved, _ = decode.handoff.reserve("s", prompt)
+    decode.handoff.write_blocks(reserved, prefill.handoff.read_blocks(blocks))
+    prefill.handoff.release("s")
+    decode.handoff.add_prefilled("s", prompt, first.token_ids[0], params, generator_state=state)
     assert [o for o in run(decode) if o.finished][0].token_ids == ref
 
 
@@ -89,15 +89,15 @@ def test_abort_and_release_free_everything(pair):
     prompt = list(range(100, 150))
     prefill.add_request("x", prompt, SamplingParams(max_tokens=5), hold_kv=True)
     run(prefill)
-    assert prefill.pool.num_used > 0 and prefill.num_held == 1
+    assert prefill.pool.num_used > 0 and prefill.handoff.num_held == 1
     assert prefill.abort("x") is None  # held blocks are dropped by abort too
-    assert prefill.pool.num_used == 0 and prefill.num_held == 0
-    decode.reserve("y", prompt)
+    assert prefill.pool.num_used == 0 and prefill.handoff.num_held == 0
+    decode.handoff.reserve("y", prompt)
     assert decode.pool.num_used > 0
     decode.abort("y")
     assert decode.pool.num_used == 0
     with pytest.raises(RequestNotFoundError):
-        decode.add_prefilled("y", prompt, 5, SamplingParams())
+        decode.handoff.add_prefilled("y", prompt, 5, SamplingParams())
     prefill.check_integrity()
     decode.check_integrity()
 
@@ -124,7 +124,9 @@ def test_a_migrated_request_resumes_token_identically(pair) -> None:
             done = ref.token_ids[:k]
             streamed_text = "".join(o.new_text for o in outs[:k])
             first = FirstToken(0, done[-1], earlier=tuple(done[:-1]))
-            resumed.add_prefilled(f"m{i}-{k}", prompt, None, params, recompute=True, firsts=[first])
+            resumed.handoff.add_prefilled(
+                f"m{i}-{k}", prompt, None, params, recompute=True, firsts=[first]
+            )
             rest = [o for o in run(resumed) if o.request_id == f"m{i}-{k}"]
             assert rest[-1].token_ids == ref.token_ids, (i, k)
             assert streamed_text + "".join(o.new_text for o in rest) == ref.text, (i, k)
@@ -153,18 +155,18 @@ def test_a_running_request_moves_with_its_kv_and_continues_token_identically(pai
         outs = []
         while len(outs) < 5:
             outs += [o for o in a.step() if o.request_id == rid]
-        held = a.hold_for_move(rid)
+        held = a.handoff.hold_for_move(rid)
         assert held is not None and held.output_token_ids == tuple(outs[-1].token_ids)
         assert held.num_tokens == len(prompt) + len(held.output_token_ids) - 1
         done = list(held.output_token_ids)
         kv_tokens = prompt + done[:-1]
-        dst, cached = b.reserve(rid, kv_tokens)
+        dst, cached = b.handoff.reserve(rid, kv_tokens)
         skip = cached // b.config.block_size
-        b.write_blocks(dst[skip:], a.read_blocks(list(held.block_ids)[skip:]))
-        assert a.release(rid) and not a.has_unfinished()
+        b.handoff.write_blocks(dst[skip:], a.handoff.read_blocks(list(held.block_ids)[skip:]))
+        assert a.handoff.release(rid) and not a.has_unfinished()
         first = FirstToken(0, done[-1], None, held.generator_state, tuple(done[:-1]))
-        b.add_prefilled(rid, prompt, None, params, firsts=[first])
-        seq = b._requests[rid].parent
+        b.handoff.add_prefilled(rid, prompt, None, params, firsts=[first])
+        seq = b.tables.requests[rid].parent
         assert seq.num_computed == held.num_tokens  # nothing is computed again
         rest = [o for o in run(b) if o.request_id == rid]
         assert rest[-1].token_ids == ref.token_ids, i

@@ -101,7 +101,7 @@ def test_a_mixed_batch_matches_the_synchronous_engine(engines, smol_dir) -> None
     ]  # fmt: skip
     results = {}
     for overlap, engine in engines.items():
-        before, dropped = engine.overlapped_steps, engine.dropped_tokens
+        before, dropped = engine.stepper.overlapped_steps, engine.stepper.dropped_tokens
         stats: list[StepStats] = []
         engine.on_step = stats.append
         t0 = time.perf_counter()
@@ -114,11 +114,14 @@ def test_a_mixed_batch_matches_the_synchronous_engine(engines, smol_dir) -> None
         assert sum(s.seconds for s in stats) <= wall
         assert any(s.phase == "prefill" for s in stats) and any(s.phase == "decode" for s in stats)
         if overlap:
-            assert engine.overlapped_steps - before >= 10
+            assert engine.stepper.overlapped_steps - before >= 10
             # a request ended by EOS or a stop was planned into the step after its last
-            assert engine.dropped_tokens - dropped >= 1
+            assert engine.stepper.dropped_tokens - dropped >= 1
         else:
-            assert engine.overlapped_steps == before == 0 and engine.dropped_tokens == 0
+            assert (
+                engine.stepper.overlapped_steps == before == 0
+                and engine.stepper.dropped_tokens == 0
+            )
     on, off = finals(results[True]), finals(results[False])
     assert on == off
     reasons = {rid: (f[2], f[3]) for rid, f in on.items() if rid not in ("top_p", "top_k")}
@@ -146,14 +149,14 @@ def test_an_abort_with_a_step_in_flight_drops_its_tokens(engines) -> None:
         got += engine.step()
     (seq,) = [s for s in engine.scheduler.running if s.request_id == "a"]
     assert seq.num_inflight == 1 and engine.has_unfinished()
-    dropped = engine.dropped_tokens
+    dropped = engine.stepper.dropped_tokens
     out = engine.abort("a")
     assert out is not None and out.finish_reason == "abort"
     assert seq.key not in engine.kv
     engine.check_integrity()
     engine.add_request("a", tok.encode("Water boils at"), greedy(max_tokens=4))
     after = drive(engine, {})
-    assert engine.dropped_tokens == dropped + 1
+    assert engine.stepper.dropped_tokens == dropped + 1
     assert [len(o.token_ids) for o in after["a"]] == [1, 2, 3, 4]  # the new "a" only
     check_order(after["a"])
     check_order([o for o in got if o.request_id == "b"] + after["b"])
@@ -168,17 +171,17 @@ def test_a_stopped_sequences_extra_step_is_dropped(engines) -> None:
     again at all."""
     engine = engines[True]
     tok = engine.tokenizer
-    dropped = engine.dropped_tokens
+    dropped = engine.stepper.dropped_tokens
     engine.add_request("s", tok.encode("1, 2, 3, 4,"), greedy(max_tokens=30, stop=[" 6"]))
     outs = []
     while not (outs and outs[-1].finished):
         outs += engine.step()
     assert outs[-1].finish_reason == "stop" and outs[-1].text == " 5,"
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
-    assert engine.step() == [] and engine.dropped_tokens == dropped + 1
+    assert engine.step() == [] and engine.stepper.dropped_tokens == dropped + 1
     engine.add_request("m", tok.encode("1, 2, 3, 4,"), greedy(max_tokens=3))
     outs = drive(engine, {})
-    assert outs["m"][-1].finish_reason == "length" and engine.dropped_tokens == dropped + 1
+    assert outs["m"][-1].finish_reason == "length" and engine.stepper.dropped_tokens == dropped + 1
     engine.check_integrity()
 
 
@@ -188,9 +191,9 @@ def test_rows_that_need_their_history_fall_back_to_synchronous_steps(engines) ->
     tok = engines[True].tokenizer
     params = greedy(max_tokens=8, repetition_penalty=1.3, presence_penalty=0.5)
     arrivals = {0: [("pen", tok.encode("one one one one"), params)]}
-    before = engines[True].overlapped_steps
+    before = engines[True].stepper.overlapped_steps
     on, off = (drive(engines[x], arrivals) for x in (True, False))
-    assert engines[True].overlapped_steps == before
+    assert engines[True].stepper.overlapped_steps == before
     assert finals(on) == finals(off)
 
 
@@ -218,7 +221,7 @@ def test_preemption_with_a_token_in_flight_keeps_it(smol_dir) -> None:
             outs.setdefault(out.request_id, []).append(out)
         in_flight_preempted += sum(s.num_preemptions > n for s, n in flying)
         engine.check_integrity()
-    assert in_flight_preempted > 0 and engine.overlapped_steps > 0
+    assert in_flight_preempted > 0 and engine.stepper.overlapped_steps > 0
     for o in outs.values():
         check_order(o)
     assert finals(outs) == reference
@@ -241,5 +244,5 @@ def test_decode_rows_take_the_tokens_in_flight_on_the_device(engines, smol_dir) 
         3: [("d3", tok.encode("In 1969, the first humans"), greedy(max_tokens=6))],
     }  # fmt: skip
     on = drive(engine, arrivals)
-    assert graphs.runs >= 10 and engine.overlapped_steps >= graphs.runs
+    assert graphs.runs >= 10 and engine.stepper.overlapped_steps >= graphs.runs
     assert finals(on) == finals(drive(engines[False], arrivals))

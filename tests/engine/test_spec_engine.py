@@ -200,10 +200,12 @@ def handoff(prefill, decode, prompt: list[int], params: SamplingParams):
     disaggregated hand-off without the network) and decode there; the final output."""
     prefill.add_request("h", prompt, params, hold_kv=True)
     (first,) = [o for o in drain(prefill) if o.request_id == "h"]
-    reserved, _ = decode.reserve("h", prompt)
-    decode.write_blocks(reserved, prefill.read_blocks(prefill.held_block_ids("h")))
-    prefill.release("h")
-    decode.add_prefilled("h", prompt, first.token_ids[0], params)
+    reserved, _ = decode.handoff.reserve("h", prompt)
+    decode.handoff.write_blocks(
+        reserved, prefill.handoff.read_blocks(prefill.handoff.held_block_ids("h"))
+    )
+    prefill.handoff.release("h")
+    decode.handoff.add_prefilled("h", prompt, first.token_ids[0], params)
     return [o for o in drain(decode) if o.finished][-1]
 
 

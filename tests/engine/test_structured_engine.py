@@ -130,16 +130,18 @@ def test_handoff_replays_the_grammar_and_shares_the_prompt(smol_dir, engine):
     prefill.add_request("h", prompt, params, hold_kv=True)
     firsts = [o for o in prefill.step() if o.request_id == "h"]
     assert sorted(o.index for o in firsts) == [0, 1, 2] and all(o.kv_held for o in firsts)
-    assert prefill.held_choices("h") == [0, 1, 2]
-    reserved, _ = decode.reserve("h", prompt)
-    decode.write_blocks(reserved, prefill.read_blocks(prefill.held_block_ids("h")))
+    assert prefill.handoff.held_choices("h") == [0, 1, 2]
+    reserved, _ = decode.handoff.reserve("h", prompt)
+    decode.handoff.write_blocks(
+        reserved, prefill.handoff.read_blocks(prefill.handoff.held_block_ids("h"))
+    )
     starts = [
-        FirstToken(o.index, o.token_ids[0], None, prefill.generator_state("h", o.index))
+        FirstToken(o.index, o.token_ids[0], None, prefill.handoff.generator_state("h", o.index))
         for o in firsts
     ]
     assert all(f.generator_state for f in starts)
-    prefill.release("h")
-    decode.add_prefilled("h", prompt, None, params, firsts=starts)
+    prefill.handoff.release("h")
+    decode.handoff.add_prefilled("h", prompt, None, params, firsts=starts)
     assert decode.pool.num_used == len(reserved)  # one copy of the prompt for three choices
     outs = finals(decode)
     assert {i: outs[("h", i)].token_ids for i in range(3)} == ref

@@ -157,7 +157,7 @@ def test_tp2_fp8_lm_head_shards_are_the_whole_heads_rows(llama_dir):
         assert isinstance(part, Fp8Weight) and lo == 0 < hi < head.shape[0]
         assert torch.equal(part.scale, head.scale[:hi])
         assert torch.equal(part.weight.view(torch.uint8), head.weight[:hi].view(torch.uint8))
-        hidden = torch.cat(two.engine._alone(prompt, None, two.engine.runner.hidden_all))
+        hidden = torch.cat(two.engine._passes.alone(prompt, None, two.engine.runner.hidden_all))
         logits = two.engine.score(prompt)
         assert logits.shape == (len(prompt), head.shape[0])
         torch.testing.assert_close(logits, reference.linear(hidden, head), atol=1e-4, rtol=0)
@@ -171,8 +171,8 @@ def held_blocks(llm: LLM, prompt: list[int]) -> list[bytes]:
     eng.add_request("p", prompt, SamplingParams(max_tokens=2, temperature=0), hold_kv=True)
     while eng.has_unfinished():
         eng.step()
-    data = eng.read_blocks(eng.held_block_ids("p"))
-    eng.release("p")
+    data = eng.handoff.read_blocks(eng.handoff.held_block_ids("p"))
+    eng.handoff.release("p")
     return data
 
 
@@ -180,11 +180,11 @@ def continue_from(llm: LLM, prompt: list[int], blocks: list[bytes]) -> list[int]
     """Decode greedily from ``blocks`` written into reserved blocks (a decode hand-off; a
     tenant of its own, so nothing this engine cached before is reused)."""
     eng = llm.engine
-    dst, cached = eng.reserve("d", prompt, tenant="handoff")
+    dst, cached = eng.handoff.reserve("d", prompt, tenant="handoff")
     assert cached == 0
-    eng.write_blocks(dst, blocks)
+    eng.handoff.write_blocks(dst, blocks)
     first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
-    eng.add_prefilled("d", prompt, first, GREEDY, tenant="handoff")
+    eng.handoff.add_prefilled("d", prompt, first, GREEDY, tenant="handoff")
     out: list[int] = []
     while eng.has_unfinished():
         for o in eng.step():

@@ -174,10 +174,10 @@ def test_a_prefill_on_cuda_hands_off_the_sums_taken_at_sealing(smol_shape_dir):
     eng.add_request("g", prompt, SamplingParams(max_tokens=4), hold_kv=True)
     while eng.has_unfinished():
         eng.step()
-    ids = eng.held_block_ids("g")
+    ids = eng.handoff.held_block_ids("g")
     assert [eng.pool.blocks[i].sealed for i in ids] == [True] * 9 + [False]
-    assert eng.handoff_checksums(ids) == eng.block_checksums(ids)
-    assert eng.release("g")
+    assert eng.handoff.handoff_checksums(ids) == eng.handoff.block_checksums(ids)
+    assert eng.handoff.release("g")
 
 
 def test_prompt_logprobs_on_cuda_match_the_cpu(smol_shape_dir, prompts, monkeypatch):

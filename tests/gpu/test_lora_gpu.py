@@ -127,38 +127,6 @@ def test_fused_projections_match_one_at_a_time(case, dtype):
     assert torch.equal(again, fused)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", ["norm", "silu_mul"])
-def test_shrink_makes_its_input(mode, dtype):
-    """The shrink norming the residual sum (q/k/v) or making silu(gate) * up (down) itself,
-    as the model calls it on CUDA, against the reference on the input made separately."""
-    from kernels import triton_norm
-
-    dev = torch.device(DEVICE)
-    t, k, s, r = 32, 4096, 8, 16
-    widths = [4096, 1024, 1024] if mode == "norm" else [4096]
-    ranks = [16, 8, 4, 16, 1, 16, 2, 16]
-    x, _, _, slots, ranks, scales = _case(t, k, 1, s, r, ranks, dtype, 11)
-    g = torch.Generator(device=dev).manual_seed(12)
-    a = torch.randn(s, len(widths) * r, k, device=dev, generator=g).to(dtype) / k**0.5
-    b = torch.randn(s, sum(widths), r, device=dev, generator=g).to(dtype)
-    w = (torch.rand(k, device=dev, generator=g) + 0.5).to(dtype)
-    if mode == "norm":
-        src, kw = x * 3, {"norm": (w, 1e-5)}
-        made = triton_norm.rms_norm(src, w, 1e-5)[0]
-    else:
-        src, kw = torch.randn(t, 2 * k, device=dev, generator=g).to(dtype), {"silu_mul": True}
-        made = triton_norm.silu_and_mul(src)
-    meta = reference.LoRAMetadata.build(slots, ranks, scales, x.device)
-    y0 = torch.randn(t, sum(widths), device=dev, dtype=dtype)
-    got, want = y0.clone(), y0.clone()
-    lora_add_fused(got, src, a, b, widths, meta, **kw)
-    lora_add_fused(want, made, a, b, widths, meta)
-    delta, ref = (got - y0).float(), (want - y0).float()
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert (delta - ref).norm() / ref.norm() < tol
-
-
 def test_engine_lora_on_cuda_matches_cpu(tmp_path):
     """Greedy tokens of a mixed batch (base + two adapters) on CUDA in float32 against the CPU
     engine's (which equals peft, tests/engine/test_lora.py), on a random SmolLM2-shaped model: as in

@@ -1,6 +1,6 @@
 """CUDA only (``pytest -m gpu``): the skinny decode products of ``kernels.triton_skinny``
 (bf16/fp16 and FP8 weight-only) against the references, every plan the benchmark measures,
-the fused prologues, split-K (deterministic, replayed in a CUDA graph), and the dispatch."""
+split-K (deterministic, replayed in a CUDA graph), and the dispatch."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ require_cuda_triton()
 import kernels  # noqa: E402
 from kernels import reference, triton_skinny  # noqa: E402
 from kernels.triton_skinny import SkinnyPlan, candidates, linear  # noqa: E402
-from tests.skinny_cases import product_cases, prologue_cases, rel_err, small_plans  # noqa: E402
+from tests.skinny_cases import product_cases, rel_err, small_plans  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fp8_capable(), reason="FP8: sm 8.9+")]
 TOL = 1e-2  # bf16 outputs; the FP8 reference dequantizes the same e4m3 weights
@@ -32,11 +32,11 @@ def _check(rows: list[tuple[str, float]]) -> None:
 
 def test_small_shapes_every_path():
     """CUDA cores with one and several rows, prefetch on and off, tensor cores, split-K (also
-    uneven), tiles that do not divide N or K, FP8 weights, bias, both prologues; fp16 too."""
+    uneven), tiles that do not divide N or K, FP8 weights, bias; fp16 too (the folded norm:
+    ``tests/gpu/test_fold_gpu.py``)."""
     plans = small_plans()
     _check(product_cases("cuda", torch.bfloat16, plans, rows=(1, 3)))
     _check(product_cases("cuda", torch.float16, plans[-1:], shapes=((40, 96),), rows=(2,)))
-    _check(prologue_cases("cuda", torch.bfloat16, [plans[0], plans[-2]], rows=(1, 5)))
 
 
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "down"])
@@ -104,19 +104,6 @@ def test_fp8_one_row_in_bf16_pairs():
     got = linear(x8, q8.weight, None, q8.scale, plans[0])
     assert rel_err(got, reference.linear(x8.float(), q8)) < TOL
     assert rel_err(linear(x8, w8, None, None, plans[0]), x8.float() @ w8.float().T) < TOL
-
-
-def test_silu_prologue_is_the_unfused_pair_bit_for_bit():
-    """SiLU-and-multiply folded in gives the unfused pair's result bit for bit (same plan)."""
-    n, k = SHAPES["down"]
-    for rows in (1, 8):
-        y = torch.randn(rows, 2 * k, device="cuda").bfloat16()
-        w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
-        q = reference.quantize_fp8_rows(w)
-        for wt, sc in ((w, None), (q.weight, q.scale)):
-            plan = triton_skinny.plan_for(rows, n, k, wt.dtype, prologue=2)
-            got = triton_skinny.silu_mul_linear(y, wt, None, sc, plan)
-            assert torch.equal(got, linear(kernels.silu_and_mul(y), wt, None, sc, plan))
 
 
 @pytest.mark.parametrize("split", [2, 3, 4])

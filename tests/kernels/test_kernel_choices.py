@@ -27,7 +27,8 @@ OLD_SWITCHES = ("GEMV_MAX_ROWS", "SKINNY_KERNEL", "FUSE_DECODE", "FOLD_DECODE", 
                 "FOLD_SUMS", "FOLD_SUMS_MIN_ROWS", "ROPE_IN_ATTENTION", "PDL")  # fmt: skip
 # Choices unlike the defaults in every field
 OTHERS = KernelChoices(skinny_rows=0, fold_norms=False, fold_sums=False, fold_sums_min_rows=5,
-                       rope_in_attention=False, pdl=False)  # fmt: skip
+                       rope_in_attention=False, pdl=False, flash_attention=True,
+                       flash_decode=True)  # fmt: skip
 
 
 def test_the_choices_are_frozen_and_checked():
@@ -49,6 +50,21 @@ def test_the_defaults_are_what_the_engine_served_with():
     assert (c.skinny_rows, c.fold_norms, c.fold_sums, c.fold_sums_min_rows) == (8, True, True, 2)
     assert c.rope_in_attention and c.pdl
     assert KernelChoices.for_device(torch.device("cpu")) == dataclasses.replace(c, pdl=False)
+
+
+def test_flash_attention_is_chosen_only_where_it_can_serve():
+    """FlashAttention 3 needs a Hopper, a bf16/fp16 pool and its extension: on the CPU ``auto``
+    and ``triton`` leave it off, ``fa3`` is an error naming why, an unknown backend too."""
+    cpu = torch.device("cpu")
+    for backend in ("auto", "triton"):
+        c = KernelChoices.for_device(cpu, torch.bfloat16, 128, backend)
+        assert not c.flash_attention and not c.flash_decode
+    with pytest.raises(ValueError, match="fa3: not a CUDA device"):
+        KernelChoices.for_device(cpu, torch.bfloat16, 128, "fa3")
+    with pytest.raises(ValueError, match="attention backend"):
+        KernelChoices.for_device(cpu, torch.bfloat16, 128, "flashinfer")
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(model_dir="x", attention_backend="flashinfer")
 
 
 def test_kernels_has_no_switches_left():

@@ -50,25 +50,25 @@ CASES = {
     "decode_merge": (triton_decode._decode_merge_kernel, dict(
         HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
     "skinny": (triton_skinny._skinny_kernel, dict(
-        PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
+        PROLOGUE=0, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
         XR=1, QX=False, N_PREFETCH=0, LINE=64, NORM=False, ADD=False, SILU=False,
         NORM_FIRST=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
     # the tensor cores' loop (pipelined after the wait): its first tiles asked into L2 before
     "skinny_dot": (triton_skinny._skinny_kernel, dict(
-        PROLOGUE=0, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
+        PROLOGUE=0, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
         BLOCK_N=32, BLOCK_K=256, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=256,
         XR=32, QX=False, N_PREFETCH=2, LINE=64, NORM=False, ADD=False, SILU=False,
         NORM_FIRST=False, SUMS_IN=False, SUMS_T=1, SUMS_OUT=False)),
     # the folded norm's sums of squares from the product before (read after the wait) and
     # for the one after (KernelChoices.fold_sums), with the residual add
     "skinny_dot_sums": (triton_skinny._skinny_kernel, dict(
-        PROLOGUE=3, HAS_RES=False, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
+        PROLOGUE=3, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=1, BLOCK_M=16,
         BLOCK_N=64, BLOCK_K=128, DOT=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, VEC=128,
         XR=64, QX=False, N_PREFETCH=0, LINE=64, NORM=True, ADD=True, SILU=False,
         NORM_FIRST=False, SUMS_IN=True, SUMS_T=64, SUMS_OUT=True)),
     "lora_shrink": (triton_lora._shrink_kernel, dict(
-        BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32", INPUT=2, NORM_K=512)),
+        BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, K_SPLIT=1024, PREC="tf32")),
     "lora_expand": (triton_lora._expand_kernel, dict(
         BLOCK_M=16, BLOCK_R=16, BLOCK_N=128, SPLITS=4, PREC="tf32")),
 }

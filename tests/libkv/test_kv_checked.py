@@ -238,19 +238,19 @@ def test_a_handoff_reads_the_sums_taken_when_its_blocks_were_sealed(sealing) -> 
     eng.add_request("s", prompt, SamplingParams(max_tokens=4), hold_kv=True)
     while eng.has_unfinished():
         eng.step()
-    ids = eng.held_block_ids("s")
+    ids = eng.handoff.held_block_ids("s")
     assert [eng.pool.blocks[i].sealed for i in ids] == [True, True, False]
-    fresh = eng.block_checksums(ids)
-    assert eng.handoff_checksums(ids) == fresh
+    fresh = eng.handoff.block_checksums(ids)
+    assert eng.handoff.handoff_checksums(ids) == fresh
     # Damage every block behind the engine's back: the sealed ones still send the sums taken
     # at sealing (the bytes sent then would mismatch on arrival), the partial one is summed now.
     damaged = [b"\x5a" * eng.runner.layout.block_bytes] * 3
-    eng.write_blocks(ids, damaged)
-    now = eng.block_checksums(ids)
-    sent = eng.handoff_checksums(ids)
+    eng.handoff.write_blocks(ids, damaged)
+    now = eng.handoff.block_checksums(ids)
+    sent = eng.handoff.handoff_checksums(ids)
     assert sent[:2] == fresh[:2] and sent[2] == now[2] != fresh[2]
     assert now[0] != fresh[0]
-    assert eng.release("s")
+    assert eng.handoff.release("s")
     eng.check_integrity()
 
 

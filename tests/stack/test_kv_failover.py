@@ -143,7 +143,7 @@ class Decode:
     def assert_no_leaks(self) -> None:
         eng = self.llm
         eng.check_integrity()
-        assert eng.pool.num_used == 0 and not eng._reserved
+        assert eng.pool.num_used == 0 and not eng.tables.reserved
 
 
 def long_prompt(offline: LLMEngine, n: int, salt: str) -> list[int]:
