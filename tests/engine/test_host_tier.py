@@ -174,13 +174,14 @@ def test_a_decode_worker_takes_a_handoffs_prefix_from_its_host_tier(tiny_dir) ->
     while prefill.has_unfinished():
         first = next((o for o in prefill.step() if o.request_id == "h"), first)
     assert first is not None and first.kv_held
-    reserved, cached = decode.reserve("h", ids)
+    reserved, cached = decode.handoff.reserve("h", ids)
     assert cached == 64  # four blocks from the host tier
     assert decode.stats().tier.page_in_blocks == 4  # (paged in already)
     skip = cached // 16
-    decode.write_blocks(reserved[skip:], prefill.read_blocks(prefill.held_block_ids("h")[skip:]))
-    assert prefill.release("h")
-    decode.add_prefilled("h", ids, first.token_ids[0], GREEDY, num_cached_tokens=cached)
+    held = prefill.handoff.held_block_ids("h")[skip:]
+    decode.handoff.write_blocks(reserved[skip:], prefill.handoff.read_blocks(held))
+    assert prefill.handoff.release("h")
+    decode.handoff.add_prefilled("h", ids, first.token_ids[0], GREEDY, num_cached_tokens=cached)
     final = None
     while decode.has_unfinished():
         final = next((o for o in decode.step() if o.request_id == "h" and o.finished), final)
