@@ -62,6 +62,9 @@ class EngineStats:
     prefix_hit_tokens: int
     prompt_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)
+    # Prompt tokens (or recomputed ones after a preemption) queued or part-computed: what a
+    # router weighs to place a new prompt (services.router.disagg).
+    prefill_backlog: int = 0
     # Triton kernel specialisations this process met before and after ready (plain numbers).
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
 
@@ -458,6 +461,11 @@ class LLMEngine:
                 prompt_tokens=self.emitter.prompt_tokens,
                 spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
+                prefill_backlog=sum(
+                    s.num_uncomputed
+                    for s in itertools.chain(self.scheduler.waiting, self.scheduler.running)
+                    if s.is_prefilling
+                ),
             )
 
     def try_stats(self, timeout: float) -> EngineStats | None:
