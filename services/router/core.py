@@ -21,7 +21,7 @@ from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import Event, Moved
 from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
-from services.router.admission import DecodeAdmission
+from services.router.admission import DecodeAdmission, SloGate
 from services.router.calls import (
     RESERVATION_LEASE_S,
     RETRYABLE,
@@ -66,6 +66,7 @@ class RouterCore:
         records: AdapterRecords | None = None,
         model: str = "",
         refusal_memory: float = 0.0,
+        slo_shed_factor: float = 0.0,
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
         ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
@@ -73,7 +74,8 @@ class RouterCore:
         where run-time adapter loads are kept for workers that start later
         (``libkv.cluster.adapters``). Requests that cannot fit on a decode worker are refused
         here, with no call (`DecodeAdmission`: this router's bookings there, and the worker's
-        last refusal for capacity, remembered at most ``refusal_memory`` seconds)."""
+        last refusal for capacity, remembered at most ``refusal_memory`` seconds), and those
+        whose predicted TTFT is past ``slo_shed_factor`` times their SLO (`SloGate`; 0: off)."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
@@ -86,6 +88,7 @@ class RouterCore:
         self._sending: set[str] = set()  # requests whose handler is in gRPC's send
         self.records, self.model = records, model
         self.admission = DecodeAdmission(refusal_memory)
+        self.slo_gate = SloGate(slo_shed_factor)
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
@@ -121,6 +124,7 @@ class RouterCore:
                             self._sending.discard(job.request_id)
                         if job.request_id in self._aborted and task is not None:
                             task.cancel()  # abort() came while gRPC sent `ev`
+                    self.chooser.disagg.finished(len(route.streamed))
                     return
                 except HandedOver as h:
                     self._migrate(job, Unavailable(str(h)), route)
@@ -206,23 +210,48 @@ class RouterCore:
         if plan is None:
             raise NoWorker("no live decode workers")
         self.stats.decisions[(self.policy.name, plan.reason)] += 1
+        decision = plan.decision
+        if decision is not None:
+            self.stats.disagg[(decision.choice, decision.reason)] += 1
+            try:
+                self.slo_gate.check(
+                    job, decision, self.chooser.disagg.slo(job.slo_ttft_ms, job.slo_tpot_ms)
+                )
+            except ResourceExhausted:  # a retry tries the other workers, if any
+                route.failed.update(m.worker_id for m in (plan.decode, plan.prefill) if m)
+                raise
         log.info(
-            "request %s (%d tokens): %s -> prefill %s, decode %s (%d blocks cached)",
+            "request %s (%d tokens): %s -> prefill %s, decode %s (%d blocks cached; %s)",
             job.request_id, len(job.prompt), plan.reason,
             plan.prefill.worker_id if plan.prefill else "-", plan.decode.worker_id,
-            plan.cached_blocks,
+            plan.cached_blocks, decision,
         )  # fmt: skip
         decode, prefill = plan.decode, plan.prefill
+        backlogs = self.chooser.disagg.backlogs
         if prefill is None:
-            async for ev in self._decode(decode, DecodeCall(job), route):
-                yield ev
+            # Its prompt is queued on the decode worker until its first event.
+            backlogs.add(decode.worker_id, plan.uncached)
+            pending = True
+            try:
+                async for ev in self._decode(decode, DecodeCall(job), route):
+                    if pending:
+                        backlogs.done(decode.worker_id, plan.uncached)
+                        pending = False
+                    yield ev
+            finally:
+                if pending:
+                    backlogs.done(decode.worker_id, plan.uncached)
             return
         # Two-phase admission: book the decode side before the prefill, so a request whose
         # first token reaches the client is admitted for its whole life (a full decode pool
         # refuses it here, fast, while the client can still get a 429).
         await self._reserve(decode, job, route.failed)
         try:
-            reply = await self._prefill(prefill, job, route.failed)
+            backlogs.add(prefill.worker_id, plan.uncached)
+            try:
+                reply = await self._prefill(prefill, job, route.failed)
+            finally:
+                backlogs.done(prefill.worker_id, plan.uncached)
         except asyncio.CancelledError:
             asyncio.ensure_future(self._unreserve(decode, job))
             raise
@@ -240,7 +269,11 @@ class RouterCore:
             job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens,
             reply.others, admitted=True,
         )  # fmt: skip
+        handed = time.monotonic()  # the hand-off lasts until the decode worker's first event
         async for ev in self._decode_prefilled(decode, prefill, call, route):
+            if handed:
+                self.chooser.disagg.handed_off(plan.uncached, time.monotonic() - handed)
+                handed = 0.0
             yield ev
 
     async def _decode_prefilled(self, decode, prefill, call: DecodeCall, route: Route):

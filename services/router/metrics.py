@@ -1,5 +1,6 @@
 """The router's metrics, read from its core and member view at scrape time: routing decisions
-by policy and reason, retries, and live members by role."""
+by policy and reason, disaggregation decisions by choice and reason, retries, and live members
+by role."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def decision_labels(key: Any) -> tuple[str, str]:
 class RouterCollector(Collector):
     """``tandem_router_decisions_total{policy,reason}``, ``tandem_router_retries_total``,
     ``tandem_router_migrations_total``, ``tandem_router_live_moves_total``,
-    ``tandem_router_local_refusals_total`` and
+    ``tandem_router_local_refusals_total``, ``tandem_router_disagg_decisions_total{choice,reason}``,
+    ``tandem_router_slo_shed_total`` and
     ``tandem_router_members{role}`` of one router, summed over its cores (one per base model)."""
 
     def __init__(self, cores: Any, watcher: Any) -> None:
@@ -45,6 +47,25 @@ class RouterCollector(Collector):
         for (policy, reason), n in sorted(totals.items()):
             decisions.add_metric([policy, reason], n)
         yield decisions
+        disagg = CounterMetricFamily(
+            "tandem_router_disagg_decisions",
+            "Where prompts were computed: choice disagg (a prefill worker, then a hand-off) or "
+            "decode-only, by reason (headroom, saturated, both-miss: the SLO prediction; "
+            "cold-start, no-prefill).",
+            labels=["choice", "reason"],
+        )
+        split: Counter[tuple[str, str]] = Counter()
+        for stats in every:
+            split.update(dict.copy(stats.disagg))
+        for (choice, reason), n in sorted(split.items()):
+            disagg.add_metric([choice, reason], n)
+        yield disagg
+        yield CounterMetricFamily(
+            "tandem_router_slo_shed",
+            "Requests refused because their predicted TTFT was past --slo-shed-factor times "
+            "their objective.",
+            value=sum(core.slo_gate.shed for core in self.cores),
+        )
         yield CounterMetricFamily(
             "tandem_router_retries",
             "Requests retried on another worker after a failure before their first token.",

@@ -111,6 +111,7 @@ def test_router_collector_reads_decisions_and_members():
     class Core:
         class stats:  # noqa: N801 - stands in for RouterStats
             decisions = Counter({("kv", "kv-hit"): 3, ("kv", "load"): 1, "decode_only": 2})
+            disagg = Counter({("decode-only", "saturated"): 2, ("disagg", "headroom"): 3})
             retries = 4
             migrations = 5
             live_moves = 2
@@ -118,18 +119,25 @@ def test_router_collector_reads_decisions_and_members():
         class admission:  # noqa: N801 - stands in for DecodeAdmission
             local_refusals = 7
 
+        class slo_gate:  # noqa: N801 - stands in for SloGate
+            shed = 2
+
     class Watcher:
         members = {"p0": _Member("prefill"), "d0": _Member("decode"), "d1": _Member("decode")}
 
     class OtherModel:  # a second base model's core: its counts add to the router's
         class stats:  # noqa: N801
             decisions = Counter({("kv", "kv-hit"): 1})
+            disagg = Counter({("disagg", "headroom"): 1})
             retries = 0
             migrations = 1
             live_moves = 0
 
         class admission:  # noqa: N801
             local_refusals = 1
+
+        class slo_gate:  # noqa: N801
+            shed = 0
 
     reg = CollectorRegistry()
     reg.register(RouterCollector([Core(), OtherModel()], Watcher()))
@@ -139,6 +147,10 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, "tandem_router_migrations_total") == 6
     assert value(reg, "tandem_router_live_moves_total") == 2
     assert value(reg, "tandem_router_local_refusals_total") == 8
+    disagg = "tandem_router_disagg_decisions_total"
+    assert value(reg, disagg, choice="disagg", reason="headroom") == 4
+    assert value(reg, disagg, choice="decode-only", reason="saturated") == 2
+    assert value(reg, "tandem_router_slo_shed_total") == 2
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0
     assert decision_labels(("session", "sticky")) == ("session", "sticky")
