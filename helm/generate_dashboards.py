@@ -231,6 +231,7 @@ def router() -> Dashboard:
     )  # fmt: skip
     split = "tandem_router_disagg_decisions_total"
     disagg_rate = "sum(" + rate(split, 'choice="disagg"') + ")"
+    pools = sel('role=~"prefill|decode"')
     d.row(
         "Disaggregation",
         Panel("Disaggregation decisions", "Where prompts are computed, per second: disagg (a "
@@ -244,6 +245,11 @@ def router() -> Dashboard:
         Panel("Disaggregated share", "Share of requests whose prompt is computed on a prefill "
               "worker and handed over.", "percentunit",
               (Target(ratio(disagg_rate, f"sum({rate(split)})"), "disagg"),)),
+        Panel("Planned pools", "Workers the routers' pool planner says the recent traffic "
+              "needs, by role (summed over routers), beside the live members.", "short",
+              (Target(f"sum(tandem_planner_prefill_workers{{{sel()}}})", "prefill planned"),
+               Target(f"sum(tandem_planner_decode_workers{{{sel()}}})", "decode planned"),
+               Target(f"max by (role) (tandem_router_members{{{pools}}})", "{{role}} live"))),
     )  # fmt: skip
     d.row(
         "Members and etcd",

@@ -32,6 +32,7 @@ from services.observability.process import Observability
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouterCore
 from services.router.metrics import RouterCollector
+from services.router.planner import Planner
 from services.router.policy import POLICIES, PolicyConfig
 from services.router.server import RouterServicer
 
@@ -78,6 +79,12 @@ class RouterConfig:
         1000.0, "TTFT objective (ms) of a request that carries none (the gateway sends one)"
     )
     slo_tpot_ms: float = option(50.0, "TPOT objective (ms) of a request that carries none")
+    planner_window: float = option(
+        60.0, "seconds of traffic the pool planner sizes the prefill and decode pools from"
+    )
+    planner_utilization: float = option(
+        0.8, "the planner's target busy share of each worker (below 1 keeps queues short)"
+    )
     slo_shed_factor: float = option(
         0.0,
         "refuse (429, Retry-After) an interactive request whose predicted TTFT is past this "
@@ -151,6 +158,8 @@ def parse_config(
         opts.error("--refusal-memory must be >= 0 seconds")
     if not (config.slo_ttft_ms > 0 and config.slo_tpot_ms > 0 and config.slo_shed_factor >= 0):
         opts.error("--slo-ttft-ms and --slo-tpot-ms must be > 0, --slo-shed-factor >= 0")
+    if not (config.planner_window > 0 and 0 < config.planner_utilization <= 1):
+        opts.error("--planner-window must be > 0 and --planner-utilization in (0, 1]")
     try:
         if len(config.models) != 1 + len(config.extra_models):
             raise ValueError("--extra-model: every model needs its own name")
@@ -192,6 +201,7 @@ async def serve(config: RouterConfig) -> None:
                 model=name,
                 refusal_memory=config.refusal_memory,
                 slo_shed_factor=config.slo_shed_factor,
+                planner=Planner(config.planner_window, config.planner_utilization, name),
             ),
             Tokenizer(folder),
         )
@@ -199,6 +209,7 @@ async def serve(config: RouterConfig) -> None:
     }
     for core, _ in routes.values():  # load reports less this router's own requests
         watcher.add_listener(core.chooser.observe)
+        watcher.add_listener(core.planner.observe)  # decode step times for its fit
     servicer = RouterServicer(routes, config.api_keys)
     server = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],

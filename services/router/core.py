@@ -35,6 +35,7 @@ from services.router.calls import (
     WorkerClients,
     soonest,
 )
+from services.router.planner import Planner
 from services.router.policy import Chooser, LocationLookup, PolicyConfig
 
 T = TypeVar("T")
@@ -67,6 +68,7 @@ class RouterCore:
         model: str = "",
         refusal_memory: float = 0.0,
         slo_shed_factor: float = 0.0,
+        planner: Planner | None = None,
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
         ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
@@ -75,7 +77,8 @@ class RouterCore:
         (``libkv.cluster.adapters``). Requests that cannot fit on a decode worker are refused
         here, with no call (`DecodeAdmission`: this router's bookings there, and the worker's
         last refusal for capacity, remembered at most ``refusal_memory`` seconds), and those
-        whose predicted TTFT is past ``slo_shed_factor`` times their SLO (`SloGate`; 0: off)."""
+        whose predicted TTFT is past ``slo_shed_factor`` times their SLO (`SloGate`; 0: off).
+        ``planner`` sizes the pools from the traffic routed here (`services.router.planner`)."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
@@ -89,6 +92,7 @@ class RouterCore:
         self.records, self.model = records, model
         self.admission = DecodeAdmission(refusal_memory)
         self.slo_gate = SloGate(slo_shed_factor)
+        self.planner = planner or Planner()
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
@@ -125,6 +129,7 @@ class RouterCore:
                         if job.request_id in self._aborted and task is not None:
                             task.cancel()  # abort() came while gRPC sent `ev`
                     self.chooser.disagg.finished(len(route.streamed))
+                    self.planner.finished(len(route.streamed))
                     return
                 except HandedOver as h:
                     self._migrate(job, Unavailable(str(h)), route)
@@ -211,6 +216,7 @@ class RouterCore:
             raise NoWorker("no live decode workers")
         self.stats.decisions[(self.policy.name, plan.reason)] += 1
         decision = plan.decision
+        self.planner.routed(plan.uncached)
         if decision is not None:
             self.stats.disagg[(decision.choice, decision.reason)] += 1
             try:

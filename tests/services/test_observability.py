@@ -14,6 +14,7 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -38,7 +39,9 @@ from services.gateway.server import create_app
 from services.observability import tracing
 from services.observability.engine import EngineCollector, StepMetrics
 from services.observability.metrics import EtcdErrorsCollector, GrpcServerMetrics, Metrics
+from services.router.disagg import Slo
 from services.router.metrics import RouterCollector, decision_labels
+from services.router.planner import Planner
 from tests.services.test_gateway import CONFIG, KEY, TENANT, FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,6 +142,10 @@ def test_router_collector_reads_decisions_and_members():
         class slo_gate:  # noqa: N801
             shed = 0
 
+    for core in (Core, OtherModel):  # the pool planner's inputs: no traffic, no rates yet
+        core.model, core.planner = core.__name__, Planner()
+        core.chooser = SimpleNamespace(disagg=SimpleNamespace(default_slo=Slo(1.0, 0.05)))
+        core.workers = staticmethod(lambda: [])
     reg = CollectorRegistry()
     reg.register(RouterCollector([Core(), OtherModel()], Watcher()))
     assert value(reg, "tandem_router_decisions_total", policy="kv", reason="kv-hit") == 4
@@ -151,6 +158,9 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, disagg, choice="disagg", reason="headroom") == 4
     assert value(reg, disagg, choice="decode-only", reason="saturated") == 2
     assert value(reg, "tandem_router_slo_shed_total") == 2
+    assert value(reg, "tandem_planner_prompt_tokens_per_second", base_model="Core") == 0
+    names = {n for n, _ in samples(reg)}
+    assert "tandem_planner_prefill_workers" not in names  # no measured rate: left out
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0
     assert decision_labels(("session", "sticky")) == ("session", "sticky")
