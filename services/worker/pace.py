@@ -6,7 +6,10 @@ Fed one ``engine.step_stats.StepStats`` per engine step (chained after the metri
 Both are decaying averages of sums, not of ratios, so a long step weighs more than a short one:
 ``rate = EWMA(prompt tokens) / EWMA(their seconds)``. The seconds of a step that also ran
 decodes are less the decode step time measured so far (a mixed step's decodes would have cost
-that alone), floored at half the step, so the rate is of the prompt work itself."""
+that alone), floored at half the step, so the rate is of the prompt work itself. Steps of fewer
+than `MIN_PROMPT_TOKENS` prompt tokens are left out: their time is mostly the pass's fixed cost,
+and a decode worker that only ever computed short prompts would otherwise report a rate far
+below what a long prompt gets (it reports none instead, and routers borrow a peer's)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from engine.step_stats import StepStats
 
 ALPHA = 0.1  # weight of each new step in the averages: about the last 10-20 steps count
 MIN_STEP_S = 1e-6
+MIN_PROMPT_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +45,13 @@ class PaceMeter:
         if step.seconds <= 0:
             return
         with self._lock:
-            if step.prefill_tokens:
+            if step.prefill_tokens >= MIN_PROMPT_TOKENS:
                 seconds = step.seconds
                 if step.decode_seqs and self._step_s:
                     seconds = max(seconds - self._step_s, seconds / 2)
                 self._tokens = _decay(self._tokens, step.prefill_tokens, self.alpha)
                 self._seconds = _decay(self._seconds, max(seconds, MIN_STEP_S), self.alpha)
-            elif step.decode_seqs:
+            elif step.decode_seqs and not step.prefill_tokens:
                 a = self.alpha if self._step_s else 1.0
                 self._step_s += a * (step.seconds - self._step_s)
 

@@ -201,4 +201,8 @@ def test_the_pace_meter() -> None:
     assert meter.report().prefill_tokens_per_s == pytest.approx(1500 / 0.15)
     observe(StepStats(seconds=0.04, decode_seqs=8))
     assert meter.report().decode_step_ms == pytest.approx(30)
-    assert len(seen) == 4
+    # A short prompt's step (mostly the pass's fixed cost) changes neither figure.
+    observe(StepStats(seconds=0.05, prefill_seqs=1, prefill_tokens=20, decode_seqs=8))
+    assert meter.report().prefill_tokens_per_s == pytest.approx(1500 / 0.15)
+    assert meter.report().decode_step_ms == pytest.approx(30)
+    assert len(seen) == 5
