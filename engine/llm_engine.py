@@ -40,7 +40,7 @@ from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_loop import InFlight, Stepper
-from engine.step_stats import SpecStats, StepObserver
+from engine.step_stats import SpecStats, StepObserver, prefill_backlog
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up
@@ -461,10 +461,8 @@ class LLMEngine:
                 prompt_tokens=self.emitter.prompt_tokens,
                 spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
-                prefill_backlog=sum(
-                    s.num_uncomputed
-                    for s in itertools.chain(self.scheduler.waiting, self.scheduler.running)
-                    if s.is_prefilling
+                prefill_backlog=prefill_backlog(
+                    itertools.chain(self.scheduler.waiting, self.scheduler.running)
                 ),
             )
 

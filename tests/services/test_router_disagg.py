@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 
 from engine.sampling_params import SamplingParams
-from engine.step_stats import StepStats
+from engine.sequence import Sequence
+from engine.step_stats import StepStats, prefill_backlog
 from libkv.cluster.registry import Member, MemberChange, MemberLoad
 from services.common.errors import ResourceExhausted
 from services.router.admission import SloGate
@@ -206,3 +207,14 @@ def test_the_pace_meter() -> None:
     assert meter.report().prefill_tokens_per_s == pytest.approx(1500 / 0.15)
     assert meter.report().decode_step_ms == pytest.approx(30)
     assert len(seen) == 5
+
+
+def test_the_prefill_backlog_a_worker_reports() -> None:
+    """Prompt tokens not computed yet: a waiting prompt's all, a part-computed one's rest, a
+    preempted stream's prompt and outputs; none of a decoding stream's."""
+    params = SamplingParams(max_tokens=4)
+    waiting = Sequence("a", list(range(100)), params, 0)
+    chunked = Sequence("b", list(range(300)), params, 1, num_computed=256)
+    decoding = Sequence("c", [1, 2], params, 2, output_token_ids=[7], num_computed=2)
+    preempted = Sequence("d", [1, 2, 3], params, 3, output_token_ids=[7, 8], num_computed=0)
+    assert prefill_backlog([waiting, chunked, decoding, preempted]) == 100 + 44 + 5
