@@ -36,7 +36,7 @@ from services.router.calls import (
     soonest,
 )
 from services.router.planner import Planner
-from services.router.policy import Chooser, LocationLookup, PolicyConfig
+from services.router.policy import Chooser, LocationLookup, Plan, PolicyConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -216,16 +216,7 @@ class RouterCore:
             raise NoWorker("no live decode workers")
         self.stats.decisions[(self.policy.name, plan.reason)] += 1
         decision = plan.decision
-        self.planner.routed(plan.uncached)
-        if decision is not None:
-            self.stats.disagg[(decision.choice, decision.reason)] += 1
-            try:
-                self.slo_gate.check(
-                    job, decision, self.chooser.disagg.slo(job.slo_ttft_ms, job.slo_tpot_ms)
-                )
-            except ResourceExhausted:  # a retry tries the other workers, if any
-                route.failed.update(m.worker_id for m in (plan.decode, plan.prefill) if m)
-                raise
+        self._count(job, plan, route)
         log.info(
             "request %s (%d tokens): %s -> prefill %s, decode %s (%d blocks cached; %s)",
             job.request_id, len(job.prompt), plan.reason,
@@ -235,18 +226,8 @@ class RouterCore:
         decode, prefill = plan.decode, plan.prefill
         backlogs = self.chooser.disagg.backlogs
         if prefill is None:
-            # Its prompt is queued on the decode worker until its first event.
-            backlogs.add(decode.worker_id, plan.uncached)
-            pending = True
-            try:
-                async for ev in self._decode(decode, DecodeCall(job), route):
-                    if pending:
-                        backlogs.done(decode.worker_id, plan.uncached)
-                        pending = False
-                    yield ev
-            finally:
-                if pending:
-                    backlogs.done(decode.worker_id, plan.uncached)
+            async for ev in self._decode_only(decode, job, plan.uncached, route):
+                yield ev
             return
         # Two-phase admission: book the decode side before the prefill, so a request whose
         # first token reaches the client is admitted for its whole life (a full decode pool
@@ -281,6 +262,38 @@ class RouterCore:
                 self.chooser.disagg.handed_off(plan.uncached, time.monotonic() - handed)
                 handed = 0.0
             yield ev
+
+    def _count(self, job: RouteJob, plan: Plan, route: Route) -> None:
+        """Count ``plan``'s disagg decision and its prompt work (the planner's demand), and shed
+        the request when its SLO gate says so (ResourceExhausted: a retry tries the other
+        workers, if any)."""
+        self.planner.routed(plan.uncached)
+        decision = plan.decision
+        if decision is None:
+            return
+        self.stats.disagg[(decision.choice, decision.reason)] += 1
+        try:
+            slo = self.chooser.disagg.slo(job.slo_ttft_ms, job.slo_tpot_ms)
+            self.slo_gate.check(job, decision, slo)
+        except ResourceExhausted:
+            route.failed.update(m.worker_id for m in (plan.decode, plan.prefill) if m)
+            raise
+
+    async def _decode_only(self, decode: Member, job: RouteJob, uncached: int, route: Route):
+        """Decode ``job`` on ``decode``, which computes its ``uncached`` prompt tokens itself:
+        counted as queued there (`services.router.disagg.Backlogs`) until its first event."""
+        backlogs = self.chooser.disagg.backlogs
+        backlogs.add(decode.worker_id, uncached)
+        pending = True
+        try:
+            async for ev in self._decode(decode, DecodeCall(job), route):
+                if pending:
+                    backlogs.done(decode.worker_id, uncached)
+                    pending = False
+                yield ev
+        finally:
+            if pending:
+                backlogs.done(decode.worker_id, uncached)
 
     async def _decode_prefilled(self, decode, prefill, call: DecodeCall, route: Route):
         """Decode from prefilled KV. When the decode worker could not obtain the KV and fails
