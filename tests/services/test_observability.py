@@ -315,6 +315,10 @@ async def test_gateway_counts_requests_tokens_latency_and_goodput(gateway_metric
     assert value(reg, "tandem_gateway_goodput_requests_total") == 2  # generous SLOs
     assert value(reg, "tandem_gateway_slo_info", ttft_seconds="10.0", tpot_seconds="10.0") == 1
     assert value(reg, "tandem_gateway_requests_in_flight") == 0
+    # A request's own objective counts for its goodput: a microsecond TTFT is missed.
+    tight = {**body, "slo_ttft_ms": 0.001}
+    assert (await client.post(route, json=tight, headers=auth)).status_code == 200
+    assert value(reg, "tandem_gateway_goodput_requests_total") == 2
 
 
 def test_route_labels_are_bounded():
