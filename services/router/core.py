@@ -259,7 +259,8 @@ class RouterCore:
         handed = time.monotonic()  # the hand-off lasts until the decode worker's first event
         async for ev in self._decode_prefilled(decode, prefill, call, route):
             if handed:
-                self.chooser.disagg.handed_off(plan.uncached, time.monotonic() - handed)
+                step = decode.load.decode_step_ms / 1000
+                self.chooser.disagg.handed_off(plan.uncached, time.monotonic() - handed, step)
                 handed = 0.0
             yield ev
 

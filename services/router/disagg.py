@@ -15,13 +15,17 @@ for both options the request's TTFT and the TPOT it costs::
 ``L`` is the output a stream makes on it (the mean this router saw end, at most what the request
 books); ``chunks`` the steps the prompt takes on the decode worker, each also running its
 decodes. The first token streams from the prefill worker as soon as it is sampled, so in Tandem
-the hand-off (measured by the router: prefill reply to the decode worker's first event) falls
-into the request's TPOT, not its TTFT. Each option's headroom is ``min(1 - TTFT / SLO_ttft,
+the hand-off falls into the request's TPOT, not its TTFT: what it adds is measured by the
+router, from the prefill reply to the decode worker's first event, less the one decode step
+that token would have taken anyway. Each option's headroom is ``min(1 - TTFT / SLO_ttft,
 1 - TPOT / SLO_tpot)``; the router takes the option with the most (decode-only on a tie):
 
 - ``headroom``: both meet the SLOs, the chosen one by more;
 - ``saturated``: only the chosen one meets them (the other's pool is saturated);
-- ``both-miss``: neither meets them; the one that misses by less.
+- ``both-miss``: neither meets them; the one that misses by less in all, the sum of how far
+  past each SLO it is (``TTFT / SLO_ttft - 1`` where positive, and the same of TPOT): an
+  objective both miss by about as much (a decode step longer than the TPOT objective) does not
+  hide a large difference in the other.
 
 Without a measured rate on either side yet (a cold start) the old length rule decides:
 ``cold-start`` (the uncached part against ``--decode-only-threshold``). With no prefill
@@ -69,6 +73,10 @@ class Prediction:
         """The smaller fraction of either SLO left (negative: missed by that fraction)."""
         return min(1 - self.ttft_s / slo.ttft_s, 1 - self.tpot_s / slo.tpot_s)
 
+    def excess(self, slo: Slo) -> float:
+        """How far past the SLOs it is in all: the fractions by which each is missed, summed."""
+        return max(self.ttft_s / slo.ttft_s - 1, 0) + max(self.tpot_s / slo.tpot_s - 1, 0)
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -102,15 +110,11 @@ def predict_local(decode: Pace, uncached: int, out_tokens: int) -> Prediction:
 def choose(disagg: Prediction, local: Prediction, slo: Slo) -> Decision:
     """The option with the most headroom under ``slo`` (decode-only on a tie), and why."""
     a, b = disagg.headroom(slo), local.headroom(slo)
+    if a < 0 and b < 0:
+        best = disagg if disagg.excess(slo) < local.excess(slo) else local
+        return Decision(best.choice, "both-miss", best)
     best, other = (disagg, b) if a > b else (local, a)
-    mine = max(a, b)
-    if mine >= 0 and other >= 0:
-        reason = "headroom"
-    elif mine >= 0:
-        reason = "saturated"
-    else:
-        reason = "both-miss"
-    return Decision(best.choice, reason, best)
+    return Decision(best.choice, "headroom" if other >= 0 else "saturated", best)
 
 
 def pace_of(m: Member, queued: int, rate: float = 0.0) -> Pace | None:
@@ -186,11 +190,12 @@ class Disaggregator:
         return Slo(ttft_ms / 1000 if ttft_ms > 0 else d.ttft_s,
                    tpot_ms / 1000 if tpot_ms > 0 else d.tpot_s)  # fmt: skip
 
-    def handed_off(self, tokens: int, seconds: float) -> None:
+    def handed_off(self, tokens: int, seconds: float, step_s: float = 0.0) -> None:
         """A hand-off of ``tokens`` prompt tokens took ``seconds`` (prefill reply to the decode
-        worker's first event)."""
+        worker's first event), on a decode worker whose step takes ``step_s`` (that token's own
+        step, which decoding there without a hand-off would take too)."""
         if tokens > 0 and seconds >= 0:
-            self.handoff_per_token.add(seconds / tokens)
+            self.handoff_per_token.add(max(seconds - step_s, 0.0) / tokens)
 
     def finished(self, tokens: int) -> None:
         """A stream ended after ``tokens`` completion tokens."""

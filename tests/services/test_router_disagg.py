@@ -86,6 +86,11 @@ def test_choice_and_reasons() -> None:
     late = Prediction(LOCAL, 3.0, 0.03)
     assert choose(slow, late, SLO) == Decision(DISAGG, "both-miss", slow)  # misses by less
     assert choose(local, local, SLO).choice == LOCAL  # a tie stays on the decode worker
+    # Both miss a TPOT objective the decode step alone misses (by 14x and 15x): the TTFT that
+    # one of them still meets decides, not the smaller TPOT miss.
+    idle_prefill = Prediction(DISAGG, 0.5, 0.75)
+    queued_decode = Prediction(LOCAL, 9.0, 0.70)
+    assert choose(idle_prefill, queued_decode, SLO) == Decision(DISAGG, "both-miss", idle_prefill)
 
 
 def test_a_long_prefill_queue_sends_the_prompt_decode_side() -> None:
@@ -218,3 +223,13 @@ def test_the_prefill_backlog_a_worker_reports() -> None:
     decoding = Sequence("c", [1, 2], params, 2, output_token_ids=[7], num_computed=2)
     preempted = Sequence("d", [1, 2, 3], params, 3, output_token_ids=[7, 8], num_computed=0)
     assert prefill_backlog([waiting, chunked, decoding, preempted]) == 100 + 44 + 5
+
+
+def test_a_hand_off_counts_what_it_adds_to_the_second_token() -> None:
+    """Measured from the prefill reply to the decode worker's first event, less the decode step
+    that token takes anyway."""
+    c = chooser([worker("d0", "decode")])
+    c.disagg.handed_off(1000, 0.05, step_s=0.02)
+    assert c.disagg.handoff_per_token.value == pytest.approx(0.03 / 1000)
+    c.disagg.handed_off(1000, 0.01, step_s=0.02)  # a step shorter than usual: adds nothing
+    assert c.disagg.handoff_per_token.value == pytest.approx(0.8 * 0.03 / 1000)
