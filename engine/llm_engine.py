@@ -10,6 +10,7 @@ the next forward pass before it reads back the previous one, and returns that on
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.step_loop import Stepper
-from engine.step_stats import SpecStats, StepObserver
+from engine.step_stats import SpecStats, StepObserver, prefill_backlog
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up
@@ -55,6 +56,9 @@ class EngineStats:
     prefix_hit_tokens: int
     prompt_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)
+    # Prompt tokens (or recomputed ones after a preemption) queued or part-computed: what a
+    # router weighs to place a new prompt (services.router.disagg).
+    prefill_backlog: int = 0
     # Triton kernel specialisations this process met before and after ready (plain numbers).
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
     tier: TierStats | None = None  # the host tier's counters (None: no host tier)
@@ -272,6 +276,9 @@ class LLMEngine:
                 spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
                 tier=tier_stats(self.kv.tier, self.runner.host_store),
+                prefill_backlog=prefill_backlog(
+                    itertools.chain(self.scheduler.waiting, self.scheduler.running)
+                ),
             )
 
     def try_stats(self, timeout: float) -> EngineStats | None:

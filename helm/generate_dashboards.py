@@ -255,6 +255,28 @@ def router() -> Dashboard:
               percentiles("tandem_grpc_server_handling_seconds",
                           extra='component="router", method="/tandem.v1.Router/Generate"')),
     )  # fmt: skip
+    split = "tandem_router_disagg_decisions_total"
+    disagg_rate = "sum(" + rate(split, 'choice="disagg"') + ")"
+    pools = sel('role=~"prefill|decode"')
+    d.row(
+        "Disaggregation",
+        Panel("Disaggregation decisions", "Where prompts are computed, per second: disagg (a "
+              "prefill worker, then a hand-off) or decode-only, by reason: headroom (both "
+              "options meet the request's SLOs, this one by more), saturated (only this one "
+              "meets them), both-miss, cold-start (no measured pace yet), no-prefill; and "
+              "requests shed for a predicted TTFT far past their SLO (--slo-shed-factor).",
+              "ops",
+              (Target(f"sum by (choice, reason) ({rate(split)})", "{{choice}} {{reason}}"),
+               Target(f"sum({rate('tandem_router_slo_shed_total')})", "shed"))),
+        Panel("Disaggregated share", "Share of requests whose prompt is computed on a prefill "
+              "worker and handed over.", "percentunit",
+              (Target(ratio(disagg_rate, f"sum({rate(split)})"), "disagg"),)),
+        Panel("Planned pools", "Workers the routers' pool planner says the recent traffic "
+              "needs, by role (summed over routers), beside the live members.", "short",
+              (Target(f"sum(tandem_planner_prefill_workers{{{sel()}}})", "prefill planned"),
+               Target(f"sum(tandem_planner_decode_workers{{{sel()}}})", "decode planned"),
+               Target(f"max by (role) (tandem_router_members{{{pools}}})", "{{role}} live"))),
+    )  # fmt: skip
     d.row(
         "Members and etcd",
         Panel("Live members", "Members in the routers' view, by role (the largest view).",

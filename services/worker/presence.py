@@ -1,5 +1,5 @@
 """A worker's presence in etcd: its member key (role, model, address, incarnation, KV capacity,
-load, hand-off record) and the block-location summaries published under the same lease
+load and pace, hand-off record) and the block-location summaries published under the same lease
 (``libkv.cluster.summary_publisher``), started and stopped together."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from libkv.cluster.summary_publisher import SummaryConfig, SummaryPublisher
 from libkv.cluster.tiers import HOST, tier_incarnation
 from libkv.kv_layout import LAYOUT_KEY
 from services.worker.config import WorkerConfig
+from services.worker.pace import PaceMeter
 
 if TYPE_CHECKING:
     from engine.core.client import EngineClient
@@ -68,20 +69,26 @@ async def register(
     engine: EngineClient,
     incarnation: str,
     extra: dict[str, str] | None = None,
+    pace: PaceMeter | None = None,
 ) -> Presence | None:
     """Register this worker in etcd and publish its cached prefixes under the same lease
-    (None when no etcd is configured)."""
+    (None when no etcd is configured); ``pace``: its measured speed, reported with its load."""
     if not config.etcd:
         return None
 
     def load() -> MemberLoad:  # the engine's counters as of its latest step
         assert engine.snapshot is not None
         s = engine.snapshot.stats
+        measured = pace.report() if pace is not None else None
         return MemberLoad(
             queue_length=s.num_waiting,
             running=s.num_running,
             kv_blocks_used=s.kv_blocks_used,
             kv_blocks_free=s.kv_blocks_total - s.kv_blocks_used,
+            prefill_backlog=s.prefill_backlog,
+            prefill_tokens_per_s=measured.prefill_tokens_per_s if measured else 0.0,
+            decode_step_ms=measured.decode_step_ms if measured else 0.0,
+            max_batched_tokens=config.max_num_batched_tokens,
         )
 
     member = Member(
