@@ -31,6 +31,7 @@ from services.observability.config import ObservabilityConfig
 from services.observability.process import Observability
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouterCore
+from services.router.disagg import MODES
 from services.router.metrics import RouterCollector
 from services.router.planner import Planner
 from services.router.policy import POLICIES, PolicyConfig
@@ -74,6 +75,13 @@ class RouterConfig:
         "cold start only: until the workers report a measured prefill rate, prompts whose "
         "uncached part is shorter go straight to a decode worker (afterwards the choice is "
         "predicted against each request's SLOs: services/router/disagg.py)",
+    )
+    disagg_mode: str = option(
+        "slo",
+        "where a prompt is computed: slo (a prefill worker or the decode worker, whichever is "
+        "predicted to meet the request's SLOs: services/router/disagg.py) or length (the "
+        "--decode-only-threshold rule for every request, whatever the load)",
+        choices=MODES,
     )
     slo_ttft_ms: float = option(
         1000.0, "TTFT objective (ms) of a request that carries none (the gateway sends one)"
@@ -179,7 +187,7 @@ async def serve(config: RouterConfig) -> None:
     clients = GrpcWorkerClients(tls=config.security.tls)
     policy = PolicyConfig(
         config.policy, config.decode_only_threshold, config.kv_load_weight,
-        config.slo_ttft_ms, config.slo_tpot_ms,
+        config.slo_ttft_ms, config.slo_tpot_ms, config.disagg_mode,
     )  # fmt: skip
     # The kv policy routes by the block locations workers publish in etcd (nothing else).
     index = await LocationIndex.start(list(config.etcd)) if config.policy == "kv" else None

@@ -29,7 +29,9 @@ that token would have taken anyway. Each option's headroom is ``min(1 - TTFT / S
 
 Without a measured rate on either side yet (a cold start) the old length rule decides:
 ``cold-start`` (the uncached part against ``--decode-only-threshold``). With no prefill
-worker that can hand KV to the decode worker: ``no-prefill``.
+worker that can hand KV to the decode worker: ``no-prefill``. ``--disagg-mode length`` keeps
+the length rule for every request (reason ``length``): fixed placement whatever the load, for
+an operator who sizes the pools by hand or a test of the hand-off itself.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from libkv.cluster.registry import Member, MemberChange, MemberLoad
 
 DISAGG, LOCAL = "disagg", "decode-only"
+MODES = ("slo", "length")  # --disagg-mode: predicted against the SLOs, or the length rule
 EWMA_ALPHA = 0.2  # weight of the newest sample in the router's own averages
 
 
@@ -177,9 +180,12 @@ class Disaggregator:
     reports, this router's `Backlogs`, and what it measured: the hand-off (seconds per prompt
     token moved) and the output of streams that ended here."""
 
-    def __init__(self, default_slo: Slo, threshold: int) -> None:
+    def __init__(self, default_slo: Slo, threshold: int, mode: str = "slo") -> None:
+        if mode not in MODES:
+            raise ValueError(f"disagg mode {mode!r} is not one of {', '.join(MODES)}")
         self.default_slo = default_slo
         self.threshold = threshold  # the cold-start rule (--decode-only-threshold)
+        self.mode = mode
         self.backlogs = Backlogs()
         self.handoff_per_token = Ewma()  # seconds per prompt token of a hand-off
         self.output_tokens = Ewma()  # completion tokens of a stream that ended
@@ -218,6 +224,8 @@ class Disaggregator:
         local_m, uncached_d = decode_local
         if prefill is None or decode_recv is None:
             return Decision(LOCAL, "no-prefill")
+        if self.mode == "length":
+            return Decision(DISAGG if uncached_d >= self.threshold else LOCAL, "length")
         rates = [m.load.prefill_tokens_per_s for m in peers if m.load.prefill_tokens_per_s > 0]
         peer_rate = sum(rates) / len(rates) if rates else 0.0
         pm, uncached_p = prefill

@@ -104,6 +104,7 @@ class PolicyConfig:
     load_weight: float = 0.5
     slo_ttft_ms: float = 1000.0  # objectives of a request that carries none
     slo_tpot_ms: float = 50.0
+    disagg_mode: str = "slo"  # `services.router.disagg.MODES`
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -169,7 +170,7 @@ class Chooser:
         # worker -> (its last load report, this router's requests and their blocks on it then)
         self._own_at_report: dict[str, tuple[MemberLoad, int, int]] = {}
         slo = Slo(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000)
-        self.disagg = Disaggregator(slo, config.decode_only_threshold)
+        self.disagg = Disaggregator(slo, config.decode_only_threshold, config.disagg_mode)
 
     def live(self, role: str, exclude: set[str], lora: str = "") -> list[Member]:
         """Members of ``role`` that take work, not in ``exclude``; with ``lora``, only those

@@ -132,6 +132,17 @@ def test_cold_start_falls_back_to_the_length_rule() -> None:
     assert chooser(members).plan(req(), set()).decision.reason == "saturated"
 
 
+def test_length_mode_keeps_the_length_rule_whatever_the_load() -> None:
+    """``--disagg-mode length``: a long prefill queue does not move a long prompt decode-side,
+    and a short prompt stays there with the prefill pool idle."""
+    members = [worker("p0", "prefill", backlog=30_000), worker("d0", "decode", running=4)]
+    c = chooser(members, decode_only_threshold=256, disagg_mode="length")
+    assert c.plan(req(), set()).decision == Decision(DISAGG, "length")
+    assert c.plan(req(100), set()).decision == Decision(LOCAL, "length")
+    with pytest.raises(ValueError, match="disagg mode"):
+        chooser(members, disagg_mode="always")
+
+
 def test_no_prefill_worker() -> None:
     plan = chooser([worker("d0", "decode")], policy="round-robin").plan(req(), set())
     assert plan.prefill is None and plan.decision == Decision(LOCAL, "no-prefill")

@@ -188,6 +188,7 @@ def observed(smol_dir, tmp_path_factory) -> Iterator[Observed]:
         run_dir=str(run / "stack"),
         port=free_port(),
         decode_only_threshold=48,  # the LONG prompt is prefilled, "Hi" is decode-only
+        disagg_mode="length",  # placement by length alone, whatever the load
         trace_files=True,
     )
     with Stack(config) as stack:
