@@ -159,6 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("SLOs and output")
     o.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     o.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    o.add_argument(
+        "--send-slo",
+        action="store_true",
+        help="send the SLOs with every request (slo_ttft_ms, slo_tpot_ms: Tandem's router "
+        "places each prefill to meet them; other servers may ignore or refuse the fields)",
+    )
     o.add_argument("--out", type=Path, default=Path("bench/results/serving"))
     o.add_argument("--no-plots", dest="plots", action="store_false")
     o.add_argument("--no-progress", dest="progress", action="store_false")
@@ -279,8 +285,9 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     rates = [r for group in args.rate for r in group]  # none: each workload's default
     slo = SLO(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     opts = RequestOptions(
-        args.api, args.ignore_eos, args.temperature, args.request_timeout, args.progress
-    )
+        args.api, args.ignore_eos, args.temperature, args.request_timeout, args.progress,
+        (args.slo_ttft_ms, args.slo_tpot_ms) if args.send_slo else None,
+    )  # fmt: skip
     workloads = _workloads(args, len(rates) or 1)
     for sweep in workloads:
         if sweep[0].trace is not None:

@@ -47,13 +47,23 @@ class LoadConfig:
 @dataclass(frozen=True, slots=True)
 class RequestOptions:
     """How each request is sent. ``ignore_eos`` goes in ``extra_body`` (a vLLM extension that
-    Tandem's gateway also accepts), making ``max_tokens`` the exact output length."""
+    Tandem's gateway also accepts), making ``max_tokens`` the exact output length; so does
+    ``slo_ms`` (TTFT, TPOT objectives in ms: Tandem's per-request ``slo_ttft_ms`` and
+    ``slo_tpot_ms``, which its router places prefills by) when given."""
 
     api: str = "chat"  # or "completions"
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout: float = 600.0
     progress: bool = True
+    slo_ms: tuple[float, float] | None = None
+
+    def extra_body(self) -> dict:
+        """The fields each request sends beyond OpenAI's."""
+        body: dict = {"ignore_eos": True} if self.ignore_eos else {}
+        if self.slo_ms is not None:
+            body |= {"slo_ttft_ms": self.slo_ms[0], "slo_tpot_ms": self.slo_ms[1]}
+        return body
 
 
 @dataclass(slots=True)
@@ -135,8 +145,8 @@ async def send(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if opts.ignore_eos:
-        kwargs["extra_body"] = {"ignore_eos": True}
+    if opts.extra_body():
+        kwargs["extra_body"] = opts.extra_body()
     chat = opts.api == "chat"
     messages = [{"role": m.role, "content": m.content} for m in spec.messages]
     chunk_times: list[float] = []

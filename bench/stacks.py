@@ -1,9 +1,10 @@
 """Local stack configurations that ``tandem bench --stack SPEC`` starts, measures and stops.
 
 SPEC is ``disagg:XpYd`` (X prefill and Y decode workers) optionally followed by options
-``:threshold=N`` (the routers' decode-only threshold), ``:policy=NAME`` (routing policy: kv,
-least-loaded, round-robin, session) and ``:routers=N`` (router replicas), or ``colocated:N``
-(N workers doing both phases).
+``:threshold=N`` (the routers' cold-start decode-only threshold: it decides until the
+workers report a measured prefill rate, then each request's SLOs do), ``:policy=NAME``
+(routing policy: kv, least-loaded, round-robin, session) and ``:routers=N`` (router
+replicas), or ``colocated:N`` (N workers doing both phases).
 """
 
 from __future__ import annotations

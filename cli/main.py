@@ -57,6 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         if args.decode_only_threshold is not None:
             common["decode_only_threshold"] = args.decode_only_threshold
+        if args.disagg_mode is not None:
+            common["disagg_mode"] = args.disagg_mode
         config = StackConfig(
             num_prefill=args.prefill_workers, num_decode=args.decode_workers, **common
         )
@@ -156,7 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-only-threshold",
         type=int,
         default=None,
-        help="prompts shorter than this skip the prefill pool (router default: 256)",
+        help="prompts whose uncached part is shorter skip the prefill pool: at a cold start, "
+        "and always under --disagg-mode length (router default: 256)",
+    )
+    serve.add_argument(
+        "--disagg-mode",
+        choices=("slo", "length"),
+        default=None,
+        help="the routers' choice per prompt: slo (prefill pool or decode worker, whichever is "
+        "predicted to meet the request's SLOs; the default) or length (--decode-only-threshold)",
     )
     serve.add_argument(
         "--max-restarts",

@@ -194,6 +194,23 @@ class EngineConfig:
         f"KV pool size in bytes (default: {DEFAULT_CPU_KV_CACHE_BYTES // 1024**2} MiB on CPU; on "
         "CUDA what --gpu-memory-utilization leaves after weights, activations and CUDA graphs)",
     )
+    # The host tier (engine.host_store, libkv.host_tier): KV blocks of the prefix cache copied
+    # to host memory, paged back instead of recomputed. None: auto (off on CPU hosts).
+    kv_host_cache_gib: float | None = knob(
+        None,
+        "host-memory KV tier per worker in GiB: blocks of the prefix cache are copied to it and "
+        "paged back instead of recomputed, for prefixes and preempted sequences (0: off; "
+        "default: off on CPU hosts, on CUDA hosts min(2x the GPU KV pool, 30 percent of available "
+        "RAM / GPUs))",
+        metavar="GIB",
+    )
+    # A host hit shorter than this is recomputed: a copy has a fixed cost, a few tokens in a
+    # batched step next to none (docs/engine.md, "Host tier", has the estimate).
+    kv_swap_min_tokens: int = knob(
+        64,
+        "host-tier hits (cached prefixes, preempted sequences) shorter than this many tokens "
+        "are recomputed instead of paged back in",
+    )
     # The share of the device's *total* memory (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = knob(
         0.9,
@@ -304,6 +321,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, not {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, not {self.kv_cache_bytes}")
+        if self.kv_host_cache_gib is not None and self.kv_host_cache_gib < 0:
+            raise ValueError(f"kv_host_cache_gib must be >= 0, not {self.kv_host_cache_gib}")
+        if self.kv_swap_min_tokens < 0:
+            raise ValueError(f"kv_swap_min_tokens must be >= 0, not {self.kv_swap_min_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:

@@ -21,6 +21,7 @@ from engine.choices import Choice, Request, RequestTables
 from engine.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 from engine.sampling_params import SamplingParams, TokenLogprob
 from libkv.hashing import encode_extra_keys
+from libkv.host_tier import HostHit
 
 if TYPE_CHECKING:
     import threading
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
     from engine.step_loop import Stepper
     from engine.structured import GrammarRuntime
-    from libkv.kv_manager import KVCacheManager
+    from libkv.kv_manager import KVCacheManager, PrefixHit
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,8 @@ class Handoff:
 
         With a step in flight it first waits for the device to run it: the blocks handed out
         may have been freed under that step (``engine.step_loop``), and the KV that arrives is
-        written from off the engine's stream.
+        written from off the engine's stream. Blocks of the prompt this worker holds in its
+        host tier (``libkv.host_tier``) count as cached: they are paged in at once.
         """
         self._validate(prompt, SamplingParams(max_tokens=1))
         with self._lock:
@@ -166,11 +168,18 @@ class Handoff:
             if request_id in self._tables.requests or request_id in self.kv:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             hit = self.kv.find_prefix(prompt, extra)
-            cached = min(hit.num_tokens(self.config.block_size), len(prompt))
+            host = host_part(self.kv, prompt, extra, hit)
+            bs = self.config.block_size
+            cached = min((len(hit.blocks) + len(host)) * bs, len(prompt))
             if self.kv.admit(request_id, hit, len(prompt), len(prompt), extra) is None:
                 raise KVCapacityError("no free KV blocks for the incoming request; retry later")
             self._tables.reserved.add(request_id)
-            return self.kv.block_ids(request_id), cached
+            ids = self.kv.block_ids(request_id)
+            if host and self.kv.tier is not None:  # paged in now, ahead of anything after it
+                self.kv.tier.page_in(host, ids[len(hit.blocks) : len(hit.blocks) + len(host)])
+                self.runner.run_tier(self.kv.tier.take())
+            self.runner.settle_host(ids)  # no host-tier page-out still reads them
+            return ids, cached
 
     def add_prefilled(
         self,
@@ -325,3 +334,11 @@ class Handoff:
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Raw bytes of whole blocks (all layers, K and V) in the pool's layout and dtype."""
         return self.runner.read_blocks(block_ids)
+
+
+def host_part(kv: KVCacheManager, prompt: list[int], extra: bytes, hit: PrefixHit) -> HostHit:
+    """The host-tier blocks continuing ``hit`` that are worth paging in (none without a tier)."""
+    host = kv.find_host(prompt, extra, hit)
+    if kv.tier is None or not kv.tier.worth_paging(len(host) * kv.block_size):
+        return HostHit()
+    return host

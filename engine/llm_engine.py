@@ -10,6 +10,7 @@ the next forward pass before it reads back the previous one, and returns that on
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from engine.draft_model import DraftProposer
 from engine.emit import Emitter
 from engine.errors import RequestNotFoundError
 from engine.handoff import Handoff
+from engine.host_store import make_tier, tier_stats
 from engine.intake import Intake
 from engine.lora_config import LoRASpec
 from engine.model_runner import ModelRunner
@@ -32,13 +34,14 @@ from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.step_loop import Stepper
-from engine.step_stats import SpecStats, StepObserver
+from engine.step_stats import SpecStats, StepObserver, prefill_backlog
 from engine.structured import GrammarRuntime
 from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up
 from kernels import compile_counter
 from kernels.compile_counter import CompileCounts
 from libkv.block_pool import BlockPool
+from libkv.host_tier import TierStats
 from libkv.kv_manager import KVCacheManager
 
 
@@ -53,8 +56,12 @@ class EngineStats:
     prefix_hit_tokens: int
     prompt_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)
+    # Prompt tokens (or recomputed ones after a preemption) queued or part-computed: what a
+    # router weighs to place a new prompt (services.router.disagg).
+    prefill_backlog: int = 0
     # Triton kernel specialisations this process met before and after ready (plain numbers).
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
+    tier: TierStats | None = None  # the host tier's counters (None: no host tier)
 
 
 class LLMEngine:
@@ -99,6 +106,7 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.pool, config.enable_prefix_caching, track_seals=config.seal_checksums
         )
+        self.kv.set_tier(make_tier(config, self.runner.host_store, self.runner.layout.block_bytes))
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -267,6 +275,10 @@ class LLMEngine:
                 prompt_tokens=self.emitter.prompt_tokens,
                 spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
+                tier=tier_stats(self.kv.tier, self.runner.host_store),
+                prefill_backlog=prefill_backlog(
+                    itertools.chain(self.scheduler.waiting, self.scheduler.running)
+                ),
             )
 
     def try_stats(self, timeout: float) -> EngineStats | None:
@@ -282,6 +294,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         with self._lock:
             self.kv.check_integrity()
+            if self.kv.tier is not None:
+                self.kv.tier.check_integrity()
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.check_integrity()
 

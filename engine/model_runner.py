@@ -32,6 +32,7 @@ from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.device_io import upload, upload_many
+from engine.host_store import HostStore, host_slots, written_blocks
 from engine.inflight import InflightIds, feed_ids, step_inputs
 from engine.kv_checksum import (
     ALGORITHMS,
@@ -54,6 +55,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import StepSample, VerifyOutput, sample_with_drafts
 from engine.structured import GrammarRuntime
 from engine.warmup_shapes import WarmupReport
+from libkv.host_tier import TierCopies
 from libkv.kv_layout import KVLayout
 from libkv.kv_manager import CopyOp
 
@@ -240,6 +242,14 @@ class ModelRunner:
             self.layout, self.comm.rank, self.num_blocks, self.kv_dtype, self.device
         )
         self.kv_cache = kv_pool.kernel_view(self.kv_pool)
+        # The host tier's blocks (engine.host_store): the target model's pool only.
+        slots = 0
+        if planned:
+            pool_bytes = self.num_blocks * self.layout.block_bytes
+            slots = host_slots(config.kv_host_cache_gib, self.layout.block_bytes, self.device,
+                               pool_bytes)  # fmt: skip
+            slots = self.comm.min_int(slots, self.device)
+        self.host_store = HostStore(self.kv_pool, slots) if slots else None
         self.graphs: DecodeGraphs | None = None
         self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
         self._seals: SealedSums | None = None  # sums kept when blocks are sealed
@@ -298,6 +308,7 @@ class ModelRunner:
         at once). ``fed``: the previous step's sampled ids, for the sequences whose newest
         token is still in flight."""
         self.bind_thread()
+        self._tier_step(sched)
         if sched.copies:
             self._command("copy", [c.src for c in sched.copies], [c.dst for c in sched.copies])
         sampling = _sampling(sched)
@@ -407,7 +418,41 @@ class ModelRunner:
             "sealed": self._read_sealed,
             "write": self._write,
             "score": self._score,
+            "tier": self._tier,
+            "settle": self._settle,
         }
+
+    def _tier(self, *args) -> None:
+        assert self.host_store is not None
+        self.host_store.copy(*args)
+
+    def _tier_step(self, sched: SchedulerOutput) -> None:
+        """Before a step: the host tier's copies, and no write under a page-out in flight."""
+        if self.host_store is not None:
+            t, written = sched.tier, written_blocks(sched, self.config.block_size)
+            self._command("tier", t.out_blocks, t.out_slots, t.in_slots, t.in_blocks, written)
+
+    def run_tier(self, copies: TierCopies) -> None:
+        """Issue host-tier copies now, outside a step (a hand-off's page-ins)."""
+        if self.host_store is not None and copies:
+            self.bind_thread()
+            out_b, out_s, in_s, in_b = (
+                copies.out_blocks,
+                copies.out_slots,
+                copies.in_slots,
+                copies.in_blocks,
+            )
+            self._command("tier", out_b, out_s, in_s, in_b, [])
+
+    def _settle(self, block_ids: list[int]) -> None:
+        assert self.host_store is not None
+        self.host_store.settle(block_ids)
+
+    def settle_host(self, block_ids: list[int]) -> None:
+        """Wait until no host-tier page-out reads ``block_ids`` (before KV is written into them
+        from off the engine's stream: ``HostStore.settle``)."""
+        if self.host_store is not None:
+            self._command("settle", list(block_ids))
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
         s, d = upload_many([src, dst], self.device)
@@ -550,6 +595,8 @@ class ModelRunner:
         self._command("write", list(block_ids), list(data))
 
     def _write(self, block_ids: list[int], data: list[bytes]) -> None:
+        if self.host_store is not None:
+            self.host_store.guard(block_ids)
         if self.comm.size > 1:
             data = [kv_pool.rank_part(self.layout, self.comm.rank, d) for d in data]
         kv_pool.write_bytes(self.kv_pool, block_ids, data)
@@ -563,6 +610,7 @@ class ModelRunner:
         return self._all_rows(sched, hidden=False)
 
     def _all_rows(self, sched: SchedulerOutput, hidden: bool) -> torch.Tensor:
+        self._tier_step(sched)
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
         plan.hidden = hidden
@@ -576,6 +624,7 @@ class ModelRunner:
         """Raw-model logprob and rank of ``targets[i]`` given the scheduled tokens up to row
         ``i`` (the prompt's next tokens: one fewer than the rows in the prompt's last chunk), with
         the ``k`` most likely tokens at that place (a prompt alone, ``engine.pooling``)."""
+        self._tier_step(sched)
         plan = self._plan(sched)
         plan.sample_rows = list(range(len(plan.token_ids)))
         plan.hidden = True

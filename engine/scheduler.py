@@ -3,10 +3,13 @@
 Each step spends a token budget: running sequences first, oldest first (a decode costs one
 token, an unfinished prefill takes the next chunk), then waiting sequences in arrival order
 (their cached prefix is skipped). When the KV pool cannot grow a running sequence, the newest
-running sequence is preempted by recomputation: its blocks are freed and it returns to the
-front of the queue, keeping its output tokens. The oldest sequence therefore always makes
-progress, and no sequence is admitted whose worst case cannot fit in the pool alone, so the
-loop can neither crash nor deadlock.
+running sequence is preempted: its blocks are freed and it returns to the front of the queue,
+keeping its output tokens. It resumes like a new prompt: what the prefix cache still holds is
+reused, and with a host tier (``libkv.host_tier``, which has had its full blocks since they
+were computed) the rest of its KV is paged back in (a swap) when at least
+``kv_swap_min_tokens`` are there; otherwise it is recomputed. The oldest sequence therefore
+always makes progress, and no sequence is admitted whose worst case cannot fit in the pool
+alone, so the loop can neither crash nor deadlock.
 
 With async scheduling (``engine.step_loop``) a step is planned while the previous one still
 runs: a running sequence may have its newest token in flight (``Sequence.num_inflight``). Its
@@ -22,7 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.sequence import FinishReason, SeqStatus, Sequence
-from libkv.kv_manager import CopyOp, KVCacheManager
+from libkv.host_tier import HostHit, TierCopies
+from libkv.kv_manager import CopyOp, KVCacheManager, PrefixHit
 
 
 @dataclass(slots=True)
@@ -55,6 +59,7 @@ class SchedulerOutput:
     copies: list[CopyOp] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     loras: set[str] = field(default_factory=set)  # the adapters of the scheduled sequences
+    tier: TierCopies = field(default_factory=TierCopies)  # host tier copies, before the step
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +146,9 @@ class Scheduler:
         budget = self._schedule_drafts(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        tier = self.kv.tier
+        if out.scheduled and tier is not None and tier.pending:  # issued with this step
+            out.tier = tier.take()
         return out
 
     def _ending(self, seq: Sequence) -> bool:
@@ -226,13 +234,12 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             tokens = seq.all_token_ids
-            hit = self.kv.find_prefix(tokens, seq.cache_salt)
-            # At least the last token is computed: its logits give the next token.
-            num_computed = min(hit.num_tokens(self.kv.block_size), len(tokens) - 1)
+            hit, host, num_computed = self._cached_prefix(tokens, seq.cache_salt)
             n = min(len(tokens) - num_computed, budget)
             copies = self.kv.admit(seq.key, hit, num_computed, num_computed + n, seq.cache_salt)
             if copies is None:
                 break
+            self._page_in(seq, hit, host, num_computed)
             self.waiting.popleft()
             if not seq.output_token_ids:
                 seq.num_cached_prompt_tokens = num_computed
@@ -243,6 +250,39 @@ class Scheduler:
             out.add(ScheduledSeq(seq, n, self.kv.block_ids(seq.key)))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+    def _cached_prefix(self, tokens: list[int], salt: bytes) -> tuple[PrefixHit, HostHit, int]:
+        """The device hit, the host-tier blocks to page in after it (those worth paging:
+        ``HostTier.worth_paging``) and the tokens whose KV is then computed. At least the
+        last token is computed: its logits give the next token."""
+        bs = self.kv.block_size
+        hit = self.kv.find_prefix(tokens, salt)
+        on_device = hit.num_tokens(bs)
+        host = self.kv.find_host(tokens, salt, hit)
+        tier = self.kv.tier
+        if host and tier is not None:
+            more = min(len(host) * bs, len(tokens) - 1 - on_device)
+            if tier.worth_paging(more):
+                keep = -(-more // bs)  # the blocks holding those tokens
+                del host.hashes[keep:], host.slots[keep:]
+                return hit, host, on_device + more
+            tier.stats.short_hits += 1
+        return hit, HostHit(), min(on_device, len(tokens) - 1)
+
+    def _page_in(self, seq: Sequence, hit: PrefixHit, host: HostHit, num_computed: int) -> None:
+        """Queue the page-ins of ``host`` into the blocks just allocated after the device hit,
+        and count how a preempted sequence resumed (swapped in or recomputed)."""
+        tier = self.kv.tier
+        if tier is None:
+            return
+        if host:
+            start = len(hit.blocks)
+            tier.page_in(host, self.kv.block_ids(seq.key)[start : start + len(host)])
+        if seq.num_preemptions and seq.output_token_ids:
+            if host:
+                tier.stats.swaps += 1
+            elif num_computed < seq.num_known - self.kv.block_size:
+                tier.stats.recomputes += 1
 
     def advance(self, scheduled: Iterable[ScheduledSeq]) -> None:
         """Once the forward pass is launched: mark the chunk computed and publish newly full

@@ -5,10 +5,11 @@ engine's thread, so it must be quick and thread-safe."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -44,6 +45,12 @@ class StepStats:
 
 
 StepObserver = Callable[[StepStats], None]
+
+
+def prefill_backlog(seqs: Iterable[Sequence]) -> int:
+    """Prompt tokens of ``seqs`` (waiting and running) not computed yet: those of sequences
+    still prefilling (a prompt, or prompt and outputs recomputed after a preemption)."""
+    return sum(s.num_uncomputed for s in seqs if s.is_prefilling)
 
 
 def batch_stats(sched: SchedulerOutput) -> StepStats:

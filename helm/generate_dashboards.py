@@ -184,6 +184,32 @@ def kv() -> Dashboard:
               "short", (Target(f"sum by (worker) (tandem_engine_kv_held_requests{{{sel()}}})",
                                "{{worker}}"),)),
     )  # fmt: skip
+    tier_used = f"sum by (tier) (tandem_engine_kv_tier_used_blocks{{{sel()}}})"
+    tier_cap = f"sum by (tier) (tandem_engine_kv_tier_capacity_blocks{{{sel()}}})"
+    tier_hits = f"sum by (tier) ({rate('tandem_engine_kv_tier_hit_tokens_total')})"
+    paged = "tandem_engine_kv_tier_page"
+    d.row(
+        "KV tiers (GPU, host)",
+        Panel("Tier occupancy", "Blocks holding data over each tier's capacity: GPU (used + "
+              "cached) and the host tier (--kv-host-cache-gib).", "percentunit",
+              (Target(ratio(tier_used, tier_cap), "{{tier}}"),)),
+        Panel("Prefix hits by tier", "Prompt tokens per second served from the GPU prefix "
+              "cache and paged in from the host tier instead of computed.", TOK,
+              (Target(tier_hits, "{{tier}}"),), stacked=True),
+        Panel("Host tier paging", "Bytes per second copied out to the host tier "
+              "(write-through) and paged back in.", "Bps",
+              (Target(f"sum by (direction) ({rate(paged + '_bytes_total')})",
+                      "{{direction}}"),)),
+        Panel("Host tier copy bandwidth", "Bytes copied over the device time of those copies "
+              "(CUDA events), by direction: what one copy achieves, not the load.", "Bps",
+              (Target(ratio(f"sum by (direction) ({rate(paged + '_bytes_total')})",
+                            f"sum by (direction) ({rate(paged + '_seconds_total')})"),
+                      "{{direction}}"),)),
+        Panel("Preempted sequences resumed", "Per second, by how: swapped in from the host "
+              "tier or recomputed.", "ops",
+              (Target(f"sum by (how) ({rate('tandem_engine_preemption_resumes_total')})",
+                      "{{how}}"),)),
+    )  # fmt: skip
     xfer = "tandem_kv_transfer"
     d.row(
         "KV transfer",
@@ -228,6 +254,28 @@ def router() -> Dashboard:
         Panel("Router stream time", "Router Generate calls, start to last token.", "s",
               percentiles("tandem_grpc_server_handling_seconds",
                           extra='component="router", method="/tandem.v1.Router/Generate"')),
+    )  # fmt: skip
+    split = "tandem_router_disagg_decisions_total"
+    disagg_rate = "sum(" + rate(split, 'choice="disagg"') + ")"
+    pools = sel('role=~"prefill|decode"')
+    d.row(
+        "Disaggregation",
+        Panel("Disaggregation decisions", "Where prompts are computed, per second: disagg (a "
+              "prefill worker, then a hand-off) or decode-only, by reason: headroom (both "
+              "options meet the request's SLOs, this one by more), saturated (only this one "
+              "meets them), both-miss, cold-start (no measured pace yet), no-prefill; and "
+              "requests shed for a predicted TTFT far past their SLO (--slo-shed-factor).",
+              "ops",
+              (Target(f"sum by (choice, reason) ({rate(split)})", "{{choice}} {{reason}}"),
+               Target(f"sum({rate('tandem_router_slo_shed_total')})", "shed"))),
+        Panel("Disaggregated share", "Share of requests whose prompt is computed on a prefill "
+              "worker and handed over.", "percentunit",
+              (Target(ratio(disagg_rate, f"sum({rate(split)})"), "disagg"),)),
+        Panel("Planned pools", "Workers the routers' pool planner says the recent traffic "
+              "needs, by role (summed over routers), beside the live members.", "short",
+              (Target(f"sum(tandem_planner_prefill_workers{{{sel()}}})", "prefill planned"),
+               Target(f"sum(tandem_planner_decode_workers{{{sel()}}})", "decode planned"),
+               Target(f"max by (role) (tandem_router_members{{{pools}}})", "{{role}} live"))),
     )  # fmt: skip
     d.row(
         "Members and etcd",

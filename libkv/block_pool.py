@@ -211,6 +211,10 @@ class BlockPool:
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._by_hash)
 
+    @property
+    def on_evict(self) -> Callable[[BlockHash], None] | None:
+        return self._on_evict
+
     def set_on_evict(self, on_evict: Callable[[BlockHash], None] | None) -> None:
         """Replace the eviction callback (a block-location publisher attached after start)."""
         self._on_evict = on_evict

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from libkv.block_pool import BlockPool, KVBlock, require
 from libkv.hashing import ROOT_HASH, BlockHash, hash_block
+from libkv.host_tier import HostHit, HostTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,9 @@ class KVCacheManager:
         self._sealed: list[int] = []
         self._tables: dict[Hashable, BlockTable] = {}
         self._listener: CacheListener | None = None
+        self.tier: HostTier | None = None  # the host tier below the prefix cache, if any
+        self._pool_evict = pool.on_evict  # a callback the pool was built with, still called
+        pool.set_on_evict(self._evicted)
 
     @property
     def listener(self) -> CacheListener | None:
@@ -95,7 +99,19 @@ class KVCacheManager:
     def set_listener(self, listener: CacheListener | None) -> None:
         """Report cached and evicted prefix blocks to ``listener`` from now on."""
         self._listener = listener
-        self.pool.set_on_evict(listener.evicted if listener is not None else None)
+
+    def set_tier(self, tier: HostTier | None) -> None:
+        """Copy every block entering the prefix cache to ``tier`` (write-through) and tell it
+        of evictions (``libkv.host_tier``)."""
+        self.tier = tier
+
+    def _evicted(self, block_hash: BlockHash) -> None:
+        if self._pool_evict is not None:
+            self._pool_evict(block_hash)
+        if self._listener is not None:
+            self._listener.evicted(block_hash)
+        if self.tier is not None:
+            self.tier.evicted(block_hash)
 
     # -- queries ----------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -117,6 +133,13 @@ class KVCacheManager:
             hit.hashes.append(h)
             parent = h
         return hit
+
+    def find_host(self, token_ids: Sequence[int], extra: bytes, hit: PrefixHit) -> HostHit:
+        """Blocks of the host tier continuing the device hit ``hit`` (empty without a tier)."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return HostHit()
+        parent = hit.hashes[-1] if hit.hashes else ROOT_HASH
+        return self.tier.find(token_ids, extra, len(hit.blocks), parent)
 
     def table(self, seq_id: Hashable) -> BlockTable:
         return self._tables[seq_id]
@@ -226,7 +249,10 @@ class KVCacheManager:
             chunk = token_ids[i * bs : (i + 1) * bs]
             h = hash_block(parent, chunk, table.extra)
             table.hashes.append(h)
-            added += int(self.pool.cache(table.blocks[i], h, chunk))
+            if self.pool.cache(table.blocks[i], h, chunk):
+                added += 1
+                if self.tier is not None:
+                    self.tier.cached(table.blocks[i].block_id, h, chunk, i, parent)
             if self._listener is not None:  # also when another block already holds the hash
                 self._listener.cached(i, h, parent)
             parent = h

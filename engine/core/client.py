@@ -127,6 +127,7 @@ class EngineClient:
         self._calls: dict[int, tuple[Any, Undo | None]] = {}
         self._ids = itertools.count()
         self._listener: Any = None
+        self.host_listener: Any = None  # the host tier's entries (``set_host_listener``)
         self._pool: Any = None
         self.snapshot: Snapshot | None = None
         self.on_step: Callable[[Any], None] | None = None
@@ -374,6 +375,11 @@ class EngineClient:
     def listener(self) -> Any:
         return self._listener
 
+    def set_host_listener(self, listener: Any) -> None:
+        """Report the host tier's entries to ``listener`` too (it hears nothing unless
+        ``set_listener`` turned the engine's events on)."""
+        self.host_listener = listener
+
     def set_listener(self, listener: Any) -> None:
         """Report the engine's cached and evicted prefix blocks to ``listener``
         (``libkv.kv_manager.CacheListener``), on the event loop, once per step."""
@@ -426,10 +432,14 @@ class EngineClient:
                 stream.push(stream.output(d))
         if msg.cache_events and self._listener is not None:
             for ev in msg.cache_events:
-                if ev[0] == "cached":
-                    self._listener.cached(ev[1], ev[2], ev[3])
+                host = ev[0].startswith("host_")
+                listener = self.host_listener if host else self._listener
+                if listener is None:
+                    continue
+                if ev[0].endswith("cached"):
+                    listener.cached(ev[1], ev[2], ev[3])
                 else:
-                    self._listener.evicted(ev[1])
+                    listener.evicted(ev[1])
         if self.on_step is not None:
             for step in msg.steps:
                 self.on_step(step)

@@ -99,6 +99,20 @@ class CacheEvents:
         return out
 
 
+class TierEvents:
+    """The host tier's ``libkv.host_tier.TierListener``: its events join the prefix cache's,
+    tagged ``host_cached`` / ``host_evicted``."""
+
+    def __init__(self, cache: CacheEvents) -> None:
+        self.cache = cache  # (its list is replaced on each take)
+
+    def cached(self, index: int, block_hash: BlockHash, parent: BlockHash) -> None:
+        self.cache.events.append(("host_cached", index, block_hash, parent))
+
+    def evicted(self, block_hash: BlockHash) -> None:
+        self.cache.events.append(("host_evicted", block_hash))
+
+
 class EngineLoop:
     """Drives one engine from one thread. ``send`` delivers each outgoing message (it may be
     called from another thread too: a tensor-parallel rank's reply, so it must be
@@ -161,6 +175,9 @@ class EngineLoop:
         elif isinstance(command, Listen):
             self._events = CacheEvents() if command.on else None
             self.engine.kv.set_listener(self._events)
+            tier = getattr(self.engine.kv, "tier", None)  # the host tier, if any
+            if tier is not None:
+                tier.listener = TierEvents(self._events) if self._events else None
         elif isinstance(command, Stop):
             self._stopped = True
         else:

@@ -46,6 +46,7 @@ class EngineInfo:
     enable_lora: bool
     pool: PoolShare | None
     pid: int
+    host_blocks: int = 0  # blocks of the host tier (0: none)
 
     @property
     def device_type(self) -> str:

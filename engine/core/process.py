@@ -179,6 +179,7 @@ def engine_info(engine: Any, share: bool) -> EngineInfo:
         enable_lora=config.enable_lora,
         pool=pool_share(runner.kv_pool, runner.block_bytes) if share else None,
         pid=os.getpid(),
+        host_blocks=engine.kv.tier.num_slots if engine.kv.tier is not None else 0,
     )
 
 

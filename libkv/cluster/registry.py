@@ -45,6 +45,11 @@ class MemberLoad:
     running: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
+    # Its pace, for the router's choice of where a prompt is computed (services.router.disagg):
+    prefill_backlog: int = 0  # prompt tokens queued or part-computed, not yet computed
+    prefill_tokens_per_s: float = 0.0  # measured prompt tokens per second of compute (0: none)
+    decode_step_ms: float = 0.0  # measured time of a step of decodes alone (0: none)
+    max_batched_tokens: int = 0  # most tokens one step computes (its prefill chunk)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from services.common.options import Options, option
 from services.common.process import log_level_option
 from services.common.tls import TLSFiles, TLSOptions
 from services.gateway.keys import ApiKey, load_keys_file, plain_keys
+from services.gateway.slo import check_ms
 from services.gateway.tools import TOOL_CALL_PARSER_CHOICES
 from services.observability.config import ObservabilityConfig
 
@@ -84,9 +85,12 @@ class GatewayConfig:
     )
     log_level: str = log_level_option()
     slo_ttft_ms: float = option(
-        1000.0, "goodput counts requests with TTFT and TPOT within both SLOs"
+        1000.0,
+        "default TTFT objective of a request (ms), unless its tenant or the request sets one "
+        "(services.gateway.slo); the router places its prefill to meet it, and goodput counts "
+        "requests within both objectives",
     )
-    slo_tpot_ms: float = option(50.0, "the TPOT SLO of goodput")
+    slo_tpot_ms: float = option(50.0, "default TPOT objective of a request (ms), as --slo-ttft-ms")
     observability: ObservabilityConfig = ObservabilityConfig()
     max_inflight_tokens: int = option(
         1_000_000,
@@ -145,6 +149,8 @@ class GatewayConfig:
             raise ValueError("--refusal-memory >= 0 seconds and --tokenizer-threads >= 1")
         if not (self.request_timeout > 0 and self.max_request_timeout > 0):
             raise ValueError("--request-timeout and --max-request-timeout must be > 0")
+        check_ms(self.slo_ttft_ms, "--slo-ttft-ms")
+        check_ms(self.slo_tpot_ms, "--slo-tpot-ms")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
 

@@ -83,6 +83,9 @@ class BackendRequest:
     priority: str = "interactive"
     deadline: float | None = None  # time.monotonic() after which the request is given up
     session: str = ""  # sticky-routing key: the OpenAI ``user`` field
+    # Latency objectives in ms (`services.gateway.slo`; 0: none given, the router's defaults).
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
 
     def time_left(self) -> float | None:
         """Seconds until the deadline (None: no deadline); APIError 504 once it passed."""

@@ -3,13 +3,17 @@
 The keys file (``--api-keys-file`` / ``TANDEM_API_KEYS_FILE``) is JSON::
 
     {"keys": [{"sha256": "<hex of sha256(key)>", "tenant": "acme",
-               "tokens_per_window": 100000, "requests_per_window": 600, "window_seconds": 60}]}
+               "tokens_per_window": 100000, "requests_per_window": 600, "window_seconds": 60,
+               "slo_ttft_ms": 500, "slo_tpot_ms": 20}]}
 
 ``tenant`` defaults to ``t-`` and the first 12 hex digits of the hash; limits default to 0
-(unlimited) and a 60 s window. ``python -m services.gateway.keys KEY [--tenant T ...]`` prints
-the entry for a key, so the key itself never has to be written down. A presented key is hashed
-and compared with every stored hash with ``hmac.compare_digest``: no early exit, so timing
-tells nothing about which or how many characters matched.
+(unlimited) and a 60 s window; ``slo_ttft_ms`` / ``slo_tpot_ms``, the tenant's latency
+objectives, default to the gateway's ``--slo-ttft-ms`` / ``--slo-tpot-ms``
+(`services.gateway.slo`: a request may still ask for its own).
+``python -m services.gateway.keys KEY [--tenant T ...]`` prints the entry for a key, so the key
+itself never has to be written down. A presented key is hashed and compared with every stored
+hash with ``hmac.compare_digest``: no early exit, so timing tells nothing about which or how
+many characters matched.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.gateway.slo import SloOverride, check_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +51,13 @@ class TenantLimits:
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """One accepted key: the hex SHA-256 of the key (never the key), its tenant and limits."""
+    """One accepted key: the hex SHA-256 of the key (never the key), its tenant, limits and
+    latency objectives (`services.gateway.slo`; None: the gateway's)."""
 
     sha256: str
     tenant: str
     limits: TenantLimits = field(default_factory=TenantLimits)
+    slo: SloOverride = field(default_factory=SloOverride)
 
     def __post_init__(self) -> None:
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
@@ -94,10 +102,23 @@ def load_keys_file(path: str | Path) -> tuple[ApiKey, ...]:
                 int(e.get("requests_per_window", 0)),
                 float(e.get("window_seconds", 60.0)),
             )
-            out.append(ApiKey(digest, str(e.get("tenant") or tenant_of_hash(digest)), limits))
+            slo = SloOverride(*(_slo_ms(e, name) for name in ("slo_ttft_ms", "slo_tpot_ms")))
+            tenant = str(e.get("tenant") or tenant_of_hash(digest))
+            out.append(ApiKey(digest, tenant, limits, slo))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{path}: keys[{i}] is invalid: {err!r}") from err
     return tuple(out)
+
+
+def _slo_ms(entry: dict[str, object], name: str) -> float | None:
+    value = entry.get(name)
+    return None if value is None else check_ms(float(value), name)  # type: ignore[arg-type]
+
+
+def tenant_slos(keys: Sequence[ApiKey]) -> dict[str, SloOverride]:
+    """Each tenant's objectives, from the keys that set some (a tenant's keys should agree;
+    the last one listed wins where they do not)."""
+    return {k.tenant: k.slo for k in keys if k.slo != SloOverride()}
 
 
 class KeyRing:

@@ -91,7 +91,8 @@ class GatewayMetrics:
         )
         self.goodput = Counter(
             "tandem_gateway_goodput_requests",
-            "Finished generations that met both SLOs (TTFT and TPOT; tandem_gateway_slo_info).",
+            "Finished generations that met both their SLOs (TTFT and TPOT: the request's own, "
+            "its tenant's, or the defaults of tandem_gateway_slo_info).",
             registry=registry,
         )  # fmt: skip
 
@@ -197,5 +198,7 @@ def _finished(
     tpot = (last - first) / (n_out - 1) if n_out > 1 else 0.0
     if n_out > 1:
         m.tpot.observe(tpot)
-    if ttft <= m.slo_ttft_s and tpot <= m.slo_tpot_s:
+    slo_ttft = req.slo_ttft_ms / 1000 if req.slo_ttft_ms > 0 else m.slo_ttft_s
+    slo_tpot = req.slo_tpot_ms / 1000 if req.slo_tpot_ms > 0 else m.slo_tpot_s
+    if ttft <= slo_ttft and tpot <= slo_tpot:
         m.goodput.inc()

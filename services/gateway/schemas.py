@@ -187,6 +187,10 @@ class _Sampling(_Body):
     # seconds for the whole request (capped by the server's --max-request-timeout).
     priority: Literal["interactive", "batch"] | None = None
     timeout: float | None = None
+    # Latency objectives of this request in ms (`services.gateway.slo`; OpenAI clients send them
+    # in extra_body): where the router computes the prompt, and the request's goodput.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # OpenAI fields Tandem does not implement (see NOT_IMPLEMENTED); loosely typed on purpose.
     audio: Any = None
     modalities: Any = None

@@ -14,9 +14,11 @@ from fastapi import Request
 
 from services.gateway.config import GatewayConfig
 from services.gateway.core import APIError, Backend
+from services.gateway.keys import tenant_slos
 from services.gateway.limits import Limits
 from services.gateway.models import Served
 from services.gateway.observe import GatewayMetrics
+from services.gateway.slo import Slo, SloOverride
 
 T = TypeVar("T")
 
@@ -33,6 +35,11 @@ class Gateway:
     metrics: GatewayMetrics | None
     lanes: anyio.CapacityLimiter
     started: int = field(default_factory=lambda: int(time.time()))
+    tenant_slos: dict[str, SloOverride] = field(default_factory=dict)
+
+    @property
+    def default_slo(self) -> Slo:
+        return Slo(self.config.slo_ttft_ms, self.config.slo_tpot_ms)
 
     @classmethod
     def of(
@@ -46,7 +53,8 @@ class Gateway:
         served = [Served.of(c, t, backend) for c, t in models]
         limits = Limits.from_config(config, [m.name for m in served])
         lanes = anyio.CapacityLimiter(config.tokenizer_threads)
-        return cls(config, backend, served, limits, metrics, lanes)
+        slos = tenant_slos(config.api_keys)
+        return cls(config, backend, served, limits, metrics, lanes, tenant_slos=slos)
 
     @property
     def by_name(self) -> dict[str, Served]:

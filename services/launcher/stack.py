@@ -79,6 +79,7 @@ class Stack:
             "--etcd", self.etcd.endpoint,
             "--port", str(port),
             "--decode-only-threshold", str(c.decode_only_threshold),
+            *(["--disagg-mode", c.disagg_mode] if c.disagg_mode else []),
             *[f"--extra-model={m}" for m in c.extra_models],
             *(["--policy", c.router_policy] if c.router_policy else []),
             *[f"--api-key={k}" for k in c.api_keys],

@@ -48,6 +48,7 @@ class StackConfig:
     gpus: tuple[str, ...] = ()
     gpu_memory_utilization: float | None = None  # per worker; None: 0.9 split per device
     decode_only_threshold: int = 256
+    disagg_mode: str = ""  # the routers' --disagg-mode; empty: their default (slo)
     api_keys: tuple[str, ...] = ()
     member_ttl: int = 10
     member_refresh: float = 3.0

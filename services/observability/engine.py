@@ -6,6 +6,7 @@ metrics library."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,6 +16,9 @@ from engine.core.client import EngineClient
 from engine.step_stats import SpecStats, StepStats
 from kernels.compile_counter import CompileCounts
 from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats
 
 
 class EngineCollector(Collector):
@@ -66,7 +70,64 @@ class EngineCollector(Collector):
         yield _counter("tandem_engine_preemptions", "Sequences preempted (recomputed later) for "
                        "lack of KV blocks.", s.num_preemptions)  # fmt: skip
         yield from _spec_metrics(s.spec)
+        yield from _tier_metrics(s)
         yield _compiles(s.kernel_compiles)
+
+
+def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The KV tiers (``libkv.host_tier``): occupancy and prompt-token hits per tier, bytes and
+    copy seconds paged in and out (bandwidth = rate of bytes / rate of seconds), and how
+    preempted sequences resumed. Without a host tier only the GPU tier is reported."""
+    t = s.tier
+    capacity = GaugeMetricFamily(
+        "tandem_engine_kv_tier_capacity_blocks", "KV blocks each tier holds at most.",
+        labels=["tier"],
+    )  # fmt: skip
+    used = GaugeMetricFamily(
+        "tandem_engine_kv_tier_used_blocks",
+        "KV blocks holding data per tier (GPU: used + cached; host: cached prefixes).",
+        labels=["tier"],
+    )
+    hits = CounterMetricFamily(
+        "tandem_engine_kv_tier_hit_tokens",
+        "Prompt tokens served from each tier's prefix cache instead of computed.",
+        labels=["tier"],
+    )
+    host_tokens = t.hit_blocks * t.block_size if t is not None else 0
+    capacity.add_metric(["gpu"], s.kv_blocks_total)
+    used.add_metric(["gpu"], s.kv_blocks_used + s.kv_blocks_cached)
+    hits.add_metric(["gpu"], max(s.prefix_hit_tokens - host_tokens, 0))
+    if t is None:
+        yield from (capacity, used, hits)
+        return
+    capacity.add_metric(["host"], t.capacity_blocks)
+    used.add_metric(["host"], t.used_blocks)
+    hits.add_metric(["host"], host_tokens)
+    paged = CounterMetricFamily(
+        "tandem_engine_kv_tier_page_bytes",
+        "Bytes copied between the GPU pool and the host tier: out (write-through of cached "
+        "blocks) and in (host hits and swapped-in sequences).",
+        labels=["direction"],
+    )
+    paged.add_metric(["out"], t.page_out_blocks * t.block_bytes)
+    paged.add_metric(["in"], t.page_in_blocks * t.block_bytes)
+    seconds = CounterMetricFamily(
+        "tandem_engine_kv_tier_page_seconds",
+        "Device time of the host tier's copies (CUDA events; 0 on CPU), by direction.",
+        labels=["direction"],
+    )
+    seconds.add_metric(["out"], t.page_out_seconds)
+    seconds.add_metric(["in"], t.page_in_seconds)
+    resumes = CounterMetricFamily(
+        "tandem_engine_preemption_resumes",
+        "Preempted sequences resumed, by how: swap (KV paged in from the host tier) or recompute.",
+        labels=["how"],
+    )
+    resumes.add_metric(["swap"], t.swaps)
+    resumes.add_metric(["recompute"], t.recomputes)
+    yield from (capacity, used, hits, paged, seconds, resumes)
+    yield _counter("tandem_engine_kv_tier_cancelled_page_outs", "Page-outs dropped because the "
+                   "GPU block was evicted before its copy was issued.", t.cancelled)  # fmt: skip
 
 
 def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:

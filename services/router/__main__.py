@@ -31,7 +31,9 @@ from services.observability.config import ObservabilityConfig
 from services.observability.process import Observability
 from services.router.codec import GrpcWorkerClients
 from services.router.core import RouterCore
+from services.router.disagg import MODES
 from services.router.metrics import RouterCollector
+from services.router.planner import Planner
 from services.router.policy import POLICIES, PolicyConfig
 from services.router.server import RouterServicer
 
@@ -69,7 +71,32 @@ class RouterConfig:
     )
     log_level: str = log_level_option()
     decode_only_threshold: int = option(
-        256, "prompts whose uncached part is shorter go straight to a decode worker"
+        256,
+        "cold start only: until the workers report a measured prefill rate, prompts whose "
+        "uncached part is shorter go straight to a decode worker (afterwards the choice is "
+        "predicted against each request's SLOs: services/router/disagg.py)",
+    )
+    disagg_mode: str = option(
+        "slo",
+        "where a prompt is computed: slo (a prefill worker or the decode worker, whichever is "
+        "predicted to meet the request's SLOs: services/router/disagg.py) or length (the "
+        "--decode-only-threshold rule for every request, whatever the load)",
+        choices=MODES,
+    )
+    slo_ttft_ms: float = option(
+        1000.0, "TTFT objective (ms) of a request that carries none (the gateway sends one)"
+    )
+    slo_tpot_ms: float = option(50.0, "TPOT objective (ms) of a request that carries none")
+    planner_window: float = option(
+        60.0, "seconds of traffic the pool planner sizes the prefill and decode pools from"
+    )
+    planner_utilization: float = option(
+        0.8, "the planner's target busy share of each worker (below 1 keeps queues short)"
+    )
+    slo_shed_factor: float = option(
+        0.0,
+        "refuse (429, Retry-After) an interactive request whose predicted TTFT is past this "
+        "many times its TTFT objective on the workers tried; 0: never",
     )
     api_keys: frozenset[str] = option(
         frozenset(),
@@ -137,6 +164,10 @@ def parse_config(
         opts.error(str(e))
     if config.refusal_memory < 0:
         opts.error("--refusal-memory must be >= 0 seconds")
+    if not (config.slo_ttft_ms > 0 and config.slo_tpot_ms > 0 and config.slo_shed_factor >= 0):
+        opts.error("--slo-ttft-ms and --slo-tpot-ms must be > 0, --slo-shed-factor >= 0")
+    if not (config.planner_window > 0 and 0 < config.planner_utilization <= 1):
+        opts.error("--planner-window must be > 0 and --planner-utilization in (0, 1]")
     try:
         if len(config.models) != 1 + len(config.extra_models):
             raise ValueError("--extra-model: every model needs its own name")
@@ -154,7 +185,10 @@ async def serve(config: RouterConfig) -> None:
     obs = Observability.start(config.observability, "router", config.model_name, config.router_id)
     watcher = await MemberWatcher.start(list(config.etcd))
     clients = GrpcWorkerClients(tls=config.security.tls)
-    policy = PolicyConfig(config.policy, config.decode_only_threshold, config.kv_load_weight)
+    policy = PolicyConfig(
+        config.policy, config.decode_only_threshold, config.kv_load_weight,
+        config.slo_ttft_ms, config.slo_tpot_ms, config.disagg_mode,
+    )  # fmt: skip
     # The kv policy routes by the block locations workers publish in etcd (nothing else).
     index = await LocationIndex.start(list(config.etcd)) if config.policy == "kv" else None
     lookup = index
@@ -174,6 +208,8 @@ async def serve(config: RouterConfig) -> None:
                 records=records,
                 model=name,
                 refusal_memory=config.refusal_memory,
+                slo_shed_factor=config.slo_shed_factor,
+                planner=Planner(config.planner_window, config.planner_utilization, name),
             ),
             Tokenizer(folder),
         )
@@ -181,6 +217,7 @@ async def serve(config: RouterConfig) -> None:
     }
     for core, _ in routes.values():  # load reports less this router's own requests
         watcher.add_listener(core.chooser.observe)
+        watcher.add_listener(core.planner.observe)  # decode step times for its fit
     servicer = RouterServicer(routes, config.api_keys)
     server = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],

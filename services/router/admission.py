@@ -29,6 +29,7 @@ from libkv.cluster.registry import Member
 from services.common.admission import BOUND_KEY, RefusalMemory, TokenLedger, ledger_like
 from services.common.errors import ResourceExhausted
 from services.router.calls import RouteJob
+from services.router.disagg import Decision, Slo
 
 
 class DecodeAdmission:
@@ -99,3 +100,32 @@ class DecodeAdmission:
 def _scope(worker: Member) -> tuple[str, str]:
     """Where a worker's admission books tokens: this incarnation of it."""
     return worker.worker_id, worker.incarnation
+
+
+class SloGate:
+    """Sheds, with a fast 429, a request that would miss its TTFT objective by far wherever it
+    ran: the chosen option's predicted TTFT (`services.router.disagg`) past ``factor`` times
+    its objective. Serving it would spend prefill time on a request that no longer counts,
+    and delay those behind it that still could (the goodput argument). ``factor`` 0: off.
+    The Retry-After is the time the queue needs to come back within the objective. Batch
+    requests are not shed here (they have no latency objective to miss)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.shed = 0  # requests refused here
+
+    def check(self, job: RouteJob, decision: Decision, slo: Slo) -> None:
+        """Raise ResourceExhausted when ``job`` is to be shed under its objectives ``slo``."""
+        predicted = decision.predicted
+        if self.factor <= 0 or predicted is None or job.priority == "batch":
+            return
+        objective = slo.ttft_s
+        if predicted.ttft_s <= self.factor * objective:
+            return
+        self.shed += 1
+        wait_ms = max(int(1000 * (predicted.ttft_s - objective)), 1)
+        raise ResourceExhausted(
+            f"request {job.request_id}: predicted TTFT {predicted.ttft_s:.2f} s is past "
+            f"{self.factor:g}x its objective of {objective:.2f} s",
+            retry_after_ms=wait_ms,
+        )

@@ -62,6 +62,8 @@ class RouteJob:
     deadline: float | None = None  # time.monotonic() after which the caller gave up
     session: str = ""  # sticky-routing key (OpenAI ``user``) for the "session" policy
     lora: str = ""  # LoRA adapter ("" = the base model)
+    slo_ttft_ms: float = 0.0  # the request's objectives (0: the router's defaults)
+    slo_tpot_ms: float = 0.0
 
     @property
     def cost(self) -> int:
@@ -73,8 +75,9 @@ class RouteJob:
     def route(self) -> RouteRequest:
         """What the routing policy looks at (the completion as booked, as admission sees it)."""
         return RouteRequest(
-            self.prompt, self.tenant, self.session, booked_completion(self.params), self.lora
-        )
+            self.prompt, self.tenant, self.session, booked_completion(self.params), self.lora,
+            self.slo_ttft_ms, self.slo_tpot_ms,
+        )  # fmt: skip
 
     def time_left(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (at most ``cap``); DeadlineExceeded once it passed."""
@@ -158,6 +161,7 @@ class WorkerClients(Protocol):
 @dataclass(slots=True)
 class RouterStats:
     decisions: Counter = field(default_factory=Counter)  # (policy, reason) -> plans made
+    disagg: Counter = field(default_factory=Counter)  # (choice, reason) -> disagg decisions
     retries: int = 0
     migrations: int = 0  # streams moved to another decode worker after tokens were sent
     live_moves: int = 0  # of those, moved with their KV off a draining worker

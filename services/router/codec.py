@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,7 +59,16 @@ def job_from_pb(
         None if time_left is None else time.monotonic() + time_left,
         session=req.session,
         lora=lora,
+        slo_ttft_ms=_slo_ms(req.slo.ttft_ms, "slo.ttft_ms"),
+        slo_tpot_ms=_slo_ms(req.slo.tpot_ms, "slo.tpot_ms"),
     )
+
+
+def _slo_ms(value: float, name: str) -> float:
+    """An objective as given (0: none); INVALID_ARGUMENT for a negative or non-finite one."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(f"{name} must be >= 0 milliseconds (got {value})")
+    return value
 
 
 def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:

@@ -21,7 +21,7 @@ from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.registry import Member, MemberDirectory
 from services.common.codec import Event, Moved
 from services.common.errors import KVTransferFailed, ResourceExhausted, Unavailable
-from services.router.admission import DecodeAdmission
+from services.router.admission import DecodeAdmission, SloGate
 from services.router.calls import (
     RESERVATION_LEASE_S,
     RETRYABLE,
@@ -35,7 +35,8 @@ from services.router.calls import (
     WorkerClients,
     soonest,
 )
-from services.router.policy import Chooser, LocationLookup, PolicyConfig
+from services.router.planner import Planner
+from services.router.policy import Chooser, LocationLookup, Plan, PolicyConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class RouterCore:
         records: AdapterRecords | None = None,
         model: str = "",
         refusal_memory: float = 0.0,
+        slo_shed_factor: float = 0.0,
+        planner: Planner | None = None,
     ) -> None:
         """``policy`` (default: least-loaded with ``decode_only_threshold``) picks workers;
         ``index``, the block-location index, feeds the "kv" policy; a stream moves to another
@@ -73,7 +76,9 @@ class RouterCore:
         where run-time adapter loads are kept for workers that start later
         (``libkv.cluster.adapters``). Requests that cannot fit on a decode worker are refused
         here, with no call (`DecodeAdmission`: this router's bookings there, and the worker's
-        last refusal for capacity, remembered at most ``refusal_memory`` seconds)."""
+        last refusal for capacity, remembered at most ``refusal_memory`` seconds), and those
+        whose predicted TTFT is past ``slo_shed_factor`` times their SLO (`SloGate`; 0: off).
+        ``planner`` sizes the pools from the traffic routed here (`services.router.planner`)."""
         self.directory = directory
         self.clients = clients
         self.policy = policy or PolicyConfig("least-loaded", decode_only_threshold)
@@ -86,6 +91,8 @@ class RouterCore:
         self._sending: set[str] = set()  # requests whose handler is in gRPC's send
         self.records, self.model = records, model
         self.admission = DecodeAdmission(refusal_memory)
+        self.slo_gate = SloGate(slo_shed_factor)
+        self.planner = planner or Planner()
 
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex}"
@@ -121,6 +128,8 @@ class RouterCore:
                             self._sending.discard(job.request_id)
                         if job.request_id in self._aborted and task is not None:
                             task.cancel()  # abort() came while gRPC sent `ev`
+                    self.chooser.disagg.finished(len(route.streamed))
+                    self.planner.finished(len(route.streamed))
                     return
                 except HandedOver as h:
                     self._migrate(job, Unavailable(str(h)), route)
@@ -206,15 +215,18 @@ class RouterCore:
         if plan is None:
             raise NoWorker("no live decode workers")
         self.stats.decisions[(self.policy.name, plan.reason)] += 1
+        decision = plan.decision
+        self._count(job, plan, route)
         log.info(
-            "request %s (%d tokens): %s -> prefill %s, decode %s (%d blocks cached)",
+            "request %s (%d tokens): %s -> prefill %s, decode %s (%d blocks cached; %s)",
             job.request_id, len(job.prompt), plan.reason,
             plan.prefill.worker_id if plan.prefill else "-", plan.decode.worker_id,
-            plan.cached_blocks,
+            plan.cached_blocks, decision,
         )  # fmt: skip
         decode, prefill = plan.decode, plan.prefill
+        backlogs = self.chooser.disagg.backlogs
         if prefill is None:
-            async for ev in self._decode(decode, DecodeCall(job), route):
+            async for ev in self._decode_only(decode, job, plan.uncached, route):
                 yield ev
             return
         # Two-phase admission: book the decode side before the prefill, so a request whose
@@ -222,7 +234,11 @@ class RouterCore:
         # refuses it here, fast, while the client can still get a 429).
         await self._reserve(decode, job, route.failed)
         try:
-            reply = await self._prefill(prefill, job, route.failed)
+            backlogs.add(prefill.worker_id, plan.uncached)
+            try:
+                reply = await self._prefill(prefill, job, route.failed)
+            finally:
+                backlogs.done(prefill.worker_id, plan.uncached)
         except asyncio.CancelledError:
             asyncio.ensure_future(self._unreserve(decode, job))
             raise
@@ -240,8 +256,45 @@ class RouterCore:
             job, reply.handle, reply.first, reply.generator_state, reply.cached_tokens,
             reply.others, admitted=True,
         )  # fmt: skip
+        handed = time.monotonic()  # the hand-off lasts until the decode worker's first event
         async for ev in self._decode_prefilled(decode, prefill, call, route):
+            if handed:
+                step = decode.load.decode_step_ms / 1000
+                self.chooser.disagg.handed_off(plan.uncached, time.monotonic() - handed, step)
+                handed = 0.0
             yield ev
+
+    def _count(self, job: RouteJob, plan: Plan, route: Route) -> None:
+        """Count ``plan``'s disagg decision and its prompt work (the planner's demand), and shed
+        the request when its SLO gate says so (ResourceExhausted: a retry tries the other
+        workers, if any)."""
+        self.planner.routed(plan.uncached)
+        decision = plan.decision
+        if decision is None:
+            return
+        self.stats.disagg[(decision.choice, decision.reason)] += 1
+        try:
+            slo = self.chooser.disagg.slo(job.slo_ttft_ms, job.slo_tpot_ms)
+            self.slo_gate.check(job, decision, slo)
+        except ResourceExhausted:
+            route.failed.update(m.worker_id for m in (plan.decode, plan.prefill) if m)
+            raise
+
+    async def _decode_only(self, decode: Member, job: RouteJob, uncached: int, route: Route):
+        """Decode ``job`` on ``decode``, which computes its ``uncached`` prompt tokens itself:
+        counted as queued there (`services.router.disagg.Backlogs`) until its first event."""
+        backlogs = self.chooser.disagg.backlogs
+        backlogs.add(decode.worker_id, uncached)
+        pending = True
+        try:
+            async for ev in self._decode(decode, DecodeCall(job), route):
+                if pending:
+                    backlogs.done(decode.worker_id, uncached)
+                    pending = False
+                yield ev
+        finally:
+            if pending:
+                backlogs.done(decode.worker_id, uncached)
 
     async def _decode_prefilled(self, decode, prefill, call: DecodeCall, route: Route):
         """Decode from prefilled KV. When the decode worker could not obtain the KV and fails

@@ -2,9 +2,9 @@
 
 ``kv`` (the default) scores every live worker by the prompt blocks it already caches (from the
 block-location index, on the shared tenant-salted hash chain) against its load, separately for
-the prefill choice and the decode choice, with conditional disaggregation on the *uncached*
-part: when the best decode worker would have to compute fewer than ``decode_only_threshold``
-prompt tokens itself, the request goes decode-only to it. Costs are in prompt blocks::
+the prefill choice and the decode choice. Whether the prompt's *uncached* part is computed on
+the prefill worker (and handed over) or on the decode worker is predicted per request against
+its SLOs (`services.router.disagg`), for every policy. Costs are in prompt blocks::
 
     cost(w) = miss_weight * miss(w)              miss = prompt blocks w does not cache
             + load_weight * load(w) * work(w)      load = requests queued + running
@@ -27,9 +27,9 @@ itself, which the others learn at w's next load report).
 
 ``least-loaded``: fewest requests, then least KV in use. ``round-robin``: each role in turn.
 ``session``: the same session key (OpenAI ``user``) always lands on the same workers while
-they live (rendezvous hashing), least-loaded without a key. These three disaggregate by prompt
-length alone. Every plan carries a reason (``kv-hit``, ``load``, ``decode-only``,
-``round-robin``, ``session``) that the router counts per policy.
+they live (rendezvous hashing), least-loaded without a key. Every plan carries a reason
+(``kv-hit``, ``load``, ``decode-only``, ``round-robin``, ``session``) that the router counts per
+policy, and the disaggregation decision with its own reason (`services.router.disagg`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from libkv.cluster.registry import Member, MemberChange, MemberDirectory, MemberLoad
+from libkv.cluster.tiers import tier_cached_blocks, tier_depths
 from libkv.hashing import BlockHash, encode_extra_keys, hash_prefix_blocks
 from libkv.kv_layout import pair_refusal
 from libkv.transfer import handoff_path
+from services.router.disagg import DISAGG, Decision, Disaggregator, Slo
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class RouteRequest:
     session: str = ""
     max_tokens: int = 16  # completion tokens of all choices as admission books them
     lora: str = ""  # LoRA adapter: only workers that hold it serve the request
+    slo_ttft_ms: float = 0.0  # the request's objectives (0: the router's defaults)
+    slo_tpot_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +92,19 @@ class Plan:
     decode: Member
     prefill: Member | None
     reason: str
-    cached_blocks: int = 0  # blocks the computing worker is expected to hold
+    cached_blocks: float = 0  # blocks the computing worker is expected to hold (host: less)
+    uncached: int = 0  # prompt tokens the computing worker computes
+    decision: Decision | None = None  # disagg or decode-only, and why
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     name: str = "kv"
-    decode_only_threshold: int = 256
+    decode_only_threshold: int = 256  # the cold-start rule of `services.router.disagg`
     load_weight: float = 0.5
+    slo_ttft_ms: float = 1000.0  # objectives of a request that carries none
+    slo_tpot_ms: float = 50.0
+    disagg_mode: str = "slo"  # `services.router.disagg.MODES`
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -117,13 +126,16 @@ class _Chain:
             self._hashes[block_size] = hash_prefix_blocks(self.req.prompt, block_size, extra)
         return self._hashes[block_size]
 
-    def cached_blocks(self, m: Member) -> int:
+    def cached_blocks(self, m: Member) -> float:
+        """Prompt blocks ``m`` holds, a host-tier hit weighed below a device hit
+        (``libkv.cluster.tiers``)."""
         if self.index is None:
             return 0
         bs = m.block_size or DEFAULT_BLOCK_SIZE
         if bs not in self._depths:
             self._depths[bs] = self.index.match(self.hashes(bs))
-        return self._depths[bs].get((m.worker_id, m.incarnation), 0)
+        gpu, host = tier_depths(self._depths[bs], m.worker_id, m.incarnation)
+        return tier_cached_blocks(gpu, host)
 
     def remember(self, *members: Member | None) -> None:
         """Tell a `RouteMemory` index that ``members`` will cache this prompt."""
@@ -157,6 +169,8 @@ class Chooser:
         self.inflight_blocks: Counter[str] = Counter()  # KV blocks of those requests
         # worker -> (its last load report, this router's requests and their blocks on it then)
         self._own_at_report: dict[str, tuple[MemberLoad, int, int]] = {}
+        slo = Slo(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000)
+        self.disagg = Disaggregator(slo, config.decode_only_threshold, config.disagg_mode)
 
     def live(self, role: str, exclude: set[str], lora: str = "") -> list[Member]:
         """Members of ``role`` that take work, not in ``exclude``; with ``lora``, only those
@@ -195,6 +209,7 @@ class Chooser:
         """A `MemberWatcher` listener: note this router's own requests in flight on a worker
         when its load report arrives, so `load` and `free_blocks` can tell what changed since
         from what other routers' requests hold."""
+        self.disagg.backlogs.observe(change)
         w = change.worker_id
         if change.kind == "put" and change.member is not None:
             self._own_at_report[w] = (change.member.load, self.inflight[w],
@@ -238,13 +253,26 @@ class Chooser:
         if self.config.name == "kv":
             return self._plan_kv(req, decoders, exclude)
         decode = self._pick(req, decoders, "decode")
-        prefill = None
-        if len(req.prompt) >= self.config.decode_only_threshold:
-            prefill = self.pick_prefill(req, exclude, decode)
-        if prefill is None:
-            return Plan(decode, None, "decode-only")
+        prefill = self.pick_prefill(req, exclude, decode)
+        n = len(req.prompt)
+        decision = self._decide(req, (prefill, n) if prefill else None, decode, (decode, n))
+        if decision.choice != DISAGG or prefill is None:
+            return Plan(decode, None, "decode-only", 0, n, decision)
         reason = {"least-loaded": "load", "round-robin": "round-robin"}.get(self.config.name)
-        return Plan(decode, prefill, reason or ("session" if req.session else "load"))
+        reason = reason or ("session" if req.session else "load")
+        return Plan(decode, prefill, reason, 0, n, decision)
+
+    def _decide(
+        self,
+        req: RouteRequest,
+        prefill: tuple[Member, int] | None,
+        decode_recv: Member | None,
+        decode_local: tuple[Member, int],
+    ) -> Decision:
+        peers = [*self.directory.members_by_role("prefill"),
+                 *self.directory.members_by_role("decode")]  # fmt: skip
+        slo = self.disagg.slo(req.slo_ttft_ms, req.slo_tpot_ms)
+        return self.disagg.decide(slo, req.max_tokens, prefill, decode_recv, decode_local, peers)
 
     def pick_prefill(
         self, req: RouteRequest, exclude: set[str], decode: Member | None = None
@@ -264,24 +292,34 @@ class Chooser:
         return self._pick(req, candidates, "prefill")
 
     def _plan_kv(self, req: RouteRequest, decoders: list[Member], exclude: set[str]) -> Plan:
+        """The cheapest decode worker to compute the prompt itself, the cheapest prefill worker
+        with the cheapest decode worker to receive from it, and the disagg decision between
+        the two (`_decide`)."""
         chain = _Chain(req, self.index)
-        decode = min(decoders, key=lambda m: self._cost(req, chain, m))
-        hit = chain.cached_blocks(decode)
-        bs = decode.block_size or DEFAULT_BLOCK_SIZE
-        uncached = len(req.prompt) - hit * bs
-        prefill = None
-        if uncached >= self.config.decode_only_threshold:
-            candidates = self.prefill_for(decoders, exclude, req.lora)
-            if candidates:
-                prefill = min(candidates, key=lambda m: self._cost(req, chain, m))
-        if prefill is None:
-            chain.remember(decode)
-            return Plan(decode, None, "decode-only", hit)
-        paired_decoders = [d for d in decoders if paired(prefill, d)]
-        decode = min(paired_decoders, key=lambda m: self._cost(req, chain, m, receives=True))
+        local = min(decoders, key=lambda m: self._cost(req, chain, m))
+        local_hit = chain.cached_blocks(local)
+        uncached_d = self._uncached(req, local, local_hit)
+        candidates = self.prefill_for(decoders, exclude, req.lora)
+        prefill = min(candidates, key=lambda m: self._cost(req, chain, m)) if candidates else None
+        receiver, option = None, None
+        if prefill is not None:
+            paired_decoders = [d for d in decoders if paired(prefill, d)]
+            receiver = min(paired_decoders, key=lambda m: self._cost(req, chain, m, receives=True))
+            option = (prefill, self._uncached(req, prefill, chain.cached_blocks(prefill)))
+        decision = self._decide(req, option, receiver, (local, uncached_d))
+        if decision.choice != DISAGG or prefill is None or option is None or receiver is None:
+            chain.remember(local)
+            return Plan(local, None, "decode-only", local_hit, uncached_d, decision)
         hit = chain.cached_blocks(prefill)
-        chain.remember(prefill, decode)  # the decode worker caches the blocks it receives
-        return Plan(decode, prefill, "kv-hit" if hit else "load", hit)
+        chain.remember(prefill, receiver)  # the decode worker caches the blocks it receives
+        return Plan(receiver, prefill, "kv-hit" if hit else "load", hit, option[1], decision)
+
+    @staticmethod
+    def _uncached(req: RouteRequest, m: Member, hit_blocks: float) -> int:
+        """Prompt tokens ``m`` computes, holding ``hit_blocks`` of them (the last one always;
+        host-tier blocks count as part of one, `libkv.cluster.tiers`)."""
+        held = int(hit_blocks * (m.block_size or DEFAULT_BLOCK_SIZE))
+        return max(len(req.prompt) - held, 1)
 
     # -- scoring ----------------------------------------------------------------------------------
     def _cost(

@@ -39,6 +39,8 @@ class WorkerConfig:
     block_size: int = engine_option("block_size")
     kv_cache_bytes: int | None = engine_option("kv_cache_bytes")
     num_kv_blocks: int | None = engine_option("num_kv_blocks")
+    kv_host_cache_gib: float | None = engine_option("kv_host_cache_gib")
+    kv_swap_min_tokens: int = engine_option("kv_swap_min_tokens")
     gpu_memory_utilization: float = engine_option("gpu_memory_utilization")
     max_model_len: int | None = engine_option("max_model_len")
     max_num_seqs: int = engine_option("max_num_seqs")
@@ -166,6 +168,8 @@ class WorkerConfig:
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes,
             num_kv_blocks=self.num_kv_blocks,
+            kv_host_cache_gib=self.kv_host_cache_gib,
+            kv_swap_min_tokens=self.kv_swap_min_tokens,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,

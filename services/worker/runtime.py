@@ -32,6 +32,7 @@ from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.observability.process import Observability
 from services.worker import adapters as lora
 from services.worker.config import WorkerConfig, parse_config, parse_lora_modules
+from services.worker.pace import PaceMeter, chain
 from services.worker.presence import register
 from services.worker.rank_kv import RankNixl
 
@@ -135,6 +136,8 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     engine = await start_engine(config)
     observe_engine(engine, obs.metrics.registry)
+    pace = PaceMeter()  # reported in the member record, for the routers' disagg choice
+    engine.on_step = chain(engine.on_step, pace)
     worker = Worker(
         config,
         obs,
@@ -169,7 +172,7 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
         LORAS: await adapters.record(),
         BOUND_KEY: bound_record(worker.ledger),
     }
-    presence = await register(config, address, engine, worker.incarnation, extra)
+    presence = await register(config, address, engine, worker.incarnation, extra, pace)
     if presence is not None:
         role.kv.publish = presence.registration.set_extra
         adapters.set_extra = presence.registration.set_extra

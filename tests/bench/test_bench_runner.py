@@ -165,3 +165,13 @@ def test_a_missing_extra_is_named_before_anything_runs(monkeypatch, tmp_path, go
         exited.value
     )
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_slos_go_with_every_request_when_asked():
+    server = FakeServer()
+    run(server, workload(n=2, out=1), LoadConfig(), slo_ms=(500.0, 15.0))
+    assert all(b["slo_ttft_ms"] == 500 and b["slo_tpot_ms"] == 15 for b in server.bodies)
+    assert all(b["ignore_eos"] is True for b in server.bodies)
+    server = FakeServer()
+    run(server, workload(n=1, out=1), LoadConfig())
+    assert "slo_ttft_ms" not in server.bodies[0]

@@ -293,3 +293,27 @@ def test_lora_values_reach_gateway_and_workers(helm) -> None:
     off = {d["metadata"]["name"]: d["data"] for d in by_kind(render(helm), "ConfigMap")}
     assert "TANDEM_ALLOW_RUNTIME_LORA_UPDATING" not in off["tandem-gateway"]
     assert "TANDEM_LORA_MODULES" not in off["tandem-decode"]
+
+
+def test_pools_can_follow_the_routers_planner(helm) -> None:
+    """``autoscaling.signal: planner``: KEDA queries the routers' recommended worker count of
+    the role (one replica per unit), an HPA reads it as an External metric; the router's
+    config carries the SLO defaults the planner and the disagg choice use."""
+    sets = ["prefill.autoscaling.enabled=true", "prefill.autoscaling.signal=planner",
+            "decode.autoscaling.enabled=true", "decode.autoscaling.signal=planner",
+            "decode.autoscaling.mode=hpa", "gateway.sloTpotMs=15"]  # fmt: skip
+    docs = render(helm, sets=sets, kube_version=KUBE_VERSIONS[-1])
+    (keda,) = by_kind(docs, "ScaledObject")
+    check_crd_object(keda)
+    meta = keda["spec"]["triggers"][0]["metadata"]
+    assert (
+        meta["query"].startswith("sum(tandem_planner_prefill_workers{") and meta["threshold"] == "1"
+    )
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    kubernetes_validate.validate(hpa, KUBE_VERSIONS[-1], strict=True)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "tandem_planner_decode_workers"
+    (config,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("router")]
+    assert config["data"]["TANDEM_SLO_TPOT_MS"] == "15"
+    assert config["data"]["TANDEM_SLO_SHED_FACTOR"] == "0"

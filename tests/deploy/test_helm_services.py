@@ -80,6 +80,8 @@ VARIANTS = {
                 'engine.speculativeConfig:="{\\"method\\": \\"ngram\\", '
                 '\\"num_speculative_tokens\\": 4}"',
                 "kvChecksums=false",
+                "engine.kvHostCacheGib:=8",
+                "engine.kvSwapMinTokens=128",
             )
         ),
     ),
@@ -344,5 +346,7 @@ def test_admission_engine_and_kv_values_reach_their_configs(rendered, tmp_path, 
                 assert config.quantization == ("fp8" if changed else None)
                 assert config.quantize_lm_head is changed
                 assert config.kv_cache_dtype == ("fp8" if changed else "auto")
+                assert config.kv_host_cache_gib == (8.0 if changed else None)
+                assert config.kv_swap_min_tokens == (128 if changed else 64)
                 spec = config.speculative_config
                 assert (spec and spec.num_speculative_tokens) == (4 if changed else None)

@@ -52,7 +52,7 @@ def stack(tmp_path_factory):
         port=free_port(), num_prefill=1, num_decode=2, gpus=("0",),
         gpu_memory_utilization=0.15, load_format="dummy", start_timeout=300.0,
         max_num_batched_tokens=512, max_model_len=2048, max_num_seqs=16,
-        decode_only_threshold=12, member_ttl=3, member_refresh=1.0,
+        decode_only_threshold=12, disagg_mode="length", member_ttl=3, member_refresh=1.0,
         worker_args=("--drain-timeout", "3", "--dtype", "float32"),
         router_args=("--policy", "round-robin"),
     )  # fmt: skip

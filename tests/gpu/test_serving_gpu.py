@@ -50,6 +50,7 @@ def config(model_dir: Path, run_dir: Path, **kw) -> StackConfig:
         gpus=("0",),
         load_format="dummy",
         decode_only_threshold=16,
+        disagg_mode="length",
         start_timeout=300.0,
         **ENGINE,
     )

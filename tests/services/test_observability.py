@@ -14,6 +14,7 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -38,7 +39,9 @@ from services.gateway.server import create_app
 from services.observability import tracing
 from services.observability.engine import EngineCollector, StepMetrics
 from services.observability.metrics import EtcdErrorsCollector, GrpcServerMetrics, Metrics
+from services.router.disagg import Slo
 from services.router.metrics import RouterCollector, decision_labels
+from services.router.planner import Planner
 from tests.services.test_gateway import CONFIG, KEY, TENANT, FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +114,7 @@ def test_router_collector_reads_decisions_and_members():
     class Core:
         class stats:  # noqa: N801 - stands in for RouterStats
             decisions = Counter({("kv", "kv-hit"): 3, ("kv", "load"): 1, "decode_only": 2})
+            disagg = Counter({("decode-only", "saturated"): 2, ("disagg", "headroom"): 3})
             retries = 4
             migrations = 5
             live_moves = 2
@@ -118,12 +122,16 @@ def test_router_collector_reads_decisions_and_members():
         class admission:  # noqa: N801 - stands in for DecodeAdmission
             local_refusals = 7
 
+        class slo_gate:  # noqa: N801 - stands in for SloGate
+            shed = 2
+
     class Watcher:
         members = {"p0": _Member("prefill"), "d0": _Member("decode"), "d1": _Member("decode")}
 
     class OtherModel:  # a second base model's core: its counts add to the router's
         class stats:  # noqa: N801
             decisions = Counter({("kv", "kv-hit"): 1})
+            disagg = Counter({("disagg", "headroom"): 1})
             retries = 0
             migrations = 1
             live_moves = 0
@@ -131,6 +139,13 @@ def test_router_collector_reads_decisions_and_members():
         class admission:  # noqa: N801
             local_refusals = 1
 
+        class slo_gate:  # noqa: N801
+            shed = 0
+
+    for core in (Core, OtherModel):  # the pool planner's inputs: no traffic, no rates yet
+        core.model, core.planner = core.__name__, Planner()
+        core.chooser = SimpleNamespace(disagg=SimpleNamespace(default_slo=Slo(1.0, 0.05)))
+        core.workers = staticmethod(lambda: [])
     reg = CollectorRegistry()
     reg.register(RouterCollector([Core(), OtherModel()], Watcher()))
     assert value(reg, "tandem_router_decisions_total", policy="kv", reason="kv-hit") == 4
@@ -139,6 +154,13 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, "tandem_router_migrations_total") == 6
     assert value(reg, "tandem_router_live_moves_total") == 2
     assert value(reg, "tandem_router_local_refusals_total") == 8
+    disagg = "tandem_router_disagg_decisions_total"
+    assert value(reg, disagg, choice="disagg", reason="headroom") == 4
+    assert value(reg, disagg, choice="decode-only", reason="saturated") == 2
+    assert value(reg, "tandem_router_slo_shed_total") == 2
+    assert value(reg, "tandem_planner_prompt_tokens_per_second", base_model="Core") == 0
+    names = {n for n, _ in samples(reg)}
+    assert "tandem_planner_prefill_workers" not in names  # no measured rate: left out
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0
     assert decision_labels(("session", "sticky")) == ("session", "sticky")
@@ -293,6 +315,10 @@ async def test_gateway_counts_requests_tokens_latency_and_goodput(gateway_metric
     assert value(reg, "tandem_gateway_goodput_requests_total") == 2  # generous SLOs
     assert value(reg, "tandem_gateway_slo_info", ttft_seconds="10.0", tpot_seconds="10.0") == 1
     assert value(reg, "tandem_gateway_requests_in_flight") == 0
+    # A request's own objective counts for its goodput: a microsecond TTFT is missed.
+    tight = {**body, "slo_ttft_ms": 0.001}
+    assert (await client.post(route, json=tight, headers=auth)).status_code == 200
+    assert value(reg, "tandem_gateway_goodput_requests_total") == 2
 
 
 def test_route_labels_are_bounded():

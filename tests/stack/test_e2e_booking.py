@@ -34,6 +34,7 @@ def stack(smol_dir, tmp_path_factory):
         model_dir=str(smol_dir), run_dir=str(tmp_path_factory.mktemp("booking")),
         port=free_port(), num_prefill=1, num_decode=1, kv_transport="grpc",
         decode_only_threshold=THRESHOLD,
+        disagg_mode="length",  # placement by length alone, whatever the load
         num_kv_blocks=KV_BLOCKS,
         worker_args=("--max-pending-tokens", str(PENDING)),
         gateway_args=("--default-max-tokens", str(CAP), "--default-booked-tokens", str(BOOKED)),

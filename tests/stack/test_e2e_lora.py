@@ -76,6 +76,7 @@ def stack(smol_dir, adapters, tmp_path_factory):
         num_prefill=1,
         num_decode=1,
         decode_only_threshold=4,  # every prompt here goes prefill -> hand-off -> decode
+        disagg_mode="length",  # placement by length alone, whatever the load
         member_ttl=3,
         member_refresh=1.0,
         worker_args=(f"--lora-modules=a={adapters['a']}", *LORA_FLAGS),
@@ -256,6 +257,7 @@ def test_adapters_on_tensor_parallel_workers(smol_dir, adapters, expected, tmp_p
         port=free_port(),
         decode_tp=2,
         decode_only_threshold=4,
+        disagg_mode="length",
         member_ttl=3,
         member_refresh=1.0,
         start_timeout=300.0,

@@ -59,6 +59,7 @@ def stack(smol_dir, other_dir, tmp_path_factory):
         run_dir=str(tmp_path_factory.mktemp("models-stack")),
         port=free_port(),
         decode_only_threshold=4,  # prompts go prefill -> hand-off -> decode
+        disagg_mode="length",  # placement by length alone, whatever the load
         member_ttl=3,
         member_refresh=1.0,
         gateway_args=(f"--max-inflight-tokens={INFLIGHT}",),

@@ -80,6 +80,7 @@ def stack(smol_dir, tmp_path_factory):
         model_dir=str(smol_dir), run_dir=str(tmp_path_factory.mktemp("overload")),
         port=free_port(), num_prefill=1, num_decode=1, kv_transport="grpc",
         decode_only_threshold=16,  # every request goes through the prefill worker
+        disagg_mode="length",  # placement by length alone, whatever the load
         worker_args=("--max-pending-tokens", str(PENDING)),
     )  # fmt: skip
     with Stack(config) as s:

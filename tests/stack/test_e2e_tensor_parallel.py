@@ -65,6 +65,8 @@ def stack(smol_dir, tmp_path_factory, request):
         member_refresh=1.0,
         start_timeout=300.0,
         kv_transport=transport,
+        # Every long prompt to the prefill worker: these tests are about its hand-off.
+        disagg_mode="length",
     )
     with Stack(config) as s:
         yield s

@@ -37,6 +37,7 @@ def stack(smol_dir, tmp_path_factory) -> Iterator[Stack]:
         num_routers=2,
         router_policy="kv",
         decode_only_threshold=1,  # every uncached tail is prefilled: the prefill choice shows
+        disagg_mode="length",  # placement by length alone, whatever the load
         kv_cache_bytes=48 * 1024**2,
         member_ttl=TTL,
         member_refresh=1.0,

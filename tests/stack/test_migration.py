@@ -126,6 +126,7 @@ def stack(smol_dir, tmp_path_factory, request):
         model_dir=str(smol_dir), run_dir=str(tmp_path_factory.mktemp("migrate")),
         port=free_port(), num_prefill=1, num_decode=2, kv_transport=request.param,
         decode_only_threshold=12,  # longer prompts through the prefill worker, short ones not
+        disagg_mode="length",  # placement by length alone, whatever the load
         member_ttl=3, member_refresh=1.0,
         # A drained worker's streams outlive its drain: they move (with their KV) or are cut.
         # The drain waits for the moved KV to be read: 15 s, since on a loaded machine a gRPC

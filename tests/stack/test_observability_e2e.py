@@ -188,7 +188,10 @@ def observed(smol_dir, tmp_path_factory) -> Iterator[Observed]:
         run_dir=str(run / "stack"),
         port=free_port(),
         decode_only_threshold=48,  # the LONG prompt is prefilled, "Hi" is decode-only
+        disagg_mode="length",  # placement by length alone, whatever the load
         trace_files=True,
+        # A small host KV tier (off by default on CPU) so the dashboards' tier panels have data.
+        worker_args=("--kv-host-cache-gib", "0.05"),
     )
     with Stack(config) as stack:
         targets = stack.scrape_targets()

@@ -4,7 +4,8 @@ first one is (so a failure to start gets a real HTTP status, not an error inside
 
 Every exchange is closed, and so settled, however a request ends; the backend is aborted if
 the client leaves at any point. An ``X-Session-Id`` header is the sticky-routing key of a
-request whose body names no ``user``."""
+request whose body names no ``user``; its latency objectives come from its body, headers,
+tenant or the gateway's defaults (`services.gateway.slo`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from services.gateway.models import Served
 from services.gateway.prepare import Prepared, RoomCheck, prepare_chat, prepare_completions
 from services.gateway.responses import full_response
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.slo import Slo, request_slo
 from services.gateway.state import Gateway, gateway
 from services.gateway.stream import stream_chunks
 
@@ -55,23 +57,25 @@ router = APIRouter()
 async def chat_completions(request: Request) -> Response:
     g = gateway(request)
     body = await parse(request, ChatCompletionRequest)
+    slo = _slo(request, g, body)
     m, base = await _base(g, body)
     rid, tenant, room = request.state.request_id, request.state.tenant, _room(g, m, body)
     p = await g.prepare(prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools, room)
-    return await _respond(request, g, [_for_model(p, body.model)], m)
+    return await _respond(request, g, [_for_model(p, body.model)], m, slo)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     g = gateway(request)
     body = await parse(request, CompletionRequest)
+    slo = _slo(request, g, body)
     m, base = await _base(g, body)
     rid, tenant, room = request.state.request_id, request.state.tenant, _room(g, m, body)
     ps = await g.prepare(prepare_completions, m.config, m.tokenizer, base, rid, tenant, room)
     ps = [_for_model(p, body.model) for p in ps]
     if not ps[0].generate:
         return await _respond_prompt_only(request, g, ps, m)
-    return await _respond(request, g, ps, m)
+    return await _respond(request, g, ps, m, slo)
 
 
 async def _base(g: Gateway, body: Any) -> tuple[Served, Any]:
@@ -80,15 +84,19 @@ async def _base(g: Gateway, body: Any) -> tuple[Served, Any]:
     return m, body.model_copy(update={"model": m.name}) if adapter else body
 
 
-async def _respond(request: Request, g: Gateway, ps: list[Prepared], m: Served) -> Response:
-    """Run the prompts ``ps`` (one, or a batch: `services.gateway.batch`) for base model ``m``:
-    every prompt admitted before any runs (a refusal closes those admitted and answers with
-    it: 429 past a limit), then a JSON body or an event stream."""
+async def _respond(
+    request: Request, g: Gateway, ps: list[Prepared], m: Served, slo: Slo
+) -> Response:
+    """Run the prompts ``ps`` (one, or a batch: `services.gateway.batch`) for base model ``m``
+    under the objectives ``slo``: every prompt admitted before any runs (a refusal closes
+    those admitted and answers with it: 429 past a limit), then a JSON body or an event
+    stream."""
     session = request.headers.get(SESSION_HEADER, "")
     exchanges: list[Exchange] = []
     try:
         for p in ps:
             req = _with_session(p.backend_request, session)
+            req = dataclasses.replace(req, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
             exchanges.append(Exchange.open(g.limits, g.backend, req, g.metrics, m.name))
     except BaseException:
         await _close_all(exchanges)
@@ -226,6 +234,12 @@ def _room(g: Gateway, m: Served, body: ChatCompletionRequest | CompletionRequest
     it gets there): 429 when the routers just refused requests at least as large."""
     priority = body.priority or "interactive"
     return functools.partial(g.limits.check_room, m.name, body.model, priority)
+
+
+def _slo(request: Request, g: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Slo:
+    """The request's objectives (`services.gateway.slo.request_slo`): 400 when invalid."""
+    tenant = g.tenant_slos.get(request.state.tenant)
+    return request_slo(g.default_slo, tenant, request.headers, body.slo_ttft_ms, body.slo_tpot_ms)
 
 
 def _with_session(req: BackendRequest, session: str) -> BackendRequest:
