@@ -7,12 +7,15 @@ scheduling, the attention backend the device picks) prefills ``--batch`` request
 ``--context`` seeded tokens, decodes them ``--warmup`` steps, then profiles (``torch.profiler``,
 CUDA activity):
 
-- ``decode``: ``--steps`` steps of the decode batch alone;
+- ``decode``: the decode batch alone;
 - ``mixed``: the same batch while one ``--prompt``-token request prefills beside it in chunks of
-  ``--max-num-batched-tokens`` (every profiled step is a chunk plus the decodes).
+  ``--max-num-batched-tokens`` (every measured step is a chunk plus the decodes).
 
-For each phase: wall time per step, GPU kernel time per step by kind (matrix products,
-attention, the rest) and the top kernels. The kinds come from the kernels' names, so they are a
+Each phase times up to ``--steps`` steps unprofiled (wall time per step, the pipeline's pace),
+then profiles up to ``--steps`` more: GPU kernel time per step by kind (matrix products,
+attention, the rest), the top kernels and the operators that launched the most GPU time. Kernels
+launched early under programmatic dependent launch count their wait, so the kinds can sum past
+the wall time. The kinds come from the kernels' names, so they are a
 guide: a fused kernel counts where its name puts it. ``--dry-run``: a tiny CPU run of the script.
 """
 
@@ -60,19 +63,33 @@ def _kernels(prof) -> dict[str, float]:
     return out
 
 
-def _profile(engine: LLMEngine, steps: int, device: str) -> dict:
-    """Wall and GPU time of ``steps`` engine steps."""
+def _top_ops(prof, n: int = 8) -> list[dict]:
+    """The host-side operators whose launches took the most GPU time, with their inputs'
+    shapes: what a kernel or a copy in the top list came from."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.device_type == torch.autograd.DeviceType.CPU and e.device_time_total > 0:
+            rows.append((e.device_time_total / 1e3, e.key, str(e.input_shapes)[:160]))
+    rows.sort(reverse=True)
+    return [{"ms": ms, "op": op, "shapes": shapes} for ms, op, shapes in rows[:n]]
+
+
+def _profile(engine: LLMEngine, timed: int, steps: int, device: str) -> dict:
+    """Wall time of ``timed`` engine steps, then GPU time of ``steps`` more (profiled)."""
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device != "cpu":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
+    for _ in range(timed):
+        engine.step()
+    sync()
+    wall = (time.perf_counter() - t0) * 1e3 / timed
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             engine.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / steps
+        sync()
     kernels = {k: v / steps for k, v in _kernels(prof).items()}
     kinds: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():
@@ -83,6 +100,7 @@ def _profile(engine: LLMEngine, steps: int, device: str) -> dict:
         "gpu_ms_per_step": sum(kernels.values()),
         "gpu_ms_by_kind": dict(kinds),
         "top_kernels_ms": [{"name": n[:120], "ms": ms} for n, ms in top],
+        "top_ops_ms_total": _top_ops(prof),
     }
 
 
@@ -107,11 +125,12 @@ def run(args: argparse.Namespace) -> dict:
         engine.step()
     for _ in range(args.warmup):
         engine.step()
-    decode = _profile(engine, args.steps, args.device)
+    decode = _profile(engine, args.steps, args.steps, args.device)
     engine.add_request("long", _ids(rng, args.prompt), SamplingParams(max_tokens=1))
-    engine.step()  # the first chunk, unprofiled (the request's admission)
-    chunks = min(args.steps, args.prompt // args.max_num_batched_tokens - 2)
-    mixed = _profile(engine, max(1, chunks), args.device)
+    engine.step()  # the first chunk (the request's admission)
+    chunks = args.prompt // args.max_num_batched_tokens - 2  # all but the first and the last
+    timed = max(1, min(args.steps, chunks // 2))
+    mixed = _profile(engine, timed, max(1, min(args.steps, chunks - timed)), args.device)
     engine.close()
     return {"decode": decode, "mixed": mixed}
 
@@ -125,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="model folder (default: the Llama-3.1-8B shape)")
     p.add_argument("--batch", type=int, default=32, help="decoding sequences")
     p.add_argument("--context", type=int, default=12000, help="their context (tokens)")
-    p.add_argument("--prompt", type=int, default=16384, help="the long prompt prefilled beside")
+    p.add_argument("--prompt", type=int, default=32768, help="the long prompt prefilled beside")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=6, help="steps profiled per phase")
@@ -155,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{phase}: top kernels (ms per step)")
         for k in r["top_kernels_ms"]:
             print(f"  {k['ms']:8.3f}  {k['name']}")
+        print(f"{phase}: operators launching the most GPU time (ms over the profiled steps)")
+        for k in r["top_ops_ms_total"]:
+            print(f"  {k['ms']:8.3f}  {k['op']}  {k['shapes']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": device, "args": vars(args) | {
         "model": str(args.model), "out": str(args.out)}, "phases": result}, indent=2))  # fmt: skip

@@ -5,6 +5,9 @@ preempted sequences swapped back in. Runs only where CUDA is present (``pytest -
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,14 @@ pytest.importorskip("triton")
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.host_store import HostStore  # noqa: E402
 from tests.conftest import make_random_model_dir  # noqa: E402
+
+
+@pytest.fixture
+def tokenizer_dir(request) -> Path:
+    """The tokenizer the device scripts carry (``TANDEM_TOKENIZER_DIR``), else the bundled
+    model's folder: the test's model has random weights and needs only the tokenizer."""
+    carried = os.environ.get("TANDEM_TOKENIZER_DIR")
+    return Path(carried) if carried else request.getfixturevalue("smol_dir")
 
 
 def test_blocks_round_trip_through_pinned_host_memory() -> None:
@@ -55,8 +66,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tog
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["evicted-prefixes", "preemption"])
-def test_greedy_outputs_are_the_same_with_the_tier(tmp_path, smol_dir, together) -> None:
-    model = make_random_model_dir(tmp_path, smol_dir, "llama")
+def test_greedy_outputs_are_the_same_with_the_tier(tmp_path, tokenizer_dir, together) -> None:
+    model = make_random_model_dir(tmp_path, tokenizer_dir, "llama")
     prompts = [[(7 * i + 3 * j) % 4000 + 10 for j in range(40 + 5 * i)] for i in range(6)]
     if not together:
         prompts += prompts[:3]  # the first three again, evicted from the 12-block pool
