@@ -173,8 +173,8 @@ def decode_tpot(args, engine: LLMEngine) -> dict:
 
     quiet, loaded = steps(False), steps(True)
     store.synchronize()
-    for i in range(args.batch):
-        engine.abort(f"d{i}")
+    while engine.has_unfinished():  # the rest of their tokens (some may have finished)
+        engine.step()
     return {
         "batch": args.batch, "busy_blocks_per_step": busy,
         "tpot_quiet_p50_s": statistics.median(quiet), "tpot_busy_p50_s": statistics.median(loaded),
@@ -187,6 +187,7 @@ def build(args, num_blocks: int, host_gib: float, seqs: int = 0) -> LLMEngine:
         model_dir=str(args.model), load_format="dummy", device=args.device,
         num_kv_blocks=num_blocks, kv_host_cache_gib=host_gib,
         max_num_seqs=seqs or args.concurrency,
+        max_model_len=args.turns * (args.user_tokens + args.answer_tokens) + args.steps + 256,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_swap_min_tokens=args.swap_min_tokens,
     ))  # fmt: skip

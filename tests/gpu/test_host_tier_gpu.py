@@ -76,7 +76,7 @@ def test_greedy_outputs_are_the_same_with_the_tier(tmp_path, tokenizer_dir, toge
     for name, gib in (("base", 0.0), ("tier", 0.01)):
         engine = LLMEngine(EngineConfig(
             model_dir=str(model), device="cuda", dtype="float32", num_kv_blocks=16,
-            max_num_batched_tokens=128, max_num_seqs=6, kv_host_cache_gib=gib,
+            max_num_batched_tokens=128, max_num_seqs=6, kv_host_cache_gib=gib, max_model_len=160,
             kv_swap_min_tokens=16,
         ))  # fmt: skip
         out[name] = run(engine, prompts, params, together)
