@@ -104,7 +104,15 @@ def _profile(engine: LLMEngine, timed: int, steps: int, device: str) -> dict:
     }
 
 
+def _decoding(engine: LLMEngine) -> int:
+    return sum(1 for s in engine.scheduler.running if not s.is_prefilling)
+
+
 def run(args: argparse.Namespace) -> dict:
+    # The first requests decode while the later ones prefill: enough tokens that none finishes
+    # before the end (every profiled step must have the whole batch).
+    budget = args.max_num_batched_tokens
+    new = (args.batch * args.context + args.prompt) // budget + 4 * args.steps + 64
     engine = LLMEngine(
         EngineConfig(
             model_dir=str(args.model),
@@ -112,12 +120,12 @@ def run(args: argparse.Namespace) -> dict:
             device=args.device,
             max_num_seqs=max(64, args.batch + 1),
             max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.context + args.prompt + 4 * args.steps + 64,
+            max_model_len=max(args.context + new, args.prompt) + 64,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
     )
     rng = random.Random(SEED)
-    long_run = SamplingParams(temperature=0, max_tokens=4 * args.steps + 32, ignore_eos=True)
+    long_run = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"d{i}", _ids(rng, args.context), long_run)
     sched = engine.scheduler
@@ -125,12 +133,15 @@ def run(args: argparse.Namespace) -> dict:
         engine.step()
     for _ in range(args.warmup):
         engine.step()
-    decode = _profile(engine, args.steps, args.steps, args.device)
+    decode = _profile(engine, args.steps, args.steps, args.device) | {"batch": _decoding(engine)}
     engine.add_request("long", _ids(rng, args.prompt), SamplingParams(max_tokens=1))
     engine.step()  # the first chunk (the request's admission)
     chunks = args.prompt // args.max_num_batched_tokens - 2  # all but the first and the last
     timed = max(1, min(args.steps, chunks // 2))
     mixed = _profile(engine, timed, max(1, min(args.steps, chunks - timed)), args.device)
+    mixed["batch"] = _decoding(engine)  # the decodes beside the chunk
+    if decode["batch"] != args.batch or mixed["batch"] != args.batch:
+        raise RuntimeError(f"decode batch {decode['batch']} / {mixed['batch']}, not {args.batch}")
     engine.close()
     return {"decode": decode, "mixed": mixed}
 
@@ -164,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = []
     for phase, r in result.items():
-        row = {"phase": phase, "wall_ms": r["ms_per_step_wall"], "gpu_ms": r["gpu_ms_per_step"]}
+        row = {"phase": phase, "batch": r["batch"], "wall_ms": r["ms_per_step_wall"]}
+        row["gpu_ms"] = r["gpu_ms_per_step"]
         row.update({k: r["gpu_ms_by_kind"].get(k, 0.0) for k in ("matmul", "attention", "other")})
         rows.append(row)
     print(f"{device}: batch {args.batch} at {args.context} tokens; mixed with a "
           f"{args.prompt}-token prompt in {args.max_num_batched_tokens}-token chunks")  # fmt: skip
-    print(table(rows, ["phase", "wall_ms", "gpu_ms", "matmul", "attention", "other"]))
+    print(table(rows, ["phase", "batch", "wall_ms", "gpu_ms", "matmul", "attention", "other"]))
     for phase, r in result.items():
         print(f"\n{phase}: top kernels (ms per step)")
         for k in r["top_kernels_ms"]:
