@@ -74,7 +74,9 @@ def _top_ops(prof, n: int = 8) -> list[dict]:
     return [{"ms": ms, "op": op, "shapes": shapes} for ms, op, shapes in rows[:n]]
 
 
-def _profile(engine: LLMEngine, timed: int, steps: int, device: str) -> dict:
+def _profile(
+    engine: LLMEngine, timed: int, steps: int, device: str, trace: Path | None = None
+) -> dict:
     """Wall time of ``timed`` engine steps, then GPU time of ``steps`` more (profiled)."""
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -90,6 +92,8 @@ def _profile(engine: LLMEngine, timed: int, steps: int, device: str) -> dict:
         for _ in range(steps):
             engine.step()
         sync()
+    if trace is not None:  # Chrome's trace format (gzipped where the name ends in .gz)
+        prof.export_chrome_trace(str(trace))
     kernels = {k: v / steps for k, v in _kernels(prof).items()}
     kinds: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():
@@ -138,7 +142,8 @@ def run(args: argparse.Namespace) -> dict:
     engine.step()  # the first chunk (the request's admission)
     chunks = args.prompt // args.max_num_batched_tokens - 2  # all but the first and the last
     timed = max(1, min(args.steps, chunks // 2))
-    mixed = _profile(engine, timed, max(1, min(args.steps, chunks - timed)), args.device)
+    profiled = max(1, min(args.steps, chunks - timed))
+    mixed = _profile(engine, timed, profiled, args.device, args.trace)
     mixed["batch"] = _decoding(engine)  # the decodes beside the chunk
     if decode["batch"] != args.batch or mixed["batch"] != args.batch:
         raise RuntimeError(f"decode batch {decode['batch']} / {mixed['batch']}, not {args.batch}")
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="steps profiled per phase")
     p.add_argument("--device", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--trace", type=Path, help="the mixed phase's profile, Chrome's format (.gz)")
     p.add_argument("--out", type=Path, default=Path("bench/results/step_profile.json"))
     args = parse_bench_args(p, "bench.step_profile", argv)
     tmp = None
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         for k in r["top_ops_ms_total"]:
             print(f"  {k['ms']:8.3f}  {k['op']}  {k['shapes']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": device, "args": vars(args) | {
-        "model": str(args.model), "out": str(args.out)}, "phases": result}, indent=2))  # fmt: skip
+    paths = {k: str(getattr(args, k)) for k in ("model", "out", "trace")}
+    report = {"device": device, "args": vars(args) | paths, "phases": result}
+    args.out.write_text(json.dumps(report, indent=2))
     if tmp is not None:
         tmp.cleanup()
     return 0
