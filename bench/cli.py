@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="start a local stack: disagg:XpYd[:threshold=N] or colocated:N (repeatable)",
+        help="start a local stack: disagg:XpYd[:threshold=N][:mode=slo|length][:tokens=N]... or "
+        "colocated:N[:tokens=N] (repeatable; tokens: this stack's step token budget)",
     )
     t.add_argument("--model", default=None, help="served model name (default: ask /v1/models)")
     t.add_argument("--api-key", default="EMPTY")

@@ -2,9 +2,12 @@
 
 SPEC is ``disagg:XpYd`` (X prefill and Y decode workers) optionally followed by options
 ``:threshold=N`` (the routers' cold-start decode-only threshold: it decides until the
-workers report a measured prefill rate, then each request's SLOs do), ``:policy=NAME``
-(routing policy: kv, least-loaded, round-robin, session) and ``:routers=N`` (router
-replicas), or ``colocated:N`` (N workers doing both phases).
+workers report a measured prefill rate, then each request's SLOs do), ``:mode=slo|length``
+(the routers' ``--disagg-mode``), ``:policy=NAME`` (routing policy: kv, least-loaded,
+round-robin, session) and ``:routers=N`` (router replicas), or ``colocated:N`` (N workers
+doing both phases). Either takes ``:tokens=N``, the workers' ``--max-num-batched-tokens`` for
+this stack alone (the step's token budget, so the prefill chunk beside the decodes): several
+stacks differing only there measure the TTFT/TPOT trade-off of the chunk size in one run.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from services.router.policy import POLICIES
 if TYPE_CHECKING:
     from services.launcher.stack import Stack
 
-_DISAGG = re.compile(r"disagg:(\d+)p(\d+)d((?::[a-z]+=[a-z0-9-]+)*)")
-_OPTIONS = {"threshold": int, "policy": str, "routers": int}
-_COLOCATED = re.compile(r"colocated:(\d+)")
+_OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
+_DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
+_OPTIONS = {"threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int}
+_COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
+_COLOCATED_OPTIONS = {"tokens": int}
+_MODES = ("slo", "length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,21 @@ class StackSpec:
     threshold: int | None = None
     policy: str | None = None  # None: the routers' default
     routers: int = 1
+    mode: str | None = None  # the routers' --disagg-mode; None: the launcher's default
+    tokens: int | None = None  # the workers' --max-num-batched-tokens; None: the run's
+
+
+def _options(text: str, spec: str, known: dict[str, type]) -> dict:
+    """``:key=value`` options of ``spec`` (the part of ``text`` after the topology)."""
+    options: dict = {}
+    for item in filter(None, spec.split(":")):
+        key, _, value = item.partition("=")
+        if key not in known:
+            raise ValueError(f"{text}: unknown option {key!r}; one of {', '.join(known)}")
+        options[key] = known[key](value)
+    if options.get("tokens", 1) < 1:
+        raise ValueError(f"{text}: tokens must be >= 1")
+    return options
 
 
 def parse_stack(text: str) -> StackSpec:
@@ -47,20 +68,21 @@ def parse_stack(text: str) -> StackSpec:
         p, d = int(m[1]), int(m[2])
         if p < 1 or d < 1:
             raise ValueError(f"{text}: a disaggregated stack needs >= 1 prefill and decode worker")
-        options: dict = {}
-        for item in filter(None, m[3].split(":")):
-            key, _, value = item.partition("=")
-            if key not in _OPTIONS:
-                raise ValueError(f"{text}: unknown option {key!r}; one of {', '.join(_OPTIONS)}")
-            options[key] = _OPTIONS[key](value)
+        options = _options(text, m[3], _OPTIONS)
         if options.get("policy", "kv") not in POLICIES:
             raise ValueError(f"{text}: unknown policy; one of {', '.join(POLICIES)}")
+        if options.get("mode", "slo") not in _MODES:
+            raise ValueError(f"{text}: unknown mode; one of {', '.join(_MODES)}")
         return StackSpec(text, p, d, **options)
     if m := _COLOCATED.fullmatch(text):
         if int(m[1]) < 1:
             raise ValueError(f"{text}: needs >= 1 worker")
-        return StackSpec(text, 0, int(m[1]), colocated=True)
-    raise ValueError(f"bad stack spec {text!r}: use disagg:XpYd[:threshold=N] or colocated:N")
+        options = _options(text, m[2], _COLOCATED_OPTIONS)
+        return StackSpec(text, 0, int(m[1]), colocated=True, **options)
+    raise ValueError(
+        f"bad stack spec {text!r}: use disagg:XpYd[:threshold=N][:tokens=N]... or "
+        "colocated:N[:tokens=N]"
+    )
 
 
 def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
@@ -69,11 +91,15 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     from services.launcher.stack import StackConfig
 
     common = dict(model_dir=model_dir, run_dir=run_dir, port=free_port(), **overrides)
+    if spec.tokens is not None:
+        common["max_num_batched_tokens"] = spec.tokens
     if spec.colocated:
         return StackConfig.colocated(spec.num_decode, **common)
     config = StackConfig(num_prefill=spec.num_prefill, num_decode=spec.num_decode, **common)
     if spec.threshold is not None:
         config = replace(config, decode_only_threshold=spec.threshold)
+    if spec.mode is not None:
+        config = replace(config, disagg_mode=spec.mode)
     return replace(config, router_policy=spec.policy or "", num_routers=spec.routers)
 
 

@@ -91,6 +91,23 @@ def test_stack_specs():
     assert cfg.decode_only_threshold == 0 and cfg.topology == "disagg:1p1d"
 
 
+def test_stack_specs_set_the_step_budget_and_the_disagg_mode_per_stack():
+    spec = parse_stack("colocated:1:tokens=512")
+    assert (spec.colocated, spec.tokens, spec.name) == (True, 512, "colocated:1:tokens=512")
+    # The stack's own budget wins over the run's (--max-num-batched-tokens 2048 here).
+    cfg = stack_config(spec, "/m", "/r", max_num_batched_tokens=2048)
+    assert cfg.max_num_batched_tokens == 512 and cfg.topology == "colocated:1"
+    assert stack_config(parse_stack("colocated:1"), "/m", "/r", max_num_batched_tokens=2048
+                        ).max_num_batched_tokens == 2048  # fmt: skip
+    cfg = stack_config(parse_stack("disagg:1p1d:mode=length:tokens=1024"), "/m", "/r")
+    assert (cfg.disagg_mode, cfg.max_num_batched_tokens) == ("length", 1024)
+    assert stack_config(parse_stack("disagg:1p1d"), "/m", "/r").disagg_mode == ""
+    for bad in ("colocated:1:tokens=0", "colocated:1:mode=slo", "disagg:1p1d:mode=fast",
+                "colocated:1:tokens=x"):  # fmt: skip
+        with pytest.raises(ValueError):
+            parse_stack(bad)
+
+
 def test_colocated_config_and_cli_flags():
     cfg = StackConfig.colocated(3, model_dir="/m", run_dir="/r")
     assert (cfg.num_prefill, cfg.num_decode, cfg.topology) == (0, 3, "colocated:3")
