@@ -106,7 +106,8 @@ class _Writer:
             self.jobs.put(None)
             self.thread.join(timeout=60)
         if self.fd >= 0:
-            os.close(self.fd)
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
             self.fd = -1
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)

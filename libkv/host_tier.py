@@ -142,10 +142,11 @@ class HostTier:
     def _evict_leaf(self, last: bool = False) -> bool:
         """Evict the least recently used leaf not being paged in, demoting it to the disk tier
         when it holds data (its page-out was issued); its slot is handed out next, or ``last``
-        (after every other free slot: the disk write has time to finish). False: none."""
+        (after every other free slot: the disk write has time to finish; then only a leaf
+        holding data is taken). False: none."""
         for h in self._leaves:
             entry = self._entries[h]
-            if entry.slot in self._pinned:
+            if entry.slot in self._pinned or (last and h in self._out):
                 continue
             if self.disk is not None and h not in self._out:
                 disk_slot = self.disk.put(h, entry.token_ids, entry.parent)
