@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.host_store import runs
+from libkv.tier_types import runs
 
 PREFIX = "tandem-kv-"
 STAGING_BLOCKS = 16  # blocks per half of the staging buffer

@@ -43,22 +43,12 @@ from engine.tier_sizing import (  # noqa: F401 -- re-exported: the sizing was de
 )
 from libkv.disk_tier import DiskTier
 from libkv.host_tier import HostTier, TierStats
+from libkv.tier_types import runs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.disk_store import DiskStore
     from engine.scheduler import SchedulerOutput
-
-
-def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the maximal runs where both ids go up by one."""
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((s, d, 1))
-    return out
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@ one batch of copies, and the counters of a tier (``libkv.host_tier``, ``libkv.di
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from libkv.hashing import BlockHash
@@ -76,3 +77,14 @@ class TierStats:
 
     def copy(self) -> TierStats:
         return TierStats(*(getattr(self, f) for f in self.__slots__))  # type: ignore[attr-defined]
+
+
+def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs where both ids go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
