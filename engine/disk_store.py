@@ -74,8 +74,8 @@ def remove_stale(directory: str) -> list[str]:
 class _Writer:
     """The file and its writer thread (what a finalizer may close without the store)."""
 
-    def __init__(self, path: str, fd: int, rows) -> None:
-        self.path, self.fd, self.rows = path, fd, rows
+    def __init__(self, path: str, fd: int, rows, device: torch.device) -> None:
+        self.path, self.fd, self.rows, self.device = path, fd, rows, device
         self.jobs: queue.Queue = queue.Queue()
         self.cond = threading.Condition()
         self.done = 0  # jobs finished, in order
@@ -85,6 +85,8 @@ class _Writer:
         self.thread.start()
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # the events it waits on are this device's
+            torch.cuda.set_device(self.device)
         while (job := self.jobs.get()) is not None:
             ready, pairs = job
             try:
@@ -138,7 +140,7 @@ class DiskStore:
             os.unlink(tmp)
             raise
         self.path = path
-        self._w = _Writer(path, fd, rows)
+        self._w = _Writer(path, fd, rows, pool.device)
         self._finalizer = weakref.finalize(self, self._w.close)
         pinned = pool.device.type == "cuda"
         shape = (2, STAGING_BLOCKS, *host.shape[1:])

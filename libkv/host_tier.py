@@ -29,6 +29,12 @@ Host slots are evicted leaves first, least recently used among them (an entry is
 written and when hit): a block whose chain goes on in the tier stays until its descendants
 have gone, as in SGLang's radix tree, so the tier never keeps the tail of a chain whose head
 it dropped (a plain LRU over a chain written in order would drop the head first).
+
+With a disk tier below (``libkv.disk_tier``), an evicted entry whose page-out was issued is
+demoted instead of dropped: ``take`` lists its write (host slot -> disk slot) before the
+batch's page-outs, and keeps ``reserve`` slots free by demoting ahead of need, handing those
+slots out last. ``find`` continues a chain from the host into the disk; ``page_in`` queues
+loads (disk slot -> device block) for the blocks only the disk holds.
 """
 
 from __future__ import annotations
