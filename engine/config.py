@@ -204,6 +204,21 @@ class EngineConfig:
         "RAM / GPUs))",
         metavar="GIB",
     )
+    # The disk tier below it (engine.disk_store, libkv.disk_tier): blocks the host tier evicts
+    # are written to one file per rank in this directory and read back instead of recomputed.
+    kv_disk_cache_dir: str | None = knob(
+        None,
+        "directory on a local disk (NVMe) for a KV tier below the host tier: blocks the host "
+        "tier evicts are written there and read back instead of recomputed (default: off; "
+        "needs a host tier; the files are removed at exit)",
+        metavar="DIR",
+    )
+    kv_disk_cache_gib: float | None = knob(
+        None,
+        "size of the disk KV tier per worker in GiB, preallocated at start (default: half the "
+        "directory's free space / GPUs)",
+        metavar="GIB",
+    )
     # A host hit shorter than this is recomputed: a copy has a fixed cost, a few tokens in a
     # batched step next to none (docs/engine.md, "Host tier", has the estimate).
     kv_swap_min_tokens: int = knob(
@@ -323,6 +338,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, not {self.kv_cache_bytes}")
         if self.kv_host_cache_gib is not None and self.kv_host_cache_gib < 0:
             raise ValueError(f"kv_host_cache_gib must be >= 0, not {self.kv_host_cache_gib}")
+        if self.kv_disk_cache_gib is not None and self.kv_disk_cache_gib < 0:
+            raise ValueError(f"kv_disk_cache_gib must be >= 0, not {self.kv_disk_cache_gib}")
         if self.kv_swap_min_tokens < 0:
             raise ValueError(f"kv_swap_min_tokens must be >= 0, not {self.kv_swap_min_tokens}")
         if self.tensor_parallel_size < 1:

@@ -25,92 +25,30 @@ Off CUDA the same calls are plain synchronous copies.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.tier_sizing import (  # noqa: F401 -- re-exported: the sizing was defined here
+    CGROUP_FILES,
+    GIB,
+    HOST_MEMORY_SHARE,
+    HOST_POOL_RATIO,
+    _available_memory,
+    _cgroup_room,
+    _meminfo_available,
+    host_slots,
+)
+from libkv.disk_tier import DiskTier
 from libkv.host_tier import HostTier, TierStats
+from libkv.tier_types import runs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.disk_store import DiskStore
     from engine.scheduler import SchedulerOutput
-
-GIB = 1024**3
-# Auto size on CUDA hosts: this share of the host's available memory, split over its GPUs,
-# and at most HOST_POOL_RATIO x the device pool (SGLang's --hicache-ratio default is 2).
-HOST_MEMORY_SHARE = 0.3
-HOST_POOL_RATIO = 2.0
-
-
-def host_slots(
-    host_gib: float | None, block_bytes: int, device: torch.device, device_pool_bytes: int
-) -> int:
-    """Host blocks of ``block_bytes`` (a canonical block: every KV head) for ``host_gib``
-    GiB; None means auto: 0 on CPU hosts, on CUDA hosts ``min(HOST_POOL_RATIO x the device
-    pool, HOST_MEMORY_SHARE x available memory / GPUs)``."""
-    if host_gib is None:
-        if device.type != "cuda":
-            return 0
-        share = HOST_MEMORY_SHARE * _available_memory() / max(torch.cuda.device_count(), 1)
-        nbytes = min(HOST_POOL_RATIO * device_pool_bytes, share)
-    else:
-        nbytes = host_gib * GIB
-    return max(int(nbytes // block_bytes), 0)
-
-
-def _available_memory() -> int:
-    """Memory this process may still take (bytes): the host's MemAvailable, capped by the
-    cgroup's limit less its use (a container's /proc/meminfo shows the whole host's)."""
-    available = _meminfo_available()
-    limit = _cgroup_room()
-    return min(available, limit) if limit is not None else available
-
-
-def _meminfo_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-)
-
-
-def _cgroup_room(files: tuple[tuple[str, str], ...] = CGROUP_FILES) -> int | None:
-    """The cgroup's memory limit less its usage, or None without a limit."""
-    for limit_path, usage_path in files:
-        try:
-            with open(limit_path) as f:
-                limit = f.read().strip()
-            with open(usage_path) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for none
-            return None
-        return max(int(limit) - usage, 0)
-    return None
-
-
-def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the maximal runs where both ids go up by one."""
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((s, d, 1))
-    return out
 
 
 @dataclass(slots=True)
@@ -136,6 +74,7 @@ class HostStore:
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.out_seconds = 0.0
         self.in_seconds = 0.0
+        self.disk: DiskStore | None = None  # the disk tier below, set by its owner
 
     @property
     def num_slots(self) -> int:
@@ -148,27 +87,50 @@ class HostStore:
         in_slots: Sequence[int],
         in_blocks: Sequence[int],
         written: Iterable[int] = (),
+        demote_slots: Sequence[int] = (),
+        demote_disk: Sequence[int] = (),
+        load_disk: Sequence[int] = (),
+        load_blocks: Sequence[int] = (),
     ) -> None:
-        """Issue page-outs (device block -> host slot), then page-ins (host slot -> device
-        block), then make the engine's stream safe to write ``written`` and the page-ins'
-        blocks (``guard``)."""
+        """Queue demotions (host slot -> disk slot, on the disk store's writer thread), issue
+        page-outs (device block -> host slot), make the engine's stream safe to write
+        ``written`` and the blocks paged in (``guard``), then page-ins (host slot -> device
+        block) and loads (disk slot -> device block). A host slot is written only after the
+        demotion reading it (``DiskStore.wait_host``)."""
+        disk = self.disk
+        if demote_slots:
+            assert disk is not None
+            disk.demote(demote_slots, demote_disk, self._issued())
+        if disk is not None and out_slots:
+            disk.wait_host(out_slots)
         if self.stream is None:
             if out_blocks:
                 self.host[list(out_slots)] = self.pool[list(out_blocks)]
             if in_blocks:
                 self.pool[list(in_blocks)] = self.host[list(in_slots)]
-            return
-        self._collect()
-        if out_blocks:
-            self._page_out(out_blocks, out_slots)
-        self.guard([*written, *in_blocks])
-        if in_blocks:
-            start, done = _timing_events()
-            start.record()
-            for s, b, n in runs(in_slots, in_blocks):
-                self.pool[b : b + n].copy_(self.host[s : s + n], non_blocking=True)
-            done.record()
-            self._timed.append(("in", start, done))
+        else:
+            self._collect()
+            if out_blocks:
+                self._page_out(out_blocks, out_slots)
+            self.guard([*written, *in_blocks, *load_blocks])
+            if in_blocks:
+                start, done = _timing_events()
+                start.record()
+                for s, b, n in runs(in_slots, in_blocks):
+                    self.pool[b : b + n].copy_(self.host[s : s + n], non_blocking=True)
+                done.record()
+                self._timed.append(("in", start, done))
+        if load_blocks:
+            assert disk is not None
+            disk.load(load_disk, load_blocks)
+
+    def _issued(self) -> torch.cuda.Event | None:
+        """An event after every page-out issued so far (None off CUDA: they are done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _page_out(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         assert self.stream is not None
@@ -224,6 +186,8 @@ class HostStore:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
             self._collect()
+        if self.disk is not None:
+            self.disk.synchronize()
 
 
 def _timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -242,10 +206,14 @@ def written_blocks(sched: SchedulerOutput, block_size: int) -> list[int]:
 
 
 def make_tier(config: EngineConfig, store: HostStore | None, block_bytes: int) -> HostTier | None:
-    """The bookkeeping of ``store``'s blocks (None without a store or a prefix cache)."""
+    """The bookkeeping of ``store``'s blocks, and of its disk store's (None without a store or
+    a prefix cache)."""
     if store is None or not config.enable_prefix_caching:
         return None
-    return HostTier(store.num_slots, config.block_size, block_bytes, config.kv_swap_min_tokens)
+    tier = HostTier(store.num_slots, config.block_size, block_bytes, config.kv_swap_min_tokens)
+    if store.disk is not None:
+        tier.disk = DiskTier(store.disk.num_slots, config.block_size, block_bytes)
+    return tier
 
 
 def tier_stats(tier: HostTier | None, store: HostStore | None) -> TierStats | None:
@@ -255,4 +223,15 @@ def tier_stats(tier: HostTier | None, store: HostStore | None) -> TierStats | No
     stats = tier.snapshot()
     if store is not None:
         stats.page_out_seconds, stats.page_in_seconds = store.out_seconds, store.in_seconds
+    return stats
+
+
+def disk_tier_stats(tier: HostTier | None, store: HostStore | None) -> TierStats | None:
+    """The disk tier's counters with the I/O times its store measured (None without one)."""
+    if tier is None or tier.disk is None:
+        return None
+    stats = tier.disk.snapshot()
+    if store is not None and store.disk is not None:
+        stats.page_out_seconds = store.disk.out_seconds
+        stats.page_in_seconds = store.disk.in_seconds
     return stats

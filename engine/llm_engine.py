@@ -23,7 +23,7 @@ from engine.draft_model import DraftProposer
 from engine.emit import Emitter
 from engine.errors import RequestNotFoundError
 from engine.handoff import Handoff
-from engine.host_store import make_tier, tier_stats
+from engine.host_store import disk_tier_stats, make_tier, tier_stats
 from engine.intake import Intake
 from engine.lora_config import LoRASpec
 from engine.model_runner import ModelRunner
@@ -62,6 +62,7 @@ class EngineStats:
     # Triton kernel specialisations this process met before and after ready (plain numbers).
     kernel_compiles: CompileCounts = field(default_factory=CompileCounts)
     tier: TierStats | None = None  # the host tier's counters (None: no host tier)
+    disk_tier: TierStats | None = None  # the disk tier's counters (None: no disk tier)
 
 
 class LLMEngine:
@@ -276,6 +277,7 @@ class LLMEngine:
                 spec=self.stepper.spec.copy(),
                 kernel_compiles=compile_counter.COUNTER.counts(),
                 tier=tier_stats(self.kv.tier, self.runner.host_store),
+                disk_tier=disk_tier_stats(self.kv.tier, self.runner.host_store),
                 prefill_backlog=prefill_backlog(
                     itertools.chain(self.scheduler.waiting, self.scheduler.running)
                 ),
@@ -301,7 +303,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do at TP=1); the engine is unusable after.
-        Its decode graphs go first: NCCL's shutdown waits for graphs that hold its collectives."""
+        Its decode graphs go first: NCCL's shutdown waits for graphs that hold its collectives.
+        The disk KV tier's file is removed."""
+        if getattr(self, "runner", None) is not None:
+            self.runner.close_tiers()
         if self.ranks is not None:
             self.runner.release_graphs()
             self.ranks.close()

@@ -32,6 +32,7 @@ from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
 from engine.device_io import upload, upload_many
+from engine.disk_store import DiskStore, disk_slots
 from engine.host_store import HostStore, host_slots, written_blocks
 from engine.inflight import InflightIds, feed_ids, step_inputs
 from engine.kv_checksum import (
@@ -250,6 +251,8 @@ class ModelRunner:
                                pool_bytes)  # fmt: skip
             slots = self.comm.min_int(slots, self.device)
         self.host_store = HostStore(self.kv_pool, slots) if slots else None
+        if config.kv_disk_cache_dir and planned:
+            self._open_disk_tier(config.kv_disk_cache_dir, config.kv_disk_cache_gib)
         self.graphs: DecodeGraphs | None = None
         self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
         self._seals: SealedSums | None = None  # sums kept when blocks are sealed
@@ -422,6 +425,20 @@ class ModelRunner:
             "settle": self._settle,
         }
 
+    def _open_disk_tier(self, directory: str, gib: float | None) -> None:
+        """The disk tier below the host tier (``engine.disk_store``): one file per rank."""
+        if self.host_store is None:
+            raise ValueError("--kv-disk-cache-dir needs a host KV tier (--kv-host-cache-gib)")
+        slots = self.comm.min_int(disk_slots(gib, self.layout.block_bytes, directory), self.device)
+        if slots:
+            store = self.host_store
+            store.disk = DiskStore(directory, self.comm.rank, slots, store.host, self.kv_pool)
+
+    def close_tiers(self) -> None:
+        """Stop the disk tier's writer and remove its file (the tiers are unusable after)."""
+        if self.host_store is not None and self.host_store.disk is not None:
+            self.host_store.disk.close()
+
     def _tier(self, *args) -> None:
         assert self.host_store is not None
         self.host_store.copy(*args)
@@ -430,19 +447,13 @@ class ModelRunner:
         """Before a step: the host tier's copies, and no write under a page-out in flight."""
         if self.host_store is not None:
             t, written = sched.tier, written_blocks(sched, self.config.block_size)
-            self._command("tier", t.out_blocks, t.out_slots, t.in_slots, t.in_blocks, written)
+            self._command("tier", *t.args(written))
 
     def run_tier(self, copies: TierCopies) -> None:
         """Issue host-tier copies now, outside a step (a hand-off's page-ins)."""
         if self.host_store is not None and copies:
             self.bind_thread()
-            out_b, out_s, in_s, in_b = (
-                copies.out_blocks,
-                copies.out_slots,
-                copies.in_slots,
-                copies.in_blocks,
-            )
-            self._command("tier", out_b, out_s, in_s, in_b, [])
+            self._command("tier", *copies.args([]))
 
     def _settle(self, block_ids: list[int]) -> None:
         assert self.host_store is not None

@@ -264,7 +264,7 @@ class Scheduler:
             more = min(len(host) * bs, len(tokens) - 1 - on_device)
             if tier.worth_paging(more):
                 keep = -(-more // bs)  # the blocks holding those tokens
-                del host.hashes[keep:], host.slots[keep:]
+                host.truncate(keep)
                 return hit, host, on_device + more
             tier.stats.short_hits += 1
         return hit, HostHit(), min(on_device, len(tokens) - 1)

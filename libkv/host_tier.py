@@ -29,17 +29,32 @@ Host slots are evicted leaves first, least recently used among them (an entry is
 written and when hit): a block whose chain goes on in the tier stays until its descendants
 have gone, as in SGLang's radix tree, so the tier never keeps the tail of a chain whose head
 it dropped (a plain LRU over a chain written in order would drop the head first).
+
+With a disk tier below (``libkv.disk_tier``), an evicted entry whose page-out was issued is
+demoted instead of dropped: ``take`` lists its write (host slot -> disk slot) before the
+batch's page-outs, and keeps ``reserve`` slots free by demoting ahead of need, handing those
+slots out last. ``find`` continues a chain from the host into the disk; ``page_in`` queues
+loads (disk slot -> device block) for the blocks only the disk holds.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from libkv.block_pool import require
+from libkv.disk_tier import DiskTier
 from libkv.hashing import BlockHash, hash_block
+from libkv.tier_types import HostHit, TierCopies, TierStats
+
+__all__ = ["HostEntry", "HostHit", "HostTier", "TierCopies", "TierListener", "TierStats"]
+
+# With a disk tier, the host tier keeps this share of its slots free by demoting least
+# recently used leaves ahead of need (``take``): a demoted slot is written to disk by a thread
+# while a step runs, and is handed out again last, so a page-out seldom waits for the disk.
+DISK_RESERVE_SHARE = 1 / 16
 
 
 class TierListener(Protocol):
@@ -59,53 +74,6 @@ class HostEntry:
     children: int = 0  # entries of the tier whose parent this is
 
 
-@dataclass(slots=True)
-class HostHit:
-    """Host blocks continuing a device hit: their chain hashes and host slots, in order."""
-
-    hashes: list[BlockHash] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-
-@dataclass(slots=True)
-class TierCopies:
-    """One batch of copies, in issue order: page-outs (device block -> host slot), then
-    page-ins (host slot -> device block)."""
-
-    out_blocks: list[int] = field(default_factory=list)
-    out_slots: list[int] = field(default_factory=list)
-    in_slots: list[int] = field(default_factory=list)
-    in_blocks: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.out_blocks or self.in_blocks)
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters of the host tier (blocks; bytes are blocks x ``block_bytes``)."""
-
-    capacity_blocks: int = 0
-    used_blocks: int = 0
-    block_bytes: int = 0
-    block_size: int = 0  # tokens per block
-    hit_blocks: int = 0  # prompt blocks served from the host tier (paged in)
-    short_hits: int = 0  # host hits under ``min_tokens``, recomputed instead
-    page_out_blocks: int = 0
-    page_in_blocks: int = 0
-    cancelled: int = 0  # page-outs dropped because the device block was evicted first
-    swaps: int = 0  # preempted sequences resumed by paging their KV in
-    recomputes: int = 0  # preempted sequences resumed by recomputing
-    page_out_seconds: float = 0.0  # copy time measured by the store (CUDA events)
-    page_in_seconds: float = 0.0
-
-    def copy(self) -> TierStats:
-        return TierStats(*(getattr(self, f) for f in self.__slots__))  # type: ignore[attr-defined]
-
-
 class HostTier:
     """``num_slots`` host blocks of ``block_size`` tokens (``block_bytes`` each, for stats)."""
 
@@ -118,11 +86,15 @@ class HostTier:
         self.stats = TierStats(num_slots, block_bytes=block_bytes, block_size=block_size)
         self._entries: dict[BlockHash, HostEntry] = {}
         self._leaves: OrderedDict[BlockHash, None] = OrderedDict()  # childless, least recent first
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free: deque[int] = deque(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._out: dict[BlockHash, tuple[int, int]] = {}  # queued page-outs: (block, slot)
         self._in: list[tuple[int, int]] = []  # queued page-ins: (slot, block)
         self._pinned: dict[int, int] = {}  # slot -> queued page-ins reading it
+        self._demote: list[tuple[int, int]] = []  # queued writes to disk: (slot, disk slot)
+        self._loads: list[tuple[int, int]] = []  # queued reads from disk: (disk slot, block)
         self.listener: TierListener | None = None
+        self.disk: DiskTier | None = None  # the disk tier below this one, if any
+        self.reserve = max(1, int(num_slots * DISK_RESERVE_SHARE))
 
     # -- device prefix cache -> host ----------------------------------------------------------
     def cached(
@@ -169,11 +141,28 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        for h in self._leaves:  # least recently used leaf first
-            if self._entries[h].slot not in self._pinned:
-                self._drop(h)  # frees its slot
-                return self._free.pop()
+        if self._evict_leaf():
+            return self._free.pop()
         return None
+
+    def _evict_leaf(self, last: bool = False) -> bool:
+        """Evict the least recently used leaf not being paged in, demoting it to the disk tier
+        when it holds data (its page-out was issued); its slot is handed out next, or ``last``
+        (after every other free slot: the disk write has time to finish; then only a leaf
+        holding data is taken). False: none."""
+        for h in self._leaves:
+            entry = self._entries[h]
+            if entry.slot in self._pinned or (last and h in self._out):
+                continue
+            if self.disk is not None and h not in self._out:
+                disk_slot = self.disk.put(h, entry.token_ids, entry.parent)
+                if disk_slot is not None:
+                    self._demote.append((entry.slot, disk_slot))
+            self._drop(h)  # frees its slot
+            if last:
+                self._free.appendleft(self._free.pop())
+            return True
+        return False
 
     def _drop(self, block_hash: BlockHash) -> None:
         """Forget an entry; its parent, left without children, is the next leaf to go."""
@@ -198,13 +187,19 @@ class HostTier:
         (hash and tokens verified, as on the device)."""
         hit, bs = HostHit(), self.block_size
         for i in range(start, len(token_ids) // bs):
-            chunk = token_ids[i * bs : (i + 1) * bs]
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(parent, chunk, extra)
             entry = self._entries.get(h)
-            if entry is None or entry.token_ids != tuple(chunk):
+            if entry is not None and entry.token_ids == chunk:
+                slot, disk_slot = entry.slot, -1
+            elif self.disk is not None and (found := self.disk.get(h, chunk)) is not None:
+                slot, disk_slot = -1, found
+            else:
                 break
             hit.hashes.append(h)
-            hit.slots.append(entry.slot)
+            hit.slots.append(slot)
+            if self.disk is not None:
+                hit.disk.append(disk_slot)
             parent = h
         return hit
 
@@ -213,16 +208,33 @@ class HostTier:
         return num_tokens > 0 and num_tokens >= self.min_tokens
 
     def page_in(self, hit: HostHit, block_ids: Sequence[int]) -> None:
-        """Queue copies of ``hit``'s slots into device blocks ``block_ids`` (same order)."""
-        for h, slot, block in zip(hit.hashes, hit.slots, block_ids, strict=True):
+        """Queue copies of ``hit``'s blocks into device blocks ``block_ids`` (same order):
+        page-ins from host slots, loads from disk slots."""
+        disk = hit.disk or [-1] * len(hit)
+        for h, slot, d, block in zip(hit.hashes, hit.slots, disk, block_ids, strict=True):
+            if slot < 0:
+                assert self.disk is not None
+                self.disk.load(h, d)
+                self._loads.append((d, block))
+                continue
             self._touch(h)
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
             self._in.append((slot, block))
-        self.stats.hit_blocks += len(hit)
+        self.stats.hit_blocks += len(hit) - hit.num_disk
 
     def take(self) -> TierCopies:
         """The queued copies, in issue order; the queues start empty again."""
         copies = TierCopies()
+        if self.disk is not None:  # demote ahead of need (DISK_RESERVE_SHARE)
+            while len(self._free) < self.reserve and self._evict_leaf(last=True):
+                pass
+            for slot, disk_slot in self._demote:
+                copies.demote_slots.append(slot)
+                copies.demote_disk.append(disk_slot)
+            for disk_slot, block in self._loads:
+                copies.load_disk.append(disk_slot)
+                copies.load_blocks.append(block)
+            self.disk.unpin_all()
         for block, slot in self._out.values():
             copies.out_blocks.append(block)
             copies.out_slots.append(slot)
@@ -232,12 +244,13 @@ class HostTier:
         self.stats.page_out_blocks += len(copies.out_blocks)
         self.stats.page_in_blocks += len(copies.in_blocks)
         self._out, self._in, self._pinned = {}, [], {}
+        self._demote, self._loads = [], []
         return copies
 
     @property
     def pending(self) -> bool:
         """Whether copies are queued (``take`` would return a non-empty batch)."""
-        return bool(self._out or self._in)
+        return bool(self._out or self._in or self._demote or self._loads)
 
     @property
     def num_used(self) -> int:
@@ -258,3 +271,5 @@ class HostTier:
         require(all(h in self._entries for h in self._leaves), "a leaf without its entry")
         childless = {h for h, e in self._entries.items() if not e.children}
         require(childless <= set(self._leaves), "a childless entry that cannot be evicted")
+        if self.disk is not None:
+            self.disk.check_integrity()

@@ -7,6 +7,14 @@ values and the routers' index are unchanged: a router's ``match`` of a prompt's 
 the depth of each (worker, incarnation) pair, and ``tier_depths`` reads both tiers of one
 worker from it. A restarted worker has a new incarnation, so its empty host tier never
 inherits its predecessor's entries (which leave etcd with the old lease).
+
+The disk tier (``libkv.disk_tier``) is not published: a block the host tier demotes to disk
+leaves the host summary, and routers score such a prefix as a miss. A disk hit is read at
+NVMe speed (a few GB/s, against ~50 GB/s for a host page-in), which for an 8B model on an
+H200 costs about what recomputing the block does (~0.4 ms per 2 MiB block either way): its
+routing value is near zero, no reason to steer a request to a busier worker. And the tier is
+many times the host tier's size: publishing it would multiply the keys in etcd and the
+routers' index for little. The worker that gets the request still reads its disk hits.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from services.observability.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats
+    from libkv.tier_types import TierStats
 
 
 class EngineCollector(Collector):
@@ -94,15 +95,22 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
         labels=["tier"],
     )
     host_tokens = t.hit_blocks * t.block_size if t is not None else 0
+    d = s.disk_tier
+    disk_tokens = d.hit_blocks * d.block_size if d is not None else 0
     capacity.add_metric(["gpu"], s.kv_blocks_total)
     used.add_metric(["gpu"], s.kv_blocks_used + s.kv_blocks_cached)
-    hits.add_metric(["gpu"], max(s.prefix_hit_tokens - host_tokens, 0))
+    hits.add_metric(["gpu"], max(s.prefix_hit_tokens - host_tokens - disk_tokens, 0))
     if t is None:
         yield from (capacity, used, hits)
         return
     capacity.add_metric(["host"], t.capacity_blocks)
     used.add_metric(["host"], t.used_blocks)
     hits.add_metric(["host"], host_tokens)
+    if d is not None:
+        capacity.add_metric(["disk"], d.capacity_blocks)
+        used.add_metric(["disk"], d.used_blocks)
+        hits.add_metric(["disk"], disk_tokens)
+        yield from _disk_metrics(d)
     paged = CounterMetricFamily(
         "tandem_engine_kv_tier_page_bytes",
         "Bytes copied between the GPU pool and the host tier: out (write-through of cached "
@@ -128,6 +136,27 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
     yield from (capacity, used, hits, paged, seconds, resumes)
     yield _counter("tandem_engine_kv_tier_cancelled_page_outs", "Page-outs dropped because the "
                    "GPU block was evicted before its copy was issued.", t.cancelled)  # fmt: skip
+
+
+def _disk_metrics(d: TierStats) -> Iterator[Metric]:
+    """The disk tier's I/O (``engine.disk_store``): bytes written (out: blocks the host tier
+    evicted) and read (in: disk hits), and the wall time of those writes and reads."""
+    nbytes = CounterMetricFamily(
+        "tandem_engine_kv_disk_tier_bytes",
+        "Bytes written to the disk KV tier (out: blocks the host tier evicted) and read back "
+        "(in: prompt blocks found only on disk).",
+        labels=["direction"],
+    )
+    nbytes.add_metric(["out"], d.page_out_blocks * d.block_bytes)
+    nbytes.add_metric(["in"], d.page_in_blocks * d.block_bytes)
+    seconds = CounterMetricFamily(
+        "tandem_engine_kv_disk_tier_seconds",
+        "Wall time of the disk KV tier's writes (writer thread) and reads, by direction.",
+        labels=["direction"],
+    )
+    seconds.add_metric(["out"], d.page_out_seconds)
+    seconds.add_metric(["in"], d.page_in_seconds)
+    yield from (nbytes, seconds)
 
 
 def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:

@@ -40,6 +40,8 @@ class WorkerConfig:
     kv_cache_bytes: int | None = engine_option("kv_cache_bytes")
     num_kv_blocks: int | None = engine_option("num_kv_blocks")
     kv_host_cache_gib: float | None = engine_option("kv_host_cache_gib")
+    kv_disk_cache_dir: str | None = engine_option("kv_disk_cache_dir")
+    kv_disk_cache_gib: float | None = engine_option("kv_disk_cache_gib")
     kv_swap_min_tokens: int = engine_option("kv_swap_min_tokens")
     gpu_memory_utilization: float = engine_option("gpu_memory_utilization")
     max_model_len: int | None = engine_option("max_model_len")
@@ -169,6 +171,8 @@ class WorkerConfig:
             kv_cache_bytes=self.kv_cache_bytes,
             num_kv_blocks=self.num_kv_blocks,
             kv_host_cache_gib=self.kv_host_cache_gib,
+            kv_disk_cache_dir=self.kv_disk_cache_dir,
+            kv_disk_cache_gib=self.kv_disk_cache_gib,
             kv_swap_min_tokens=self.kv_swap_min_tokens,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_len,

@@ -92,6 +92,8 @@ MORE_SETTINGS = (
     "extraModels[0].name=Qwen2.5-0.5B",
     "lora.modules={sql=/models/adapters/sql}",
     "lora.runtimeUpdating=true",
+    "prefill.engine.kvDiskCacheGib=50",
+    "decode.engine.kvDiskCacheGib=50",
 )
 # Options a service declares that no value of the chart sets, and why; every other option must
 # reach its service from some variant's values (`test_every_option_reaches_its_service`).

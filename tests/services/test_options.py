@@ -68,6 +68,7 @@ def sample(spec: Spec, other: bool = False) -> tuple[str, Any]:
     else:
         text = {
             "str": "s",
+            "str?": "s",
             "int": "7",
             "int?": "7",
             "float": "2.5",

@@ -58,3 +58,20 @@ def test_without_a_host_tier_only_the_gpu_tier_is_reported() -> None:
     assert got[("tandem_engine_kv_tier_hit_tokens_total", (("tier", "gpu"),))] == 80
     assert not any(labels == (("tier", "host"),) for _, labels in got)
     assert not any(name.startswith("tandem_engine_kv_tier_page") for name, _ in got)
+
+
+def test_the_disk_tier_is_reported_as_its_own_tier() -> None:
+    host = TierStats(capacity_blocks=100, used_blocks=90, block_bytes=4096, block_size=16,
+                     hit_blocks=1, page_in_blocks=1)  # fmt: skip
+    disk = TierStats(capacity_blocks=5000, used_blocks=700, block_bytes=4096, block_size=16,
+                     hit_blocks=2, page_out_blocks=700, page_in_blocks=2,
+                     page_out_seconds=1.5, page_in_seconds=0.125)  # fmt: skip
+    got = scrape(EngineStats(0, 1, 100, 40, 10, 5, 80, 256, tier=host, disk_tier=disk))
+    assert got[("tandem_engine_kv_tier_capacity_blocks", (("tier", "disk"),))] == 5000
+    assert got[("tandem_engine_kv_tier_used_blocks", (("tier", "disk"),))] == 700
+    assert got[("tandem_engine_kv_tier_hit_tokens_total", (("tier", "disk"),))] == 32
+    assert got[("tandem_engine_kv_tier_hit_tokens_total", (("tier", "host"),))] == 16
+    assert got[("tandem_engine_kv_tier_hit_tokens_total", (("tier", "gpu"),))] == 32  # 80 - 48
+    assert got[("tandem_engine_kv_disk_tier_bytes_total", (("direction", "out"),))] == 700 * 4096
+    assert got[("tandem_engine_kv_disk_tier_bytes_total", (("direction", "in"),))] == 2 * 4096
+    assert got[("tandem_engine_kv_disk_tier_seconds_total", (("direction", "in"),))] == 0.125
