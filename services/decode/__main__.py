@@ -44,6 +44,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         ledger=w.ledger,
         fault=c.kv_fault,
         checksums=c.kv_checksums,
+        gate=w.gate(),
     )
 
     # Moved KV (a drain's live migration) is READ over NIXL where this worker runs an agent.

@@ -21,8 +21,9 @@ parse_config = functools.partial(worker_config.parse_config, "prefill")  # (argv
 async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     core = PrefillCore(
-        w.engine, c.worker_id, w.incarnation, c.lease_seconds, w.ledger, c.kv_checksums
-    )
+        w.engine, c.worker_id, w.incarnation, c.lease_seconds, w.ledger, c.kv_checksums,
+        w.gate(),
+    )  # fmt: skip
     kv = await prefill_side(
         c.kv_transport,
         w.pool,
