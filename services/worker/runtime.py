@@ -25,13 +25,13 @@ from services.common.admission import BOUND_KEY, TokenLedger, bound_record
 from services.common.channels import internal_channel
 from services.common.grpc_server import AddServicerFn, start_server
 from services.common.health import Health
-from services.common.process import run_until_signal, setup_logging
+from services.common.process import run_until_signal
 from services.common.security import apply as apply_security
 from services.observability.engine import observe_engine
 from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.observability.process import Observability
 from services.worker import adapters as lora
-from services.worker.config import WorkerConfig, parse_config, parse_lora_modules
+from services.worker.config import WorkerConfig, parse_lora_modules
 from services.worker.pace import PaceMeter, chain
 from services.worker.presence import Presence, register
 from services.worker.rank_kv import RankNixl
@@ -98,13 +98,6 @@ class Role:
 
 
 Wire = Callable[[Worker], Awaitable[Role]]
-
-
-def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
-    """``python -m services.<role>``: parse the config once, then serve until SIGTERM."""
-    config = parse_config(role, argv)
-    setup_logging(role, config.log_level)
-    asyncio.run(serve(config, wire))
 
 
 async def start_engine(config: WorkerConfig) -> EngineClient:
@@ -216,13 +209,8 @@ class Base:
 
 async def serve(config: WorkerConfig, wire: Wire) -> None:
     """Run one worker of ``config.role`` until SIGINT/SIGTERM. Ready (grpc.health.v1 "") once
-    registered; live ("liveness") while the engine's step thread runs. With ``--switchable``
-    the process serves both roles (`services.worker.switch`)."""
-    if config.switchable:
-        from services.worker.switch import serve_switchable
-
-        await serve_switchable(config)
-        return
+    registered; live ("liveness") while the engine's step thread runs. (A ``--switchable``
+    worker runs `services.worker.switch.serve_switchable` instead.)"""
     base = await Base.start(config)
     obs, engine = base.obs, base.engine
     worker = base.worker(config.role, uuid.uuid4().hex)

@@ -23,7 +23,7 @@ import asyncio
 import importlib
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +35,12 @@ from libkv.cluster.roles import SWITCHABLE, WORKER_ROLES, RoleOrder, RoleOrderWa
 from services.common.errors import Unavailable
 from services.common.grpc_server import start_server
 from services.common.health import Health
-from services.common.process import run_until_signal
+from services.common.process import run_until_signal, setup_logging
 from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.worker import adapters as lora
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, parse_config
 from services.worker.presence import Presence
-from services.worker.runtime import Base, Role, Wire, Worker, drain
+from services.worker.runtime import Base, Role, Wire, Worker, drain, serve
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,14 @@ class RoleCollector(Collector):
             for c in (AdmissionCollector(active.worker.ledger), KVPathCollector(active.role.kv),
                       *active.role.collectors):  # fmt: skip
                 yield from c.collect()
+
+
+def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
+    """``python -m services.<role>``: parse the config once, then serve until SIGTERM, as a
+    ``role`` worker (``wire``) or, with ``--switchable``, starting in ``role``."""
+    config = parse_config(role, argv)
+    setup_logging(role, config.log_level)
+    asyncio.run(serve_switchable(config) if config.switchable else serve(config, wire))
 
 
 async def serve_switchable(config: WorkerConfig) -> None:
