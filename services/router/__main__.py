@@ -36,7 +36,7 @@ from services.router.disagg import MODES
 from services.router.metrics import RouterCollector
 from services.router.planner import Planner
 from services.router.policy import POLICIES, PolicyConfig
-from services.router.roles import Pool, RoleBalancer, RolePolicy
+from services.router.roles import RoleBalancer, RolePolicy, pool_of
 from services.router.server import RouterServicer
 
 log = logging.getLogger("tandem.router")
@@ -261,7 +261,12 @@ async def serve(config: RouterConfig) -> None:
     reg = await Registration.start(
         list(config.etcd), Member(config.router_id, "router", config.model_name, address)
     )
-    balancer = _balancer(config, watcher, [c for c, _ in routes.values()])
+    balancer = None
+    if config.balance_roles:
+        policy = RolePolicy(config.role_hysteresis, config.role_min_dwell)
+        pools = [pool_of(core, watcher) for core, _ in routes.values()]
+        orders = RoleOrders(list(config.etcd))
+        balancer = RoleBalancer(pools, orders, policy, config.balance_interval).start()
     log.info("router %s listening on %s", config.router_id, address)
     print(f"READY router {address}", flush=True)
 
@@ -283,28 +288,6 @@ async def serve(config: RouterConfig) -> None:
         obs.stop()
 
     await run_until_signal(cleanup)
-
-
-def _balancer(
-    config: RouterConfig, watcher: MemberWatcher, cores: list[RouterCore]
-) -> RoleBalancer | None:
-    """The role balancer of ``--balance-roles`` (None without it), started."""
-    if not config.balance_roles:
-        return None
-
-    def pool(core: RouterCore) -> Pool:
-        def members() -> list[Member]:  # draining ones too: a switch under way
-            return [m for m in watcher.members.values() if m.model == core.model]
-
-        def fraction() -> float:
-            tpot = core.chooser.disagg.default_slo.tpot_s
-            return core.planner.plan(core.workers(), tpot).prefill_fraction
-
-        return Pool(core.model, members, fraction)
-
-    policy = RolePolicy(config.role_hysteresis, config.role_min_dwell)
-    orders = RoleOrders(list(config.etcd))
-    return RoleBalancer([pool(c) for c in cores], orders, policy, config.balance_interval).start()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -27,9 +27,13 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from libkv.cluster.registry import Member
+from libkv.cluster.registry import Member, MemberWatcher
 from libkv.cluster.roles import SWITCHABLE, WORKER_ROLES, RoleOrder, RoleOrders
+
+if TYPE_CHECKING:
+    from services.router.core import RouterCore
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,20 @@ class Pool:
     model: str
     members: Callable[[], Sequence[Member]]
     fraction: Callable[[], float]
+
+
+def pool_of(core: RouterCore, directory: MemberWatcher) -> Pool:
+    """A router core's model as a pool: its members from ``directory`` (draining ones too: a
+    switch under way) and its planner's prefill fraction at the default TPOT objective."""
+
+    def members() -> list[Member]:
+        return [m for m in directory.members.values() if m.model == core.model]
+
+    def fraction() -> float:
+        tpot = core.chooser.disagg.default_slo.tpot_s
+        return core.planner.plan(core.workers(), tpot).prefill_fraction
+
+    return Pool(core.model, members, fraction)
 
 
 class RoleBalancer:
