@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
             common["decode_only_threshold"] = args.decode_only_threshold
         if args.disagg_mode is not None:
             common["disagg_mode"] = args.disagg_mode
+        common["switch_roles"] = args.switch_roles
         config = StackConfig(
             num_prefill=args.prefill_workers, num_decode=args.decode_workers, **common
         )
@@ -103,6 +104,28 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         print("stopping...", flush=True)
         stack.stop()
+    return 0
+
+
+def _role(args: argparse.Namespace) -> int:
+    """Write (or with ``auto`` delete) a switchable worker's role order in etcd."""
+    import asyncio
+
+    from libkv.cluster.roles import RoleOrder, RoleOrders
+
+    async def run() -> None:
+        orders = RoleOrders(args.etcd.split(","))
+        try:
+            if args.role == "auto":
+                await orders.delete(args.worker_id)
+            else:
+                await orders.put(args.worker_id, RoleOrder(args.role, "operator"))
+        finally:
+            await orders.close()
+
+    asyncio.run(run())
+    what = "left to the role balancer" if args.role == "auto" else f"told to serve {args.role}"
+    print(f"{args.worker_id}: {what}")
     return 0
 
 
@@ -188,8 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="routing policy (router default: kv)",
     )
+    serve.add_argument(
+        "--switch-roles",
+        action="store_true",
+        help="workers switch between prefill and decode at run time (--switchable), as the "
+        "first router's pool planner says (--balance-roles)",
+    )
     add_worker_options(serve)
     serve.set_defaults(func=_serve)
+    role = sub.add_parser(
+        "role",
+        help="switch a --switchable worker's role now, pinned until `tandem role WORKER auto`",
+    )
+    role.add_argument("worker_id")
+    role.add_argument("role", choices=("prefill", "decode", "auto"))
+    role.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoints host:port[,...]")
+    role.set_defaults(func=_role)
     from bench.cli import add_arguments as add_bench_arguments
 
     bench = sub.add_parser(

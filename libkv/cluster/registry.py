@@ -269,6 +269,16 @@ class Registration:
         except Exception as e:
             log.warning("marking %s draining failed: %r", self.member.worker_id, e)
 
+    async def undrain(self) -> None:
+        """Take work again after `drain` (a role switch that could not finish its drain):
+        the mark is dropped and the record put now."""
+        self._draining = False
+        if self.lease_id is not None:
+            member = self._published(self.member)
+            extra = {k: v for k, v in member.extra.items() if k != DRAINING}
+            member = dataclasses.replace(member, extra=extra)
+            await self._etcd.client.put(member.key, member.to_json(), lease=self.lease_id)
+
     async def stop(self, revoke: bool = True) -> None:
         """Stop refreshing and revoke the lease, which deletes the key at once.
 

@@ -16,7 +16,7 @@ from services.decode.server import DecodeServicer
 from services.observability import tracing
 from services.observability.metrics import HandoffCollector, KVTransferMetrics
 from services.worker import config as worker_config
-from services.worker import runtime
+from services.worker import runtime, switch
 
 parse_config = functools.partial(worker_config.parse_config, "decode")  # (argv, env)
 
@@ -44,6 +44,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         ledger=w.ledger,
         fault=c.kv_fault,
         checksums=c.kv_checksums,
+        gate=w.gate(),
     )
 
     # Moved KV (a drain's live migration) is READ over NIXL where this worker runs an agent.
@@ -69,7 +70,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    runtime.main("decode", wire, argv)
+    switch.main("decode", wire, argv)
 
 
 if __name__ == "__main__":

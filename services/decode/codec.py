@@ -34,6 +34,8 @@ def job_from_pb(req: worker_pb2.DecodeRequest) -> DecodeJob:
         lora=req.lora,
         admitted=req.admitted,
         resumed=list(req.resumed_token_ids),
+        slo_ttft_ms=req.slo.ttft_ms,
+        slo_tpot_ms=req.slo.tpot_ms,
     )
     if job.resumed and job.params.n != 1:
         raise InvalidRequestError("resumed_token_ids go with n=1")

@@ -24,6 +24,7 @@ from services.common.admission import ENGINE_PRIORITY, TokenLedger, request_cost
 from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
 from services.decode.handover import Handover
+from services.worker.slo_gate import SloGate
 from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class DecodeJob:
     # With kv: the choices that go on here, each from its first token (empty: choice 0 from
     # first_token, first_logprob and generator_state).
     starts: list[FirstToken] = field(default_factory=list)
+    slo_ttft_ms: float = 0.0  # the request's objectives (0: none given; `SloGate`)
+    slo_tpot_ms: float = 0.0
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -97,7 +100,9 @@ class DecodeCore:
         ledger: TokenLedger | None = None,
         fault: str = "",
         checksums: bool = True,
+        gate: SloGate | None = None,
     ) -> None:
+        """``gate``: SLO admission of new requests (`services.worker.slo_gate`; None: off)."""
         if on_transfer_failure not in ("recompute", "retry"):
             raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
         self.engine = engine
@@ -117,13 +122,19 @@ class DecodeCore:
         self.recomputed = 0
         self.resumed = 0  # migrated requests continued here
         self._releasing: set[asyncio.Future] = set()
+        self.gate = gate
 
-    def reserve(self, request_id: str, tokens: int, priority: str, lease: float) -> None:
+    def reserve(
+        self, request_id: str, tokens: int, priority: str, lease: float, tpot_ms: float = 0.0
+    ) -> None:
         """Book ``tokens`` for a request that is being prefilled elsewhere (ResourceExhausted
-        at once when full, Unavailable while draining); `generate` takes the booking, `unreserve`
-        drops it, and it lapses ``lease`` seconds from now."""
+        at once when full or when its TPOT objective ``tpot_ms`` is already missed here,
+        Unavailable while draining); `generate` takes the booking, `unreserve` drops it, and it
+        lapses ``lease`` seconds from now."""
         self._expire()
         if request_id not in self._reservations:  # else a retried call: renew the lease
+            if self.gate is not None:
+                self.gate.admit_decode(tpot_ms)
             self.ledger.admit(request_id, tokens, priority)
         self._reservations[request_id] = time.monotonic() + lease
 
@@ -148,7 +159,8 @@ class DecodeCore:
     async def generate(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:
         """Stream the job's outputs. A job with a reservation here takes it; one ``admitted``
         elsewhere is booked even past the bound (it has a client waiting on a started stream);
-        any other is refused at once (ResourceExhausted) past the admission bound. Closing the
+        any other is refused at once (ResourceExhausted) past the admission bound or past its
+        TPOT objective (``gate``). Closing the
         stream (client gone, deadline passed) aborts it and frees its blocks."""
         if self._reservations.pop(job.request_id, None) is not None:
             try:
@@ -157,6 +169,8 @@ class DecodeCore:
             finally:
                 self.ledger.release(job.request_id)
             return
+        if self.gate is not None and not job.admitted and not job.resumed:
+            self.gate.admit_decode(job.slo_tpot_ms)  # a started stream is never refused
         with self.ledger.hold(job.request_id, job.cost, job.priority, force=job.admitted):
             async for out in self._relay(job):
                 yield out

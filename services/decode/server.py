@@ -28,8 +28,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Reserve(self, request, context):  # noqa: N802
         lease = (request.lease_ms or DEFAULT_LEASE_MS) / 1000
         self.core.reserve(
-            request.request_id, request.tokens, priority_from_pb(request.priority), lease
-        )
+            request.request_id, request.tokens, priority_from_pb(request.priority), lease,
+            request.slo.tpot_ms,
+        )  # fmt: skip
         return worker_pb2.ReserveResponse()
 
     async def Unreserve(self, request, context):  # noqa: N802

@@ -67,7 +67,7 @@ def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
         model=req.model,
         priority=PRIORITY_TO_PB[req.priority],
         session=req.session,
-        slo=router_pb2.Slo(ttft_ms=req.slo_ttft_ms, tpot_ms=req.slo_tpot_ms),
+        slo=common_pb2.Slo(ttft_ms=req.slo_ttft_ms, tpot_ms=req.slo_tpot_ms),
     )
 
 

@@ -67,11 +67,12 @@ class Stack:
             "--member-refresh", str(c.member_refresh),
             "--lease-seconds", str(c.lease_seconds),
             *(["--kv-transport", c.kv_transport] if c.kv_transport else []),
+            *(["--switchable"] if c.switch_roles else []),
             *[f"--lora-modules={adapter}" for adapter in self.adapters[model]],
             *c.worker_args,
         )  # fmt: skip
 
-    def _router_args(self, port: int) -> list[str]:
+    def _router_args(self, port: int, first: bool = True) -> list[str]:
         c = self.config
         return self._python(
             "services.router",
@@ -80,6 +81,7 @@ class Stack:
             "--port", str(port),
             "--decode-only-threshold", str(c.decode_only_threshold),
             *(["--disagg-mode", c.disagg_mode] if c.disagg_mode else []),
+            *(["--balance-roles"] if c.switch_roles and first else []),
             *[f"--extra-model={m}" for m in c.extra_models],
             *(["--policy", c.router_policy] if c.router_policy else []),
             *[f"--api-key={k}" for k in c.api_keys],
@@ -94,7 +96,8 @@ class Stack:
         for i in range(max(c.num_routers, 1)):
             port = free_port()
             routers.append(f"{c.host}:{port}")
-            self._spawn("router" if i == 0 else f"router-{i}", self._router_args(port), routers[-1])
+            name = "router" if i == 0 else f"router-{i}"
+            self._spawn(name, self._router_args(port, i == 0), routers[-1])
         self._spawn_workers(time.monotonic() + c.start_timeout)
         gateway = self._python(
             "services.gateway",

@@ -49,6 +49,9 @@ class StackConfig:
     gpu_memory_utilization: float | None = None  # per worker; None: 0.9 split per device
     decode_only_threshold: int = 256
     disagg_mode: str = ""  # the routers' --disagg-mode; empty: their default (slo)
+    # Workers switch roles at run time (--switchable) as the first router's planner says
+    # (--balance-roles).
+    switch_roles: bool = False
     api_keys: tuple[str, ...] = ()
     member_ttl: int = 10
     member_refresh: float = 3.0

@@ -13,7 +13,7 @@ from libkv.transfer.setup import prefill_side
 from services.prefill.core import PrefillCore
 from services.prefill.server import PrefillServicer
 from services.worker import config as worker_config
-from services.worker import runtime
+from services.worker import runtime, switch
 
 parse_config = functools.partial(worker_config.parse_config, "prefill")  # (argv, env)
 
@@ -21,8 +21,9 @@ parse_config = functools.partial(worker_config.parse_config, "prefill")  # (argv
 async def wire(w: runtime.Worker) -> runtime.Role:
     c = w.config
     core = PrefillCore(
-        w.engine, c.worker_id, w.incarnation, c.lease_seconds, w.ledger, c.kv_checksums
-    )
+        w.engine, c.worker_id, w.incarnation, c.lease_seconds, w.ledger, c.kv_checksums,
+        w.gate(),
+    )  # fmt: skip
     kv = await prefill_side(
         c.kv_transport,
         w.pool,
@@ -54,7 +55,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    runtime.main("prefill", wire, argv)
+    switch.main("prefill", wire, argv)
 
 
 if __name__ == "__main__":

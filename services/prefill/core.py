@@ -16,6 +16,7 @@ from services.common.admission import ENGINE_PRIORITY, TokenLedger
 from services.common.codec import KVHandle
 from services.common.errors import FailedPrecondition
 from services.worker.handles import kv_handle
+from services.worker.slo_gate import SloGate
 from services.worker.stats import WorkerStats, collect
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,11 @@ class PrefillCore:
         lease_seconds: float,
         ledger: TokenLedger | None = None,
         checksums: bool = True,
+        gate: SloGate | None = None,
     ) -> None:
+        """``gate``: SLO admission of new prompts (`services.worker.slo_gate`; None: off)."""
         self.engine = engine
+        self.gate = gate
         self.checksums = checksums  # sent with each handle, for the decode worker to check
         # Admission in prompt tokens: a prefill's work and what it holds for the decode side.
         self.ledger = ledger or TokenLedger(0, name=f"prefill worker {worker_id}")
@@ -73,9 +77,13 @@ class PrefillCore:
         tenant: str,
         priority: str = "interactive",
         lora: str = "",
+        ttft_ms: float = 0.0,
     ) -> PrefillResult:
-        """Prefill ``prompt``; refused at once (ResourceExhausted) past the admission bound.
+        """Prefill ``prompt``; refused at once (ResourceExhausted) past the admission bound or
+        when the queue here already misses its TTFT objective ``ttft_ms`` (``gate``).
         Cancelling the call (client gone, deadline passed) aborts it and frees its blocks."""
+        if self.gate is not None:
+            self.gate.admit_prefill(ttft_ms)
         firsts: dict[int, RequestOutput] = {}
         with self.ledger.hold(request_id, len(prompt), priority):
             async for out in self.engine.generate(

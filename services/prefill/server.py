@@ -24,6 +24,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             request.tenant,
             priority_from_pb(request.priority),
             request.lora,
+            request.slo.ttft_ms,
         )
         return prefill_response(result)
 

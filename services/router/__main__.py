@@ -18,6 +18,7 @@ from engine.tokenizer import Tokenizer
 from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
 from libkv.cluster.registry import Member, MemberWatcher, ModelDirectory, Registration
+from libkv.cluster.roles import RoleOrders
 from libkv.cluster.summary_index import LocationIndex
 from services.common.admission import refusal_memory_option
 from services.common.grpc_server import start_server
@@ -35,6 +36,7 @@ from services.router.disagg import MODES
 from services.router.metrics import RouterCollector
 from services.router.planner import Planner
 from services.router.policy import POLICIES, PolicyConfig
+from services.router.roles import RoleBalancer, RolePolicy, pool_of
 from services.router.server import RouterServicer
 
 log = logging.getLogger("tandem.router")
@@ -92,6 +94,20 @@ class RouterConfig:
     )
     planner_utilization: float = option(
         0.8, "the planner's target busy share of each worker (below 1 keeps queues short)"
+    )
+    balance_roles: bool = option(
+        False,
+        "turn the pool planner's prefill:decode split into run-time roles of --switchable "
+        "workers (etcd role orders; services/router/roles.py); on one router only",
+    )
+    balance_interval: float = option(10.0, "seconds between two rounds of --balance-roles")
+    role_min_dwell: float = option(
+        60.0, "--balance-roles: seconds a worker keeps a role before it may switch again"
+    )
+    role_hysteresis: float = option(
+        0.25,
+        "--balance-roles: workers the planned split must be off by, past rounding, before a "
+        "worker switches",
     )
     slo_shed_factor: float = option(
         0.0,
@@ -166,6 +182,9 @@ def parse_config(
         opts.error("--refusal-memory must be >= 0 seconds")
     if not (config.slo_ttft_ms > 0 and config.slo_tpot_ms > 0 and config.slo_shed_factor >= 0):
         opts.error("--slo-ttft-ms and --slo-tpot-ms must be > 0, --slo-shed-factor >= 0")
+    if not (config.balance_interval > 0 and config.role_min_dwell >= 0
+            and config.role_hysteresis >= 0):  # fmt: skip
+        opts.error("--balance-interval must be > 0, --role-min-dwell and --role-hysteresis >= 0")
     if not (config.planner_window > 0 and 0 < config.planner_utilization <= 1):
         opts.error("--planner-window must be > 0 and --planner-utilization in (0, 1]")
     try:
@@ -242,11 +261,19 @@ async def serve(config: RouterConfig) -> None:
     reg = await Registration.start(
         list(config.etcd), Member(config.router_id, "router", config.model_name, address)
     )
+    balancer = None
+    if config.balance_roles:
+        policy = RolePolicy(config.role_hysteresis, config.role_min_dwell)
+        pools = [pool_of(core, watcher) for core, _ in routes.values()]
+        orders = RoleOrders(list(config.etcd))
+        balancer = RoleBalancer(pools, orders, policy, config.balance_interval).start()
     log.info("router %s listening on %s", config.router_id, address)
     print(f"READY router {address}", flush=True)
 
     async def cleanup() -> None:
         await health.drain()
+        if balancer is not None:
+            await balancer.stop()
         await reg.stop()
         # GOAWAY: new calls go to another router; streams in flight run to the end (or timeout).
         await server.stop(grace=config.drain_timeout)

@@ -96,6 +96,12 @@ def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
 RESERVE_TIMEOUT_S = 5.0  # a Reserve is a bookkeeping call: a worker this slow is as good as down
 
 
+def _slo(job: RouteJob) -> common_pb2.Slo:
+    """The request's objectives as it carried them (0: none given), for the workers' SLO
+    admission (`services.worker.slo_gate`)."""
+    return common_pb2.Slo(ttft_ms=job.slo_ttft_ms, tpot_ms=job.slo_tpot_ms)
+
+
 class GrpcWorkerClients:
     """WorkerClients over grpc.aio, one channel per worker address. Channels keep alive with
     HTTP/2 pings (`services.common.channels`): a worker that goes silent fails its calls with
@@ -120,6 +126,7 @@ class GrpcWorkerClients:
             tenant=job.tenant,
             priority=common.PRIORITY_TO_PB[job.priority],
             lora=job.lora,
+            slo=_slo(job),
         )
         try:
             resp = await stub.Prefill(req, timeout=job.time_left(self.prefill_timeout))
@@ -152,6 +159,7 @@ class GrpcWorkerClients:
             lora=job.lora,
             admitted=call.admitted,
             resumed_token_ids=call.resumed,
+            slo=_slo(job),
         )
         if call.handle is not None and call.first is not None:
             req.kv.CopyFrom(common.handle_to_pb(call.handle))
@@ -223,6 +231,7 @@ class GrpcWorkerClients:
             tokens=job.cost,
             priority=common.PRIORITY_TO_PB[job.priority],
             lease_ms=int(lease * 1000),
+            slo=_slo(job),
         )
         try:
             await stub.Reserve(req, timeout=job.time_left(RESERVE_TIMEOUT_S))

@@ -119,6 +119,20 @@ class WorkerConfig:
         "0 = twice the KV pool",
     )
     batch_admission_fraction: float = batch_fraction_option()
+    slo_shed_factor: float = option(
+        0.0,
+        "refuse (RESOURCE_EXHAUSTED: the router tries another worker) a new request whose "
+        "objective this worker's measured pace already misses by this factor (decode: step "
+        "time vs its TPOT; prefill: queued prompt tokens at the measured rate vs its TTFT); "
+        "0: never (services/worker/slo_gate.py)",
+    )
+    switchable: bool = option(
+        False,
+        "serve both roles from this one engine and switch between them at run time when told "
+        "(the etcd key /tandem/v1/roles/WORKER_ID, written by a router's --balance-roles or "
+        "`tandem role`): drain the current role, re-register under the other; the flag's "
+        "entry point (tandem prefill / tandem decode) is the role it starts in",
+    )
     lora_modules: tuple[str, ...] = option(
         (),
         "LoRA adapters to load at start, NAME=PATH of a PEFT folder (vLLM's --lora-modules); "
@@ -193,7 +207,8 @@ class WorkerConfig:
             quantization=self.quantization,
             quantize_lm_head=self.quantize_lm_head,
             # A prefill worker sums each block once, when it is sealed; a hand-off reads them.
-            seal_checksums=self.kv_checksums and self.role == "prefill",
+            # A switchable worker may become one, and its engine is started once.
+            seal_checksums=self.kv_checksums and (self.role == "prefill" or self.switchable),
             async_scheduling=self.async_scheduling,
         )
 
@@ -221,6 +236,11 @@ def parse_config(
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")
         if config.quantize_lm_head and config.quantization != "fp8":
             raise ValueError("--quantize-lm-head needs --quantization fp8")
+        if config.slo_shed_factor < 0:
+            raise ValueError("--slo-shed-factor must be >= 0")
+        if config.switchable and config.speculative_config is not None:
+            # A prefill worker's first token is the model's own; drafting is decode's alone.
+            raise ValueError("--switchable does not go with --speculative-config")
     except ValueError as e:
         opts.error(str(e))
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"

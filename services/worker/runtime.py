@@ -10,7 +10,7 @@ import logging
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -25,16 +25,17 @@ from services.common.admission import BOUND_KEY, TokenLedger, bound_record
 from services.common.channels import internal_channel
 from services.common.grpc_server import AddServicerFn, start_server
 from services.common.health import Health
-from services.common.process import run_until_signal, setup_logging
+from services.common.process import run_until_signal
 from services.common.security import apply as apply_security
 from services.observability.engine import observe_engine
 from services.observability.metrics import AdmissionCollector, KVPathCollector
 from services.observability.process import Observability
 from services.worker import adapters as lora
-from services.worker.config import WorkerConfig, parse_config, parse_lora_modules
+from services.worker.config import WorkerConfig, parse_lora_modules
 from services.worker.pace import PaceMeter, chain
-from services.worker.presence import register
+from services.worker.presence import Presence, register
 from services.worker.rank_kv import RankNixl
+from services.worker.slo_gate import SloGate, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,21 @@ class Worker:
     incarnation: str
     ledger: TokenLedger  # admission in tokens (prefill: prompts; decode: `request_cost`)
     pool: PoolStore  # the engine's KV pool as the transports see it
+    pace: PaceMeter = field(default_factory=PaceMeter)  # its measured speed (member record)
+
+    def gate(self) -> SloGate | None:
+        """The SLO admission of ``--slo-shed-factor`` (None when 0: off)."""
+        if self.config.slo_shed_factor <= 0:
+            return None
+        engine = self.engine
+
+        def load() -> WorkerLoad:
+            snap = engine.snapshot
+            if snap is None:
+                return WorkerLoad(0, 0)
+            return WorkerLoad(snap.stats.num_running, snap.stats.prefill_backlog)
+
+        return SloGate(self.config.slo_shed_factor, self.config.worker_id, self.pace.report, load)
 
     def rank_agents(self) -> RankNixl | None:
         """A tensor-parallel engine's ranks 1..N-1 on the KV side (None at TP=1)."""
@@ -82,13 +98,6 @@ class Role:
 
 
 Wire = Callable[[Worker], Awaitable[Role]]
-
-
-def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
-    """``python -m services.<role>``: parse the config once, then serve until SIGTERM."""
-    config = parse_config(role, argv)
-    setup_logging(role, config.log_level)
-    asyncio.run(serve(config, wire))
 
 
 async def start_engine(config: WorkerConfig) -> EngineClient:
@@ -127,38 +136,87 @@ def pending_limit(config: WorkerConfig, engine: EngineClient) -> int:
     return config.max_pending_tokens or 2 * engine.info.num_blocks * config.block_size
 
 
+@dataclass
+class Base:
+    """What a worker process starts once, whatever its role: observability, the engine (the
+    weights), its pace meter and the LoRA adapters (run-time loads of ``records``)."""
+
+    config: WorkerConfig
+    obs: Observability
+    engine: EngineClient
+    pace: PaceMeter
+    adapters: lora.Adapters
+    records: AdapterRecords | None
+    pool: PoolStore  # mapped once per process, whatever roles it serves
+
+    @classmethod
+    async def start(cls, config: WorkerConfig) -> Base:
+        apply_security(config.security)  # before any etcd connection
+        obs = Observability.start(
+            config.observability, config.role, config.model_name, config.worker_id
+        )
+        engine = await start_engine(config)
+        observe_engine(engine, obs.metrics.registry)
+        pace = PaceMeter()  # reported in the member record, for the routers' disagg choice
+        engine.on_step = chain(engine.on_step, pace)
+        adapters = lora.Adapters(engine)
+        await adapters.load_at_start(parse_lora_modules(config.lora_modules))
+        with_lora = engine.info.enable_lora
+        records = AdapterRecords(list(config.etcd)) if config.etcd and with_lora else None
+        if records is not None:  # run-time loads made before this worker started
+            await adapters.load_recorded(records, config.model_name)
+        return cls(config, obs, engine, pace, adapters, records, engine_pool(engine))
+
+    def worker(self, role: str, incarnation: str) -> Worker:
+        """A role's view of this process: a fresh admission ledger and ``incarnation``."""
+        config = replace(self.config, role=role)
+        ledger = TokenLedger(
+            pending_limit(config, self.engine),
+            config.batch_admission_fraction,
+            name=f"{role} worker {config.worker_id}",
+        )
+        return Worker(config, self.obs, self.engine, incarnation, ledger, self.pool, self.pace)
+
+    async def register(
+        self, worker: Worker, role: Role, address: str, extra: dict[str, str] | None = None
+    ) -> Presence | None:
+        """Register ``worker`` in its role (None without etcd), its KV side and adapters
+        republishing member-record fields through the registration."""
+        fields = {
+            **role.kv.extra,
+            LORAS: await self.adapters.record(),
+            BOUND_KEY: bound_record(worker.ledger),
+            **(extra or {}),
+        }
+        c = worker.config
+        presence = await register(c, address, self.engine, worker.incarnation, fields, self.pace)
+        if presence is not None:
+            role.kv.publish = presence.registration.set_extra
+            self.adapters.set_extra = presence.registration.set_extra
+            self.adapters.publish = presence.registration.publish
+        return presence
+
+    async def loaded_since(self) -> None:
+        """Once registered: a load that listed the live workers just before this one."""
+        if self.records is not None:
+            await self.adapters.load_recorded(self.records, self.config.model_name)
+            await self.records.close()
+            self.records = None
+
+    def adapters_servicer(self) -> tuple[AddServicerFn, Any]:
+        return (lora.add_to_server, lora.AdaptersServicer(self.adapters, self.config.worker_id))
+
+
 async def serve(config: WorkerConfig, wire: Wire) -> None:
     """Run one worker of ``config.role`` until SIGINT/SIGTERM. Ready (grpc.health.v1 "") once
-    registered; live ("liveness") while the engine's step thread runs."""
-    apply_security(config.security)  # before any etcd connection
-    obs = Observability.start(
-        config.observability, config.role, config.model_name, config.worker_id
-    )
-    engine = await start_engine(config)
-    observe_engine(engine, obs.metrics.registry)
-    pace = PaceMeter()  # reported in the member record, for the routers' disagg choice
-    engine.on_step = chain(engine.on_step, pace)
-    worker = Worker(
-        config,
-        obs,
-        engine,
-        uuid.uuid4().hex,
-        TokenLedger(
-            pending_limit(config, engine),
-            config.batch_admission_fraction,
-            name=f"{config.role} worker {config.worker_id}",
-        ),
-        engine_pool(engine),
-    )
-    adapters = lora.Adapters(engine)
-    await adapters.load_at_start(parse_lora_modules(config.lora_modules))
-    with_lora = engine.info.enable_lora
-    records = AdapterRecords(list(config.etcd)) if config.etcd and with_lora else None
-    if records is not None:  # run-time loads made before this worker started
-        await adapters.load_recorded(records, config.model_name)
+    registered; live ("liveness") while the engine's step thread runs. (A ``--switchable``
+    worker runs `services.worker.switch.serve_switchable` instead.)"""
+    base = await Base.start(config)
+    obs, engine = base.obs, base.engine
+    worker = base.worker(config.role, uuid.uuid4().hex)
     role = await wire(worker)
     server = await start_server(
-        [*role.servicers, (lora.add_to_server, lora.AdaptersServicer(adapters, config.worker_id))],
+        [*role.servicers, base.adapters_servicer()],
         [*role.service_names, lora.SERVICE_NAME],
         config.bind,
         metrics=obs.grpc,
@@ -167,19 +225,8 @@ async def serve(config: WorkerConfig, wire: Wire) -> None:
     )
     address = config.advertised(server.port)
     role.bound(address)
-    extra = {
-        **role.kv.extra,
-        LORAS: await adapters.record(),
-        BOUND_KEY: bound_record(worker.ledger),
-    }
-    presence = await register(config, address, engine, worker.incarnation, extra, pace)
-    if presence is not None:
-        role.kv.publish = presence.registration.set_extra
-        adapters.set_extra = presence.registration.set_extra
-        adapters.publish = presence.registration.publish
-    if records is not None:  # a load that listed the live workers just before this one
-        await adapters.load_recorded(records, config.model_name)
-        await records.close()
+    presence = await base.register(worker, role, address)
+    await base.loaded_since()
     for collector in (
         AdmissionCollector(worker.ledger),
         KVPathCollector(role.kv),

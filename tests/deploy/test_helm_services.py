@@ -107,12 +107,19 @@ NOT_IN_CHART = {
     "router": {
         "--trace-file": "a local file of spans; in a cluster they go to tracing.otlpEndpoint",
         "--api-key": "services authenticate each other by mutual TLS (tls.enabled)",
+        **{
+            f: "run-time role switching is local; in a cluster the autoscaler sizes the pools "
+            "from the same planner figures (autoscaling.signal: planner)"
+            for f in ("--balance-roles", "--balance-interval", "--role-min-dwell",
+                      "--role-hysteresis")
+        },  # fmt: skip
     },
     **{
         role: {
             "--trace-file": "a local file of spans; in a cluster they go to tracing.otlpEndpoint",
             "--kv-fault": "test only: damages KV in transit",
             "--cuda-ipc": "a pod sees only its own GPUs, so CUDA IPC never pairs two pods",
+            "--switchable": "a pod's role is its Deployment's; the autoscaler sizes each pool",
             **other_role,
         }
         for role, other_role in {

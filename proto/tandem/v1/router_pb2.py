@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12%\n\x08priority\x18\x07 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x0f\n\x07session\x18\x08 \x01(\t\x12\x1b\n\x03slo\x18\t \x01(\x0b\x32\x0e.tandem.v1.SloB\x08\n\x06prompt\"\'\n\x03Slo\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\x32\x93\x04\n\x06Router\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12T\n\x0fLoadLoraAdapter\x12!.tandem.v1.LoadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12X\n\x11UnloadLoraAdapter\x12#.tandem.v1.UnloadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12%\n\x08priority\x18\x07 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x0f\n\x07session\x18\x08 \x01(\t\x12\x1b\n\x03slo\x18\t \x01(\x0b\x32\x0e.tandem.v1.SloB\x08\n\x06prompt2\x93\x04\n\x06Router\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12T\n\x0fLoadLoraAdapter\x12!.tandem.v1.LoadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12X\n\x11UnloadLoraAdapter\x12#.tandem.v1.UnloadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=84
   _globals['_GENERATEREQUEST']._serialized_start=87
   _globals['_GENERATEREQUEST']._serialized_end=354
-  _globals['_SLO']._serialized_start=356
-  _globals['_SLO']._serialized_end=395
-  _globals['_ROUTER']._serialized_start=398
-  _globals['_ROUTER']._serialized_end=929
+  _globals['_ROUTER']._serialized_start=357
+  _globals['_ROUTER']._serialized_end=888
 # @@protoc_insertion_point(module_scope)

@@ -32,13 +32,5 @@ class GenerateRequest(_message.Message):
     model: str
     priority: _common_pb2.Priority
     session: str
-    slo: Slo
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., session: _Optional[str] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...
-
-class Slo(_message.Message):
-    __slots__ = ("ttft_ms", "tpot_ms")
-    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
-    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
-    ttft_ms: float
-    tpot_ms: float
-    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
+    slo: _common_pb2.Slo
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., session: _Optional[str] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xaa\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12%\n\x08priority\x18\x05 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x0c\n\x04lora\x18\x06 \x01(\t\"\xb7\x01\n\x0fPrefillResponse\x12$\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x17\n\x0fgenerator_state\x18\x03 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12-\n\rother_choices\x18\x05 \x03(\x0b\x32\x16.tandem.v1.ChoiceStart\"L\n\x0b\x43hoiceStart\x12$\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x17\n\x0fgenerator_state\x18\x02 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xfc\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1f\n\x02kv\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12$\n\x05\x66irst\x18\x06 \x01(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x17\n\x0fgenerator_state\x18\x07 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12%\n\x08priority\x18\t \x01(\x0e\x32\x13.tandem.v1.Priority\x12-\n\rother_choices\x18\n \x03(\x0b\x32\x16.tandem.v1.ChoiceStart\x12\x0c\n\x04lora\x18\x0b \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\x0c \x01(\x08\x12\x19\n\x11resumed_token_ids\x18\r \x03(\x05\"m\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12%\n\x08priority\x18\x03 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x10\n\x08lease_ms\x18\x04 \x01(\x05\"\x11\n\x0fReserveResponse\"&\n\x10UnreserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x11UnreserveResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"O\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\")\n\nBlockChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\x96\x03\n\x07Prefill\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponse2\xda\x03\n\x06\x44\x65\x63ode\x12=\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x46\n\tUnreserve\x12\x1b.tandem.v1.UnreserveRequest\x1a\x1c.tandem.v1.UnreserveResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponse2\xba\x01\n\x08\x41\x64\x61pters\x12T\n\x0fLoadLoraAdapter\x12!.tandem.v1.LoadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12X\n\x11UnloadLoraAdapter\x12#.tandem.v1.UnloadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse2R\n\x0bKVTransport\x12\x43\n\nPullBlocks\x12\x1c.tandem.v1.PullBlocksRequest\x1a\x15.tandem.v1.BlockChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12%\n\x08priority\x18\x05 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x0c\n\x04lora\x18\x06 \x01(\t\x12\x1b\n\x03slo\x18\x07 \x01(\x0b\x32\x0e.tandem.v1.Slo\"\xb7\x01\n\x0fPrefillResponse\x12$\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12\x17\n\x0fgenerator_state\x18\x03 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12-\n\rother_choices\x18\x05 \x03(\x0b\x32\x16.tandem.v1.ChoiceStart\"L\n\x0b\x43hoiceStart\x12$\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x17\n\x0fgenerator_state\x18\x02 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x99\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1f\n\x02kv\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KVHandle\x12$\n\x05\x66irst\x18\x06 \x01(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x17\n\x0fgenerator_state\x18\x07 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12%\n\x08priority\x18\t \x01(\x0e\x32\x13.tandem.v1.Priority\x12-\n\rother_choices\x18\n \x03(\x0b\x32\x16.tandem.v1.ChoiceStart\x12\x0c\n\x04lora\x18\x0b \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\x0c \x01(\x08\x12\x19\n\x11resumed_token_ids\x18\r \x03(\x05\x12\x1b\n\x03slo\x18\x0e \x01(\x0b\x32\x0e.tandem.v1.Slo\"\x8a\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12%\n\x08priority\x18\x03 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x10\n\x08lease_ms\x18\x04 \x01(\x05\x12\x1b\n\x03slo\x18\x05 \x01(\x0b\x32\x0e.tandem.v1.Slo\"\x11\n\x0fReserveResponse\"&\n\x10UnreserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x11UnreserveResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"O\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\")\n\nBlockChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\x96\x03\n\x07Prefill\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponse2\xda\x03\n\x06\x44\x65\x63ode\x12=\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x46\n\tUnreserve\x12\x1b.tandem.v1.UnreserveRequest\x1a\x1c.tandem.v1.UnreserveResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponse2\xba\x01\n\x08\x41\x64\x61pters\x12T\n\x0fLoadLoraAdapter\x12!.tandem.v1.LoadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12X\n\x11UnloadLoraAdapter\x12#.tandem.v1.UnloadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse2R\n\x0bKVTransport\x12\x43\n\nPullBlocks\x12\x1c.tandem.v1.PullBlocksRequest\x1a\x15.tandem.v1.BlockChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=62
-  _globals['_PREFILLREQUEST']._serialized_end=232
-  _globals['_PREFILLRESPONSE']._serialized_start=235
-  _globals['_PREFILLRESPONSE']._serialized_end=418
-  _globals['_CHOICESTART']._serialized_start=420
-  _globals['_CHOICESTART']._serialized_end=496
-  _globals['_RELEASEREQUEST']._serialized_start=498
-  _globals['_RELEASEREQUEST']._serialized_end=534
-  _globals['_RELEASERESPONSE']._serialized_start=536
-  _globals['_RELEASERESPONSE']._serialized_end=568
-  _globals['_DECODEREQUEST']._serialized_start=571
-  _globals['_DECODEREQUEST']._serialized_end=951
-  _globals['_RESERVEREQUEST']._serialized_start=953
-  _globals['_RESERVEREQUEST']._serialized_end=1062
-  _globals['_RESERVERESPONSE']._serialized_start=1064
-  _globals['_RESERVERESPONSE']._serialized_end=1081
-  _globals['_UNRESERVEREQUEST']._serialized_start=1083
-  _globals['_UNRESERVEREQUEST']._serialized_end=1121
-  _globals['_UNRESERVERESPONSE']._serialized_start=1123
-  _globals['_UNRESERVERESPONSE']._serialized_end=1157
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=1159
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=1238
-  _globals['_BLOCKCHUNK']._serialized_start=1240
-  _globals['_BLOCKCHUNK']._serialized_end=1281
-  _globals['_PREFILL']._serialized_start=1284
-  _globals['_PREFILL']._serialized_end=1690
-  _globals['_DECODE']._serialized_start=1693
-  _globals['_DECODE']._serialized_end=2167
-  _globals['_ADAPTERS']._serialized_start=2170
-  _globals['_ADAPTERS']._serialized_end=2356
-  _globals['_KVTRANSPORT']._serialized_start=2358
-  _globals['_KVTRANSPORT']._serialized_end=2440
+  _globals['_PREFILLREQUEST']._serialized_end=261
+  _globals['_PREFILLRESPONSE']._serialized_start=264
+  _globals['_PREFILLRESPONSE']._serialized_end=447
+  _globals['_CHOICESTART']._serialized_start=449
+  _globals['_CHOICESTART']._serialized_end=525
+  _globals['_RELEASEREQUEST']._serialized_start=527
+  _globals['_RELEASEREQUEST']._serialized_end=563
+  _globals['_RELEASERESPONSE']._serialized_start=565
+  _globals['_RELEASERESPONSE']._serialized_end=597
+  _globals['_DECODEREQUEST']._serialized_start=600
+  _globals['_DECODEREQUEST']._serialized_end=1009
+  _globals['_RESERVEREQUEST']._serialized_start=1012
+  _globals['_RESERVEREQUEST']._serialized_end=1150
+  _globals['_RESERVERESPONSE']._serialized_start=1152
+  _globals['_RESERVERESPONSE']._serialized_end=1169
+  _globals['_UNRESERVEREQUEST']._serialized_start=1171
+  _globals['_UNRESERVEREQUEST']._serialized_end=1209
+  _globals['_UNRESERVERESPONSE']._serialized_start=1211
+  _globals['_UNRESERVERESPONSE']._serialized_end=1245
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=1247
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=1326
+  _globals['_BLOCKCHUNK']._serialized_start=1328
+  _globals['_BLOCKCHUNK']._serialized_end=1369
+  _globals['_PREFILL']._serialized_start=1372
+  _globals['_PREFILL']._serialized_end=1778
+  _globals['_DECODE']._serialized_start=1781
+  _globals['_DECODE']._serialized_end=2255
+  _globals['_ADAPTERS']._serialized_start=2258
+  _globals['_ADAPTERS']._serialized_end=2444
+  _globals['_KVTRANSPORT']._serialized_start=2446
+  _globals['_KVTRANSPORT']._serialized_end=2528
 # @@protoc_insertion_point(module_scope)

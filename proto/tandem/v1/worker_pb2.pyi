@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "priority", "lora")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "priority", "lora", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingOptions
     tenant: str
     priority: _common_pb2.Priority
     lora: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., lora: _Optional[str] = ...) -> None: ...
+    slo: _common_pb2.Slo
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., lora: _Optional[str] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "kv", "generator_state", "cached_tokens", "other_choices")
@@ -58,7 +60,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority", "other_choices", "lora", "admitted", "resumed_token_ids")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "kv", "first", "generator_state", "cached_tokens", "priority", "other_choices", "lora", "admitted", "resumed_token_ids", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,7 @@ class DecodeRequest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingOptions
@@ -85,19 +88,22 @@ class DecodeRequest(_message.Message):
     lora: str
     admitted: bool
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ..., lora: _Optional[str] = ..., admitted: _Optional[bool] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    slo: _common_pb2.Slo
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ..., lora: _Optional[str] = ..., admitted: _Optional[bool] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "priority", "lease_ms")
+    __slots__ = ("request_id", "tokens", "priority", "lease_ms", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     priority: _common_pb2.Priority
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    slo: _common_pb2.Slo
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., lease_ms: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ()
