@@ -75,6 +75,7 @@ class Planner:
         self._prompt: deque[tuple[float, int]] = deque()
         self._output: deque[tuple[float, int]] = deque()
         self._steps: deque[tuple[float, int, float]] = deque()  # (t, batch, step seconds)
+        self._decode_rate_seen = math.nan  # the last decode rate the window's reports gave
 
     def routed(self, uncached_tokens: int) -> None:
         """A request whose prompt needs ``uncached_tokens`` computed was routed."""
@@ -115,9 +116,16 @@ class Planner:
         )  # fmt: skip
 
     def _decode_rate(self, slo_tpot_s: float) -> float:
+        """A decode worker's tokens per second at ``slo_tpot_s`` from the window's reports;
+        with none (no stream decoded in the window) the last rate found: the speed is the
+        workers', not the traffic's, so an idle minute does not make the plan unknown."""
         points = [(b, s) for _, b, s in list(self._steps)]
-        if not points:
-            return math.nan
+        if points:
+            self._decode_rate_seen = self._fitted_rate(points, slo_tpot_s)
+        return self._decode_rate_seen
+
+    @staticmethod
+    def _fitted_rate(points: list[tuple[int, float]], slo_tpot_s: float) -> float:
         best = max(b / s for b, s in points)  # the highest throughput seen
         fit = _line(points)
         if fit is None:

@@ -102,3 +102,16 @@ def test_bad_settings() -> None:
         Planner(window=0)
     with pytest.raises(ValueError):
         Planner(utilization=1.5)
+
+
+def test_an_idle_window_keeps_the_last_decode_rate() -> None:
+    clock = Clock()
+    planner = Planner(window=60.0, clock=clock)
+    for _ in range(3):
+        report(planner, worker("d0", "decode", running=8, step_ms=20))
+    planner.finished(100)
+    assert planner.plan([], 0.05).decode_rate == pytest.approx(8 / 0.020)
+    clock.t += 120  # no stream decoded for two windows: no reports, no output
+    plan = planner.plan([], 0.05)
+    assert plan.decode_rate == pytest.approx(8 / 0.020)  # the workers' speed, still known
+    assert plan.output_tokens_per_s == 0 and plan.decode_workers == 0  # nothing to serve

@@ -86,6 +86,9 @@ def stack(smol_dir, tmp_path_factory):
         num_decode=2,
         member_ttl=3,
         member_refresh=1.0,
+        # The n > 1 test is about where a long prompt is computed (once, on the prefill
+        # worker): the length rule, not the load-dependent SLO-aware choice.
+        disagg_mode="length",
     )
     with Stack(config) as s:
         yield s
