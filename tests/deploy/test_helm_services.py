@@ -110,8 +110,12 @@ NOT_IN_CHART = {
         **{
             f: "run-time role switching is local; in a cluster the autoscaler sizes the pools "
             "from the same planner figures (autoscaling.signal: planner)"
-            for f in ("--balance-roles", "--balance-interval", "--role-min-dwell",
-                      "--role-hysteresis")
+            for f in (
+                "--balance-roles",
+                "--balance-interval",
+                "--role-min-dwell",
+                "--role-hysteresis",
+            )
         },  # fmt: skip
     },
     **{
