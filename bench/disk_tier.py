@@ -102,6 +102,8 @@ def build(args, host_gib: float, disk_gib: float) -> LLMEngine:
         model_dir=str(args.model), load_format="dummy", device=args.device,
         num_kv_blocks=args.pool_blocks, kv_host_cache_gib=host_gib,
         max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
+        # A conversation's whole history, not the config's 128k: the pool must hold one.
+        max_model_len=args.turns * (args.user_tokens + args.answer_tokens) + 256,
         kv_swap_min_tokens=args.swap_min_tokens, **disk,
     ))  # fmt: skip
 

@@ -44,14 +44,15 @@ def test_blocks_round_trip_through_disk_with_slots_reused_at_once(tmp_path) -> N
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["evicted-prefixes", "preemption"])
-def test_greedy_outputs_are_the_same_with_host_and_disk_tiers(tmp_path, smol_dir, together):
-    model = make_random_model_dir(tmp_path, smol_dir, "llama")
+def test_greedy_outputs_are_the_same_with_host_and_disk_tiers(tmp_path, tokenizer_dir, together):
+    model = make_random_model_dir(tmp_path, tokenizer_dir, "llama")
     prompts = [[(7 * i + 3 * j) % 4000 + 10 for j in range(40 + 5 * i)] for i in range(6)]
     if not together:
         prompts += prompts[:3]  # the first three again: out of the pool and the host tier
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     opts = dict(model_dir=str(model), device="cuda", dtype="float32", num_kv_blocks=16,
-                max_num_batched_tokens=128, max_num_seqs=6, kv_swap_min_tokens=16)  # fmt: skip
+                max_num_batched_tokens=128, max_num_seqs=6, kv_swap_min_tokens=16,
+                max_model_len=160)  # fmt: skip
     base = LLMEngine(EngineConfig(**opts, kv_host_cache_gib=0.0))
     want = run(base, prompts, params, together)
     block = base.runner.layout.block_bytes

@@ -5,9 +5,6 @@ preempted sequences swapped back in. Runs only where CUDA is present (``pytest -
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,14 +17,6 @@ pytest.importorskip("triton")
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.host_store import HostStore  # noqa: E402
 from tests.conftest import make_random_model_dir  # noqa: E402
-
-
-@pytest.fixture
-def tokenizer_dir(request) -> Path:
-    """The tokenizer the device scripts carry (``TANDEM_TOKENIZER_DIR``), else the bundled
-    model's folder: the test's model has random weights and needs only the tokenizer."""
-    carried = os.environ.get("TANDEM_TOKENIZER_DIR")
-    return Path(carried) if carried else request.getfixturevalue("smol_dir")
 
 
 def test_blocks_round_trip_through_pinned_host_memory() -> None:
