@@ -12,8 +12,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import make_random_model_dir
+from tests.engine.test_host_tier import prompt, run_one
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0)
 BLOCK_BYTES = 24576  # one canonical KV block of this model (16 tokens)
 
 
@@ -34,21 +34,6 @@ def make_engine(model_dir, disk=None, host: int = 8, disk_blocks: int = 40, **kw
         opts.update(kv_disk_cache_dir=str(disk), kv_disk_cache_gib=gib(disk_blocks))
     opts.update(kw)
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **opts))
-
-
-def prompt(i: int, n: int = 70) -> list[int]:
-    return [(7 * i + 3 * j) % 4000 + 10 for j in range(n)]
-
-
-def run_one(engine: LLMEngine, rid: str, ids: list[int], params=GREEDY, **kw):
-    engine.add_request(rid, ids, params, **kw)
-    final = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    assert final is not None
-    return final
 
 
 def files(directory) -> list[str]:
