@@ -10,6 +10,7 @@ from libkv.disk_tier import DiskTier
 from libkv.hashing import ROOT_HASH, encode_extra_keys, hash_prefix_blocks
 from libkv.host_tier import HostTier
 from libkv.kv_manager import KVCacheManager
+from tests.libkv.test_host_tier import check, run
 
 BS = 4
 
@@ -20,20 +21,6 @@ def make(num_blocks: int = 16, num_slots: int = 4, disk_slots: int = 8):
     tier.disk = DiskTier(disk_slots, BS, block_bytes=100)
     kv.set_tier(tier)
     return kv, tier
-
-
-def run(kv: KVCacheManager, seq: str, tokens: list[int], extra: bytes = b"") -> list[int]:
-    """Admit ``tokens`` (no prefix reuse), compute them all, free: its full blocks are cached."""
-    assert kv.admit(seq, kv.find_prefix([], extra), 0, len(tokens), extra) is not None
-    ids = kv.block_ids(seq)
-    kv.commit(seq, tokens, len(tokens))
-    kv.free(seq)
-    return ids
-
-
-def check(kv: KVCacheManager, tier: HostTier) -> None:
-    kv.check_integrity()
-    tier.check_integrity()
 
 
 def chain(start: int, blocks: int) -> list[int]:
