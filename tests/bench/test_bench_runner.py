@@ -98,9 +98,10 @@ def test_fixed_concurrency_streams_and_measures():
 def test_time_limit_stops_sending():
     server = FakeServer()
     res = run(server, workload(n=20, out=5), LoadConfig(concurrency=1, time_limit=0.25))
-    # Each request takes ~0.1 s; sending stops at 0.25 s, the one in flight finishes.
-    assert 2 <= len(res.records) <= 4 and res.not_sent == 20 - len(res.records)
-    assert all(r.ok for r in res.records)
+    # Each request takes ~0.1 s (more on a loaded machine); sending stops at 0.25 s and the
+    # one in flight finishes: no request starts after the limit and most are never sent.
+    assert 1 <= len(res.records) <= 4 and res.not_sent == 20 - len(res.records)
+    assert all(r.ok and r.start < 0.25 for r in res.records)
 
 
 def test_poisson_rate_spreads_arrivals():
