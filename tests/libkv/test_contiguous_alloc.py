@@ -115,10 +115,12 @@ def test_random_churn_keeps_the_pool_consistent(seed: int) -> None:
 
 
 def test_handoffs_under_churn_take_few_copies() -> None:
-    """The figures of bench/results/kv_block_runs (a smaller churn): before contiguity a
-    hand-off took ~1.4 blocks per copy; a few blocks per copy is the floor kept here."""
+    """bench/results/kv_block_runs at 120 requests (both pools wrap several times): the
+    allocator before contiguity moved 1.37-1.39 blocks per copy, this one 4.3-4.6. (Over a
+    long churn, 600 requests, the pools fill with cached prefixes whose LRU order decides
+    every allocation: 1.11 against 1.45-1.49, see the results' README.)"""
     result = simulate(Churn(requests=120), seed=1)
     s = result.summary()
     assert s["handoffs"] == 120
-    assert s["blocks_per_run"] >= 4.0, s
+    assert s["blocks_per_run"] >= 3.0, s
     assert s["one_run_share"] > 0.0 and s["runs_per_handoff_p50"] <= 16, s
