@@ -20,6 +20,7 @@ from libkv.transfer.rank_ipc import (
     IpcCopy,
     ShardedIpcReader,
     ShardMaps,
+    copy_parts,
     rank_pools,
     ranks_ipc_extra,
     run_copy,
@@ -171,3 +172,19 @@ def test_a_source_of_other_geometry_is_refused() -> None:
     with pytest.raises(KVTransferError, match="geometry"):
         fetch(r, {**extra, LAYOUT_KEY: other.to_json()}, [1], [1], Source("p2"))
     assert r.stats.failures == 1
+
+
+@pytest.mark.parametrize("width", [48, 45], ids=["words", "bytes"])
+def test_copy_parts_moves_exactly_the_ranges_as_words_or_bytes(width: int) -> None:
+    src = torch.randint(0, 256, (30, width), dtype=torch.uint8)
+    dst = torch.zeros(30, 24, dtype=torch.uint8)
+    parts = [(0, 16, 8), (40, 0, 8)] if width == 48 else [(1, 3, 5), (40, 10, 5)]
+    blocks = list(range(20))  # one run, then scattered (the gather / scatter path)
+    for src_blocks, dst_blocks in ((blocks, blocks), (blocks[::-1], blocks)):
+        dst.zero_()
+        copy_parts(dst, src, src_blocks, dst_blocks, parts)
+        want = torch.zeros_like(dst)
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            for so, do, n in parts:
+                want[d, do : do + n] = src[s, so : so + n]
+        assert torch.equal(dst, want)
