@@ -238,7 +238,7 @@ class ShardedIpcReader:
             raise ValueError("src_blocks and dst_blocks differ in length")
         t0 = time.monotonic()
         try:
-            copies = []
+            copies: list[Awaitable[None]] = []
             for rank, job in self.jobs(source, extra, src_blocks, dst_blocks, timeout):
                 if rank == 0:
                     copies.append(run_copy(self.pool, self.block_bytes, self.maps, job))
