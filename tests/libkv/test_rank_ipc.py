@@ -7,14 +7,16 @@ against canonical blocks. The CUDA mapping itself (``open_pool``) needs a GPU: h
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from libkv.kv_layout import LAYOUT_KEY, KVLayout
-from libkv.transfer import CUDA_IPC_KEY, HOST_KEY, KVTransferError
+from libkv.transfer import CUDA_IPC_KEY, DEVICE_KEY, HOST_KEY, VISIBLE_KEY, KVTransferError
 from libkv.transfer.cuda_ipc import IpcPool
+from libkv.transfer.path import PathTransport
 from libkv.transfer.rank_ipc import (
     RANKS_IPC_KEY,
     IpcCopy,
@@ -25,6 +27,7 @@ from libkv.transfer.rank_ipc import (
     ranks_ipc_extra,
     run_copy,
 )
+from libkv.transfer.setup import KVSide, _rank_exports
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, block_size=2, dtype="float32",
                   element_size=4)  # fmt: skip
@@ -188,3 +191,44 @@ def test_copy_parts_moves_exactly_the_ranges_as_words_or_bytes(width: int) -> No
             for so, do, n in parts:
                 want[d, do : do + n] = src[s, so : so + n]
         assert torch.equal(dst, want)
+
+
+class Records:
+    """The peers' member records (`libkv.transfer.path.EtcdPeers`'s one method used here)."""
+
+    def __init__(self, extra: dict[str, str]) -> None:
+        self.record = extra
+
+    async def extra(self, worker_id: str, incarnation: str, timeout: float) -> dict[str, str]:
+        return self.record
+
+
+class Unused:
+    name = "grpc"
+
+    async def fetch(self, *args) -> str:
+        raise AssertionError("a same-host pair of GPU workers went over the network")
+
+
+def test_the_decode_side_sends_a_mixed_tp_pair_on_this_host_rank_by_rank() -> None:
+    r, (dst,) = reader(1)
+    extra, canon = source("p2", 2)
+    extra[DEVICE_KEY] = "gpu-0"
+    mine = {HOST_KEY: HOST, DEVICE_KEY: "gpu-0", VISIBLE_KEY: "gpu-0,gpu-1"}
+    path = PathTransport(Records(extra), mine, Unused(), by_rank=r)  # type: ignore[arg-type]
+    got = asyncio.run(path.fetch("req", Source("p2"), [3, 4], [7, 8], 5.0))
+    assert got == "cuda-ipc" and torch.equal(dst[[7, 8]], canon[[3, 4]])
+    assert path.stats.transfers == 1
+
+
+def test_a_tp_worker_publishes_every_ranks_export_after_rank_0s() -> None:
+    class Ranks:
+        async def export(self) -> list[str]:
+            return ['{"r":1}']
+
+    side = KVSide(extra={CUDA_IPC_KEY: '{"r":0}'})
+    asyncio.run(_rank_exports(side, Ranks()))  # type: ignore[arg-type]
+    assert json.loads(side.extra[RANKS_IPC_KEY]) == ['{"r":0}', '{"r":1}']
+    plain = KVSide(extra={})  # exporting nothing (--no-cuda-ipc): no rank exports either
+    asyncio.run(_rank_exports(plain, Ranks()))  # type: ignore[arg-type]
+    assert RANKS_IPC_KEY not in plain.extra
