@@ -8,15 +8,24 @@ Every block is in exactly one of three states::
 
 Allocation takes fresh blocks first and only then evicts cached ones, least recently freed
 first. Eviction is lazy: a cached block keeps its contents (and its entry in the hash map)
-until the moment it is handed out again. Both free queues are intrusive doubly linked lists,
-so allocate, free, and pulling a cached block back into use on a hit are all O(1).
+until the moment it is handed out again. The cached queue is an intrusive doubly linked list
+(free, and pulling a cached block back into use on a hit, are O(1)); fresh blocks are kept as
+runs of consecutive ids (`libkv.free_extents`, O(log num_blocks) per block at most), so one
+allocation gets as few runs as possible: a KV hand-off copies each run once.
+
+Which blocks one allocation gets is the same set as ever (fresh ones, then the least recently
+freed cached ones, evicted in that order); only their order in the caller's table changes:
+those extending the table's last block first, then the rest ascending, so cached blocks a
+finished request freed (leaves first: descending ids) come back as an ascending run.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from libkv.free_extents import FreeExtents
 from libkv.hashing import BlockHash
 
 FRESH, CACHED, NONE = 1, 2, 0
@@ -117,12 +126,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._fresh = _FreeQueue(FRESH)
+        self._fresh = FreeExtents(num_blocks)
         self._cached = _FreeQueue(CACHED)
         self._by_hash: dict[BlockHash, KVBlock] = {}
         self._on_evict = on_evict
         for block in self.blocks:
-            self._fresh.append(block)
+            self._free_fresh(block)
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -140,16 +149,32 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     # -- allocation -----------------------------------------------------------------------
-    def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks (fresh first, then the least recently freed cached ones)."""
+    def allocate(self, n: int, after: KVBlock | None = None) -> list[KVBlock]:
+        """Take ``n`` blocks: fresh ones first (as few runs of consecutive ids as the free runs
+        allow), then the least recently freed cached ones (evicted in that order). Returned
+        with the fresh ones right behind ``after`` (the caller's last block) first, then the
+        rest by ascending id (rotated to start right behind ``after`` where an evicted block
+        is), so a table grows in runs of consecutive ids where it can."""
         if n > self.num_free:
             raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
-        out: list[KVBlock] = []
-        for _ in range(n):
-            block = self._fresh.popleft() if self._fresh.size else self._evict_one()
+        ids = self._fresh.take(min(n, self._fresh.size), None if after is None else after.block_id)
+        lead = 0  # ids continuing ``after``: they stay first
+        while lead < len(ids) and after is not None and ids[lead] == after.block_id + 1 + lead:
+            lead += 1
+        rest = sorted(ids[lead:] + [self._evict_one().block_id for _ in range(n - len(ids))])
+        if after is not None and not lead:  # an evicted block may continue the table: first
+            cut = bisect.bisect_left(rest, after.block_id + 1)
+            if cut < len(rest) and rest[cut] == after.block_id + 1:
+                rest = rest[cut:] + rest[:cut]
+        out = [self.blocks[i] for i in ids[:lead] + rest]
+        for block in out:
+            block.queue = NONE
             block.ref_cnt, block.sealed = 1, False  # new contents: any old checksum is stale
-            out.append(block)
         return out
+
+    def _free_fresh(self, block: KVBlock) -> None:
+        block.queue = FRESH
+        self._fresh.add(block.block_id)
 
     def _evict_one(self) -> KVBlock:
         block = self._cached.popleft()
@@ -172,7 +197,10 @@ class BlockPool:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                (self._cached if block.block_hash is not None else self._fresh).append(block)
+                if block.block_hash is not None:
+                    self._cached.append(block)
+                else:
+                    self._free_fresh(block)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on blocks found by ``lookup`` (pulling free ones back into use)."""
@@ -206,7 +234,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forget every cached (free) prefix; used blocks keep their hashes."""
         while self._cached.size:
-            self._fresh.append(self._evict_one())
+            self._free_fresh(self._evict_one())
 
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._by_hash)
@@ -223,9 +251,12 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + used + cached bookkeeping is consistent (tests call
         it after each case; workers report it in their stats)."""
-        fresh = list(self._fresh)
+        fresh = [self.blocks[i] for i in self._fresh]
         cached = list(self._cached)
-        require(len(fresh) == self._fresh.size, "fresh queue size out of step")
+        for problem in self._fresh.check():
+            require(False, problem)
+        require(all(b.queue == FRESH for b in fresh), "fresh block not marked fresh")
+        require(all(b.queue == CACHED for b in cached), "cached block not marked cached")
         require(len(cached) == self._cached.size, "cached queue size out of step")
         used = [b for b in self.blocks if b.ref_cnt > 0]
         require(len(fresh) + len(cached) + len(used) == self.num_blocks, "blocks lost or doubled")

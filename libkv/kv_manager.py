@@ -194,14 +194,16 @@ class KVCacheManager:
         copies: list[CopyOp] = []
         if cow:
             old = table.blocks[write_idx]
-            (new,) = self.pool.allocate(1)
+            (new,) = self.pool.allocate(1, table.blocks[write_idx - 1] if write_idx else None)
             copies.append(CopyOp(old.block_id, new.block_id))
             table.blocks[write_idx] = new
             del table.hashes[write_idx:]
             table.num_sealed = min(table.num_sealed, write_idx)
             self.pool.free([old])
-        if need > 0:
-            table.blocks.extend(self.pool.allocate(need))
+        if need > 0:  # behind the last block where it is free: the table stays one run
+            table.blocks.extend(
+                self.pool.allocate(need, table.blocks[-1] if table.blocks else None)
+            )
         return copies
 
     def fork(self, src: Hashable, dst: Hashable) -> None:

@@ -17,6 +17,7 @@ from libkv.transfer import (
     handoff_path,
 )
 from libkv.transfer.cuda_ipc import CudaIpcTransport
+from libkv.transfer.rank_ipc import ShardedIpcReader
 from libkv.transfer.sharded import ShardedReader
 
 
@@ -59,7 +60,9 @@ class PathTransport:
     the network transport, or none (KVTransferError: the prompt is recomputed or retried).
     Releases always go through the network transport (NIXL notification or gRPC). Over the
     network, a hand-off where one side is tensor-parallel goes rank by rank (``sharded``,
-    `libkv.transfer.sharded`) when the source runs NIXL agents."""
+    `libkv.transfer.sharded`) when the source runs NIXL agents, and on this host rank by rank
+    over CUDA IPC (``by_rank``, `libkv.transfer.rank_ipc`) when the source exports its ranks'
+    shards."""
 
     def __init__(
         self,
@@ -68,9 +71,10 @@ class PathTransport:
         network: KVTransport,
         local: CudaIpcTransport | None = None,
         sharded: ShardedReader | None = None,
+        by_rank: ShardedIpcReader | None = None,
     ) -> None:
         self.peers, self.mine, self.network, self.local = peers, mine, network, local
-        self.sharded = sharded
+        self.sharded, self.by_rank = sharded, by_rank
         self.name = network.name
         self.names = [network.name, *(["grpc"] if network.name != "grpc" else [])]
         if local is not None:
@@ -86,6 +90,10 @@ class PathTransport:
     ) -> str:
         extra = await self.peers.extra(source.worker_id, source.incarnation, timeout)
         path = handoff_path(extra, self.mine)
+        if path == "cuda-ipc" and self.by_rank is not None and self.by_rank.applies(extra):
+            return await self.by_rank.fetch(
+                request_id, source, extra, src_blocks, dst_blocks, timeout
+            )
         if path == "cuda-ipc" and self.local is not None:
             return await self.local.fetch(request_id, source, src_blocks, dst_blocks, timeout)
         if path != "network":
@@ -103,7 +111,7 @@ class PathTransport:
     def stats(self) -> TransferStats:
         """Both paths' counters together."""
         total = TransferStats()
-        for part in (self.network, self.local, self.sharded):
+        for part in (self.network, self.local, self.sharded, self.by_rank):
             st = getattr(part, "stats", None)
             if st is not None:
                 total.transfers += st.transfers

@@ -10,16 +10,25 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from libkv.cluster.registry import MEMBERS_PREFIX, MemberWatcher
 from libkv.kv_layout import KVLayout
-from libkv.transfer import NIXL_GPU_KEY, VISIBLE_KEY, BlockHolder, KVTransport, agent_name
+from libkv.transfer import (
+    CUDA_IPC_KEY,
+    NIXL_GPU_KEY,
+    VISIBLE_KEY,
+    BlockHolder,
+    KVTransport,
+    agent_name,
+)
 from libkv.transfer.cuda_ipc import CudaIpcTransport, pool_record
 from libkv.transfer.grpc_stream import ChannelFactory, GrpcStreamTransport, plain_channel
 from libkv.transfer.nixl import NixlBlockServer, NixlTransport
 from libkv.transfer.nixl_agent import NixlEndpoint, nixl_available, ucx_cuda_problem
 from libkv.transfer.path import EtcdPeers, PathTransport
 from libkv.transfer.pool import PoolStore
+from libkv.transfer.rank_ipc import RankShards, ShardedIpcReader, ranks_ipc_extra
 from libkv.transfer.sharded import RankAgents, ShardedReader, ranks_extra
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,10 @@ NIXL_MODES = ("auto", "read", "write")
 #   1.5 ms. Reports of pull over cuda_ipc being far slower than push did not hold here
 #   (nixl-cu13 1.5.1, its bundled UCX); WRITE pays the same extra round trip as on CPU.
 DEFAULT_NIXL_MODE = {"cpu": "read", "cuda": "read"}
+
+
+class RankSide(RankAgents, RankShards, Protocol):
+    """A tensor-parallel worker's ranks 1..N-1 on the KV side: NIXL agents and CUDA IPC."""
 
 
 def resolve_transport(kind: str) -> str:
@@ -108,16 +121,10 @@ class KVSide:
 
 
 async def _endpoint(
-    kind: str, pool: PoolStore, worker_id: str, incarnation: str, etcd, ranks: RankAgents | None
+    kind: str, pool: PoolStore, worker_id: str, incarnation: str, etcd, ranks: RankSide | None
 ):
     """A NIXL endpoint over the pool, or None (with the reason logged) for gRPC."""
     if resolve_transport(kind) != "nixl":
-        return None
-    if ranks is not None and pool.on_gpu:
-        log.warning(
-            "tensor-parallel GPU pools do not hand KV off over NIXL yet (tested on host memory "
-            "only); this worker's KV stays put and routers serve its requests decode-only"
-        )
         return None
     if not nixl_available():
         log.warning("--kv-transport nixl but NIXL is not importable; using the gRPC stream")
@@ -132,6 +139,14 @@ async def _endpoint(
     except Exception as e:
         log.warning("starting the NIXL agent failed (%r); using the gRPC stream", e)
         return None
+
+
+async def _rank_exports(side: KVSide, ranks: RankSide | None) -> None:
+    """A tensor-parallel GPU worker exporting its pool: every rank's shard in the record."""
+    if ranks is not None and CUDA_IPC_KEY in side.extra:
+        exports = [side.extra[CUDA_IPC_KEY], *await ranks.export()]
+        side.extra.update(ranks_ipc_extra(exports))
+        log.info("KV transport: CUDA IPC exports of %d ranks' shards", len(exports))
 
 
 def _gpu_side(side: KVSide, pool: PoolStore, kind: str, nixl: bool, export: bool) -> None:
@@ -167,7 +182,7 @@ async def decode_side(
     channel: ChannelFactory = plain_channel,
     cuda_ipc: bool = True,
     layout: KVLayout | None = None,
-    ranks: RankAgents | None = None,
+    ranks: RankSide | None = None,
     checksums: bool = False,
     fault: str = "",
 ) -> KVSide:
@@ -180,6 +195,7 @@ async def decode_side(
     side = KVSide(whole_blocks=ranks is None)
     if pool.on_gpu:
         _gpu_side(side, pool, kind, endpoint is not None, export=cuda_ipc)
+        await _rank_exports(side, ranks)
         if not cuda_ipc:
             side.extra[VISIBLE_KEY] = ""  # maps no peer's pool
             side.gpu_direct["cuda-ipc"] = False
@@ -202,14 +218,16 @@ async def decode_side(
         if layout is not None:
             await _rank_agents(side, endpoint, worker_id, incarnation, ranks)
             sharded = ShardedReader(endpoint, layout, ranks)
-    local = None
+    local = by_rank = None
     if pool.on_gpu and cuda_ipc:
         fused = checksums and ranks is None  # TP=1: the pool holds whole canonical blocks
         local = CudaIpcTransport(
             pool.cache, pool.block_bytes, peers, sums=fused, fault=fault if fused else ""
         )
+        if layout is not None:  # rank by rank where either side is tensor-parallel
+            by_rank = ShardedIpcReader(pool.cache, pool.block_bytes, layout, ranks)
         log.info("KV transport: CUDA IPC for peers whose GPU this worker can map")
-    side.transport = PathTransport(peers, side.extra, network, local, sharded)
+    side.transport = PathTransport(peers, side.extra, network, local, sharded, by_rank)
     side.closers = [*side.closers, watcher.stop, side.transport.close]
     return side
 
@@ -236,7 +254,7 @@ async def prefill_side(
     holder: BlockHolder,
     busy: Callable[[], bool],
     cuda_ipc: bool = True,
-    ranks: RankAgents | None = None,
+    ranks: RankSide | None = None,
 ) -> KVSide:
     """The prefill worker always serves the gRPC stream too (its servicer,
     `libkv.transfer.grpc_stream.BlockStreamServicer`, is registered by the caller), so decode
@@ -247,6 +265,7 @@ async def prefill_side(
     side = KVSide()
     if pool.on_gpu:
         _gpu_side(side, pool, kind, endpoint is not None, export=cuda_ipc)
+        await _rank_exports(side, ranks)
     if endpoint is None:
         return side
     assert endpoint.info is not None

@@ -170,9 +170,9 @@ class WorkerConfig:
 
     @property
     def handoff_cuda_ipc(self) -> bool:
-        """``--cuda-ipc``, off at ``--tensor-parallel-size`` above 1: rank 0's exported pool
-        would hold only its KV heads (CUDA IPC of every rank's shard is not built)."""
-        return self.cuda_ipc and self.tensor_parallel_size == 1
+        """``--cuda-ipc``; at ``--tensor-parallel-size`` above 1 every rank exports its shard
+        (`libkv.transfer.rank_ipc`)."""
+        return self.cuda_ipc
 
     def advertised(self, port: int) -> str:
         """host:port routers and peers dial, once the server is bound to ``port``."""

@@ -1,6 +1,8 @@
 """A tensor-parallel worker's ranks 1..N-1 on the KV side: each runs a NIXL agent over its own
-shard of the pool and READs into it (`libkv.transfer.sharded.RankAgents`). The functions below
-run inside the rank processes, on their call loops (`engine.parallel.rpc`), off their steps."""
+shard of the pool and READs into it (`libkv.transfer.sharded.RankAgents`), and on a GPU exports
+its shard for CUDA IPC and copies peers' shards into it (`libkv.transfer.rank_ipc`). The
+functions below run inside the rank processes, on their call loops (`engine.parallel.rpc`),
+off their steps."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from libkv.transfer import AgentInfo, KVTransferError, PoolRegion
+from libkv.transfer.cuda_ipc import export_pool
 from libkv.transfer.nixl_agent import NixlEndpoint
+from libkv.transfer.rank_ipc import IpcCopy, ShardMaps, run_copy
 from libkv.transfer.sharded import Parts, RankRead, rank_agent_name
 
 if TYPE_CHECKING:
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
     from engine.parallel.worker import RankContext
 
 STATE_KEY = "nixl"  # RankContext.state: the rank's NixlEndpoint
+MAPS_KEY = "ipc_maps"  # RankContext.state: the rank's ShardMaps (peers' shards it mapped)
 
 
 class RankNixl:
@@ -48,6 +53,15 @@ class RankNixl:
             job.parts,
             job.timeout,
         )
+
+    async def export(self) -> list[str]:
+        """Ranks 1..N-1's shards exported for CUDA IPC (IpcPool JSON, rank order)."""
+        return list(
+            await asyncio.gather(*(self._call(r, export_shard) for r in range(1, self.group.size)))
+        )
+
+    async def copy(self, rank: int, job: IpcCopy) -> None:
+        await self._call(rank, ipc_copy, job)
 
     async def close(self) -> None:
         for r in range(1, self.group.size):
@@ -95,3 +109,17 @@ async def close_agent(ctx: RankContext) -> None:
     endpoint = ctx.state.pop(STATE_KEY, None)
     if endpoint is not None:
         await endpoint.close()
+
+
+def export_shard(ctx: RankContext) -> str:
+    """This rank's pool shard exported for CUDA IPC (`libkv.transfer.cuda_ipc.IpcPool` JSON)."""
+    return export_pool(ctx.runner.kv_pool, ctx.runner.block_bytes).to_json()
+
+
+async def ipc_copy(ctx: RankContext, job: IpcCopy) -> None:
+    """Copy ``job``'s parts from a peer rank's exported shard into this rank's shard."""
+    pool = ctx.runner.kv_pool
+    maps = ctx.state.get(MAPS_KEY)
+    if maps is None:
+        maps = ctx.state[MAPS_KEY] = ShardMaps(pool.device)
+    await run_copy(pool, ctx.runner.block_bytes, maps, job)

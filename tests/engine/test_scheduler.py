@@ -354,7 +354,7 @@ def test_a_preempted_sequence_resumes_from_its_cached_prefix() -> None:
     # b's prompt block is still cached: it resumes at token 4 and recomputes 5 tokens.
     resumed = step(sched, device)
     assert resumed.trace == [("b", 5)] and resumed.starts == {"b": 4}
-    assert resumed.sampled == ["b"] and resumed.out.scheduled[0].block_ids == [1, 3, 2]
+    assert resumed.sampled == ["b"] and resumed.out.scheduled[0].block_ids == [1, 2, 3]  # one run
     assert b.num_cached_prompt_tokens == 0  # set at first admission only
     assert b.num_preemptions == 1
     assert_done(sched, a, b)

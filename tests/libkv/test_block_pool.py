@@ -67,7 +67,9 @@ def test_free_returns_blocks_to_the_right_queue() -> None:
     assert (pool.num_used, pool.num_free, pool.num_cached) == (0, 8, 2)
     assert pool.lookup(key(1), toks(1)) is blocks[1]
     pool.check_integrity()
-    assert ids(pool.allocate(8)) == [4, 5, 6, 7, 0, 3, 1, 2]
+    # The same blocks as ever (fresh 0 and 3..7, then cached 1 and 2, evicted in LRU order),
+    # handed out by ascending id: one run.
+    assert ids(pool.allocate(8)) == list(range(8))
     assert evicted == [key(1), key(2)]
     pool.check_integrity()
 
@@ -116,7 +118,7 @@ def test_freeing_a_table_in_reverse_evicts_leaves_before_parents() -> None:
     pool.free(reversed(table))
     assert ids(pool.allocate(1)) == [2]  # the leaf goes first
     assert pool.lookup(chain[0], toks(0)) is table[0]  # the root survives longest
-    assert ids(pool.allocate(2)) == [1, 0]
+    assert ids(pool.allocate(2)) == [0, 1]  # evicted 1 then 0, handed out ascending
     assert evicted == [chain[2], chain[1], chain[0]]
     pool.check_integrity()
 
@@ -141,14 +143,15 @@ def test_touch_pulls_a_cached_block_from_the_middle_of_the_queue() -> None:
 
 
 def test_touch_requeues_at_the_tail_when_freed_again() -> None:
-    pool, _ = make_pool(3)
+    pool, evicted = make_pool(3)
     blocks = pool.allocate(3)
     for i, blk in enumerate(blocks):
         cache_as(pool, blk, i)
     pool.free(blocks)  # cached queue: 0 1 2
     pool.touch([blocks[0]])
     pool.free([blocks[0]])  # cached queue: 1 2 0
-    assert ids(pool.allocate(3)) == [1, 2, 0]
+    assert ids(pool.allocate(3)) == [0, 1, 2]
+    assert evicted == [key(1), key(2), key(0)]
     pool.check_integrity()
 
 
@@ -209,7 +212,7 @@ def test_cache_refuses_duplicates_and_the_first_copy_stays_shared() -> None:
     assert pool.cached_hashes() == [key(0)]
     pool.free([second, first])
     assert pool.num_cached == 1  # the private duplicate went back to the fresh queue
-    assert ids(pool.allocate(3)) == [2, 3, 1]
+    assert ids(pool.allocate(3)) == [1, 2, 3]
     assert evicted == []
     pool.check_integrity()
 
@@ -235,7 +238,7 @@ def test_on_evict_receives_exactly_the_evicted_hashes_in_order() -> None:
     assert evicted == []  # freeing never evicts: eviction is lazy
     assert ids(pool.allocate(3)) == [0, 2, 5]  # fresh first, no eviction
     assert evicted == []
-    assert ids(pool.allocate(2)) == [4, 1]
+    assert ids(pool.allocate(2)) == [1, 4]
     assert evicted == [key(4), key(1)]
     assert pool.cached_hashes() == [key(3)]
     pool.check_integrity()
@@ -256,7 +259,8 @@ def test_reset_prefix_cache_forgets_free_prefixes_only() -> None:
     pool.check_integrity()
     pool.free([blocks[2]])
     assert pool.num_cached == 1
-    assert ids(pool.allocate(4)) == [3, 1, 0, 2]
+    assert ids(pool.allocate(4)) == [0, 1, 2, 3]
+    assert evicted == [key(1), key(0), key(2)]
     pool.check_integrity()
 
 
@@ -271,7 +275,8 @@ def test_asking_for_too_many_blocks_raises_and_changes_nothing() -> None:
     assert evicted == []
     assert pool.lookup(key(0), toks(0)) is blocks[0]
     pool.check_integrity()
-    assert ids(pool.allocate(3)) == [2, 3, 0]
+    assert ids(pool.allocate(3)) == [0, 2, 3]
+    assert evicted == [key(0)]
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(1)
     pool.check_integrity()

@@ -271,7 +271,7 @@ def test_free_releases_leaves_first() -> None:
     assert "a" not in kv and kv.pool.num_cached == 3
     kv.check_integrity()
     assert kv.admit("b", PrefixHit([], []), 0, 8, b"") == []
-    assert kv.block_ids("b") == [3, 2]  # the fresh block, then the leaf
+    assert kv.block_ids("b") == [2, 3]  # the fresh block and the leaf, ascending
     assert evicted == [hashes[2]]
     assert [b.block_id for b in kv.find_prefix(prompt).blocks] == [0, 1]
     kv.check_integrity()
