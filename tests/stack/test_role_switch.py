@@ -1,7 +1,8 @@
 """Run-time role switching on real processes (`services.worker.switch`): a --switchable decode
 worker running streams is told by `tandem role` to serve prefill; its streams finish or move
 with their KV, nothing fails, the process (and its engine) stays the same, and the router then
-sends prompts to it for prefill and no longer decodes there."""
+sends prompts to it for prefill and no longer decodes there. And the same move made by the
+router's role balancer from its pool planner's plan of prompt-heavy traffic (no operator)."""
 
 from __future__ import annotations
 
