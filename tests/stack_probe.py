@@ -41,6 +41,20 @@ def metrics_of(address: str) -> dict[str, float]:
     return out
 
 
+def sample_of(address: str, name: str, **labels: str) -> float:
+    """The sum of a process's ``name`` samples whose labels include ``labels`` (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
 def live_workers(stack: Stack) -> dict[str, str]:
     """name -> address of every worker process that is running."""
     return {

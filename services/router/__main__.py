@@ -246,7 +246,6 @@ async def serve(config: RouterConfig) -> None:
         tls=config.security.tls,
         ready=False,
     )
-    obs.metrics.register(RouterCollector([c for c, _ in routes.values()], watcher))
 
     def can_route() -> dict[str, bool]:
         decode = watcher.members_by_role("decode")
@@ -267,6 +266,7 @@ async def serve(config: RouterConfig) -> None:
         pools = [pool_of(core, watcher) for core, _ in routes.values()]
         orders = RoleOrders(list(config.etcd))
         balancer = RoleBalancer(pools, orders, policy, config.balance_interval).start()
+    obs.metrics.register(RouterCollector([c for c, _ in routes.values()], watcher, balancer))
     log.info("router %s listening on %s", config.router_id, address)
     print(f"READY router {address}", flush=True)
 

@@ -28,11 +28,13 @@ class RouterCollector(Collector):
     ``tandem_router_migrations_total``, ``tandem_router_live_moves_total``,
     ``tandem_router_local_refusals_total``, ``tandem_router_disagg_decisions_total{choice,reason}``,
     ``tandem_router_slo_shed_total``, the pool planner's ``tandem_planner_*`` and
-    ``tandem_router_members{role}`` of one router, summed over its cores (one per base model)."""
+    ``tandem_router_members{role}`` of one router, summed over its cores (one per base model);
+    with a role ``balancer`` (``--balance-roles``), ``tandem_router_role_orders_total{role}``."""
 
-    def __init__(self, cores: Any, watcher: Any) -> None:
+    def __init__(self, cores: Any, watcher: Any, balancer: Any = None) -> None:
         self.cores = list(cores)
         self.watcher = watcher
+        self.balancer = balancer  # a RoleBalancer, or None on a router that does not balance
 
     def collect(self) -> Iterator[Metric]:
         every = [core.stats for core in self.cores]
@@ -89,6 +91,15 @@ class RouterCollector(Collector):
             value=sum(core.admission.local_refusals for core in self.cores),
         )
         yield from self._plans()
+        if self.balancer is not None:
+            orders = CounterMetricFamily(
+                "tandem_router_role_orders",
+                "Role orders this router's role balancer wrote, by the role ordered.",
+                labels=["role"],
+            )
+            for role, n in sorted(dict.copy(self.balancer.moves).items()):
+                orders.add_metric([role], n)
+            yield orders
         members = GaugeMetricFamily(
             "tandem_router_members", "Live members in this router's view, by role.",
             labels=["role"],

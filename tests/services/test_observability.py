@@ -161,6 +161,7 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, "tandem_planner_prompt_tokens_per_second", base_model="Core") == 0
     names = {n for n, _ in samples(reg)}
     assert "tandem_planner_prefill_workers" not in names  # no measured rate: left out
+    assert "tandem_router_role_orders_total" not in names  # no role balancer on this router
     assert value(reg, "tandem_router_members", role="decode") == 2
     assert value(reg, "tandem_router_members", role="router") == 0
     assert decision_labels(("session", "sticky")) == ("session", "sticky")

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from libkv.cluster.registry import DRAINING, Member, MemberLoad
 from libkv.cluster.roles import SWITCHABLE, RoleOrder, RoleOrders, RoleOrderWatch
 from services.common.errors import Unavailable
 from services.launcher.etcd import EtcdServer
+from services.router.metrics import RouterCollector
 from services.router.roles import Pool, RoleBalancer, RolePolicy, desired_roles, target_prefill
 from services.worker.switch import SERVICES, RoleDispatch
 
@@ -105,6 +108,7 @@ async def test_balancer_writes_one_order_and_the_worker_watch_sees_it(tmp_path) 
                 await asyncio.sleep(0.05)
             assert watch.order is not None and watch.order.role == "prefill"
             assert watch.order.by == "planner" and balancer.moves["prefill"] == 1
+            assert role_orders_exported(balancer) == {"prefill": 1, "decode": 0}
             assert other.order is None  # "d" is a prefix of "d1", not its key
             orders = RoleOrders(etcd.endpoint)
             await orders.delete("d1")  # `tandem role d1 auto`
@@ -118,6 +122,18 @@ async def test_balancer_writes_one_order_and_the_worker_watch_sees_it(tmp_path) 
             await balancer.stop()
             await watch.stop()
             await other.stop()
+
+
+def role_orders_exported(balancer: RoleBalancer) -> dict[str, float]:
+    """``tandem_router_role_orders_total`` by role, as a router with this balancer exports it."""
+    reg = CollectorRegistry()
+    reg.register(RouterCollector([], SimpleNamespace(members={}), balancer))
+    reg_samples = [s for m in reg.collect() for s in m.samples]
+    return {
+        s.labels["role"]: s.value
+        for s in reg_samples
+        if s.name == "tandem_router_role_orders_total"
+    }
 
 
 class FakePrefill:
