@@ -1,0 +1,123 @@
+"""The client side of ``bench.router_relay``: streams kept running through the router (as the
+gateway calls it) and probe requests timed to their first event, every event checked for order
+(the stand-in's i-th token of a stream is ``FIRST_TOKEN + i``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+from bench.relay_worker import FIRST_TOKEN, StandInState
+
+PROMPT = list(range(200, 232))  # 32 prompt tokens: the router's routing work of a short chat turn
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the client saw. ``counting`` gates events and gaps into the measured window."""
+
+    counting: bool = False
+    events: int = 0  # events received while counting (each carries one token)
+    gaps_s: list[float] = field(default_factory=list)  # between a stream's events, while counting
+    streams_done: int = 0  # streams that ended with every token, in order, and usage
+    order_errors: list[str] = field(default_factory=list)
+    stream_errors: list[str] = field(default_factory=list)
+
+
+class Probe(NamedTuple):
+    """A probe's times (s): ``ttft`` as the client saw it; ``inbound``, from the client's send
+    to the stand-in's Generate; ``outbound``, from the stand-in's first event to the client.
+    ``path`` (both legs) is the TTFT less the stand-in's wait for its next tick: the router's
+    part, plus the harness's own event-loop delays (see the stand-in's tick lateness)."""
+
+    ttft: float
+    inbound: float
+    outbound: float
+
+    @property
+    def path(self) -> float:
+        return self.inbound + self.outbound
+
+
+def request(rid: str, max_tokens: int, model: str) -> router_pb2.GenerateRequest:
+    """A token-id request as the gateway encodes one (ignore_eos: it runs to max_tokens)."""
+    return router_pb2.GenerateRequest(
+        request_id=rid, model=model, token_ids=router_pb2.TokenIds(ids=PROMPT),
+        sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
+        priority=common_pb2.PRIORITY_INTERACTIVE,
+        slo=common_pb2.Slo(ttft_ms=1000, tpot_ms=50),
+    )  # fmt: skip
+
+
+class Client:
+    """Streams and probes against one router."""
+
+    def __init__(self, channel: grpc.aio.Channel, model: str, tokens: int) -> None:
+        self.stub = router_pb2_grpc.RouterStub(channel)
+        self.model = model
+        self.tokens = tokens
+        self.tally = Tally()
+
+    async def one_stream(self) -> None:
+        """Run one stream of ``tokens`` tokens to its end, checking every event."""
+        t = self.tally
+        rid = f"stream-{next(_ids)}"
+        call = self.stub.Generate(request(rid, self.tokens, self.model), timeout=600)
+        i, last = 0, 0.0
+        try:
+            async for ev in call:
+                now = time.perf_counter()
+                if t.counting:
+                    t.events += 1
+                    if i:
+                        t.gaps_s.append(now - last)
+                last = now
+                if list(ev.token_ids) != [FIRST_TOKEN + i] and len(t.order_errors) < 20:
+                    t.order_errors.append(f"{rid}: event {i} carried {list(ev.token_ids)}")
+                i += 1
+                if ev.finish_reason:
+                    if i == self.tokens and ev.usage.completion_tokens == self.tokens:
+                        t.streams_done += 1
+                    elif len(t.order_errors) < 20:
+                        t.order_errors.append(f"{rid}: ended after {i} events, {ev.usage}")
+        except grpc.aio.AioRpcError as e:
+            t.stream_errors.append(f"{rid}: {e.code().name} {e.details()}")
+        finally:
+            call.cancel()
+
+    async def keep_running(self, slot: int, streams: int, step_s: float, until: float) -> None:
+        """One of ``streams`` slots: start after its share of one step, then run streams back
+        to back until ``until`` (time.monotonic)."""
+        await asyncio.sleep(step_s * slot / streams)
+        while time.monotonic() < until:
+            await self.one_stream()
+
+    async def probe(self, state: StandInState) -> Probe:
+        """One 1-token request, timed on the clock the stand-in shares with this client."""
+        rid = f"probe-{next(_ids)}"
+        sent = time.monotonic()
+        call = self.stub.Generate(request(rid, 1, self.model), timeout=30)
+        first = 0.0
+        async for _ in call:
+            first = first or time.monotonic()
+        timing = state.timings.pop(rid)
+        return Probe(first - sent, timing.arrived - sent, first - timing.first_sent)
+
+    async def probes(
+        self, state: StandInState, every_s: float, until: float, jitter_s: float
+    ) -> list[Probe]:
+        """A probe every ``every_s`` (plus up to ``jitter_s``, so probes land at every phase
+        of the step clock) until ``until``."""
+        out = []
+        while time.monotonic() < until:
+            await asyncio.sleep(every_s + random.uniform(0, jitter_s))
+            out.append(await self.probe(state))
+        return out

@@ -1,0 +1,191 @@
+"""The router's token relay alone, at GPU message rates on a CPU machine: router CPU per relayed
+token and the router-path TTFT of a new request while ``--streams`` streams run.
+
+Everything is real but the decode worker: a real etcd on loopback, a real router process
+(``python -m services.router``, colocated: every request decode-only), and a client calling
+the router's Generate as the gateway does. The decode worker is an in-process stand-in
+(``bench.relay_worker``) registered in etcd like a real one, streaming one token per stream
+per ``--step-ms`` tick of a shared step clock, as an engine step emits every stream's token at
+once. Events go stand-in -> router -> client, one TokenEvent per stream per step.
+
+    python -m bench.router_relay --streams 64 --step-ms 10 --tokens 300 --out FILE.json
+
+Router CPU is read (psutil, the process and its children) over the loaded window, less its
+idle rate measured before any traffic. Probes (one 1-token request every ``--probe-every``
+s) give the TTFT through the router idle and under load; ``path`` is that TTFT less the
+stand-in's wait for its next tick. ``--router-checkout DIR`` runs the router from another
+tree (before/after a change to the relay) with this harness."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.relay_client import Client, Probe, Tally
+from bench.relay_report import git_commit, report, table
+from bench.relay_worker import StandIn
+from services.common.channels import internal_channel
+from services.launcher.etcd import EtcdServer, free_port
+from services.launcher.process import die_with_parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.router_relay", description=__doc__)
+    p.add_argument("--streams", type=int, default=64, help="concurrent streams kept running")
+    p.add_argument("--step-ms", type=float, default=10.0, help="the stand-in's step (ms)")
+    p.add_argument("--tokens", type=int, default=300, help="tokens per stream")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the loaded window")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before the window")
+    p.add_argument("--idle-seconds", type=float, default=3.0, help="router idle CPU window")
+    p.add_argument("--idle-probes", type=int, default=20, help="probes before any load")
+    p.add_argument("--probe-every", type=float, default=0.5, help="seconds between probes")
+    p.add_argument("--model-dir", default="", help="router's model folder (default: SmolLM2)")
+    p.add_argument("--router-checkout", default="", help="run the router from this tree")
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
+    p.add_argument("--out", default="", help="write the JSON report here")
+    args = p.parse_args(argv)
+    if args.streams < 1 or args.tokens < 1 or args.step_ms <= 0 or args.seconds <= 0:
+        p.error("--streams, --tokens, --step-ms and --seconds must be positive")
+    return args
+
+
+def model_dir(args: argparse.Namespace) -> str:
+    if args.model_dir:
+        return args.model_dir
+    from engine.bundled import DEFAULT_DIR, convert
+
+    return str(convert(DEFAULT_DIR))
+
+
+def start_router(args, etcd: str, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """The router as a stack starts it (`services.launcher.stack`), logging to ``log``."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "services.router", "--model-dir", model, "--etcd", etcd,
+        "--port", str(port), "--decode-only-threshold", str(1 << 30), *args.router_arg,
+    ]  # fmt: skip
+    cwd = args.router_checkout or os.getcwd()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            die_with_parent(argv), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        )  # fmt: skip
+    return proc, f"127.0.0.1:{port}"
+
+
+async def wait_ready(proc: subprocess.Popen, log: Path, client: Client, timeout: float) -> None:
+    """Until the router printed READY and routes a probe to the stand-in."""
+    deadline = time.monotonic() + timeout
+    while b"READY router" not in log.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"router not ready; log {log}:\n{log.read_text()[-3000:]}")
+        await asyncio.sleep(0.1)
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            await client.one_stream()
+            if client.tally.streams_done:
+                client.tally = Tally()  # the measured run starts from nothing
+                return
+        except Exception as e:  # noqa: BLE001 - retried until the deadline, then reported
+            last = e
+        client.tally.stream_errors.clear()
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"router routes nothing to the stand-in: {last}; log {log}")
+
+
+def cpu_seconds(proc: psutil.Process, children: bool = True) -> float:
+    """User + system CPU seconds of ``proc`` and (``children``) its live children."""
+    total = 0.0
+    for p in [proc, *(proc.children(recursive=True) if children else ())]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+async def measure(args, etcd: str, model: str, run_dir: Path) -> dict:
+    """Start the stand-in and the router, measure idle, then under load; the raw figures."""
+    name = Path(model).name
+    stand_in = await StandIn.start(etcd, name, args.step_ms / 1000)
+    log = run_dir / "router.log"
+    proc, address = start_router(args, etcd, model, log)
+    channel = internal_channel(address)
+    client = Client(channel, name, args.tokens)
+    tasks: list[asyncio.Task] = []
+    try:
+        await wait_ready(proc, log, client, timeout=90)
+        router, me = psutil.Process(proc.pid), psutil.Process()
+        c0, t0 = cpu_seconds(router), time.monotonic()
+        await asyncio.sleep(args.idle_seconds)
+        idle_cores = (cpu_seconds(router) - c0) / (time.monotonic() - t0)
+        step = args.step_ms / 1000
+        idle = [await _spaced_probe(client, stand_in, step) for _ in range(args.idle_probes)]
+        start = time.monotonic()
+        end = start + args.warmup + args.seconds
+        tasks = [
+            asyncio.create_task(client.keep_running(k, args.streams, step, end + 60))
+            for k in range(args.streams)
+        ]
+        await asyncio.sleep(args.warmup)
+        late_from = len(stand_in.clock.late_s)
+        c0, h0, t0 = cpu_seconds(router), cpu_seconds(me, False), time.monotonic()
+        client.tally.counting = True
+        loaded = await client.probes(stand_in.servicer.state, args.probe_every, end, step)
+        client.tally.counting = False
+        c1, h1, t1 = cpu_seconds(router), cpu_seconds(me, False), time.monotonic()
+        return {
+            "window_s": t1 - t0, "idle_cores": idle_cores, "router_cpu_s": c1 - c0,
+            "harness_cpu_s": h1 - h0, "idle_probes": idle, "loaded_probes": loaded,
+            "late_s": stand_in.clock.late_s[late_from:], "tally": client.tally,
+            "stand_in": stand_in.servicer.state, "router_alive": proc.poll() is None,
+        }  # fmt: skip
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, 10)
+        if proc.poll() is None:
+            proc.kill()
+        await channel.close()
+        await stand_in.stop()
+
+
+async def _spaced_probe(client: Client, stand_in: StandIn, step_s: float) -> Probe:
+    await asyncio.sleep(0.1 + random.uniform(0, step_s))  # every phase of the step clock
+    return await client.probe(stand_in.servicer.state)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    model = model_dir(args)
+    with EtcdServer() as etcd:
+        raw = asyncio.run(measure(args, etcd.endpoint, model, etcd.run_dir))
+    out = report(args, raw, load_before, os.getloadavg())
+    out["command"] = "python -m bench.router_relay " + " ".join(argv or sys.argv[1:])
+    out["commit"] = git_commit(os.getcwd())
+    if args.router_checkout:
+        out["router_checkout"] = args.router_checkout
+        out["router_commit"] = git_commit(args.router_checkout)
+    print(table(out))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

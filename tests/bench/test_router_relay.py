@@ -1,0 +1,50 @@
+"""``bench.router_relay`` for real, briefly: a real etcd, a real router process and the
+stand-in decode worker; every stream's tokens reach the client in order, whole, and the report's
+figures are sane."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from bench.relay_report import pct
+from bench.router_relay import main
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(100, 0, -1)]  # 100..1, unsorted on purpose
+    assert (pct(values, 0.5), pct(values, 0.9), pct(values, 0.99), pct(values, 1.0)) == (
+        50.0, 90.0, 99.0, 100.0,
+    )  # fmt: skip
+    assert pct([7.0], 0.99) == 7.0
+    assert math.isnan(pct([], 0.5))
+
+
+def test_short_run_relays_every_token_in_order(smol_dir, tmp_path) -> None:
+    out = tmp_path / "relay.json"
+    r = main([
+        "--streams", "4", "--step-ms", "10", "--tokens", "20", "--seconds", "2", "--warmup", "0.5",
+        "--idle-seconds", "1", "--idle-probes", "5", "--probe-every", "0.25",
+        "--model-dir", str(smol_dir), "--out", str(out),
+    ])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    assert r["order_errors"] == [] and r["stream_errors"] == []
+    assert r["router_alive"]
+    # 4 streams of 20 tokens at 10 ms: a stream lasts ~0.2 s, so about 40 end in 2 s (fewer
+    # when the shared machine is busy, never none).
+    assert r["streams_done"] >= 4
+    assert 0 < r["tokens_per_s"] <= r["offered_tokens_per_s"] * 1.1
+    assert r["router_cores"] > r["router_idle_cores"] >= 0
+    assert 0 < r["router_us_per_token"] < 100_000
+    assert r["probes"]["idle"] == 5 and r["probes"]["loaded"] >= 2
+    for key in ("probe_ttft_idle_ms", "probe_ttft_loaded_ms"):
+        p50, p90, p99 = r[key].values()
+        assert 0 < p50 <= p90 <= p99 < 10_000
+    for key in ("probe_path_idle_ms", "probe_path_loaded_ms"):
+        p50, _, p99 = r[key].values()
+        assert 0 < p50 <= p99  # the TTFT less the stand-in's wait for its tick
+        assert r[key]["p50"] <= r[key.replace("path", "ttft")]["p50"]
+    gap50, gap99 = r["gap_ms"].values()
+    assert 5 <= gap50 <= gap99  # one event per stream per 10 ms step
+    assert r["commit"] and r["command"].startswith("python -m bench.router_relay")
+    assert r["machine"]["nproc"] >= 1 and len(r["machine"]["loadavg_before"]) == 3
