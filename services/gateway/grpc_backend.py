@@ -18,7 +18,6 @@ import anyio
 import grpc
 
 from services.common.channels import internal_channel
-from services.common.coalesce import coalesced
 from services.common.health import model_service
 from services.common.tls import TLSFiles
 from services.gateway import codec
@@ -74,7 +73,7 @@ class GrpcBackend:
             started = finished = False
             pending = set(range(req.sampling.n))  # choices not finished yet
             try:
-                async for pb in coalesced(call):  # merged while this gateway lags
+                async for pb in call:
                     started = True
                     event = codec.decode_event(pb)
                     if event.finish_reason is not None:

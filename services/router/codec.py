@@ -18,7 +18,6 @@ from engine.tokenizer import Tokenizer
 from libkv.cluster.registry import Member
 from services.common import codec as common
 from services.common.channels import internal_channel
-from services.common.coalesce import coalesced
 from services.common.errors import (
     RETRY_AFTER_MS_KEY,
     ROOM_TOKENS_KEY,
@@ -170,7 +169,7 @@ class GrpcWorkerClients:
                 start.first.CopyFrom(common.event_to_pb(c.first))
         stream = stub.Generate(req, timeout=job.time_left())
         try:
-            async for msg in coalesced(stream):  # merged while this router lags
+            async for msg in stream:
                 yield common.event_from_pb(msg)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, f"decode {worker.worker_id}") from e
