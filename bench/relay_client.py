@@ -25,7 +25,8 @@ class Tally:
     """What the client saw. ``counting`` gates events and gaps into the measured window."""
 
     counting: bool = False
-    events: int = 0  # events received while counting (each carries one token)
+    events: int = 0  # events received while counting (a hop that lags merges several)
+    tokens: int = 0  # tokens those events carried
     gaps_s: list[float] = field(default_factory=list)  # between a stream's events, while counting
     streams_done: int = 0  # streams that ended with every token, in order, and usage
     order_errors: list[str] = field(default_factory=list)
@@ -71,23 +72,26 @@ class Client:
         t = self.tally
         rid = f"stream-{next(_ids)}"
         call = self.stub.Generate(request(rid, self.tokens, self.model), timeout=600)
-        i, last = 0, 0.0
+        i, last = 0, 0.0  # i: tokens received so far
         try:
             async for ev in call:
                 now = time.perf_counter()
+                got = list(ev.token_ids)
                 if t.counting:
                     t.events += 1
+                    t.tokens += len(got)
                     if i:
                         t.gaps_s.append(now - last)
                 last = now
-                if list(ev.token_ids) != [FIRST_TOKEN + i] and len(t.order_errors) < 20:
-                    t.order_errors.append(f"{rid}: event {i} carried {list(ev.token_ids)}")
-                i += 1
+                expected = list(range(FIRST_TOKEN + i, FIRST_TOKEN + i + len(got)))
+                if (not got or got != expected) and len(t.order_errors) < 20:
+                    t.order_errors.append(f"{rid}: after {i} tokens an event carried {got}")
+                i += len(got)
                 if ev.finish_reason:
                     if i == self.tokens and ev.usage.completion_tokens == self.tokens:
                         t.streams_done += 1
                     elif len(t.order_errors) < 20:
-                        t.order_errors.append(f"{rid}: ended after {i} events, {ev.usage}")
+                        t.order_errors.append(f"{rid}: ended after {i} tokens, {ev.usage}")
         except grpc.aio.AioRpcError as e:
             t.stream_errors.append(f"{rid}: {e.code().name} {e.details()}")
         finally:

@@ -54,7 +54,7 @@ def report(
     window, tally = raw["window_s"], raw["tally"]
     idle_cpu = raw["idle_cores"] * window
     net = raw["router_cpu_s"] - idle_cpu
-    tokens = tally.events
+    tokens = tally.tokens
     idle, loaded = raw["idle_probes"], raw["loaded_probes"]
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -67,6 +67,7 @@ def report(
         "config": {k: getattr(args, k) for k in ("streams", "step_ms", "tokens", "seconds")},
         "window_s": round(window, 3),
         "tokens": tokens,
+        "tokens_per_event": round(tokens / tally.events, 3) if tally.events else None,
         "tokens_per_s": round(tokens / window, 1),
         "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),
         "router_cores": round(raw["router_cpu_s"] / window, 3),
@@ -95,6 +96,7 @@ def table(r: dict[str, Any]) -> str:
     rows = [
         ("streams x step", f"{c['streams']} x {c['step_ms']:g} ms, {c['tokens']} tokens each"),
         ("tokens/s relayed", f"{r['tokens_per_s']:.0f} (offered {r['offered_tokens_per_s']:.0f})"),
+        ("tokens per event", f"{r['tokens_per_event']}"),
         ("router cores", f"{r['router_cores']:.3f} (idle {r['router_idle_cores']:.3f})"),
         ("router us/token", f"{r['router_us_per_token']}"),
         ("harness cores (own)", f"{r['harness_cores']:.3f}"),
