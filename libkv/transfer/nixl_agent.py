@@ -161,13 +161,21 @@ class NixlEndpoint:
     def _connect(self, peer: AgentInfo) -> None:
         if peer.name in self._remote:
             return
-        name = self._agent.add_remote_agent(peer.metadata)
+        try:  # UCX connects here: a peer that just died fails it (NIXL_ERR_BACKEND)
+            name = self._agent.add_remote_agent(peer.metadata)
+        except Exception as e:
+            raise KVTransferError(f"connecting to {peer.name} failed: {e!r}") from e
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != peer.name:
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"agent metadata names {name!r}, expected {peer.name!r}")
         r = peer.region
-        self._remote[name] = self._agent.prep_xfer_dlist(name, block_descs(r), r.mem_type)
+        try:
+            descs = self._agent.prep_xfer_dlist(name, block_descs(r), r.mem_type)
+        except Exception as e:
+            self._agent.remove_remote_agent(name)
+            raise KVTransferError(f"preparing {peer.name}'s blocks failed: {e!r}") from e
+        self._remote[name] = descs
         self._regions[name] = r
 
     async def forget(self, peer: str) -> None:

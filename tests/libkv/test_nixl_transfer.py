@@ -152,6 +152,25 @@ def test_peer_killed_mid_transfer_fails_fast(peers, mode):
     assert asyncio.run(main()) < 15.0
 
 
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_peer_dead_before_the_first_connect_is_a_transfer_failure(peers, mode):
+    # UCX connects while loading the peer's metadata: a peer that died after publishing it
+    # fails there (NIXL_ERR_BACKEND), which must reach the caller as a KVTransferError (the
+    # decode worker then recomputes), not as NIXL's own exception.
+    peer = peers("prefill-0", "inc-a", 16, 8192, seed=1)
+    peer.call("hold", "a", [3])
+    decode = Decode(16, 8192, mode, [peer])
+    peer.kill()
+
+    async def main() -> int:
+        async with decode as transport:
+            with pytest.raises(KVTransferError):
+                await transport.fetch("a", Source("prefill-0", "inc-a", (3,), 8192), [3], [0], 5)
+            return transport.stats.failures
+
+    assert asyncio.run(main()) == 1
+
+
 def test_restarted_peer_is_reached_through_its_new_agent(peers):
     old = peers("prefill-0", "inc-1", 16, 8192, seed=1)
     decode = Decode(16, 8192, "read", [old])
