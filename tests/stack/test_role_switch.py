@@ -57,22 +57,21 @@ def wait_role(endpoint: str, worker: str, role: str, within: float) -> str:
     return asyncio.run(wait())
 
 
+def two_decode_workers(smol_dir, tmp_path, **options) -> StackConfig:
+    """A stack of two decode workers and no prefill worker, long prompts (32+ tokens) sent to
+    the prefill pool once there is one (the length rule), fast membership, gRPC KV."""
+    return StackConfig(
+        model_dir=str(smol_dir), run_dir=str(tmp_path), port=free_port(), num_prefill=0,
+        num_decode=2, member_ttl=3, member_refresh=0.5, kv_transport="grpc",
+        disagg_mode="length", decode_only_threshold=32, **options,
+    )  # fmt: skip
+
+
 @pytest.mark.stack
 @pytest.mark.timeout(420)
 def test_decode_worker_switches_to_prefill_under_load(smol_dir, tmp_path) -> None:
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(tmp_path),
-        port=free_port(),
-        num_prefill=0,
-        num_decode=2,
-        member_ttl=3,
-        member_refresh=0.5,
-        kv_transport="grpc",
-        metrics=False,
-        disagg_mode="length",
-        decode_only_threshold=32,
-        worker_args=("--switchable", "--drain-timeout", "90"),
+    config = two_decode_workers(
+        smol_dir, tmp_path, metrics=False, worker_args=("--switchable", "--drain-timeout", "90")
     )
     with Stack(config) as stack:
         child = stack.children["decode-1"]
@@ -196,17 +195,8 @@ def planner_order(endpoint: str, within: float) -> tuple[str, RoleOrder]:
 @pytest.mark.stack
 @pytest.mark.timeout(400)
 def test_the_planner_moves_a_worker_to_the_pool_the_traffic_needs(smol_dir, tmp_path) -> None:
-    config = StackConfig(
-        model_dir=str(smol_dir),
-        run_dir=str(tmp_path),
-        port=free_port(),
-        num_prefill=0,
-        num_decode=2,
-        member_ttl=3,
-        member_refresh=0.5,
-        kv_transport="grpc",
-        disagg_mode="length",
-        decode_only_threshold=32,
+    config = two_decode_workers(
+        smol_dir, tmp_path,
         switch_roles=True,
         worker_args=("--drain-timeout", "90"),
         router_args=("--balance-interval", "1", "--role-min-dwell", "0",
