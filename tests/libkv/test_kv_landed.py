@@ -227,6 +227,7 @@ def nixl_stack(smol_dir, tmp_path_factory):
     config = StackConfig(
         model_dir=str(smol_dir), run_dir=str(tmp_path_factory.mktemp("landed")),
         port=free_port(), kv_transport="nixl", kv_cache_bytes=48 * 1024**2, start_timeout=300.0,
+        disagg_mode="length",  # both prompts are prefilled remotely, whatever the machine's load
     )  # fmt: skip
     with Stack(config) as stack:
         yield stack

@@ -43,6 +43,7 @@ def stack(smol_dir, tmp_path_factory, request):
         member_ttl=3,
         member_refresh=1.0,
         kv_transport=request.param,
+        disagg_mode="length",  # placement by length alone, whatever the load
     )
     workers = ("prefill-0", "decode-0", "decode-1")
     with Stack(config) as s:

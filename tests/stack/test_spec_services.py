@@ -114,6 +114,7 @@ def _through_stack(
         num_prefill=1,
         num_decode=1,
         worker_args=("--speculative-config", spec_json),
+        disagg_mode="length",  # placement by length alone, whatever the load
     )
     offline = LLMEngine(EngineConfig(model_dir=str(smol_dir), kv_cache_bytes=64 * 1024**2))
     prompt = offline.tokenizer.encode(prompt_text)
