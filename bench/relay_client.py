@@ -1,6 +1,8 @@
-"""The client side of ``bench.router_relay``: streams kept running through the router (as the
-gateway calls it) and probe requests timed to their first event, every event checked for order
-(the stand-in's i-th token of a stream is ``FIRST_TOKEN + i``)."""
+"""The client side of ``bench.router_relay``: streams kept running through the router by the
+gateway's own backend (`services.gateway.grpc_backend`: tokens relayed by the router, or
+streamed from the stand-in with the router out of the path) and probe requests timed to their
+first event, every event checked for order (the stand-in's i-th token of a stream is
+``FIRST_TOKEN + i``)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import grpc
-from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
-
 from bench.relay_worker import FIRST_TOKEN, StandInState
+from engine.sampling_params import SamplingParams
+from services.gateway.core import APIError, BackendRequest
+from services.gateway.grpc_backend import GrpcBackend
 
 PROMPT = list(range(200, 232))  # 32 prompt tokens: the router's routing work of a short chat turn
 _ids = itertools.count()
@@ -48,21 +50,19 @@ class Probe(NamedTuple):
         return self.inbound + self.outbound
 
 
-def request(rid: str, max_tokens: int, model: str) -> router_pb2.GenerateRequest:
-    """A token-id request as the gateway encodes one (ignore_eos: it runs to max_tokens)."""
-    return router_pb2.GenerateRequest(
-        request_id=rid, model=model, token_ids=router_pb2.TokenIds(ids=PROMPT),
-        sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
-        priority=common_pb2.PRIORITY_INTERACTIVE,
-        slo=common_pb2.Slo(ttft_ms=1000, tpot_ms=50),
+def request(rid: str, max_tokens: int, model: str, timeout: float) -> BackendRequest:
+    """A token-id request as the gateway makes one (ignore_eos: it runs to max_tokens)."""
+    return BackendRequest(
+        rid, tuple(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True), model=model,
+        deadline=time.monotonic() + timeout, slo_ttft_ms=1000, slo_tpot_ms=50,
     )  # fmt: skip
 
 
 class Client:
     """Streams and probes against one router."""
 
-    def __init__(self, channel: grpc.aio.Channel, model: str, tokens: int) -> None:
-        self.stub = router_pb2_grpc.RouterStub(channel)
+    def __init__(self, backend: GrpcBackend, model: str, tokens: int) -> None:
+        self.backend = backend
         self.model = model
         self.tokens = tokens
         self.tally = Tally()
@@ -71,10 +71,9 @@ class Client:
         """Run one stream of ``tokens`` tokens to its end, checking every event."""
         t = self.tally
         rid = f"stream-{next(_ids)}"
-        call = self.stub.Generate(request(rid, self.tokens, self.model), timeout=600)
         i, last = 0, 0.0  # i: tokens received so far
         try:
-            async for ev in call:
+            async for ev in self.backend.generate(request(rid, self.tokens, self.model, 600)):
                 now = time.perf_counter()
                 got = list(ev.token_ids)
                 if t.counting:
@@ -88,14 +87,13 @@ class Client:
                     t.order_errors.append(f"{rid}: after {i} tokens an event carried {got}")
                 i += len(got)
                 if ev.finish_reason:
-                    if i == self.tokens and ev.usage.completion_tokens == self.tokens:
+                    done = ev.usage is not None and ev.usage.completion_tokens == self.tokens
+                    if i == self.tokens and done:
                         t.streams_done += 1
                     elif len(t.order_errors) < 20:
                         t.order_errors.append(f"{rid}: ended after {i} tokens, {ev.usage}")
-        except grpc.aio.AioRpcError as e:
-            t.stream_errors.append(f"{rid}: {e.code().name} {e.details()}")
-        finally:
-            call.cancel()
+        except APIError as e:
+            t.stream_errors.append(f"{rid}: {e.status} {e.message}")
 
     async def keep_running(self, slot: int, streams: int, step_s: float, until: float) -> None:
         """One of ``streams`` slots: start after its share of one step, then run streams back
@@ -108,9 +106,8 @@ class Client:
         """One 1-token request, timed on the clock the stand-in shares with this client."""
         rid = f"probe-{next(_ids)}"
         sent = time.monotonic()
-        call = self.stub.Generate(request(rid, 1, self.model), timeout=30)
         first = 0.0
-        async for _ in call:
+        async for _ in self.backend.generate(request(rid, 1, self.model, 30)):
             first = first or time.monotonic()
         timing = state.timings.pop(rid)
         return Probe(first - sent, timing.arrived - sent, first - timing.first_sent)

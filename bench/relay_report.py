@@ -64,7 +64,9 @@ def report(
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in load_after],
         },
-        "config": {k: getattr(args, k) for k in ("streams", "step_ms", "tokens", "seconds")},
+        "config": {
+            k: getattr(args, k) for k in ("streams", "step_ms", "tokens", "seconds", "token_path")
+        },
         "window_s": round(window, 3),
         "tokens": tokens,
         "tokens_per_event": round(tokens / tally.events, 3) if tally.events else None,

@@ -1,12 +1,14 @@
-"""The router's token relay alone, at GPU message rates on a CPU machine: router CPU per relayed
-token and the router-path TTFT of a new request while ``--streams`` streams run.
+"""The router's part of the token path alone, at GPU message rates on a CPU machine: router CPU
+per token and the router-path TTFT of a new request while ``--streams`` streams run.
 
 Everything is real but the decode worker: a real etcd on loopback, a real router process
-(``python -m services.router``, colocated: every request decode-only), and a client calling
-the router's Generate as the gateway does. The decode worker is an in-process stand-in
-(``bench.relay_worker``) registered in etcd like a real one, streaming one token per stream
-per ``--step-ms`` tick of a shared step clock, as an engine step emits every stream's token at
-once. Events go stand-in -> router -> client, one TokenEvent per stream per step.
+(``python -m services.router``, colocated: every request decode-only), and a client that is the
+gateway's own backend (`services.gateway.grpc_backend`). The decode worker is an in-process
+stand-in (``bench.relay_worker``) registered in etcd like a real one, streaming one token per
+stream per ``--step-ms`` tick of a shared step clock, as an engine step emits every stream's
+token at once. With ``--token-path relay`` events go stand-in -> router -> client (the router's
+Generate), one TokenEvent per stream per step; with ``direct`` (the gateway's default) the
+router's Route names the stand-in and the client streams from it itself.
 
     python -m bench.router_relay --streams 64 --step-ms 10 --tokens 300 --out FILE.json
 
@@ -34,7 +36,7 @@ import psutil
 from bench.relay_client import Client, Probe, Tally
 from bench.relay_report import git_commit, report, table
 from bench.relay_worker import StandIn
-from services.common.channels import internal_channel
+from services.gateway.grpc_backend import GrpcBackend
 from services.launcher.etcd import EtcdServer, free_port
 from services.launcher.process import die_with_parent
 
@@ -52,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", default="", help="router's model folder (default: SmolLM2)")
     p.add_argument("--router-checkout", default="", help="run the router from this tree")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
+    p.add_argument(
+        "--token-path",
+        choices=("direct", "relay"),
+        default="direct",
+        help="the gateway's: stream from the worker (direct) or through the router",
+    )
     p.add_argument("--out", default="", help="write the JSON report here")
     args = p.parse_args(argv)
     if args.streams < 1 or args.tokens < 1 or args.step_ms <= 0 or args.seconds <= 0:
@@ -120,8 +128,8 @@ async def measure(args, etcd: str, model: str, run_dir: Path) -> dict:
     stand_in = await StandIn.start(etcd, name, args.step_ms / 1000)
     log = run_dir / "router.log"
     proc, address = start_router(args, etcd, model, log)
-    channel = internal_channel(address)
-    client = Client(channel, name, args.tokens)
+    backend = GrpcBackend([address], model=name, direct=args.token_path == "direct")
+    client = Client(backend, name, args.tokens)
     tasks: list[asyncio.Task] = []
     try:
         await wait_ready(proc, log, client, timeout=90)
@@ -159,7 +167,7 @@ async def measure(args, etcd: str, model: str, run_dir: Path) -> dict:
             await asyncio.to_thread(proc.wait, 10)
         if proc.poll() is None:
             proc.kill()
-        await channel.close()
+        await backend.close()
         await stand_in.stop()
 
 

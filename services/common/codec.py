@@ -71,6 +71,7 @@ class Event:
     cached_tokens: int = 0
     index: int = 0  # the choice (n > 1)
     moved: Moved | None = None  # a draining decode worker hands the request over
+    delivered: bool = False  # the caller streamed it from the worker itself (the Route RPC)
 
 
 @dataclass(frozen=True, slots=True)

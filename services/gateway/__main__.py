@@ -41,8 +41,9 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = Tokenizer(config.model_dir)
     # Inside the loop: grpc.aio channels bind to it.
     backend = GrpcBackend(
-        config.routers, config.tls, config.router_api_key, config.served_model_name
-    )
+        config.routers, config.tls, config.router_api_key, config.served_model_name,
+        direct=config.token_path == "direct",
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:

@@ -1,5 +1,6 @@
-"""The gateway's only contact with generated code: core types <-> ``tandem.v1`` messages, router
-and health stubs, and the one table that turns gRPC status codes into HTTP errors."""
+"""The gateway's only contact with generated code: core types <-> ``tandem.v1`` messages, router,
+decode worker and health stubs, and the one table that turns gRPC status codes into HTTP
+errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 from services.common.codec import PRIORITY_TO_PB, sampling_to_pb, stop_reason_from_pb
 from services.common.errors import RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY
@@ -173,3 +174,36 @@ def prompt_logprobs_of(
     reply: common_pb2.PromptLogprobsResponse,
 ) -> tuple[list[list[TokenLogprob]], int]:
     return [[_logprob(lp) for lp in p.tokens] for p in reply.prompts], reply.prompt_tokens
+
+
+def route_request(msg: router_pb2.GenerateRequest) -> router_pb2.RouteReport:
+    """The first message of a Route call: the request."""
+    return router_pb2.RouteReport(request=msg)
+
+
+def leg_started() -> router_pb2.RouteReport:
+    return router_pb2.RouteReport(started=router_pb2.LegStarted())
+
+
+def leg_ended(
+    token_ids: list[int], moved: common_pb2.MovedKV | None, error: grpc.aio.AioRpcError | None
+) -> router_pb2.RouteReport:
+    """How a decode leg ended: choice 0's ``token_ids`` it streamed, the worker's hand-over
+    (``moved``) or its failure (``error``, with its wait and room when it refused for capacity);
+    neither: it finished."""
+    end = router_pb2.LegEnded(token_ids=token_ids)
+    if moved is not None:
+        end.moved.CopyFrom(moved)
+    if error is not None:
+        end.code, end.details = error.code().value[0], error.details() or ""
+        trailers = {k.lower(): str(v) for k, v in error.trailing_metadata() or ()}
+        wait, room = (trailers.get(k, "") for k in (RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY))
+        if wait.isdigit():
+            end.retry_after_ms = int(wait)
+        if room.isdigit():
+            end.room_tokens = int(room)
+    return router_pb2.RouteReport(ended=end)
+
+
+def decode_stub(channel: grpc.aio.Channel) -> worker_pb2_grpc.DecodeStub:
+    return worker_pb2_grpc.DecodeStub(channel)

@@ -118,6 +118,12 @@ class GatewayConfig:
     router_api_key: str = option(
         "", "key the gateway presents to routers started with --api-key", secret=True
     )
+    token_path: str = option(
+        "direct",
+        "direct: the router picks the workers and the gateway streams tokens from the decode "
+        "worker itself (one hop); relay: the router relays every token (two hops)",
+        choices=("direct", "relay"),
+    )
     tool_call_parser: str = option(
         "auto",
         "format of tool calls in the model's output (auto: chosen by model; none: tools refused)",

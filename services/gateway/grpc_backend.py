@@ -1,5 +1,9 @@
 """The production Backend: the Router service over grpc.aio.
 
+By default the router is out of the token path: its Route call says which decode worker to
+stream from, and the gateway streams from it itself (`services.gateway.legs`); with
+``direct=False`` the router relays every token (its Generate call).
+
 Requests are spread over the routers in turn (every replica sees the same workers and block
 locations in etcd, so any of them routes alike). A router that is down (UNAVAILABLE before any
 token arrived) passes the request to the next one and is tried last for the next
@@ -10,6 +14,7 @@ that into an abort) and also calls the router's Abort RPC. Router addresses are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -20,7 +25,7 @@ import grpc
 from services.common.channels import internal_channel
 from services.common.health import model_service
 from services.common.tls import TLSFiles
-from services.gateway import codec
+from services.gateway import codec, legs
 from services.gateway.core import APIError, BackendEvent, BackendRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,7 @@ class GrpcBackend:
         tls: TLSFiles | None = None,
         router_api_key: str = "",
         model: str = "",
+        direct: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
@@ -49,6 +55,9 @@ class GrpcBackend:
         self._metadata = (("authorization", f"Bearer {router_api_key}"),) if router_api_key else ()
         self._channels = {a: internal_channel(a, tls) for a in self._addresses}
         self._stubs = {a: codec.router_stub(ch) for a, ch in self._channels.items()}
+        self._tls, self._direct = tls, direct
+        self._workers: dict[str, grpc.aio.Channel] = {}  # decode worker address -> channel
+        self._settling: set[asyncio.Task] = set()
         self._live: dict[str, str] = {}  # request id -> address of the router running it
         self._turn = 0
         self._down_until: dict[str, float] = {}  # address -> time.monotonic()
@@ -66,22 +75,28 @@ class GrpcBackend:
         order = self.order()
         for i, address in enumerate(order):
             # The request's deadline is the call's gRPC deadline, passed on by the router.
-            call = self._stubs[address].Generate(
-                msg, timeout=req.time_left(), metadata=self._metadata
-            )
+            stub, timeout = self._stubs[address], req.time_left()
+            if self._direct:
+                call = stub.Route(timeout=timeout, metadata=self._metadata)
+                events = legs.routed(call, msg, req, self._worker_channel)
+            else:
+                call = stub.Generate(msg, timeout=timeout, metadata=self._metadata)
+                events = _relayed(call)
             self._live[req.request_id] = address
             started = finished = False
             pending = set(range(req.sampling.n))  # choices not finished yet
             try:
-                async for pb in call:
-                    started = True
-                    event = codec.decode_event(pb)
-                    if event.finish_reason is not None:
-                        pending.discard(event.index)
-                    finished = not pending or event.finish_reason == "abort"
-                    yield event
-                    if finished:
-                        return
+                async with contextlib.aclosing(events):  # a leg's call ends with the request
+                    async for event in events:
+                        started = True
+                        if event.finish_reason is not None:
+                            pending.discard(event.index)
+                        finished = not pending or event.finish_reason == "abort"
+                        yield event
+                        if finished:
+                            if self._direct:
+                                self._settle(call)
+                            return
                 finished = True
                 raise APIError(502, "the router ended the stream early", "server_error")
             except grpc.aio.AioRpcError as e:
@@ -102,6 +117,16 @@ class GrpcBackend:
                     call.cancel()
                     await self.abort(req.request_id)
                 self._live.pop(req.request_id, None)
+
+    def _worker_channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._workers:
+            self._workers[address] = internal_channel(address, self._tls)
+        return self._workers[address]
+
+    def _settle(self, call: grpc.aio.StreamStreamCall) -> None:
+        task = asyncio.ensure_future(legs.settle(call))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def abort(self, request_id: str) -> None:
         """Ask the router running ``request_id`` to abort it; a no-op once it has ended or been
@@ -172,8 +197,15 @@ class GrpcBackend:
         return "; ".join(f"router {a}: {why[w]}" for a, w in found.items())
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for task in list(self._settling):
+            task.cancel()
+        for channel in [*self._channels.values(), *self._workers.values()]:
             await channel.close()
+
+
+async def _relayed(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[BackendEvent]:
+    async for pb in call:
+        yield codec.decode_event(pb)
 
 
 def _trailers(e: grpc.aio.AioRpcError) -> list[tuple[str, str | bytes]]:

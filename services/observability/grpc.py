@@ -90,7 +90,7 @@ def _wrap_stream(behaviour: Callable[..., AsyncIterator[Any]], method: str, metr
 
 
 class ObserveInterceptor(grpc.aio.ServerInterceptor):
-    """Latency histogram, server span and log context for each unary and server-stream call."""
+    """Latency histogram, server span and log context for each unary and streaming call."""
 
     def __init__(self, metrics: GrpcServerMetrics | None = None) -> None:
         self.metrics = metrics
@@ -114,4 +114,9 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
             wrapped = _wrap_stream(handler.unary_stream, method, self.metrics)
             return grpc.unary_stream_rpc_method_handler(wrapped, **serde)
+        if handler.stream_stream and inspect.iscoroutinefunction(handler.stream_stream):
+            # Two-way calls that write with context.write() (the router's Route); the handler
+            # names its request id once it has read it (`tracing.annotate_request`).
+            wrapped = _wrap_unary(handler.stream_stream, method, self.metrics)
+            return grpc.stream_stream_rpc_method_handler(wrapped, **serde)
         return handler

@@ -186,9 +186,21 @@ class _InjectStream(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_context(client_call_details), request)
 
 
+class _InjectBidi(grpc.aio.StreamStreamClientInterceptor):
+    """The caller's trace context goes out as ``traceparent`` metadata (two-way streams)."""
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_context(client_call_details), request_iterator)
+
+
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """Interceptors for a grpc.aio channel: none when tracing is off (no cost per call)."""
-    return [_InjectUnary(), _InjectStream()] if enabled() else []
+    return [_InjectUnary(), _InjectStream(), _InjectBidi()] if enabled() else []
+
+
+def annotate_request(request_id: str) -> None:
+    """Name the request on the current span (a call whose request id came after it began)."""
+    trace.get_current_span().set_attribute(REQUEST_ID_ATTR, request_id)
 
 
 # --- Logs ---------------------------------------------------------------------------------------

@@ -64,6 +64,9 @@ class RouteJob:
     lora: str = ""  # LoRA adapter ("" = the base model)
     slo_ttft_ms: float = 0.0  # the request's objectives (0: the router's defaults)
     slo_tpot_ms: float = 0.0
+    # The caller's own decode calls (`services.router.legs`, the Route RPC); None: the router
+    # makes them and relays their events.
+    legs: DecodeCalls | None = None
 
     @property
     def cost(self) -> int:
@@ -122,6 +125,12 @@ class DecodeCall:
         if self.resumed:
             return resumed_cost(len(self.job.prompt), len(self.resumed), self.job.params)
         return self.job.cost
+
+
+class DecodeCalls(Protocol):
+    """Who makes a request's decode calls: the router (`WorkerClients`) or its caller."""
+
+    def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[Event]: ...
 
 
 class WorkerClients(Protocol):

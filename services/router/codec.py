@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -27,7 +27,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tls import TLSFiles
-from services.router.calls import DecodeCall, PrefillReply, RouteJob
+from services.router.calls import DecodeCall, DecodeCalls, PrefillReply, RouteJob
 
 ADAPTER_TIMEOUT_S = 60.0  # reading an adapter folder into host memory
 
@@ -38,9 +38,11 @@ def job_from_pb(
     rid: str,
     time_left: float | None,
     lora: str = "",
+    legs: DecodeCalls | None = None,
 ) -> RouteJob:
     """The routing job of a request; ``time_left`` is the call's gRPC deadline (None: none);
-    ``lora``: the adapter its ``model`` names."""
+    ``lora``: the adapter its ``model`` names; ``legs``: who makes its decode calls (None:
+    the router)."""
     which = req.WhichOneof("prompt")
     if which == "text":
         prompt = tokenizer.encode_prompt(req.text)
@@ -61,6 +63,7 @@ def job_from_pb(
         lora=lora,
         slo_ttft_ms=_slo_ms(req.slo.ttft_ms, "slo.ttft_ms"),
         slo_tpot_ms=_slo_ms(req.slo.tpot_ms, "slo.tpot_ms"),
+        legs=legs,
     )
 
 
@@ -73,14 +76,20 @@ def _slo_ms(value: float, name: str) -> float:
 
 def map_rpc_error(e: grpc.aio.AioRpcError, who: str) -> Exception:
     """A worker's status as the exception the router core and interceptor understand."""
-    code, details = e.code(), e.details() or ""
+    trailers = {k: str(v) for k, v in e.trailing_metadata() or ()}
+    return map_status(e.code(), e.details() or "", trailers, who)
+
+
+def map_status(
+    code: grpc.StatusCode, details: str, trailers: Mapping[str, str], who: str
+) -> Exception:
+    """A worker call's end (its status, details and trailers) as the router's exception."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequestError(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return RequestNotFoundError(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        trailers = dict(e.trailing_metadata() or ())
-        wait, room = (str(trailers.get(k, "")) for k in (RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY))
+        wait, room = (trailers.get(k, "") for k in (RETRY_AFTER_MS_KEY, ROOM_TOKENS_KEY))
         return ResourceExhausted(
             f"{who}: {details}",
             int(wait) if wait.isdigit() else None,
@@ -100,6 +109,31 @@ def _slo(job: RouteJob) -> common_pb2.Slo:
     """The request's objectives as it carried them (0: none given), for the workers' SLO
     admission (`services.worker.slo_gate`)."""
     return common_pb2.Slo(ttft_ms=job.slo_ttft_ms, tpot_ms=job.slo_tpot_ms)
+
+
+def decode_request(call: DecodeCall) -> worker_pb2.DecodeRequest:
+    """The decode worker's call for ``call`` (Decode.Generate's request)."""
+    job = call.job
+    req = worker_pb2.DecodeRequest(
+        request_id=job.request_id,
+        token_ids=job.prompt,
+        sampling=common.sampling_to_pb(job.params),
+        tenant=job.tenant,
+        generator_state=call.generator_state,
+        cached_tokens=call.cached_tokens,
+        priority=common.PRIORITY_TO_PB[job.priority],
+        lora=job.lora,
+        admitted=call.admitted,
+        resumed_token_ids=call.resumed,
+        slo=_slo(job),
+    )
+    if call.handle is not None and call.first is not None:
+        req.kv.CopyFrom(common.handle_to_pb(call.handle))
+        req.first.CopyFrom(common.event_to_pb(call.first))
+        for c in call.others:
+            start = req.other_choices.add(generator_state=c.generator_state)
+            start.first.CopyFrom(common.event_to_pb(c.first))
+    return req
 
 
 class GrpcWorkerClients:
@@ -148,25 +182,7 @@ class GrpcWorkerClients:
     async def decode(self, worker: Member, call: DecodeCall) -> AsyncIterator[common.Event]:
         stub = worker_pb2_grpc.DecodeStub(self._channel(worker.address))
         job = call.job
-        req = worker_pb2.DecodeRequest(
-            request_id=job.request_id,
-            token_ids=job.prompt,
-            sampling=common.sampling_to_pb(job.params),
-            tenant=job.tenant,
-            generator_state=call.generator_state,
-            cached_tokens=call.cached_tokens,
-            priority=common.PRIORITY_TO_PB[job.priority],
-            lora=job.lora,
-            admitted=call.admitted,
-            resumed_token_ids=call.resumed,
-            slo=_slo(job),
-        )
-        if call.handle is not None and call.first is not None:
-            req.kv.CopyFrom(common.handle_to_pb(call.handle))
-            req.first.CopyFrom(common.event_to_pb(call.first))
-            for c in call.others:
-                start = req.other_choices.add(generator_state=c.generator_state)
-                start.first.CopyFrom(common.event_to_pb(c.first))
+        req = decode_request(call)
         stream = stub.Generate(req, timeout=job.time_left())
         try:
             async for msg in stream:

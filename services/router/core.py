@@ -404,7 +404,7 @@ class RouterCore:
         took = True
         with self.chooser.working(worker, cost):
             try:
-                async for ev in self.clients.decode(worker, call):
+                async for ev in (job.legs or self.clients).decode(worker, call):
                     if ev.moved is not None:  # draining: not to be picked again for this one
                         failed.add(worker.worker_id)
                         raise HandedOver(ev.moved)

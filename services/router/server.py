@@ -6,6 +6,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 
+import grpc
 from tandem.v1 import common_pb2, router_pb2_grpc
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
@@ -13,8 +14,10 @@ from engine.sampling_params import MAX_TOP_LOGPROBS
 from engine.tokenizer import Tokenizer
 from services.common.codec import event_to_pb, logprob_to_pb
 from services.common.errors import Unauthenticated
+from services.observability import tracing
 from services.router.codec import job_from_pb
 from services.router.core import RouterCore
+from services.router.legs import CallerLegs
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -69,6 +72,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         job = job_from_pb(request, tokenizer, rid, context.time_remaining(), lora)
         async for ev in core.generate(job):
             yield event_to_pb(ev)
+
+    async def Route(self, request_iterator, context):  # noqa: N802
+        """Generate with the decode legs made by the caller (`services.router.legs`)."""
+        self._authorize(context)
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("report") != "request":
+            raise InvalidRequestError("Route's first message carries the request")
+        request = first.request
+        base, lora = self._resolve(request.model)
+        core, tokenizer = self.routes[base]
+        rid = request.request_id or core.new_request_id()
+        legs = CallerLegs(context)
+        job = job_from_pb(request, tokenizer, rid, context.time_remaining(), lora, legs)
+        with tracing.request_context(rid):
+            tracing.annotate_request(rid)
+            async for ev in core.generate(job):
+                if not ev.delivered:
+                    await legs.send(ev)
 
     async def Abort(self, request, context):  # noqa: N802
         self._authorize(context)

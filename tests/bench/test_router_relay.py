@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from bench.relay_report import pct
 from bench.router_relay import main
 
@@ -20,13 +22,15 @@ def test_percentile_is_nearest_rank() -> None:
     assert math.isnan(pct([], 0.5))
 
 
-def test_short_run_relays_every_token_in_order(smol_dir, tmp_path) -> None:
+@pytest.mark.parametrize("path", ["relay", "direct"])
+def test_short_run_relays_every_token_in_order(smol_dir, tmp_path, path) -> None:
     out = tmp_path / "relay.json"
     r = main([
         "--streams", "4", "--step-ms", "10", "--tokens", "20", "--seconds", "2", "--warmup", "0.5",
         "--idle-seconds", "1", "--idle-probes", "5", "--probe-every", "0.25",
-        "--model-dir", str(smol_dir), "--out", str(out),
+        "--model-dir", str(smol_dir), "--out", str(out), "--token-path", path,
     ])  # fmt: skip
+    assert r["config"]["token_path"] == path
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     assert r["order_errors"] == [] and r["stream_errors"] == []
     assert r["router_alive"]
@@ -34,8 +38,11 @@ def test_short_run_relays_every_token_in_order(smol_dir, tmp_path) -> None:
     # when the shared machine is busy, never none).
     assert r["streams_done"] >= 4
     assert 0 < r["tokens_per_s"] <= r["offered_tokens_per_s"] * 1.1
-    assert r["router_cores"] > r["router_idle_cores"] >= 0
-    assert 0 < r["router_us_per_token"] < 100_000
+    if path == "relay":  # the router handles every token
+        assert r["router_cores"] > r["router_idle_cores"] >= 0
+        assert 0 < r["router_us_per_token"] < 100_000
+    else:  # the router sees a stream's start and end only
+        assert r["router_us_per_token"] < 100_000
     assert r["probes"]["idle"] == 5 and r["probes"]["loaded"] >= 2
     for key in ("probe_ttft_idle_ms", "probe_ttft_loaded_ms"):
         p50, p90, p99 = r[key].values()

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("tandem.v1.router_pb2")
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
-from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 from engine.sampling_params import SamplingParams  # noqa: E402
 from services.gateway import codec  # noqa: E402
@@ -124,30 +124,41 @@ def test_429_carries_retry_after() -> None:
 
 
 class FakeRouter(router_pb2_grpc.RouterServicer):
-    """Streams three tokens then finishes, or hangs, or fails, as ``mode`` says."""
+    """Streams three tokens then finishes, or hangs, or fails, as ``mode`` says: itself
+    (Generate), or from its stand-in decode worker (`FakeDecode`, same server) in the decode
+    leg its Route names, whose reports it keeps. Mode "migrate": the first leg fails after one
+    token, and a second leg continues after it."""
 
     def __init__(self) -> None:
         self.mode = "ok"
+        self.address = ""
         self.requests: list[router_pb2.GenerateRequest] = []
         self.aborts: list[str] = []
+        self.reports: list[router_pb2.RouteReport] = []
+        self.legs: list[worker_pb2.DecodeRequest] = []
         self.cancelled = asyncio.Event()
         self.health: health.aio.HealthServicer | None = None
 
-    async def Generate(self, request, context) -> AsyncIterator[common_pb2.TokenEvent]:
-        self.requests.append(request)
+    async def _refuse(self, context) -> None:
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode workers")
         if self.mode == "busy":
             context.set_trailing_metadata((("retry-after", "7"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+
+    async def tokens(
+        self, rid: str, context, skip: int = 0
+    ) -> AsyncIterator[common_pb2.TokenEvent]:
         done = False
         try:
-            for i in range(3):
-                yield common_pb2.TokenEvent(request_id=request.request_id, token_ids=[10 + i])
+            for i in range(skip, 3):
+                yield common_pb2.TokenEvent(request_id=rid, token_ids=[10 + i])
+                if self.mode == "migrate" and not skip:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker died")
             if self.mode == "hang":
                 await asyncio.sleep(3600)
             yield common_pb2.TokenEvent(
-                request_id=request.request_id,
+                request_id=rid,
                 finish_reason=common_pb2.FINISH_REASON_STOP,
                 usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=3),
             )
@@ -156,16 +167,59 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             if not done:
                 self.cancelled.set()
 
+    async def Generate(self, request, context) -> AsyncIterator[common_pb2.TokenEvent]:
+        self.requests.append(request)
+        await self._refuse(context)
+        async for ev in self.tokens(request.request_id, context):
+            yield ev
+
+    async def Route(self, request_iterator, context) -> None:
+        first = await context.read()
+        request = first.request
+        self.requests.append(request)
+        await self._refuse(context)
+        try:
+            resumed: list[int] = []
+            while True:
+                call = worker_pb2.DecodeRequest(
+                    request_id=request.request_id, resumed_token_ids=resumed
+                )
+                leg = router_pb2.DecodeLeg(worker_id="d0", address=self.address, request=call)
+                await context.write(router_pb2.RouteStep(decode=leg))
+                while (report := await context.read()) is not grpc.aio.EOF:
+                    self.reports.append(report)
+                    if report.WhichOneof("report") == "ended":
+                        break
+                if report is grpc.aio.EOF or report.ended.code == 0:
+                    return
+                resumed += list(report.ended.token_ids)
+        finally:
+            if self.mode == "hang":
+                self.cancelled.set()
+
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
         self.aborts.append(request.request_id)
         return common_pb2.AbortResponse(found=True)
 
 
-@pytest.fixture
-async def router() -> AsyncIterator[tuple[FakeRouter, str]]:
+class FakeDecode(worker_pb2_grpc.DecodeServicer):
+    """The decode worker a `FakeRouter`'s legs name: its tokens, after those already sent."""
+
+    def __init__(self, router: FakeRouter) -> None:
+        self.router = router
+
+    async def Generate(self, request, context) -> AsyncIterator[common_pb2.TokenEvent]:
+        self.router.legs.append(request)
+        skip = len(request.resumed_token_ids)
+        async for ev in self.router.tokens(request.request_id, context, skip):
+            yield ev
+
+
+async def serve_fake_router() -> tuple[FakeRouter, str, grpc.aio.Server]:
     server = grpc.aio.server()
     fake = FakeRouter()
     router_pb2_grpc.add_RouterServicer_to_server(fake, server)
+    worker_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(fake), server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("model:m", health_pb2.HealthCheckResponse.SERVING)
@@ -173,7 +227,20 @@ async def router() -> AsyncIterator[tuple[FakeRouter, str]]:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    yield fake, f"127.0.0.1:{port}"
+    fake.address = f"127.0.0.1:{port}"
+    return fake, fake.address, server
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "relay"])
+def direct(request) -> bool:
+    """Whether the backend streams from the decode worker itself (Route) or the router relays."""
+    return request.param
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[tuple[FakeRouter, str]]:
+    fake, address, server = await serve_fake_router()
+    yield fake, address
     await server.stop(0)
 
 
@@ -183,14 +250,22 @@ def dead_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-async def test_generate_falls_back_to_the_next_router(router) -> None:
+async def test_generate_falls_back_to_the_next_router(router, direct) -> None:
     fake, address = router
-    backend = GrpcBackend([dead_address(), address], model="m")
+    backend = GrpcBackend([dead_address(), address], model="m", direct=direct)
     events = [ev async for ev in backend.generate(make_request(seed=1))]
     assert [ev.token_ids for ev in events] == [(10,), (11,), (12,), ()]
     assert events[-1].finish_reason == "stop" and events[-1].usage == Usage(3, 3, 0)
     assert fake.requests[0].sampling.seed == 1
     assert fake.aborts == []
+    if direct:  # the tokens came from the decode worker; the router heard two reports
+        for _ in range(100):  # the last after the client's last event
+            if len(fake.reports) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert [r.WhichOneof("report") for r in fake.reports] == ["started", "ended"]
+        assert list(fake.reports[-1].ended.token_ids) == [10, 11, 12]
+        assert fake.reports[-1].ended.code == 0
     assert await backend.readiness() is None
     await backend.close()
 
@@ -214,10 +289,10 @@ async def test_readiness_says_why_no_router_can_route(router) -> None:
     await other.close()
 
 
-async def test_closing_the_stream_cancels_the_call_and_aborts(router) -> None:
+async def test_closing_the_stream_cancels_the_call_and_aborts(router, direct) -> None:
     fake, address = router
     fake.mode = "hang"
-    backend = GrpcBackend([address])
+    backend = GrpcBackend([address], direct=direct)
     stream = backend.generate(make_request("cmpl-9"))
     assert (await anext(stream)).token_ids == (10,)
     await stream.aclose()
@@ -228,10 +303,10 @@ async def test_closing_the_stream_cancels_the_call_and_aborts(router) -> None:
     await backend.close()
 
 
-async def test_cancelling_the_task_aborts(router) -> None:
+async def test_cancelling_the_task_aborts(router, direct) -> None:
     fake, address = router
     fake.mode = "hang"
-    backend = GrpcBackend([address])
+    backend = GrpcBackend([address], direct=direct)
 
     async def consume() -> None:
         async for _ in backend.generate(make_request("cmpl-10")):
@@ -248,10 +323,10 @@ async def test_cancelling_the_task_aborts(router) -> None:
 
 
 @pytest.mark.parametrize("mode, status", [("unavailable", 503), ("busy", 429)])
-async def test_router_errors_become_http_errors(router, mode: str, status: int) -> None:
+async def test_router_errors_become_http_errors(router, direct, mode: str, status: int) -> None:
     fake, address = router
     fake.mode = mode
-    backend = GrpcBackend([address])
+    backend = GrpcBackend([address], direct=direct)
     with pytest.raises(APIError) as e:
         async for _ in backend.generate(make_request()):
             pass
@@ -331,18 +406,9 @@ def test_gateway_process_without_a_router(tmp_path) -> None:
     assert "Traceback" not in (tmp_path / "gateway.log").read_text()
 
 
-async def start_fake_router() -> tuple[FakeRouter, str, grpc.aio.Server]:
-    server = grpc.aio.server()
-    fake = FakeRouter()
-    router_pb2_grpc.add_RouterServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return fake, f"127.0.0.1:{port}", server
-
-
-async def test_requests_spread_over_routers_and_skip_a_dead_one() -> None:
-    (a, addr_a, server_a), (b, addr_b, server_b) = [await start_fake_router() for _ in range(2)]
-    backend = GrpcBackend([addr_a, addr_b])
+async def test_requests_spread_over_routers_and_skip_a_dead_one(direct) -> None:
+    (a, addr_a, server_a), (b, addr_b, server_b) = [await serve_fake_router() for _ in range(2)]
+    backend = GrpcBackend([addr_a, addr_b], direct=direct)
     try:
         for i in range(4):
             events = [ev async for ev in backend.generate(make_request(f"r{i}"))]
@@ -361,3 +427,24 @@ async def test_requests_spread_over_routers_and_skip_a_dead_one() -> None:
 def test_session_key_travels_to_the_router() -> None:
     req = BackendRequest("r", (1, 2), SamplingParams(), "acme", "smol", session="user-7")
     assert codec.encode_request(req).session == "user-7"
+
+
+async def test_a_leg_that_fails_is_reported_and_the_next_leg_continues(router) -> None:
+    """The decode worker fails after one token: the router hears the failure with that token,
+    sends the next leg (resumed after it), and the client gets every token once."""
+    fake, address = router
+    fake.mode = "migrate"
+    backend = GrpcBackend([address], direct=True)
+    events = [ev async for ev in backend.generate(make_request("cmpl-11"))]
+    assert [ev.token_ids for ev in events] == [(10,), (11,), (12,), ()]
+    for _ in range(100):  # the last report reaches the router after the client's last event
+        ended = [r.ended for r in fake.reports if r.WhichOneof("report") == "ended"]
+        if len(ended) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert ended[0].code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "decode worker died" in ended[0].details and list(ended[0].token_ids) == [10]
+    assert (ended[1].code, list(ended[1].token_ids)) == (0, [11, 12])
+    assert [list(leg.resumed_token_ids) for leg in fake.legs] == [[], [10]]
+    assert fake.aborts == []
+    await backend.close()

@@ -23,19 +23,30 @@ _sym_db = _symbol_database.Default()
 
 
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
+from tandem.v1 import worker_pb2 as tandem_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12%\n\x08priority\x18\x07 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x0f\n\x07session\x18\x08 \x01(\t\x12\x1b\n\x03slo\x18\t \x01(\x0b\x32\x0e.tandem.v1.SloB\x08\n\x06prompt2\x93\x04\n\x06Router\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12T\n\x0fLoadLoraAdapter\x12!.tandem.v1.LoadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12X\n\x11UnloadLoraAdapter\x12#.tandem.v1.UnloadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x16tandem/v1/worker.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12%\n\x08priority\x18\x07 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x0f\n\x07session\x18\x08 \x01(\t\x12\x1b\n\x03slo\x18\t \x01(\x0b\x32\x0e.tandem.v1.SloB\x08\n\x06prompt\"\x96\x01\n\x0bRouteReport\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12(\n\x07started\x18\x02 \x01(\x0b\x32\x15.tandem.v1.LegStartedH\x00\x12$\n\x05\x65nded\x18\x03 \x01(\x0b\x32\x13.tandem.v1.LegEndedH\x00\x42\x08\n\x06report\"\x0c\n\nLegStarted\"\xb9\x01\n\x08LegEnded\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x1b\n\x0eretry_after_ms\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0broom_tokens\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12!\n\x05moved\x18\x06 \x01(\x0b\x32\x12.tandem.v1.MovedKVB\x11\n\x0f_retry_after_msB\x0e\n\x0c_room_tokens\"Z\n\tDecodeLeg\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12)\n\x07request\x18\x03 \x01(\x0b\x32\x18.tandem.v1.DecodeRequest\"c\n\tRouteStep\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenEventH\x00\x12&\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x14.tandem.v1.DecodeLegH\x00\x42\x06\n\x04step2\xce\x04\n\x06Router\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12\x39\n\x05Route\x12\x16.tandem.v1.RouteReport\x1a\x14.tandem.v1.RouteStep(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12T\n\x0fLoadLoraAdapter\x12!.tandem.v1.LoadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12X\n\x11UnloadLoraAdapter\x12#.tandem.v1.UnloadLoraAdapterRequest\x1a\x1e.tandem.v1.LoraAdapterResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12U\n\x0ePromptLogprobs\x12 .tandem.v1.PromptLogprobsRequest\x1a!.tandem.v1.PromptLogprobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENIDS']._serialized_start=61
-  _globals['_TOKENIDS']._serialized_end=84
-  _globals['_GENERATEREQUEST']._serialized_start=87
-  _globals['_GENERATEREQUEST']._serialized_end=354
-  _globals['_ROUTER']._serialized_start=357
-  _globals['_ROUTER']._serialized_end=888
+  _globals['_TOKENIDS']._serialized_start=85
+  _globals['_TOKENIDS']._serialized_end=108
+  _globals['_GENERATEREQUEST']._serialized_start=111
+  _globals['_GENERATEREQUEST']._serialized_end=378
+  _globals['_ROUTEREPORT']._serialized_start=381
+  _globals['_ROUTEREPORT']._serialized_end=531
+  _globals['_LEGSTARTED']._serialized_start=533
+  _globals['_LEGSTARTED']._serialized_end=545
+  _globals['_LEGENDED']._serialized_start=548
+  _globals['_LEGENDED']._serialized_end=733
+  _globals['_DECODELEG']._serialized_start=735
+  _globals['_DECODELEG']._serialized_end=825
+  _globals['_ROUTESTEP']._serialized_start=827
+  _globals['_ROUTESTEP']._serialized_end=926
+  _globals['_ROUTER']._serialized_start=929
+  _globals['_ROUTER']._serialized_end=1519
 # @@protoc_insertion_point(module_scope)

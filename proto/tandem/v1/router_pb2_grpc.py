@@ -41,6 +41,11 @@ class RouterStub:
                 request_serializer=tandem_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Route = channel.stream_stream(
+                '/tandem.v1.Router/Route',
+                request_serializer=tandem_dot_v1_dot_router__pb2.RouteReport.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_router__pb2.RouteStep.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Router/Abort',
                 request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -79,6 +84,18 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Generate tokens for a prompt; the stream ends with an event carrying finish_reason and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request_iterator, context):
+        """Generate with the router out of the token path (the gateway's call). The caller's first
+        message carries the GenerateRequest. The router answers with the prefill's first tokens
+        (RouteStep.event) and, for each decode leg, the decode worker and the call to make there
+        (RouteStep.decode): the caller makes that call itself, streams its events to its client,
+        and reports the leg's first event and its end (RouteReport). The router books, retries,
+        migrates and aborts as for Generate; its stream ends when the request does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,6 +153,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.TokenEvent.SerializeToString,
+            ),
+            'Route': grpc.stream_stream_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=tandem_dot_v1_dot_router__pb2.RouteReport.FromString,
+                    response_serializer=tandem_dot_v1_dot_router__pb2.RouteStep.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -196,6 +218,33 @@ class Router:
             '/tandem.v1.Router/Generate',
             tandem_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Router/Route',
+            tandem_dot_v1_dot_router__pb2.RouteReport.SerializeToString,
+            tandem_dot_v1_dot_router__pb2.RouteStep.FromString,
             options,
             channel_credentials,
             insecure,
