@@ -251,9 +251,14 @@ def router() -> Dashboard:
               (Target(f"sum({rate('tandem_router_retries_total')})", "retries"),
                Target(f"sum({rate('tandem_router_migrations_total')})", "migrations"),
                Target(f"sum({rate('tandem_router_local_refusals_total')})", "local refusals"))),
-        Panel("Router stream time", "Router Generate calls, start to last token.", "s",
-              percentiles("tandem_grpc_server_handling_seconds",
-                          extra='component="router", method="/tandem.v1.Router/Generate"')),
+        Panel("Router stream time", "Router Route (the gateway's) and Generate calls, start "
+              "to last token.", "s",
+              percentiles("tandem_grpc_server_handling_seconds", extra='component="router", '
+                          'method=~"/tandem.v1.Router/(Route|Generate)"')),
+        Panel("Decode legs", "Decode calls per second by who streamed their tokens: the "
+              "gateway (the router out of the token path) or the router (relayed).", "ops",
+              (Target(f"sum by (streamed_by) ({rate('tandem_router_decode_legs_total')})",
+                      "{{streamed_by}}"),)),
     )  # fmt: skip
     split = "tandem_router_disagg_decisions_total"
     disagg_rate = "sum(" + rate(split, 'choice="disagg"') + ")"

@@ -29,7 +29,7 @@ async def routed(
 ) -> AsyncIterator[BackendEvent]:
     """The events of ``req`` over a Route ``call``: the router's own, then each decode leg's
     (made on the channel ``channel_of`` gives for the worker's address). The router's next
-    message is awaited while a leg runs: one then (an abort) or the call's end stops the leg."""
+    message is awaited while a leg runs (`_stop_leg`)."""
     pending = set(range(req.sampling.n))
     await call.write(codec.route_request(msg))
     step = _read(call)
@@ -48,9 +48,17 @@ async def routed(
         stream = codec.decode_stub(channel_of(leg.address)).Generate(
             leg.request, timeout=req.time_left()
         )
-        step.add_done_callback(lambda _, s=stream: s.cancel())
+        step.add_done_callback(lambda read, s=stream: _stop_leg(read, s))
         async for event in _leg(call, stream, pending):
             yield event
+
+
+def _stop_leg(read: asyncio.Future, stream: grpc.aio.UnaryStreamCall) -> None:
+    """The router spoke during a leg: an abort (its event, then its end) stops the leg. A
+    router that failed does not: the leg streams on to its end (the client loses nothing while
+    the decode worker lives), and its failure is the request's only if the leg fails too."""
+    if not read.cancelled() and read.exception() is None:
+        stream.cancel()
 
 
 def _read(call: grpc.aio.StreamStreamCall) -> asyncio.Future:
@@ -65,10 +73,11 @@ async def _leg(
     call: grpc.aio.StreamStreamCall, stream: grpc.aio.UnaryStreamCall, pending: set[int]
 ) -> AsyncIterator[BackendEvent]:
     """One decode leg's events; its end is reported before the event that finishes the request
-    (the caller may stop reading there) and after a hand-over or a failure. A report the router
+    (the caller may stop reading there: that event waits for the worker's call to end, right
+    after it) and after a hand-over or a failure. A report the router
     can no longer take is dropped: its call's end says why (`routed` reads it next)."""
     tokens: list[int] = []
-    moved = error = None
+    moved = error = last = None
     started = False
     try:
         async for pb in stream:
@@ -83,13 +92,25 @@ async def _leg(
             event = codec.decode_event(pb)
             if event.finish_reason is not None:
                 pending.discard(event.index)
-                if not pending:  # the request is done: nothing of the router can change it
-                    await _report(call, codec.leg_ended(tokens, None, None))
-                    yield event
-                    return
+                if not pending:  # the worker's call ends next: read its end, so it ends whole
+                    last = event
+                    continue
             yield event
+        if last is not None:  # the request is done: nothing of the router can change it
+            await _report(call, codec.leg_ended(tokens, None, None))
+            yield last
+            return
     except grpc.aio.AioRpcError as e:
         error = e
+        if last is not None:  # it failed after its last event: the client has it all
+            await _report(call, codec.leg_ended(tokens, None, None))
+            yield last
+            return
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not stream.cancelled() or (task is not None and task.cancelling()):
+            raise
+        return  # `_stop_leg` stopped it: the router ended the request and takes no report
     finally:
         stream.cancel()  # no-op once it ended; frees the decode side when the client left
     await _report(call, codec.leg_ended(tokens, moved, error))

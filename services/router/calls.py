@@ -174,3 +174,4 @@ class RouterStats:
     retries: int = 0
     migrations: int = 0  # streams moved to another decode worker after tokens were sent
     live_moves: int = 0  # of those, moved with their KV off a draining worker
+    legs: Counter = field(default_factory=Counter)  # who streamed a decode call -> calls

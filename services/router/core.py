@@ -401,6 +401,7 @@ class RouterCore:
         job, cost = call.job, call.cost  # a migrated call books what it brings
         failed = route.failed
         self._book(worker, job, failed, force=call.admitted, cost=cost)
+        self.stats.legs["gateway" if job.legs else "router"] += 1
         took = True
         with self.chooser.working(worker, cost):
             try:

@@ -84,6 +84,18 @@ class RouterCollector(Collector):
             "Of those, streams a draining decode worker handed over with their KV.",
             value=sum(stats.live_moves for stats in every),
         )
+        legs = CounterMetricFamily(
+            "tandem_router_decode_legs",
+            "Decode calls by who streamed their tokens: the gateway (the router's Route, the "
+            "router out of the token path) or the router (its Generate, relayed).",
+            labels=["streamed_by"],
+        )
+        by_whom: Counter[str] = Counter(dict.fromkeys(("gateway", "router"), 0))
+        for stats in every:
+            by_whom.update(dict.copy(stats.legs))
+        for who, n in sorted(by_whom.items()):
+            legs.add_metric([who], n)
+        yield legs
         yield CounterMetricFamily(
             "tandem_router_local_refusals",
             "Requests refused for capacity here, with no call to the decode worker (its room "

@@ -153,6 +153,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         try:
             for i in range(skip, 3):
                 yield common_pb2.TokenEvent(request_id=rid, token_ids=[10 + i])
+                if self.mode in ("slow", "abort"):
+                    await asyncio.sleep(0.15)
                 if self.mode == "migrate" and not skip:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker died")
             if self.mode == "hang":
@@ -186,6 +188,11 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
                 )
                 leg = router_pb2.DecodeLeg(worker_id="d0", address=self.address, request=call)
                 await context.write(router_pb2.RouteStep(decode=leg))
+                if self.mode == "abort":  # the router's Abort came: its event, then its end
+                    await asyncio.sleep(0.1)
+                    abort = common_pb2.TokenEvent(finish_reason=common_pb2.FINISH_REASON_ABORT)
+                    await context.write(router_pb2.RouteStep(event=abort))
+                    return
                 while (report := await context.read()) is not grpc.aio.EOF:
                     self.reports.append(report)
                     if report.WhichOneof("report") == "ended":
@@ -215,11 +222,14 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
             yield ev
 
 
-async def serve_fake_router() -> tuple[FakeRouter, str, grpc.aio.Server]:
+async def serve_fake_router(
+    decode: grpc.aio.Server | None = None,
+) -> tuple[FakeRouter, str, grpc.aio.Server]:
+    """A `FakeRouter` and its `FakeDecode` on one server (or the decode worker on ``decode``)."""
     server = grpc.aio.server()
     fake = FakeRouter()
     router_pb2_grpc.add_RouterServicer_to_server(fake, server)
-    worker_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(fake), server)
+    worker_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(fake), decode or server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("model:m", health_pb2.HealthCheckResponse.SERVING)
@@ -228,7 +238,10 @@ async def serve_fake_router() -> tuple[FakeRouter, str, grpc.aio.Server]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     fake.address = f"127.0.0.1:{port}"
-    return fake, fake.address, server
+    if decode is not None:
+        fake.address = f"127.0.0.1:{decode.add_insecure_port('127.0.0.1:0')}"
+        await decode.start()
+    return fake, f"127.0.0.1:{port}", server
 
 
 @pytest.fixture(params=[True, False], ids=["direct", "relay"])
@@ -447,4 +460,33 @@ async def test_a_leg_that_fails_is_reported_and_the_next_leg_continues(router) -
     assert (ended[1].code, list(ended[1].token_ids)) == (0, [11, 12])
     assert [list(leg.resumed_token_ids) for leg in fake.legs] == [[], [10]]
     assert fake.aborts == []
+    await backend.close()
+
+
+async def test_a_router_that_dies_during_a_leg_does_not_cut_the_stream() -> None:
+    """The decode worker lives: the client gets every token though the router is gone."""
+    decode = grpc.aio.server()
+    fake, address, server = await serve_fake_router(decode)
+    fake.mode = "slow"
+    backend = GrpcBackend([address], direct=True)
+    try:
+        stream = backend.generate(make_request("cmpl-12"))
+        first = await anext(stream)
+        await server.stop(0)
+        rest = [ev async for ev in stream]
+        assert [first.token_ids, *(ev.token_ids for ev in rest)] == [(10,), (11,), (12,), ()]
+        assert rest[-1].finish_reason == "stop"
+    finally:
+        await backend.close()
+        await decode.stop(0)
+
+
+async def test_the_routers_abort_stops_the_leg(router) -> None:
+    fake, address = router
+    fake.mode = "abort"
+    backend = GrpcBackend([address], direct=True)
+    events = [ev async for ev in backend.generate(make_request("cmpl-13"))]
+    assert events[-1].finish_reason == "abort"
+    assert sum(len(ev.token_ids) for ev in events) < 3  # the leg stopped before its end
+    await asyncio.wait_for(fake.cancelled.wait(), 1.0)  # the decode worker's call was cancelled
     await backend.close()

@@ -118,6 +118,7 @@ def test_router_collector_reads_decisions_and_members():
             retries = 4
             migrations = 5
             live_moves = 2
+            legs = Counter({"gateway": 9, "router": 1})
 
         class admission:  # noqa: N801 - stands in for DecodeAdmission
             local_refusals = 7
@@ -135,6 +136,7 @@ def test_router_collector_reads_decisions_and_members():
             retries = 0
             migrations = 1
             live_moves = 0
+            legs = Counter({"gateway": 2})
 
         class admission:  # noqa: N801
             local_refusals = 1
@@ -153,6 +155,8 @@ def test_router_collector_reads_decisions_and_members():
     assert value(reg, "tandem_router_retries_total") == 4
     assert value(reg, "tandem_router_migrations_total") == 6
     assert value(reg, "tandem_router_live_moves_total") == 2
+    assert value(reg, "tandem_router_decode_legs_total", streamed_by="gateway") == 11
+    assert value(reg, "tandem_router_decode_legs_total", streamed_by="router") == 1
     assert value(reg, "tandem_router_local_refusals_total") == 8
     disagg = "tandem_router_disagg_decisions_total"
     assert value(reg, disagg, choice="disagg", reason="headroom") == 4

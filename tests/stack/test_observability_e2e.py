@@ -74,6 +74,7 @@ EXPECTED = {
         "tandem_router_retries": "counter",
         "tandem_router_migrations": "counter",
         "tandem_router_live_moves": "counter",
+        "tandem_router_decode_legs": "counter",
         "tandem_router_local_refusals": "counter",
         "tandem_router_members": "gauge",
     },
@@ -221,6 +222,10 @@ def test_every_metric_exists_with_its_type(observed):
     assert len(reasons) >= 2 and any("decode" in r for r in reasons), reasons
     moved = observed.prometheus.query("sum(tandem_kv_transfer_bytes_total)")
     assert float(moved[0]["value"][1]) > 0
+    # The gateway streamed every decode call itself: the router was out of the token path.
+    legs = observed.prometheus.query("sum by (streamed_by) (tandem_router_decode_legs_total)")
+    by_whom = {d["metric"]["streamed_by"]: float(d["value"][1]) for d in legs}
+    assert by_whom["gateway"] > 0 and by_whom["router"] == 0, by_whom
 
 
 def test_prometheus_scrapes_every_service(observed):
@@ -265,7 +270,7 @@ def test_one_request_shares_a_trace_across_all_services(observed):
         time.sleep(0.5)
     assert len({s["trace_id"] for s in spans}) == 1, spans
     names = {s["name"] for s in spans}
-    assert {"POST /v1/chat/completions", "tandem.v1.Router/Generate", "tandem.v1.Prefill/Prefill",
+    assert {"POST /v1/chat/completions", "tandem.v1.Router/Route", "tandem.v1.Prefill/Prefill",
             "kv.transfer", "tandem.v1.Decode/Generate"} <= names, names  # fmt: skip
     by_id = {s["span_id"]: s for s in spans}
     roots = [s for s in spans if s["parent_id"] not in by_id]
