@@ -80,6 +80,7 @@ def stack_config(model_dir, run_dir, ttl: int = TTL, refresh: float = 0.5) -> St
         member_ttl=ttl,
         member_refresh=refresh,
         lease_seconds=LEASE,
+        disagg_mode="length",  # long prompts reach the prefill worker, whatever the load
     )
 
 

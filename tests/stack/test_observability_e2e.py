@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.launcher.etcd import free_port
 from services.launcher.stack import Stack, StackConfig
 from tests.services.test_observability import dashboard_exprs, substitute
+from tests.stack_probe import metrics_of
 
 # A whole stack with Prometheus beside it (about 30 s): `make test-stack`, which CI runs.
 pytestmark = pytest.mark.stack
@@ -178,6 +179,13 @@ def _load(stack: Stack) -> str:
         completion = {"model": MODEL, "prompt": "Once upon", "max_tokens": 4, "ignore_eos": True}
         assert status("/v1/completions", completion) == 200
         assert status("/v1/chat/completions", {**short, "temperature": -1}) == 400
+        # The pool planner fits decode step times the decode worker reports while it runs
+        # streams (every --member-refresh, 3 s): decode until one such report has landed.
+        router = stack.scrape_targets()["router"]
+        deadline = time.monotonic() + 60
+        while "tandem_planner_decode_workers" not in metrics_of(router):
+            assert time.monotonic() < deadline, "no decode step report reached the planner"
+            assert status("/v1/chat/completions", {**short, "max_tokens": 48}) == 200
     return rid
 
 
