@@ -8,6 +8,9 @@ round-robin, session) and ``:routers=N`` (router replicas), or ``colocated:N`` (
 doing both phases). Either takes ``:tokens=N``, the workers' ``--max-num-batched-tokens`` for
 this stack alone (the step's token budget, so the prefill chunk beside the decodes): several
 stacks differing only there measure the TTFT/TPOT trade-off of the chunk size in one run.
+Either takes ``:path=direct|relay``, the gateway's ``--token-path`` (direct, its default: tokens
+stream from the decode worker to the gateway; relay: through the router), so one run compares
+the two token paths on the same requests.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ if TYPE_CHECKING:
 
 _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
-_OPTIONS = {"threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int}
+_OPTIONS = {
+    "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
+}  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
-_COLOCATED_OPTIONS = {"tokens": int}
+_COLOCATED_OPTIONS = {"tokens": int, "path": str}
 _MODES = ("slo", "length")
+_PATHS = ("direct", "relay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,7 @@ class StackSpec:
     routers: int = 1
     mode: str | None = None  # the routers' --disagg-mode; None: the launcher's default
     tokens: int | None = None  # the workers' --max-num-batched-tokens; None: the run's
+    path: str | None = None  # the gateway's --token-path; None: its default (direct)
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:
@@ -58,6 +65,8 @@ def _options(text: str, spec: str, known: dict[str, type]) -> dict:
         options[key] = known[key](value)
     if options.get("tokens", 1) < 1:
         raise ValueError(f"{text}: tokens must be >= 1")
+    if options.get("path", "direct") not in _PATHS:
+        raise ValueError(f"{text}: unknown path; one of {', '.join(_PATHS)}")
     return options
 
 
@@ -93,6 +102,8 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     common = dict(model_dir=model_dir, run_dir=run_dir, port=free_port(), **overrides)
     if spec.tokens is not None:
         common["max_num_batched_tokens"] = spec.tokens
+    if spec.path is not None:
+        common["gateway_args"] = (*common.get("gateway_args", ()), "--token-path", spec.path)
     if spec.colocated:
         return StackConfig.colocated(spec.num_decode, **common)
     config = StackConfig(num_prefill=spec.num_prefill, num_decode=spec.num_decode, **common)

@@ -198,3 +198,15 @@ def test_gpu_busy_and_cpu_cores_are_reported_per_run(tmp_path) -> None:
     assert "81% / " in table and "decode-0/engine 1.00" in table
     doc = to_json({}, [rep])["runs"][0]
     assert doc["gpu_busy"]["mean"] == 81.25 and doc["cpu_cores"] == {"decode-0/engine": 1.0}
+
+
+def test_stack_specs_set_the_gateways_token_path():
+    """``:path=relay`` runs the stack's gateway with the router relaying tokens; by default
+    (or ``:path=direct``) it streams them from the decode worker."""
+    cfg = stack_config(parse_stack("colocated:1:path=relay"), "/m", "/r")
+    assert cfg.gateway_args == ("--token-path", "relay") and cfg.topology == "colocated:1"
+    cfg = stack_config(parse_stack("disagg:1p1d:path=direct:mode=length"), "/m", "/r")
+    assert (cfg.gateway_args, cfg.disagg_mode) == (("--token-path", "direct"), "length")
+    assert stack_config(parse_stack("disagg:1p1d"), "/m", "/r").gateway_args == ()
+    with pytest.raises(ValueError, match="unknown path"):
+        parse_stack("colocated:1:path=fast")
