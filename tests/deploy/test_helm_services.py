@@ -343,6 +343,7 @@ def test_admission_engine_and_kv_values_reach_their_configs(rendered, tmp_path, 
                 assert config.refusal_memory == v["refusalMemory"]
                 assert config.tokenizer_threads == v["tokenizerThreads"]
                 assert config.tool_call_parser == v["toolCallParser"]
+                assert config.token_path == v["tokenPath"]
             elif role == "router":
                 v = values["router"]
                 assert config.refusal_memory == v["refusalMemory"]
