@@ -134,3 +134,53 @@ async def test_a_leg_reported_out_of_order_is_refused():
     gateway = Gateway({"d0": [[started(), started()]]})
     with pytest.raises(InvalidRequestError, match="started`, then `ended"):
         await run(RouterCore(decoders("d0"), Clients()), gateway, 10)
+
+
+async def test_route_over_grpc_runs_a_leg_and_the_routers_abort_ends_the_next():
+    """The Route RPC on a real grpc.aio server (the router's interceptors): a leg reported
+    started and ended finishes the call OK; the router's Abort during a leg sends the abort
+    event and ends the call, though the caller never reported the leg's end."""
+    from tandem.v1 import router_pb2_grpc
+
+    from services.common.grpc_server import start_server
+    from services.router.server import RouterServicer
+
+    core = RouterCore(decoders("d0"), Clients())
+    servicer = RouterServicer({"m": (core, None)}, frozenset())  # token-id prompts only
+    handle = await start_server(
+        [(router_pb2_grpc.add_RouterServicer_to_server, servicer)], ["tandem.v1.Router"],
+        "127.0.0.1:0",
+    )  # fmt: skip
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = router_pb2_grpc.RouterStub(channel)
+
+    def request(rid: str) -> router_pb2.RouteReport:
+        msg = router_pb2.GenerateRequest(
+            request_id=rid, model="m", token_ids=router_pb2.TokenIds(ids=list(range(10))),
+            sampling=common_pb2.SamplingOptions(max_tokens=3),
+        )  # fmt: skip
+        return router_pb2.RouteReport(request=msg)
+
+    try:
+        call = stub.Route(timeout=30)
+        await call.write(request("r1"))
+        step = await call.read()
+        assert step.decode.worker_id == "d0" and step.decode.request.request_id == "r1"
+        await call.write(started())
+        await call.write(ended([10, 11, 12]))
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+        call = stub.Route(timeout=30)
+        await call.write(request("r2"))
+        assert (await call.read()).WhichOneof("step") == "decode"
+        await call.write(started())
+        assert (await stub.Abort(common_pb2.AbortRequest(request_id="r2"))).found
+        step = await call.read()
+        assert step.event.finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+        assert not +core.inflight  # the aborted leg's booking was given back
+    finally:
+        await channel.close()
+        await handle.server.stop(0)
