@@ -119,9 +119,10 @@ class GatewayConfig:
         "", "key the gateway presents to routers started with --api-key", secret=True
     )
     token_path: str = option(
-        "direct",
-        "direct: the router picks the workers and the gateway streams tokens from the decode "
-        "worker itself (one hop); relay: the router relays every token (two hops)",
+        "relay",
+        "relay: the router relays every token (two hops); direct: the router picks the workers "
+        "and the gateway streams tokens from the decode worker itself (one hop; opt-in: a "
+        "request can hang when a prefill worker dies during its prefill)",
         choices=("direct", "relay"),
     )
     tool_call_parser: str = option(
