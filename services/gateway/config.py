@@ -122,7 +122,7 @@ class GatewayConfig:
         "relay",
         "relay: the router relays every token (two hops); direct: the router picks the workers "
         "and the gateway streams tokens from the decode worker itself (one hop; opt-in: a "
-        "request can hang when a prefill worker dies during its prefill)",
+        "request retried after its prefill worker died has hung in tests)",
         choices=("direct", "relay"),
     )
     tool_call_parser: str = option(
