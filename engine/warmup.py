@@ -44,11 +44,19 @@ from engine.lora import LoRABatch
 from engine.lora_config import LORA_MODULES
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.warmup_shapes import WarmupLimits, WarmupReport, WarmupStep, warmup_steps
+from engine.warmup_shapes import (
+    WarmupLimits,
+    WarmupReport,
+    WarmupStep,
+    chunk_sizes,
+    decode_sizes,
+    steps_of,
+)
 from kernels import compile_counter
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner, StepPlan
+    from engine.parallel.comm import TPComm
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +109,12 @@ def _limits(runner: ModelRunner, max_len: int) -> WarmupLimits:
 
 
 def runner_steps(runner: ModelRunner, max_len: int) -> list[WarmupStep]:
-    """The steps of ``runner``'s warm-up, with its attention variants."""
+    """The steps of ``runner``'s warm-up, with its attention variants.
+
+    Under tensor parallelism this is a collective. A rank's variants follow its shard of the
+    heads, so ranks with uneven shards (9 heads over 2 ranks: 3 + 6) find different decode
+    sizes; but every pass's all-reduces must meet, or the ranks wait on each other forever.
+    So the ranks agree first and all run the union of their sizes."""
     heads, kv = runner.model.num_heads, runner.kv_cache
 
     def decode_key(b: int) -> object:
@@ -110,7 +123,24 @@ def runner_steps(runner: ModelRunner, max_len: int) -> list[WarmupStep]:
     def prefill_key(q: int) -> object:
         return kernels.attention_variant(1, q, heads, kv)
 
-    return warmup_steps(_limits(runner, max_len), decode_key, prefill_key)
+    limits = _limits(runner, max_len)
+    decodes, chunks = decode_sizes(limits, decode_key), chunk_sizes(limits, prefill_key)
+    if runner.comm.size > 1:
+        decodes, chunks = agreed_sizes(runner.comm, limits, decodes, chunks, runner.device)
+    return steps_of(limits, decodes, chunks)
+
+
+def agreed_sizes(
+    comm: TPComm, limits: WarmupLimits, decodes: list[int], chunks: list[int], device: torch.device
+) -> tuple[list[int], list[int]]:
+    """Every rank's decode batch sizes and prompt lengths together (sorted). One all-reduce of
+    a mask sized by ``limits``, which every rank shares (its KV pool is the ranks' minimum)."""
+    width = limits.max_decode_seqs + 1
+    mask = torch.zeros(width + limits.max_chunk + 1, dtype=torch.int32, device=device)
+    mask[decodes] = 1
+    mask[[width + q for q in chunks]] = 1
+    hit = comm.all_reduce(mask).nonzero().flatten().tolist()
+    return [i for i in hit if i < width], [i - width for i in hit if i >= width]
 
 
 def step_plan(step: WarmupStep, block_size: int, vocab_size: int) -> StepPlan:

@@ -104,11 +104,17 @@ def warmup_steps(
     prefill_key: Callable[[int], Hashable],
 ) -> list[WarmupStep]:
     """Every step the warm-up runs, decode batches first (see the module's note)."""
+    return steps_of(limits, decode_sizes(limits, decode_key), chunk_sizes(limits, prefill_key))
+
+
+def steps_of(limits: WarmupLimits, decodes: list[int], chunks: list[int]) -> list[WarmupStep]:
+    """The warm-up's steps for decode batch sizes ``decodes`` and prompt lengths ``chunks``
+    (both sorted): one step each, then a later chunk over a cached prefix and the mixed
+    steps. The same sizes give the same steps on every rank (only ``limits`` else)."""
     longest = limits.max_context
     steps: list[WarmupStep] = []
-    for b in decode_sizes(limits, decode_key):
+    for b in decodes:
         steps.append(tuple(WarmupSeq(1, n) for n in spread(b, longest)))
-    chunks = chunk_sizes(limits, prefill_key)
     for q in chunks:  # a whole prompt in one step
         steps.append((WarmupSeq(q, q),))
     if chunks:

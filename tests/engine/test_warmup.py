@@ -28,6 +28,7 @@ from engine.warmup_shapes import (
     chunk_sizes,
     decode_sizes,
     representatives,
+    steps_of,
     warmup_steps,
 )
 from kernels import KernelChoices, compile_counter
@@ -261,3 +262,48 @@ def test_cache_dir_note_says_when_triton_cannot_write(tmp_path, monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="engine.warmup"):
         assert warmup._cache_note() == f"{where}, not writable"
     assert "TRITON_CACHE_DIR" in caplog.text
+
+
+def _agree_on_sizes(rank: int, size: int, store: str, kv_heads: list[int], out: str) -> None:
+    """One rank of `test_ranks_with_uneven_shards_agree_on_one_list_of_steps` (gloo)."""
+    import json
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel.comm import TPComm
+    from engine.warmup import agreed_sizes
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    limits = make_limits(max_num_seqs=256, max_num_batched_tokens=8192)
+    mine = decode_sizes(limits, lambda b: h200_decode(b, kv_heads[rank]))
+    chunks = chunk_sizes(limits, prefill_plan)
+    comm = TPComm(types.SimpleNamespace(rank=rank, size=size))  # type: ignore[arg-type]
+    decodes, agreed_chunks = agreed_sizes(comm, limits, mine, chunks, torch.device("cpu"))
+    dist.destroy_process_group()
+    Path(out, f"{rank}.json").write_text(json.dumps([mine, decodes, chunks, agreed_chunks]))
+
+
+def test_ranks_with_uneven_shards_agree_on_one_list_of_steps(tmp_path: Path) -> None:
+    """SmolLM2's 3 KV heads over 2 ranks are 1 + 2: the ranks' decode plans differ, so their
+    own decode sizes do; every warm-up pass holds all-reduces, so both must run the same steps
+    (on two H200s the ranks waited on each other forever). Two real gloo ranks agree on the
+    union."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    limits = make_limits(max_num_seqs=256, max_num_batched_tokens=8192)
+    own = [decode_sizes(limits, lambda b, k=k: h200_decode(b, k)) for k in (1, 2)]
+    assert own[0] != own[1]  # the case this guards against
+    mp.start_processes(_agree_on_sizes, args=(2, str(tmp_path / "store"), [1, 2], str(tmp_path)),
+                       nprocs=2, start_method="spawn")  # fmt: skip
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert [r[0] for r in ranks] == own
+    union = sorted({*own[0], *own[1]})
+    assert ranks[0][1] == ranks[1][1] == union
+    assert ranks[0][3] == ranks[1][3] == ranks[0][2]  # the prompt lengths were equal already
+    steps = steps_of(limits, union, ranks[0][3])
+    assert len(steps) == len(union) + len(ranks[0][3]) + 3  # + a later chunk, 2 mixed steps
+    check_steps(limits, steps)
