@@ -308,6 +308,8 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                         meter.start()
                         result = asyncio.run(run_load(endpoint, workload, load, opts, args.warmup))
                         cpu = meter.stop(result.duration) if pids else None
+                    # The load generator's own share: near 1.0 it, not the server, sets the pace.
+                    cpu = {**(cpu or {}), "bench client": result.client_cores}
                     cache = None
                     if workers:  # a local stack: prefix hits and block-location writes
                         prompts = kv_stats.prompts_in_order(

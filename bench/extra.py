@@ -1,5 +1,5 @@
 """What ``tandem bench`` needs beyond the serving stack: the ``bench`` extra of the package
-(the OpenAI client that drives endpoints, tqdm's progress bars, matplotlib for the plots).
+(aiohttp, which streams the requests, tqdm's progress bars, matplotlib for the plots).
 
 The serving stack installs without them (``pip install tandem``); ``make install`` installs
 the extra. Every import of them in ``bench`` is inside the function that uses it, so the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 EXTRA = "bench"
-RUN = ("openai", "tqdm")  # every run
+RUN = ("aiohttp", "tqdm")  # every run
 PLOTS = ("matplotlib",)  # unless --no-plots
 
 

@@ -1,4 +1,4 @@
-"""Drives an OpenAI-compatible endpoint with the official async ``openai`` client, streaming.
+"""Drives an OpenAI-compatible endpoint with a lean streaming client (``bench.sse_client``).
 
 Arrivals: units (one request, or one multi-turn session whose turns follow each other) start
 at Poisson arrival times of the given rate (``inf``: all at once), or at a trace replay's own
@@ -15,9 +15,10 @@ import contextlib
 import math
 import random
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, process_time
 
 from bench.metrics import RequestRecord, record_from_trace
+from bench.sse_client import StreamClient
 from bench.workloads import Message, RequestSpec, Workload
 
 
@@ -78,6 +79,7 @@ class RunResult:
     seed: int = 0  # the workload's
     trace_speed: float | None = None  # at a trace's own times (then rate is their mean rate)
     started: float = 0.0  # perf_counter() when the measured requests began (after warm-up)
+    client_cores: float = 0.0  # this process's CPU over the measured window, in cores
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -110,27 +112,18 @@ def _arrivals(workload: Workload, load: LoadConfig) -> list[float]:
     return list(workload.arrivals)
 
 
-def make_client(endpoint: Endpoint, opts: RequestOptions, http_client=None):
-    """The async client (no retries: a failure is a result); ``http_client`` is an optional
-    ``httpx.AsyncClient`` (tests pass one with a mock transport)."""
-    import openai
-
-    return openai.AsyncOpenAI(
-        base_url=endpoint.base_url,
-        api_key=endpoint.api_key,
-        max_retries=0,
-        timeout=opts.timeout,
-        http_client=http_client,
-    )
+def make_client(endpoint: Endpoint, opts: RequestOptions) -> StreamClient:
+    """The streaming client (no retries: a failure is a result)."""
+    return StreamClient(endpoint.base_url, endpoint.api_key, opts.timeout)
 
 
-async def resolve_model(client, endpoint: Endpoint) -> str:
+async def resolve_model(client: StreamClient, endpoint: Endpoint) -> str:
     if endpoint.model:
         return endpoint.model
-    models = await client.models.list()
-    if not models.data:
+    ids = await client.model_ids()
+    if not ids:
         raise RuntimeError(f"{endpoint.base_url}/models lists no model; pass --model")
-    return models.data[0].id
+    return ids[0]
 
 
 async def send(
@@ -138,36 +131,30 @@ async def send(
 ) -> RequestRecord:
     """Send one streamed request; the record of what happened (errors are recorded, not
     raised)."""
-    kwargs: dict = {
+    chat = opts.api == "chat"
+    body: dict = {
         "model": model,
         "max_tokens": spec.output_tokens,
         "temperature": opts.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **opts.extra_body(),
     }
-    if opts.extra_body():
-        kwargs["extra_body"] = opts.extra_body()
-    chat = opts.api == "chat"
-    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+    if chat:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+    else:
+        body["prompt"] = spec.prompt
     chunk_times: list[float] = []
     usage = None
     error = None
     sent = perf_counter()
     try:
-        if chat:
-            stream = await client.chat.completions.create(messages=messages, **kwargs)
-        else:
-            stream = await client.completions.create(prompt=spec.prompt, **kwargs)
-        async with stream:
-            async for chunk in stream:
-                now = perf_counter()
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                for choice in chunk.choices:
-                    text = (choice.delta.content if choice.delta else None) if chat else choice.text
-                    if text:
-                        chunk_times.append(now)
-                        break
+        async for chunk in client.stream("/chat/completions" if chat else "/completions", body):
+            now = perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if any(_text(choice, chat) for choice in chunk.get("choices") or ()):
+                chunk_times.append(now)
     except Exception as e:  # every failure is a recorded outcome, never raised
         error = f"{type(e).__name__}: {str(e)[:300]}"
     end = perf_counter()
@@ -177,8 +164,8 @@ async def send(
         sent,
         chunk_times,
         end,
-        usage.prompt_tokens if usage else spec.input_tokens,
-        usage.completion_tokens if usage else len(chunk_times),
+        usage["prompt_tokens"] if usage else spec.input_tokens,
+        usage["completion_tokens"] if usage else len(chunk_times),
         error=error,
         target_input_tokens=spec.input_tokens,
         target_output_tokens=spec.output_tokens,
@@ -187,7 +174,14 @@ async def send(
     )
 
 
-async def warm_up(client, model: str, n: int, opts: RequestOptions) -> None:
+def _text(choice: dict, chat: bool) -> str | None:
+    """A streamed choice's new text (a chat chunk's ``delta.content``, else ``text``)."""
+    if chat:
+        return (choice.get("delta") or {}).get("content")
+    return choice.get("text")
+
+
+async def warm_up(client: StreamClient, model: str, n: int, opts: RequestOptions) -> None:
     """``n`` short requests before measuring (first-request costs: connections, lazy init)."""
     for i in range(n):
         spec = RequestSpec(f"warmup-{i}", (Message("user", "Say hello."),), 3, 4)
@@ -202,12 +196,11 @@ async def run_load(
     load: LoadConfig,
     opts: RequestOptions,
     warmup: int = 1,
-    http_client=None,
 ) -> RunResult:
     """Run ``workload`` against ``endpoint`` under ``load``; every sent request is recorded."""
     from tqdm import tqdm
 
-    client = make_client(endpoint, opts, http_client)
+    client = make_client(endpoint, opts)
     try:
         model = await resolve_model(client, endpoint)
         await warm_up(client, model, warmup, opts)
@@ -223,8 +216,10 @@ async def run_load(
         desc = f"{endpoint.name} {workload.name} rate={rate}"
         with tqdm(total=total, desc=desc, unit="req", disable=not opts.progress) as bar:
             t0 = result.started = perf_counter()
+            cpu0 = process_time()
             await _drive(client, model, workload, load, opts, t0, result, bar)
             result.duration = perf_counter() - t0
+            result.client_cores = (process_time() - cpu0) / max(result.duration, 1e-9)
         result.records.sort(key=lambda r: r.start)
         result.not_sent = total - len(result.records)
         return result

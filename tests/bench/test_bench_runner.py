@@ -1,5 +1,6 @@
-"""bench.runner against a scripted OpenAI-style SSE server (an httpx mock transport): what it
-sends, concurrency caps, the time limit, sequential session turns, recorded failures."""
+"""bench.runner against a scripted OpenAI-style SSE server (aiohttp, on 127.0.0.1): what it
+sends, concurrency caps, the time limit, sequential session turns, recorded failures, and the
+streaming client's reading of events split across reads."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import math
 import sys
 
-import httpx
 import pytest
+from aiohttp import web
 
 from bench.runner import Endpoint, LoadConfig, RequestOptions, run_load
 from bench.workloads import ApproxCounter, WorkloadConfig, generate
@@ -18,28 +19,51 @@ STEP = 0.02  # seconds between scripted chunks
 
 
 class FakeServer:
-    """Streams ``max_tokens`` one-token chat chunks, ``STEP`` apart, then usage and [DONE]."""
+    """Streams ``max_tokens`` one-token chat chunks, ``STEP`` apart, then usage and [DONE];
+    every ``fail_every``-th request gets a 400 with an OpenAI-style error body. ``split``
+    writes each event in two pieces (a read may end inside an event)."""
 
-    def __init__(self, fail_every: int = 0) -> None:
+    def __init__(self, fail_every: int = 0, split: bool = False) -> None:
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_every = fail_every
+        self.split = split
 
-    async def handler(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/models"):
-            model = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "me"}
-            return httpx.Response(200, json={"object": "list", "data": [model]})
-        body = json.loads(request.content)
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_post("/v1/completions", self.complete)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "me"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         self.bodies.append(body)
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
-            return httpx.Response(400, json={"error": {"message": "nope", "type": "bad"}})
-        return httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, content=self.events(body)
-        )
-
-    async def events(self, body: dict):
+            return web.json_response({"error": {"message": "nope", "type": "bad"}}, status=400)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            for event in self.events(body):
+                if isinstance(event, float):
+                    await asyncio.sleep(event)
+                elif self.split:
+                    await resp.write(event[:7])
+                    await asyncio.sleep(0.001)
+                    await resp.write(event[7:])
+                else:
+                    await resp.write(event)
+        finally:
+            self.in_flight -= 1
+        return resp
+
+    def events(self, body: dict):
         head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
 
         def sse(choices, usage=None) -> bytes:
@@ -52,23 +76,28 @@ class FakeServer:
             head["object"] = "text_completion"
         n = body["max_tokens"]
         for i in range(n):
-            await asyncio.sleep(STEP)
+            yield STEP
             finish = "length" if i == n - 1 else None
             text = {"delta": {"content": "w "}} if chat else {"text": "w "}
             yield sse([{"index": 0, **text, "finish_reason": finish}])
         usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
-        self.in_flight -= 1  # before the last chunk: the mock transport never closes generators
         yield sse([], usage)
         yield b"data: [DONE]\n\n"
 
 
 def run(server: FakeServer, workload, load: LoadConfig, warmup: int = 0, **opts_kw):
     async def go():
-        http = httpx.AsyncClient(transport=httpx.MockTransport(server.handler))
-        opts = RequestOptions(progress=False, timeout=30, **opts_kw)
-        return await run_load(
-            Endpoint("fake", "http://fake/v1"), workload, load, opts, warmup, http
-        )
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            opts = RequestOptions(progress=False, timeout=30, **opts_kw)
+            url = f"http://127.0.0.1:{port}/v1"
+            return await run_load(Endpoint("fake", url), workload, load, opts, warmup)
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -123,7 +152,7 @@ def test_session_turns_run_in_order_and_failures_are_recorded():
         for prev, cur in zip(turns, turns[1:], strict=False):
             assert cur.start >= prev.start + (prev.e2e or 0)
     failed = [r for r in res.records if not r.ok]
-    assert len(failed) == 1 and "400" in failed[0].error
+    assert len(failed) == 1 and "400" in failed[0].error and "nope" in failed[0].error
     assert len(server.bodies[3]["messages"]) in (1, 3, 5)  # history grows by 2 per turn
 
 
@@ -176,3 +205,20 @@ def test_slos_go_with_every_request_when_asked():
     server = FakeServer()
     run(server, workload(n=1, out=1), LoadConfig())
     assert "slo_ttft_ms" not in server.bodies[0]
+
+
+def test_events_split_across_reads_are_read_whole():
+    server = FakeServer(split=True)
+    res = run(server, workload(n=3, out=4), LoadConfig(concurrency=3))
+    assert all(r.ok and r.output_tokens == 4 and r.input_tokens == 7 for r in res.records)
+    assert all(len(r.itl) == 3 for r in res.records)  # one timed chunk per token
+
+
+def test_a_server_that_is_not_there_is_a_recorded_failure():
+    """No server on the port: resolving the model fails loudly (the run cannot start)."""
+    import aiohttp
+
+    wl = workload(n=1, out=1)
+    opts = RequestOptions(progress=False, timeout=5)
+    with pytest.raises(aiohttp.ClientConnectionError):
+        asyncio.run(run_load(Endpoint("gone", "http://127.0.0.1:9/v1"), wl, LoadConfig(), opts, 0))
