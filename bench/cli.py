@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import extra, handoff, kv_stats
+from bench import engine_steps, extra, handoff, kv_stats
 from bench.gpu_busy import GpuSampler
 from bench.metrics import SLO, summarize
 from bench.proc_cpu import CpuMeter, with_engines
@@ -303,6 +303,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                     load = _load(args, rates, j, workload)
                     before = kv_stats.snapshot(workers) if workers else {}
                     moved = handoff.snapshot(scrape) if scrape else None
+                    stepped = engine_steps.snapshot(scrape) if scrape else None
                     meter = CpuMeter(pids)
                     with GpuSampler(gpus=_gpu_list(args)) as busy:
                         meter.start()
@@ -319,9 +320,12 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                     hand = None
                     if moved is not None:
                         hand = handoff.report(moved, handoff.snapshot(scrape), result.records)
+                    steps = None
+                    if stepped is not None:
+                        steps = engine_steps.report(stepped, engine_steps.snapshot(scrape))
                     summary = summarize(result.records, result.duration, slo)
                     window = busy.result.window(result.started, result.started + result.duration)
-                    reports.append(RunReport(result, summary, cache, hand, window, cpu))
+                    reports.append(RunReport(result, summary, cache, hand, window, cpu, steps))
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
                     write_json(args.out / "results.json", meta, reports)  # partial, kept on failure
@@ -359,6 +363,8 @@ def _print_one(rep: RunReport) -> None:
     if rep.cpu:
         cores = ", ".join(f"{n} {c:.2f}" for n, c in sorted(rep.cpu.items()))
         print(f"  CPU cores: {cores}", flush=True)
+    if rep.steps is not None:
+        print(f"  {engine_steps.one_line(rep.steps)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.engine_steps import PhaseSteps
+from bench.engine_steps import render as render_steps
 from bench.gpu_busy import GpuBusy
 from bench.handoff import HandoffReport
 from bench.handoff import render as render_handoff
@@ -30,6 +32,7 @@ class RunReport:
     handoff: HandoffReport | None = None  # local stacks: the KV hand-off (bench.handoff)
     gpu_busy: GpuBusy | None = None  # hosts with nvidia-smi: how busy the GPUs were
     cpu: dict[str, float] | None = None  # local stacks: CPU cores of each process
+    steps: dict[str, PhaseSteps] | None = None  # local stacks: engine steps by phase
 
     @property
     def rate_label(self) -> str:
@@ -162,6 +165,9 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 "handoff": dataclasses.asdict(rep.handoff) if rep.handoff else None,
                 "gpu_busy": _busy_json(rep.gpu_busy),
                 "cpu_cores": rep.cpu,
+                "engine_steps": (
+                    {p: dataclasses.asdict(v) for p, v in rep.steps.items()} if rep.steps else None
+                ),
                 "records": records,
             }
         )
@@ -235,6 +241,14 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
     if handoffs:
         lines += ["", "KV hand-off (from the decode workers' metrics; see bench/handoff.py)", ""]
         lines.append(render_handoff(handoffs))
+    steps = [
+        (r.result.endpoint, r.result.workload, r.rate_label, r.steps)
+        for r in reports
+        if r.steps is not None
+    ]
+    if steps:
+        lines += ["", "Engine steps (every worker's metrics; see bench/engine_steps.py)", ""]
+        lines.append(render_steps(steps))
     if notes:
         lines += ["", notes]
     path.write_text("\n".join(lines) + "\n")

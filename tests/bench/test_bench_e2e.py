@@ -51,6 +51,10 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     cache = run["cache"]  # read from both workers' Stats: every prompt token counted once
     assert cache["workers"] == 2 and cache["prompt_tokens"] >= sum(r["input_tokens"] for r in recs)
     assert 0 <= cache["hit_rate"] <= 1 and cache["location_txns"] > 0
+    steps = run["engine_steps"]  # both workers' step histograms: every prompt was computed
+    assert steps["prefill"]["steps"] >= 1 and steps["prefill"]["mean_ms"] > 0
+    assert steps["decode"]["steps"] >= 3 and 1 <= steps["decode"]["mean_batch"] <= 3
+    assert 0 < run["cpu_cores"]["bench client"] < 2  # the load generator's own CPU
 
 
 @pytest.mark.slow

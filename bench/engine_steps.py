@@ -1,0 +1,115 @@
+"""The engine steps of a ``tandem bench --stack`` run, from every worker's metrics.
+
+Each worker's ``/metrics`` is read before and after a run; the difference of the step
+histograms (``tandem_engine_step_duration_seconds`` and ``tandem_engine_batch_size_sequences``,
+both by ``phase``: ``prefill`` for a step that computed any prompt tokens, a mixed step
+included, else ``decode``) gives, per phase, the steps taken, their mean wall time and their
+mean batch. That splits a stream's TPOT into what the engine spent per step and how often a
+decode shared its step with a prompt chunk: the stack's TPOT against its own decode step is
+the services' overhead, and the decode step against an in-process one the engine loop's.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+DURATION = "tandem_engine_step_duration_seconds"
+BATCH = "tandem_engine_batch_size_sequences"
+PHASES = ("decode", "prefill")
+
+# (metric, phase, "sum" | "count") -> value, summed over workers
+Counters = dict[tuple[str, str, str], float]
+
+
+def parse_metrics(text: str) -> Counters:
+    """The step histograms' sums and counts in one worker's Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Counters = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in (DURATION, BATCH):
+            continue
+        for s in family.samples:
+            kind = s.name.rsplit("_", 1)[-1]
+            if kind in ("sum", "count"):
+                key = (family.name, s.labels.get("phase", ""), kind)
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def snapshot(metrics_addresses: Mapping[str, str]) -> Counters:
+    """The counters summed over every worker (name -> host:port of its /metrics); routers and
+    gateways have no engine and are skipped."""
+    total: Counters = {}
+    for name, address in metrics_addresses.items():
+        if not name.startswith(("decode", "prefill")):
+            continue
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+            for key, value in parse_metrics(r.read().decode()).items():
+                total[key] = total.get(key, 0.0) + value
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseSteps:
+    """One phase's steps in a run: how many, their mean wall time and mean batch (sequences),
+    and their share of the steps' summed wall time."""
+
+    steps: int
+    mean_ms: float
+    mean_batch: float
+    time_share: float
+
+
+def report(before: Counters, after: Counters) -> dict[str, PhaseSteps]:
+    """Per phase, the steps between two snapshots (phases with no step are left out)."""
+
+    def delta(metric: str, phase: str, kind: str) -> float:
+        key = (metric, phase, kind)
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    seconds = {p: delta(DURATION, p, "sum") for p in PHASES}
+    total = sum(seconds.values())
+    out: dict[str, PhaseSteps] = {}
+    for p in PHASES:
+        n = delta(DURATION, p, "count")
+        if n <= 0:
+            continue
+        out[p] = PhaseSteps(
+            steps=round(n),
+            mean_ms=seconds[p] / n * 1000,
+            mean_batch=delta(BATCH, p, "sum") / max(delta(BATCH, p, "count"), 1.0),
+            time_share=seconds[p] / total if total > 0 else math.nan,
+        )
+    return out
+
+
+def render(rows: Sequence[tuple[str, str, str, dict[str, PhaseSteps]]]) -> str:
+    """Markdown table: one row per (endpoint, workload, rate)."""
+    lines = [
+        "| endpoint | workload | rate | decode steps | mean ms | mean batch "
+        "| steps with a prompt | mean ms | mean batch | their share of step time |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for endpoint, workload, rate, phases in rows:
+        cells = []
+        for p in PHASES:
+            s = phases.get(p)
+            cells += (
+                [str(s.steps), f"{s.mean_ms:.2f}", f"{s.mean_batch:.1f}"] if s else ["0", "-", "-"]
+            )
+        pre = phases.get("prefill")
+        share = "-" if pre is None or math.isnan(pre.time_share) else f"{pre.time_share:.0%}"
+        lines.append(f"| {endpoint} | {workload} | {rate} | {' | '.join(cells)} | {share} |")
+    return "\n".join(lines)
+
+
+def one_line(phases: Mapping[str, PhaseSteps]) -> str:
+    """The run's steps in one line for the console."""
+    parts = [
+        f"{p} {s.steps} x {s.mean_ms:.2f} ms (batch {s.mean_batch:.1f})" for p, s in phases.items()
+    ]
+    return "engine steps: " + ("; ".join(parts) if parts else "none")
