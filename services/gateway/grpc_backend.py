@@ -1,8 +1,8 @@
 """The production Backend: the Router service over grpc.aio.
 
-With ``direct`` the router is out of the token path: its Route call says which decode worker to
-stream from, and the gateway streams from it itself (`services.gateway.legs`); without it the
-router relays every token (its Generate call).
+By default the router is out of the token path: its Route call says which decode worker to
+stream from, and the gateway streams from it itself (`services.gateway.legs`); with
+``direct=False`` the router relays every token (its Generate call).
 
 Requests are spread over the routers in turn (every replica sees the same workers and block
 locations in etcd, so any of them routes alike). A router that is down (UNAVAILABLE before any
@@ -45,7 +45,7 @@ class GrpcBackend:
         tls: TLSFiles | None = None,
         router_api_key: str = "",
         model: str = "",
-        direct: bool = False,
+        direct: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
