@@ -7,7 +7,7 @@ gateway's own backend (`services.gateway.grpc_backend`). The decode worker is an
 stand-in (``bench.relay_worker``) registered in etcd like a real one, streaming one token per
 stream per ``--step-ms`` tick of a shared step clock, as an engine step emits every stream's
 token at once. With ``--token-path relay`` events go stand-in -> router -> client (the router's
-Generate), one TokenEvent per stream per step; with ``direct`` (the gateway's opt-in) the
+Generate), one TokenEvent per stream per step; with ``direct`` (the gateway's default) the
 router's Route names the stand-in and the client streams from it itself.
 
     python -m bench.router_relay --streams 64 --step-ms 10 --tokens 300 --out FILE.json

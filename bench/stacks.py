@@ -8,8 +8,8 @@ round-robin, session) and ``:routers=N`` (router replicas), or ``colocated:N`` (
 doing both phases). Either takes ``:tokens=N``, the workers' ``--max-num-batched-tokens`` for
 this stack alone (the step's token budget, so the prefill chunk beside the decodes): several
 stacks differing only there measure the TTFT/TPOT trade-off of the chunk size in one run.
-Either takes ``:path=direct|relay``, the gateway's ``--token-path`` (relay, its default: tokens
-go through the router; direct: from the decode worker to the gateway), so one run compares
+Either takes ``:path=direct|relay``, the gateway's ``--token-path`` (direct, its default: tokens
+stream from the decode worker to the gateway; relay: through the router), so one run compares
 the two token paths on the same requests.
 """
 
@@ -52,7 +52,7 @@ class StackSpec:
     routers: int = 1
     mode: str | None = None  # the routers' --disagg-mode; None: the launcher's default
     tokens: int | None = None  # the workers' --max-num-batched-tokens; None: the run's
-    path: str | None = None  # the gateway's --token-path; None: its default (relay)
+    path: str | None = None  # the gateway's --token-path; None: its default (direct)
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:

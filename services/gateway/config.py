@@ -119,10 +119,9 @@ class GatewayConfig:
         "", "key the gateway presents to routers started with --api-key", secret=True
     )
     token_path: str = option(
-        "relay",
-        "relay: the router relays every token (two hops); direct: the router picks the workers "
-        "and the gateway streams tokens from the decode worker itself (one hop; opt-in: a "
-        "request retried after its prefill worker died has hung in tests)",
+        "direct",
+        "direct: the router picks the workers and the gateway streams tokens from the decode "
+        "worker itself (one hop); relay: the router relays every token (two hops)",
         choices=("direct", "relay"),
     )
     tool_call_parser: str = option(

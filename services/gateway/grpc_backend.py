@@ -1,8 +1,8 @@
 """The production Backend: the Router service over grpc.aio.
 
-With ``direct`` the router is out of the token path: its Route call says which decode worker to
-stream from, and the gateway streams from it itself (`services.gateway.legs`); without it the
-router relays every token (its Generate call).
+By default the router is out of the token path: its Route call says which decode worker to
+stream from, and the gateway streams from it itself (`services.gateway.legs`); with
+``direct=False`` the router relays every token (its Generate call).
 
 Requests are spread over the routers in turn (every replica sees the same workers and block
 locations in etcd, so any of them routes alike). A router that is down (UNAVAILABLE before any
@@ -45,7 +45,7 @@ class GrpcBackend:
         tls: TLSFiles | None = None,
         router_api_key: str = "",
         model: str = "",
-        direct: bool = False,
+        direct: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
@@ -101,17 +101,17 @@ class GrpcBackend:
                 raise APIError(502, "the router ended the stream early", "server_error")
             except grpc.aio.AioRpcError as e:
                 finished = True  # the call is over either way
-                last = i == len(order) - 1
-                if e.code() == grpc.StatusCode.UNAVAILABLE and not started:
+                last, code = i == len(order) - 1, _status(e, req)
+                if code == grpc.StatusCode.UNAVAILABLE and not started:
                     self._down_until[address] = time.monotonic() + DOWN_RETRY_S
-                if e.code() == grpc.StatusCode.UNAVAILABLE and not started and not last:
+                if code == grpc.StatusCode.UNAVAILABLE and not started and not last:
                     log.warning("router %s unavailable (%s); trying the next", address, e.details())
                     continue
                 # Refusals for capacity are answers (429), frequent under overload: not warnings.
-                full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
                 log.log(logging.DEBUG if full else logging.WARNING, "router %s: %s %s", address,
                         e.code().name, e.details())  # fmt: skip
-                raise codec.http_error(e.code(), e.details(), _trailers(e)) from e
+                raise codec.http_error(code, e.details(), _trailers(e)) from e
             finally:
                 if not finished:
                     call.cancel()
@@ -206,6 +206,17 @@ class GrpcBackend:
 async def _relayed(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[BackendEvent]:
     async for pb in call:
         yield codec.decode_event(pb)
+
+
+def _status(e: grpc.aio.AioRpcError, req: BackendRequest) -> grpc.StatusCode:
+    """The status a failed call of ``req`` answers with: DEADLINE_EXCEEDED once the request's
+    deadline has passed, whatever status the call ended with. With the direct token path the
+    Route call and the decode leg share that deadline, and a leg's report written to the Route
+    call as the deadline strikes fails in gRPC's core, which grpc.aio turns into the call's
+    status: INTERNAL "Internal error from Core" (a 500) instead of the deadline's 504."""
+    if req.deadline is not None and time.monotonic() >= req.deadline:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return e.code()
 
 
 def _trailers(e: grpc.aio.AioRpcError) -> list[tuple[str, str | bytes]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -17,6 +18,8 @@ from tandem.v1 import router_pb2
 
 from services.gateway import codec
 from services.gateway.core import BackendEvent, BackendRequest
+
+log = logging.getLogger(__name__)
 
 SETTLE_TIMEOUT_S = 10.0  # how long a finished request's Route call gets to end at the router
 
@@ -45,11 +48,14 @@ async def routed(
             yield event
             continue
         leg = got.decode
+        name = f"{req.request_id} on {leg.worker_id}"
+        log.debug("leg %s (%s): starts after %d tokens", name, leg.address,
+                  len(leg.request.resumed_token_ids))  # fmt: skip
         stream = codec.decode_stub(channel_of(leg.address)).Generate(
             leg.request, timeout=req.time_left()
         )
         step.add_done_callback(lambda read, s=stream: _stop_leg(read, s))
-        async for event in _leg(call, stream, pending):
+        async for event in _leg(call, stream, pending, name):
             yield event
 
 
@@ -70,7 +76,10 @@ def _read(call: grpc.aio.StreamStreamCall) -> asyncio.Future:
 
 
 async def _leg(
-    call: grpc.aio.StreamStreamCall, stream: grpc.aio.UnaryStreamCall, pending: set[int]
+    call: grpc.aio.StreamStreamCall,
+    stream: grpc.aio.UnaryStreamCall,
+    pending: set[int],
+    name: str,
 ) -> AsyncIterator[BackendEvent]:
     """One decode leg's events; its end is reported before the event that finishes the request
     (the caller may stop reading there: that event waits for the worker's call to end, right
@@ -86,6 +95,7 @@ async def _leg(
                 break
             if not started:
                 started = True
+                log.debug("leg %s: first event", name)
                 await _report(call, codec.leg_started())
             if pb.index == 0:
                 tokens.extend(pb.token_ids)
@@ -97,22 +107,28 @@ async def _leg(
                     continue
             yield event
         if last is not None:  # the request is done: nothing of the router can change it
+            log.debug("leg %s: finished after %d tokens", name, len(tokens))
             await _report(call, codec.leg_ended(tokens, None, None))
             yield last
             return
     except grpc.aio.AioRpcError as e:
         error = e
         if last is not None:  # it failed after its last event: the client has it all
+            log.debug("leg %s: finished after %d tokens (then %s)", name, len(tokens), e.code())
             await _report(call, codec.leg_ended(tokens, None, None))
             yield last
             return
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if not stream.cancelled() or (task is not None and task.cancelling()):
+            log.debug("leg %s: cancelled after %d tokens (the client left)", name, len(tokens))
             raise
+        log.debug("leg %s: stopped by the router after %d tokens", name, len(tokens))
         return  # `_stop_leg` stopped it: the router ended the request and takes no report
     finally:
         stream.cancel()  # no-op once it ended; frees the decode side when the client left
+    how = "handed over" if moved is not None else error.code() if error else "ended early"
+    log.debug("leg %s: %s after %d tokens; reported", name, how, len(tokens))
     await _report(call, codec.leg_ended(tokens, moved, error))
 
 

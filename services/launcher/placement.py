@@ -8,7 +8,7 @@ GPU stays visible so that the KV hand-off can map the peer's pool over NVLink (C
 instead of going through a network stack. Workers that share a device split
 ``DEFAULT_UTILIZATION`` evenly unless ``--gpu-memory-utilization`` says otherwise, and start
 one after another (each sizes its KV pool from what the device has free, see
-``engine.memory``).
+``engine.memory``). Workers without a GPU split the host's cores instead (`cpu_share`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ DEFAULT_UTILIZATION: float = ENGINE_KNOBS["gpu_memory_utilization"].default
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One worker's device and memory share; ``device`` None: no GPU placement (CPU)."""
+    """One worker's device and memory share; ``device`` None: no GPU placement (CPU), with
+    ``cpu_threads`` torch threads (0: torch's default, a thread per core)."""
 
     device: str | None = None
     visible: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES, own device first
     utilization: float | None = None
     shared_with: int = 1  # workers on this device, this one included
     ranks: tuple[str, ...] = ()  # a tensor-parallel worker's devices of ranks 1..N-1
+    cpu_threads: int = 0  # a CPU worker's share of the host's cores (`cpu_share`)
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -43,7 +45,10 @@ class Placement:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.visible)} if self.device is not None else {}
+        if self.device is not None:
+            return {"CUDA_VISIBLE_DEVICES": ",".join(self.visible)}
+        # torch sizes its intra-op thread pool from it as it starts (the engine process too).
+        return {"OMP_NUM_THREADS": str(self.cpu_threads)} if self.cpu_threads else {}
 
     @property
     def args(self) -> list[str]:
@@ -87,18 +92,36 @@ def detect_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(line.strip() for line in out.splitlines() if line.strip())
 
 
+def cpu_share(ranks: int, cpus: int | None = None, env: Mapping[str, str] | None = None) -> int:
+    """The torch threads of each of ``ranks`` engine processes that compute on one host's
+    ``cpus`` cores (default: this host's): the cores split evenly, at least one each; 0 (torch's
+    default) for a lone engine, or where the environment (``env``, default this process's) sets
+    OMP_NUM_THREADS itself. Why: each engine otherwise runs a thread per core, and with more
+    threads than cores OpenMP threads wait on descheduled peers at every barrier; two engines
+    computing at once on two cores stepped about 5x slower with two threads each than with one
+    (a decode step 2.7 s against 0.2 s), which put requests that decode workers had to prefill
+    themselves past a minute on the CPU stack."""
+    env = os.environ if env is None else env
+    if ranks <= 1 or "OMP_NUM_THREADS" in env:
+        return 0
+    return max(1, (cpus or os.cpu_count() or 1) // ranks)
+
+
 def place(
     workers: Sequence[str],
     gpus: Sequence[str],
     utilization: float | None = None,
     sizes: Mapping[str, int] | None = None,
+    cpus: int | None = None,
 ) -> dict[str, Placement]:
     """Worker name -> placement: each worker takes the next ``sizes[worker]`` GPUs (its
     tensor-parallel size, 1 by default) round the list, rank 0's first. Without GPUs every
-    worker gets the empty placement (its own defaults)."""
-    if not gpus:
-        return {w: Placement() for w in workers}
+    worker computes with its share of the host's ``cpus`` cores (`cpu_share`, over every rank
+    of every worker)."""
     sizes = sizes or {}
+    if not gpus:
+        share = cpu_share(sum(sizes.get(w, 1) for w in workers), cpus)
+        return {w: Placement(cpu_threads=share) for w in workers}
     groups, cursor = [], 0
     for worker in workers:
         n = sizes.get(worker, 1)

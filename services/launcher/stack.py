@@ -17,7 +17,7 @@ from services.launcher import process
 from services.launcher.adapters import assign_adapters
 from services.launcher.etcd import EtcdServer, free_port
 from services.launcher.kv_budget import fit_cpu_pools
-from services.launcher.placement import Placement
+from services.launcher.placement import Placement, cpu_share
 from services.launcher.process import Child
 
 # StackConfig lives in its own module (``kv_budget`` and ``options`` read it too); it is named
@@ -194,10 +194,13 @@ class Stack:
         self.wait_http_ok("/health" if self.config.num_decode else "/livez", deadline)
 
     def add_worker(self, role: str) -> Child:
-        """Start one more ``role`` worker (CPU placement) and wait until it printed READY."""
+        """Start one more ``role`` worker (CPU placement, its share of the cores as if the
+        stack had started with it) and wait until it printed READY."""
         index = sum(1 for name in self.children if name.startswith(f"{role}-"))
         name = f"{role}-{index}"
-        child = self._spawn(name, self._worker_args(role, index, Placement()))
+        workers = sum(1 for n in self.children if n.startswith(("prefill-", "decode-")))
+        placement = Placement(cpu_threads=cpu_share(workers + 1))
+        child = self._spawn(name, self._worker_args(role, index, placement), env=placement.env)
         self.wait_logged(child, "READY", time.monotonic() + self.config.start_timeout)
         return child
 

@@ -5,7 +5,9 @@ Skipped until the generated ``tandem.v1`` code is importable."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -348,6 +350,25 @@ async def test_router_errors_become_http_errors(router, direct, mode: str, statu
         assert e.value.headers["Retry-After"] == "7"
     else:
         assert "no capacity" in e.value.message
+    await backend.close()
+
+
+async def test_a_request_past_its_deadline_is_a_timeout(router, direct) -> None:
+    """A request whose deadline passes mid-stream fails with 504 ``timeout``, every time. Direct,
+    the Route call and its leg share the deadline: a leg's report written to the Route call as
+    the deadline struck ended that call INTERNAL ("Internal error from Core", a 500) in some
+    tries (4 of 30 in one count; test_e2e_protection's streamed deadline got it too)."""
+    fake, address = router
+    fake.mode = "hang"
+    backend = GrpcBackend([address], direct=direct)
+    answers = []
+    for k in range(32):
+        req = dataclasses.replace(make_request(f"cmpl-t{k}"), deadline=time.monotonic() + 0.1)
+        with pytest.raises(APIError) as e:
+            async for _ in backend.generate(req):
+                pass
+        answers.append((e.value.status, e.value.code))
+    assert set(answers) == {(504, "timeout")}, answers
     await backend.close()
 
 

@@ -27,7 +27,7 @@ from libkv.transfer import (
     handoff_path,
 )
 from services.launcher.options import add_worker_options, worker_overrides
-from services.launcher.placement import parse_gpus, place
+from services.launcher.placement import cpu_share, parse_gpus, place
 from services.launcher.process import Child
 from services.launcher.stack import Stack, StackConfig
 from services.router.policy import Chooser, PolicyConfig, RouteRequest
@@ -68,6 +68,23 @@ def test_tensor_parallel_workers_take_a_gpu_per_rank():
     assert two["prefill-0"].utilization == 0.45
     with pytest.raises(ValueError, match="needs 4 GPUs"):
         place(["decode-0"], ("0", "1"), sizes={"decode-0": 4})
+
+
+def test_cpu_workers_split_the_hosts_cores(monkeypatch):
+    """Without GPUs each engine computes with its share of the cores, at least one thread: two
+    engines of a thread per core each, computing at once, stalled each other's OpenMP barriers
+    (decode steps about 5x slower); a lone engine keeps torch's default."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = place(["prefill-0", "decode-0", "decode-1"], (), cpus=2)
+    assert {p.cpu_threads for p in out.values()} == {1}
+    assert out["decode-1"].env == {"OMP_NUM_THREADS": "1"} and out["decode-1"].args == []
+    assert {p.cpu_threads for p in place(["decode-0", "decode-1"], (), cpus=16).values()} == {8}
+    tp = place(["prefill-0", "decode-0"], (), sizes={"prefill-0": 2}, cpus=6)  # three ranks
+    assert tp["decode-0"].env == {"OMP_NUM_THREADS": "2"}
+    assert place(["decode-0"], (), cpus=8)["decode-0"].env == {}
+    # The operator's own OMP_NUM_THREADS (inherited by every worker) is left as it is.
+    assert cpu_share(3, 2, env={"OMP_NUM_THREADS": "4"}) == 0
+    assert cpu_share(3, 2, env={}) == 1
 
 
 def test_parse_gpus():
