@@ -302,8 +302,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                 for j, workload in enumerate(sweep):
                     load = _load(args, rates, j, workload)
                     before = kv_stats.snapshot(workers) if workers else {}
-                    moved = handoff.snapshot(scrape) if scrape else None
-                    stepped = engine_steps.snapshot(scrape) if scrape else None
+                    metrics_before = handoff.worker_metrics(scrape) if scrape else None
                     meter = CpuMeter(pids)
                     with GpuSampler(gpus=_gpu_list(args)) as busy:
                         meter.start()
@@ -317,12 +316,15 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                             workload, result.records, str(_model_dir(args)), args.api
                         )
                         cache = kv_stats.measure(workers, before, prompts, result.duration)
-                    hand = None
-                    if moved is not None:
-                        hand = handoff.report(moved, handoff.snapshot(scrape), result.records)
-                    steps = None
-                    if stepped is not None:
-                        steps = engine_steps.report(stepped, engine_steps.snapshot(scrape))
+                    hand = steps = None
+                    if metrics_before is not None:  # a local stack: hand-off and engine steps
+                        was, now = metrics_before, handoff.worker_metrics(scrape)
+                        hand = handoff.report(
+                            handoff.snapshot(was), handoff.snapshot(now), result.records
+                        )
+                        steps = engine_steps.report(
+                            engine_steps.snapshot(was), engine_steps.snapshot(now)
+                        )
                     summary = summarize(result.records, result.duration, slo)
                     window = busy.result.window(result.started, result.started + result.duration)
                     reports.append(RunReport(result, summary, cache, hand, window, cpu, steps))

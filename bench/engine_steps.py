@@ -12,7 +12,6 @@ the services' overhead, and the decode step against an in-process one the engine
 from __future__ import annotations
 
 import math
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,16 +39,13 @@ def parse_metrics(text: str) -> Counters:
     return out
 
 
-def snapshot(metrics_addresses: Mapping[str, str]) -> Counters:
-    """The counters summed over every worker (name -> host:port of its /metrics); routers and
-    gateways have no engine and are skipped."""
+def snapshot(texts: Mapping[str, str]) -> Counters:
+    """The counters summed over every worker (name -> its ``/metrics`` text, as
+    ``bench.handoff.worker_metrics`` reads them)."""
     total: Counters = {}
-    for name, address in metrics_addresses.items():
-        if not name.startswith(("decode", "prefill")):
-            continue
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-            for key, value in parse_metrics(r.read().decode()).items():
-                total[key] = total.get(key, 0.0) + value
+    for text in texts.values():
+        for key, value in parse_metrics(text).items():
+            total[key] = total.get(key, 0.0) + value
     return total
 
 

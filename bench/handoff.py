@@ -90,15 +90,21 @@ def combine(parts: Sequence[HandoffCounters], sign: float = 1.0) -> HandoffCount
     return out
 
 
-def snapshot(metrics_addresses: Mapping[str, str]) -> HandoffCounters:
-    """Summed counters of the decode workers (name -> host:port of its /metrics)."""
-    parts = []
+def worker_metrics(metrics_addresses: Mapping[str, str]) -> dict[str, str]:
+    """Every worker's ``/metrics`` text (name -> host:port of its /metrics, as a stack's
+    ``scrape_targets``); routers and gateways, which have no engine, are left out. One read
+    serves both `snapshot` and ``bench.engine_steps.snapshot``."""
+    texts = {}
     for name, address in metrics_addresses.items():
-        if not name.startswith("decode"):
-            continue
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-            parts.append(parse_metrics(r.read().decode()))
-    return combine(parts)
+        if name.startswith(("decode", "prefill")):
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+                texts[name] = r.read().decode()
+    return texts
+
+
+def snapshot(texts: Mapping[str, str]) -> HandoffCounters:
+    """Summed counters of the decode workers (name -> its `worker_metrics` text)."""
+    return combine([parse_metrics(t) for name, t in texts.items() if name.startswith("decode")])
 
 
 @dataclass(frozen=True, slots=True)

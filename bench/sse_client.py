@@ -57,7 +57,8 @@ class StreamClient:
         an error (``{"error": ...}``) raises `APIStatusError` with status 500."""
         async with self._session.post(f"{self.base_url}{path}", json=body) as resp:
             await _raise_for(resp)
-            async for line in _lines(resp):
+            async for raw in resp.content:  # aiohttp yields whole lines, however they arrive
+                line = raw.rstrip(b"\r\n")
                 if not line.startswith(b"data:"):
                     continue  # comments, event names, blank separators
                 data = line[5:].strip()
@@ -70,18 +71,6 @@ class StreamClient:
 
     async def close(self) -> None:
         await self._session.close()
-
-
-async def _lines(resp: Any) -> AsyncIterator[bytes]:
-    """The response body's lines (without their ends), as they arrive."""
-    tail = b""
-    async for block in resp.content.iter_any():
-        lines = (tail + block).split(b"\n")
-        tail = lines.pop()
-        for line in lines:
-            yield line.rstrip(b"\r")
-    if tail:
-        yield tail
 
 
 async def _raise_for(resp: Any) -> None:
