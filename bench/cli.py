@@ -316,18 +316,23 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                             workload, result.records, str(_model_dir(args)), args.api
                         )
                         cache = kv_stats.measure(workers, before, prompts, result.duration)
-                    hand = steps = None
+                    hand = steps = compiles = None
                     if metrics_before is not None:  # a local stack: hand-off and engine steps
                         was, now = metrics_before, handoff.worker_metrics(scrape)
                         hand = handoff.report(
                             handoff.snapshot(was), handoff.snapshot(now), result.records
                         )
-                        steps = engine_steps.report(
-                            engine_steps.snapshot(was), engine_steps.snapshot(now)
+                        was_steps, now_steps = (
+                            engine_steps.snapshot(was),
+                            engine_steps.snapshot(now),
                         )
+                        steps = engine_steps.report(was_steps, now_steps)
+                        compiles = engine_steps.serving_compiles(was_steps, now_steps)
                     summary = summarize(result.records, result.duration, slo)
                     window = busy.result.window(result.started, result.started + result.duration)
-                    reports.append(RunReport(result, summary, cache, hand, window, cpu, steps))
+                    reports.append(
+                        RunReport(result, summary, cache, hand, window, cpu, steps, compiles)
+                    )
                     _print_one(reports[-1])
                     meta["loadavg_end"] = machine_info()["loadavg"]
                     write_json(args.out / "results.json", meta, reports)  # partial, kept on failure
@@ -366,7 +371,8 @@ def _print_one(rep: RunReport) -> None:
         cores = ", ".join(f"{n} {c:.2f}" for n, c in sorted(rep.cpu.items()))
         print(f"  CPU cores: {cores}", flush=True)
     if rep.steps is not None:
-        print(f"  {engine_steps.one_line(rep.steps)}", flush=True)
+        built = "" if rep.compiles is None else f"; kernels compiled while serving {rep.compiles}"
+        print(f"  {engine_steps.one_line(rep.steps)}{built}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ included, else ``decode``) gives, per phase, the steps taken, their mean wall ti
 mean batch. That splits a stream's TPOT into what the engine spent per step and how often a
 decode shared its step with a prompt chunk: the stack's TPOT against its own decode step is
 the services' overhead, and the decode step against an in-process one the engine loop's.
+The same reads give the Triton kernels compiled while serving (``tandem_kernel_compiles_total``,
+phase ``serving``): each is a stall of the batch that the warm-up should have prevented.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 DURATION = "tandem_engine_step_duration_seconds"
 BATCH = "tandem_engine_batch_size_sequences"
+COMPILES = "tandem_kernel_compiles"
 PHASES = ("decode", "prefill")
 
 # (metric, phase, "sum" | "count") -> value, summed over workers
@@ -24,16 +27,17 @@ Counters = dict[tuple[str, str, str], float]
 
 
 def parse_metrics(text: str) -> Counters:
-    """The step histograms' sums and counts in one worker's Prometheus text."""
+    """The step histograms' sums and counts, and the kernel compiles counter, in one worker's
+    Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: Counters = {}
     for family in text_string_to_metric_families(text):
-        if family.name not in (DURATION, BATCH):
+        if family.name not in (DURATION, BATCH, COMPILES):
             continue
         for s in family.samples:
             kind = s.name.rsplit("_", 1)[-1]
-            if kind in ("sum", "count"):
+            if kind in ("sum", "count", "total"):
                 key = (family.name, s.labels.get("phase", ""), kind)
                 out[key] = out.get(key, 0.0) + s.value
     return out
@@ -83,14 +87,22 @@ def report(before: Counters, after: Counters) -> dict[str, PhaseSteps]:
     return out
 
 
-def render(rows: Sequence[tuple[str, str, str, dict[str, PhaseSteps]]]) -> str:
-    """Markdown table: one row per (endpoint, workload, rate)."""
+def serving_compiles(before: Counters, after: Counters) -> int:
+    """Kernels the workers compiled while serving between two snapshots."""
+    key = (COMPILES, "serving", "total")
+    return round(after.get(key, 0.0) - before.get(key, 0.0))
+
+
+def render(rows: Sequence[tuple[str, str, str, dict[str, PhaseSteps], int | None]]) -> str:
+    """Markdown table: one row per (endpoint, workload, rate), with the kernels compiled while
+    serving (None: not known)."""
     lines = [
         "| endpoint | workload | rate | decode steps | mean ms | mean batch "
-        "| steps with a prompt | mean ms | mean batch | their share of step time |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| steps with a prompt | mean ms | mean batch | their share of step time "
+        "| kernel compiles |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for endpoint, workload, rate, phases in rows:
+    for endpoint, workload, rate, phases, compiles in rows:
         cells = []
         for p in PHASES:
             s = phases.get(p)
@@ -99,7 +111,10 @@ def render(rows: Sequence[tuple[str, str, str, dict[str, PhaseSteps]]]) -> str:
             )
         pre = phases.get("prefill")
         share = "-" if pre is None or math.isnan(pre.time_share) else f"{pre.time_share:.0%}"
-        lines.append(f"| {endpoint} | {workload} | {rate} | {' | '.join(cells)} | {share} |")
+        built = "-" if compiles is None else str(compiles)
+        lines.append(
+            f"| {endpoint} | {workload} | {rate} | {' | '.join(cells)} | {share} | {built} |"
+        )
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ class RunReport:
     gpu_busy: GpuBusy | None = None  # hosts with nvidia-smi: how busy the GPUs were
     cpu: dict[str, float] | None = None  # local stacks: CPU cores of each process
     steps: dict[str, PhaseSteps] | None = None  # local stacks: engine steps by phase
+    compiles: int | None = None  # local stacks: kernels compiled while serving (none expected)
 
     @property
     def rate_label(self) -> str:
@@ -168,6 +169,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 "engine_steps": (
                     {p: dataclasses.asdict(v) for p, v in rep.steps.items()} if rep.steps else None
                 ),
+                "kernel_compiles_serving": rep.compiles,
                 "records": records,
             }
         )
@@ -242,7 +244,7 @@ def write_markdown(path: Path, meta: dict, reports: Sequence[RunReport], notes: 
         lines += ["", "KV hand-off (from the decode workers' metrics; see bench/handoff.py)", ""]
         lines.append(render_handoff(handoffs))
     steps = [
-        (r.result.endpoint, r.result.workload, r.rate_label, r.steps)
+        (r.result.endpoint, r.result.workload, r.rate_label, r.steps, r.compiles)
         for r in reports
         if r.steps is not None
     ]

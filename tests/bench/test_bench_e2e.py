@@ -55,6 +55,7 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     assert steps["prefill"]["steps"] >= 1 and steps["prefill"]["mean_ms"] > 0
     assert steps["decode"]["steps"] >= 3 and 1 <= steps["decode"]["mean_batch"] <= 3
     assert 0 < run["cpu_cores"]["bench client"] < 2  # the load generator's own CPU
+    assert run["kernel_compiles_serving"] == 0  # read from the workers (no Triton on a CPU)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.engine_steps import parse_metrics, render, report
+from bench.engine_steps import parse_metrics, render, report, serving_compiles
 from engine.step_stats import StepStats
 from services.observability.engine import StepMetrics
 
@@ -34,8 +34,8 @@ def test_steps_by_phase_between_two_scrapes():
     assert d.steps == 30 and d.mean_ms == pytest.approx(6.0) and d.mean_batch == pytest.approx(64)
     assert p.steps == 5 and p.mean_ms == pytest.approx(40.0) and p.mean_batch == pytest.approx(32)
     assert p.time_share == pytest.approx(0.2 / (0.2 + 0.18))
-    table = render([("colocated:1", "decode-heavy", "inf", phases)])
-    row = "| colocated:1 | decode-heavy | inf | 30 | 6.00 | 64.0 | 5 | 40.00 | 32.0 | 53% |"
+    table = render([("colocated:1", "decode-heavy", "inf", phases, 0)])
+    row = "| colocated:1 | decode-heavy | inf | 30 | 6.00 | 64.0 | 5 | 40.00 | 32.0 | 53% | 0 |"
     assert row in table
 
 
@@ -50,4 +50,25 @@ def test_a_run_without_steps_reports_none_and_two_workers_add_up():
     assert phases["decode"].steps == 2 and phases["decode"].mean_ms == pytest.approx(20.0)
     assert phases["decode"].mean_batch == pytest.approx(4.0)
     assert math.isclose(phases["decode"].time_share, 1.0)
-    assert "| 0 | - | - | - |" in render([("s", "w", "4", phases)])
+    assert "| 0 | - | - | - | - |" in render([("s", "w", "4", phases, None)])
+
+
+def test_kernels_compiled_while_serving_between_two_scrapes():
+    """The worker's compile counter (its real family) read twice: only serving compiles count."""
+    from kernels.compile_counter import CompileCounts
+    from services.observability.engine import _compiles
+
+    def text(warmup: int, serving: int) -> str:
+        registry = CollectorRegistry()
+
+        class Counts:
+            def collect(self):
+                yield _compiles(CompileCounts(warmup=warmup, serving=serving))
+
+        registry.register(Counts())
+        return generate_latest(registry).decode()
+
+    before, after = parse_metrics(text(40, 1)), parse_metrics(text(40, 4))
+    assert serving_compiles(before, after) == 3
+    assert serving_compiles(after, after) == 0
+    assert serving_compiles({}, parse_metrics(text(40, 0))) == 0
