@@ -26,19 +26,22 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import engine_steps, extra, handoff, kv_stats
+from bench.engine_steps import PhaseSteps
 from bench.gpu_busy import GpuSampler
+from bench.handoff import HandoffReport
 from bench.metrics import SLO, summarize
 from bench.proc_cpu import CpuMeter, with_engines
 from bench.report import (
     RunReport,
     machine_info,
+    rate_label,
     render_ratios,
     render_table,
     write_json,
     write_markdown,
     write_plots,
 )
-from bench.runner import Endpoint, LoadConfig, RequestOptions, run_load
+from bench.runner import Endpoint, LoadConfig, RequestOptions, RunResult, run_load
 from bench.stacks import StackSpec, parse_stack, running_stack
 from bench.trace_workload import add_trace_arguments, generate_trace, trace_config
 from bench.traces import describe
@@ -194,7 +197,7 @@ def _open(
     overrides = worker_overrides(args)
     if args.logs is None:
         args.logs = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
-    run_dir = args.logs / f"{i}-{target.name.replace(':', '-')}"
+    run_dir = _run_dir(args, target, i)
     print(f"starting stack {target.name} (logs: {run_dir}/logs) ...", flush=True)
     with running_stack(target, str(_model_dir(args)), run_dir, **overrides) as (endpoint, stack):
         workers = {
@@ -204,6 +207,12 @@ def _open(
         }
         pids = {n: c.proc.pid for n, c in stack.children.items() if c.proc is not None}
         yield endpoint, workers, stack.scrape_targets(), with_engines(pids)
+
+
+def _run_dir(args: argparse.Namespace, target: StackSpec, i: int) -> Path:
+    """The folder of the i-th target's logs (and its processes' metrics, before and after each
+    run)."""
+    return args.logs / f"{i}-{target.name.replace(':', '-')}"
 
 
 def _gpu_list(args: argparse.Namespace) -> str:
@@ -302,7 +311,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                 for j, workload in enumerate(sweep):
                     load = _load(args, rates, j, workload)
                     before = kv_stats.snapshot(workers) if workers else {}
-                    metrics_before = handoff.worker_metrics(scrape) if scrape else None
+                    was = handoff.stack_metrics(scrape) if scrape else None
                     meter = CpuMeter(pids)
                     with GpuSampler(gpus=_gpu_list(args)) as busy:
                         meter.start()
@@ -317,17 +326,10 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
                         )
                         cache = kv_stats.measure(workers, before, prompts, result.duration)
                     hand = steps = compiles = None
-                    if metrics_before is not None:  # a local stack: hand-off and engine steps
-                        was, now = metrics_before, handoff.worker_metrics(scrape)
-                        hand = handoff.report(
-                            handoff.snapshot(was), handoff.snapshot(now), result.records
-                        )
-                        was_steps, now_steps = (
-                            engine_steps.snapshot(was),
-                            engine_steps.snapshot(now),
-                        )
-                        steps = engine_steps.report(was_steps, now_steps)
-                        compiles = engine_steps.serving_compiles(was_steps, now_steps)
+                    if was is not None:  # a local stack: its processes' metrics
+                        folder = _run_dir(args, target, i) / "metrics"
+                        folder /= f"{workload.name}-{rate_label(result)}".replace(" ", "-")
+                        hand, steps, compiles = _from_metrics(scrape, was, result, folder)
                     summary = summarize(result.records, result.duration, slo)
                     window = busy.result.window(result.started, result.started + result.duration)
                     reports.append(
@@ -344,6 +346,19 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
         written += [p.name for p in write_plots(args.out, reports)]
     print(f"\nwrote {', '.join(written)} to {args.out}")
     return 0
+
+
+def _from_metrics(
+    scrape: dict[str, str], was: dict[str, str], result: RunResult, folder: Path
+) -> tuple[HandoffReport, dict[str, PhaseSteps], int]:
+    """A local stack's hand-off, engine steps and kernel compiles over a run, from every
+    process's /metrics before it (``was``) and now; both readings are saved in ``folder``."""
+    now = handoff.stack_metrics(scrape)
+    for when, texts in (("before", was), ("after", now)):
+        handoff.save(texts, folder, when)
+    hand = handoff.report(handoff.snapshot(was), handoff.snapshot(now), result.records)
+    a, b = engine_steps.snapshot(was), engine_steps.snapshot(now)
+    return hand, engine_steps.report(a, b), engine_steps.serving_compiles(a, b)
 
 
 def _print_one(rep: RunReport) -> None:

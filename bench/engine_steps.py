@@ -45,7 +45,7 @@ def parse_metrics(text: str) -> Counters:
 
 def snapshot(texts: Mapping[str, str]) -> Counters:
     """The counters summed over every worker (name -> its ``/metrics`` text, as
-    ``bench.handoff.worker_metrics`` reads them)."""
+    ``bench.handoff.stack_metrics`` reads them; processes without an engine add nothing)."""
     total: Counters = {}
     for text in texts.values():
         for key, value in parse_metrics(text).items():

@@ -21,6 +21,7 @@ import math
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.metrics import RequestRecord, percentile
@@ -90,20 +91,28 @@ def combine(parts: Sequence[HandoffCounters], sign: float = 1.0) -> HandoffCount
     return out
 
 
-def worker_metrics(metrics_addresses: Mapping[str, str]) -> dict[str, str]:
-    """Every worker's ``/metrics`` text (name -> host:port of its /metrics, as a stack's
-    ``scrape_targets``); routers and gateways, which have no engine, are left out. One read
-    serves both `snapshot` and ``bench.engine_steps.snapshot``."""
+def stack_metrics(metrics_addresses: Mapping[str, str]) -> dict[str, str]:
+    """Every process's ``/metrics`` text (name -> host:port of its /metrics, as a stack's
+    ``scrape_targets``). One read serves `snapshot` and ``bench.engine_steps.snapshot`` (each
+    takes the families it knows) and `save`."""
     texts = {}
     for name, address in metrics_addresses.items():
-        if name.startswith(("decode", "prefill")):
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-                texts[name] = r.read().decode()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+            texts[name] = r.read().decode()
     return texts
 
 
+def save(texts: Mapping[str, str], folder: Path, suffix: str) -> None:
+    """Write each process's text to ``folder/NAME.SUFFIX.prom``: the counters before and after
+    a run, for whoever wants more of a run than its report (queue times, gRPC handling times,
+    admission refusals)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (folder / f"{name}.{suffix}.prom").write_text(text)
+
+
 def snapshot(texts: Mapping[str, str]) -> HandoffCounters:
-    """Summed counters of the decode workers (name -> its `worker_metrics` text)."""
+    """Summed counters of the decode workers (name -> its `stack_metrics` text)."""
     return combine([parse_metrics(t) for name, t in texts.items() if name.startswith("decode")])
 
 

@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from services.gateway.core import APIError, BackendRequest
 from services.gateway.grpc_backend import GrpcBackend
 
-PROMPT = list(range(200, 232))  # 32 prompt tokens: the router's routing work of a short chat turn
+PROMPT_TOKENS = 32  # the default: the router's routing work of a short chat turn
 _ids = itertools.count()
 
 
@@ -50,10 +50,13 @@ class Probe(NamedTuple):
         return self.inbound + self.outbound
 
 
-def request(rid: str, max_tokens: int, model: str, timeout: float) -> BackendRequest:
+def request(
+    rid: str, max_tokens: int, model: str, timeout: float, prompt_tokens: int = PROMPT_TOKENS
+) -> BackendRequest:
     """A token-id request as the gateway makes one (ignore_eos: it runs to max_tokens)."""
+    prompt = tuple(range(200, 200 + prompt_tokens))
     return BackendRequest(
-        rid, tuple(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True), model=model,
+        rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), model=model,
         deadline=time.monotonic() + timeout, slo_ttft_ms=1000, slo_tpot_ms=50,
     )  # fmt: skip
 
@@ -61,10 +64,13 @@ def request(rid: str, max_tokens: int, model: str, timeout: float) -> BackendReq
 class Client:
     """Streams and probes against one router."""
 
-    def __init__(self, backend: GrpcBackend, model: str, tokens: int) -> None:
+    def __init__(
+        self, backend: GrpcBackend, model: str, tokens: int, prompt_tokens: int = PROMPT_TOKENS
+    ) -> None:
         self.backend = backend
         self.model = model
         self.tokens = tokens
+        self.prompt_tokens = prompt_tokens
         self.tally = Tally()
 
     async def one_stream(self) -> None:
@@ -73,7 +79,8 @@ class Client:
         rid = f"stream-{next(_ids)}"
         i, last = 0, 0.0  # i: tokens received so far
         try:
-            async for ev in self.backend.generate(request(rid, self.tokens, self.model, 600)):
+            req = request(rid, self.tokens, self.model, 600, self.prompt_tokens)
+            async for ev in self.backend.generate(req):
                 now = time.perf_counter()
                 got = list(ev.token_ids)
                 if t.counting:
@@ -107,7 +114,7 @@ class Client:
         rid = f"probe-{next(_ids)}"
         sent = time.monotonic()
         first = 0.0
-        async for _ in self.backend.generate(request(rid, 1, self.model, 30)):
+        async for _ in self.backend.generate(request(rid, 1, self.model, 30, self.prompt_tokens)):
             first = first or time.monotonic()
         timing = state.timings.pop(rid)
         return Probe(first - sent, timing.arrived - sent, first - timing.first_sent)

@@ -37,11 +37,15 @@ class RunReport:
 
     @property
     def rate_label(self) -> str:
-        r = self.result.rate
-        label = "inf" if math.isinf(r) else f"{r:g}"
-        if self.result.trace_speed is not None:  # at the trace's own times
-            label = f"trace x{self.result.trace_speed:g}"
-        return label if self.result.concurrency is None else f"{label} c={self.result.concurrency}"
+        return rate_label(self.result)
+
+
+def rate_label(result: RunResult) -> str:
+    """How a run's load is named in tables: its rate, the trace's speed, its concurrency."""
+    label = "inf" if math.isinf(result.rate) else f"{result.rate:g}"
+    if result.trace_speed is not None:  # at the trace's own times
+        label = f"trace x{result.trace_speed:g}"
+    return label if result.concurrency is None else f"{label} c={result.concurrency}"
 
 
 def _ms(x: float) -> str:

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=64, help="concurrent streams kept running")
     p.add_argument("--step-ms", type=float, default=10.0, help="the stand-in's step (ms)")
     p.add_argument("--tokens", type=int, default=300, help="tokens per stream")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the loaded window")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before the window")
     p.add_argument("--idle-seconds", type=float, default=3.0, help="router idle CPU window")
@@ -129,7 +130,7 @@ async def measure(args, etcd: str, model: str, run_dir: Path) -> dict:
     log = run_dir / "router.log"
     proc, address = start_router(args, etcd, model, log)
     backend = GrpcBackend([address], model=name, direct=args.token_path == "direct")
-    client = Client(backend, name, args.tokens)
+    client = Client(backend, name, args.tokens, args.prompt_tokens)
     tasks: list[asyncio.Task] = []
     try:
         await wait_ready(proc, log, client, timeout=90)

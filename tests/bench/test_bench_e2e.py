@@ -48,6 +48,10 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     assert s["completed"] == 6 and s["output_tokens"] == 24
     assert s["request_throughput"] == pytest.approx(6 / s["duration"])
     assert (tmp_path / "logs/0-disagg-1p1d/logs/prefill-0.log").is_file()
+    saved = tmp_path / "logs/0-disagg-1p1d/metrics/prefill-heavy-inf-c=3"  # every process's
+    ttft = "tandem_gateway_time_to_first_token_seconds"
+    assert ttft in (saved / "gateway.after.prom").read_text()
+    assert "tandem_engine_queue_time_seconds" in (saved / "decode-0.before.prom").read_text()
     cache = run["cache"]  # read from both workers' Stats: every prompt token counted once
     assert cache["workers"] == 2 and cache["prompt_tokens"] >= sum(r["input_tokens"] for r in recs)
     assert 0 <= cache["hit_rate"] <= 1 and cache["location_txns"] > 0
