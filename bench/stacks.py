@@ -10,7 +10,9 @@ this stack alone (the step's token budget, so the prefill chunk beside the decod
 stacks differing only there measure the TTFT/TPOT trade-off of the chunk size in one run.
 Either takes ``:path=direct|relay``, the gateway's ``--token-path`` (direct, its default: tokens
 stream from the decode worker to the gateway; relay: through the router), so one run compares
-the two token paths on the same requests.
+the two token paths on the same requests, and ``:graphs=N``, the workers'
+``--mixed-graph-max-tokens`` (0: steps with prompt tokens run eagerly), so one run compares the
+mixed steps' piecewise CUDA graphs with eager steps.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
+    "graphs": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
-_COLOCATED_OPTIONS = {"tokens": int, "path": str}
+_COLOCATED_OPTIONS = {"tokens": int, "path": str, "graphs": int}
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
 
@@ -53,6 +56,7 @@ class StackSpec:
     mode: str | None = None  # the routers' --disagg-mode; None: the launcher's default
     tokens: int | None = None  # the workers' --max-num-batched-tokens; None: the run's
     path: str | None = None  # the gateway's --token-path; None: its default (direct)
+    graphs: int | None = None  # the workers' --mixed-graph-max-tokens; None: their default
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:
@@ -65,6 +69,8 @@ def _options(text: str, spec: str, known: dict[str, type]) -> dict:
         options[key] = known[key](value)
     if options.get("tokens", 1) < 1:
         raise ValueError(f"{text}: tokens must be >= 1")
+    if options.get("graphs", 0) < 0:
+        raise ValueError(f"{text}: graphs must be >= 0")
     if options.get("path", "direct") not in _PATHS:
         raise ValueError(f"{text}: unknown path; one of {', '.join(_PATHS)}")
     return options
@@ -104,6 +110,9 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
         common["max_num_batched_tokens"] = spec.tokens
     if spec.path is not None:
         common["gateway_args"] = (*common.get("gateway_args", ()), "--token-path", spec.path)
+    if spec.graphs is not None:
+        graphs = ("--mixed-graph-max-tokens", str(spec.graphs))
+        common["worker_args"] = (*common.get("worker_args", ()), *graphs)
     if spec.colocated:
         return StackConfig.colocated(spec.num_decode, **common)
     config = StackConfig(num_prefill=spec.num_prefill, num_decode=spec.num_decode, **common)

@@ -210,3 +210,16 @@ def test_stack_specs_set_the_gateways_token_path():
     assert stack_config(parse_stack("disagg:1p1d"), "/m", "/r").gateway_args == ()
     with pytest.raises(ValueError, match="unknown path"):
         parse_stack("colocated:1:path=fast")
+
+
+def test_stack_specs_set_the_workers_mixed_graphs():
+    """``:graphs=N`` passes ``--mixed-graph-max-tokens N`` to the stack's workers (0: eager
+    mixed steps), after the run's own worker flags; by default the workers keep theirs."""
+    spec = parse_stack("colocated:1:graphs=0")
+    cfg = stack_config(spec, "/m", "/r", worker_args=("--seed", "1"))
+    assert cfg.worker_args == ("--seed", "1", "--mixed-graph-max-tokens", "0")
+    cfg = stack_config(parse_stack("disagg:1p1d:graphs=256:path=relay"), "/m", "/r")
+    assert cfg.worker_args == ("--mixed-graph-max-tokens", "256")
+    assert stack_config(parse_stack("colocated:1"), "/m", "/r").worker_args == ()
+    with pytest.raises(ValueError, match="graphs must be >= 0"):
+        parse_stack("colocated:1:graphs=-1")
