@@ -65,8 +65,9 @@ class _Memory:
 def _unowned(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s memory that does not keep it allocated: once ``t`` is dropped its
     blocks return to the graphs' pool (see the module's note on memory)."""
-    view = torch.as_tensor(_Memory(t), device=t.device)
-    return view.view(t.dtype)
+    view = torch.as_tensor(_Memory(t), device=t.device).view(t.dtype)
+    assert view.data_ptr() == t.data_ptr() and view.shape == t.shape, "a copy, not a view"
+    return view
 
 
 @dataclass(slots=True)
