@@ -59,23 +59,31 @@ def test_captured_pieces_match_eager(model_dir):
     mixed = runner.mixed
     assert isinstance(mixed, MixedGraphs) and mixed.captured and mixed.sizes[-1] == 256
     runs = mixed.runs  # the warm-up's steps ran through it too
-    errs = []
+    errs, exact, agree = [], [], []
     for step in steps():
         plan = plan_of(step)
         got, want, kv, want_kv = both(runner, mixed, plan)
         if plan.sample_rows:
             errs.append(rel(got, want))
-            assert errs[-1] < 2e-2, errs
-            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
-        assert rel(kv, want_kv) < 2e-2
+            assert errs[-1] < 5e-2, errs
+            agree += (got.argmax(-1) == want.argmax(-1)).tolist()
+        assert rel(kv, want_kv) < 5e-2
+        if plan.sample_rows:  # the same pieces on the same padded rows, eagerly: the graphs'
+            runner.mixed, mixed.captured = mixed, False  # own error, about none
+            pieces = runner._forward(plan)
+            runner.mixed, mixed.captured = None, True
+            exact.append(torch.equal(got, pieces))
+            assert rel(got, pieces) < 1e-3
         runner._forward(plan)  # the eager step (``both`` leaves no graphs), for the next prefixes
     fed = torch.tensor([11, 4242], device=runner.device)
     plan = plan_of(steps()[3])
     plan.feed_src = [1] + [-1] * 31
     got, want, _, _ = both(runner, mixed, plan, fed)
-    assert rel(got, want) < 2e-2
-    report("mixed_graphs_logits", rel_errs=[round(e, 5) for e in errs], runs=mixed.runs)
-    assert mixed.runs - runs == len(steps()) + 1
+    assert rel(got, want) < 5e-2
+    report("mixed_graphs_logits", rel_errs=[round(e, 5) for e in errs], exact=exact,
+           argmax_agree=sum(agree) / len(agree))  # fmt: skip
+    assert sum(agree) >= 0.75 * len(agree)
+    assert mixed.runs - runs == len(steps()) + 1 + len(exact)
 
 
 def test_float32_greedy_tokens_match_eager(model_dir):
