@@ -244,6 +244,18 @@ class EngineConfig:
     # next one); enforce_eager turns graphs off.
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # CUDA only: other steps (prompt tokens, alone or beside decodes) of up to this many tokens
+    # replay piecewise graphs (engine.mixed_graphs), padded to the next of mixed_graph_sizes.
+    mixed_graph_max_tokens: int = knob(
+        512,
+        "CUDA: steps that compute prompt tokens (a prefill chunk, alone or beside decodes) of up "
+        "to this many tokens replay piecewise CUDA graphs, attention run eagerly between them; "
+        "larger steps, steps with LoRA adapters and --enforce-eager run eagerly (0: off)",
+        metavar="TOKENS",
+    )
+    mixed_graph_sizes: tuple[int, ...] = (
+        16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+    )  # fmt: skip
     # Ranks (processes, one device each) the model is split over (engine.parallel); on CUDA
     # rank r takes device cuda:r (cuda:k+r with device="cuda:k"). Memory settings are per rank.
     tensor_parallel_size: int = knob(
@@ -342,6 +354,10 @@ class EngineConfig:
             raise ValueError(f"kv_disk_cache_gib must be >= 0, not {self.kv_disk_cache_gib}")
         if self.kv_swap_min_tokens < 0:
             raise ValueError(f"kv_swap_min_tokens must be >= 0, not {self.kv_swap_min_tokens}")
+        if self.mixed_graph_max_tokens < 0:
+            raise ValueError(
+                f"mixed_graph_max_tokens must be >= 0, not {self.mixed_graph_max_tokens}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:

@@ -114,6 +114,9 @@ class DraftProposer:
             speculative_config=None,
             enable_lora=False,
             num_kv_blocks=num_blocks,
+            # Its mixed steps (catching up on a history) run eagerly: the target's plan sets
+            # aside room for the draft's decode graphs only (``memory.Reserve``).
+            mixed_graph_max_tokens=0,
         )
         # Its pool and the room for its graphs are planned by the target (``memory.Reserve``).
         self.runner = ModelRunner(

@@ -10,8 +10,9 @@ fit one GPU side by side whatever order they start in. Inside its share an engin
 - activation peak: one forward pass of ``max_num_batched_tokens`` tokens plus the logits and
   sampling of ``max_num_seqs`` rows, measured by running it (``profile_peak``);
 - CUDA graphs: the decode graphs' shared pool, estimated before capture (the captured logits
-  of every batch size, twice with LoRA, plus one decode step's intermediates) and checked
-  after it;
+  of every batch size, twice with LoRA, plus one decode step's intermediates), and the mixed
+  steps' piecewise graphs' (``engine.mixed_graphs``: about one piece's working set at the
+  largest bucket), checked after it;
 - other CUDA memory: what the device lost to this process outside PyTorch's allocator since
   the engine started (cuBLAS and Triton modules), measured from ``cudaMemGetInfo``. The CUDA
   context itself (about 0.5 GiB) comes on top of F, as in vLLM.
@@ -269,6 +270,15 @@ def graph_pool_estimate(
     return int(logits + step_peak_per_token * max(graph_sizes)) + 128 * 1024**2
 
 
+def mixed_pool_estimate(sizes: list[int], step_peak_per_token: float) -> int:
+    """Bytes the mixed steps' graphs' pool will hold (``engine.mixed_graphs``): no output
+    stays owned, so about one step's working set at the largest bucket (the measured peak per
+    token, which counts the logits too), doubled for what the allocator's segments strand."""
+    if not sizes:
+        return 0
+    return int(2 * step_peak_per_token * max(sizes)) + 64 * 1024**2
+
+
 def plan_for_cuda(
     start: CudaStart,
     model: DecoderModel,
@@ -277,10 +287,12 @@ def plan_for_cuda(
     max_len: int,
     graph_sizes: list[int],
     later_weights: int = 0,
+    mixed_sizes: list[int] | None = None,
 ) -> KVPlan:
     """Measure the loaded weights, the activation peak and other CUDA memory of this process,
     then size the pool to the engine's share of the device. ``later_weights``: weights loaded
-    after this plan that the share must hold too (a draft model's)."""
+    after this plan that the share must hold too (a draft model's); ``mixed_sizes``: the
+    buckets of the mixed steps' graphs."""
     device = torch.device("cuda", torch.cuda.current_device())
     weights = torch.cuda.memory_allocated(device) + later_weights
     tokens = config.max_num_batched_tokens
@@ -297,7 +309,8 @@ def plan_for_cuda(
         activation_peak=peak,
         graphs=graph_pool_estimate(
             graph_sizes, model.config.vocab_size, peak / tokens, 2 if config.enable_lora else 1
-        ),
+        )
+        + mixed_pool_estimate(mixed_sizes or [], peak / tokens),
         other=max(0, (start.free - int(free_now)) - torch_grew),
     )
     return plan_cuda(

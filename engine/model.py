@@ -53,6 +53,19 @@ class ModelWeights:
     lm_head: torch.Tensor | kernels.Fp8Weight
 
 
+@dataclass(slots=True)
+class Carry:
+    """What a piece of the forward pass hands on across attention (``DecoderModel.piece``):
+    ``qkv``, the layer's QKV product (attention's input); ``stream``, the residual stream
+    (folded: the stream itself; unfolded: the residual before the next norm); ``cos``/``sin``
+    of the rows' positions, made by the first piece and read by every attention."""
+
+    qkv: torch.Tensor
+    stream: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 def fold_norms(weights: ModelWeights) -> None:
     """Multiply each layer's RMSNorm weights into the columns of the product that follows the
     norm (``rms_norm(x) * g @ W.T == rms_norm(x) @ (W * g).T``), in place, and set the norms'
@@ -135,6 +148,10 @@ class DecoderModel:
             raise ValueError("folded norms (fold_norms) need one rank: the products add the "
                              "residual stream before the ranks' sums")  # fmt: skip
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.w.layers)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -145,48 +162,104 @@ class DecoderModel:
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]. With
-        ``lora``, each token's adapter adds its low-rank delta to the seven projections."""
-        x = self.comm.embed(input_ids, self.w.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
-        if self.folded:
-            if lora is not None:
-                raise ValueError("a model with folded norms takes no LoRA adapters")
-            return self._forward_folded(x, cos, sin, kv_cache, meta)
-        residual: torch.Tensor | None = None
-        qkv_parts = (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))
-        for i, lw in enumerate(self.w.layers):
-            qkv, residual = self._normed_product(
-                i, x, residual, lw.input_norm, lw.qkv, lw.qkv_bias, lora, qkv_parts
-            )
-            h = self._attention(i, lw, qkv, cos, sin, kv_cache, meta, lora)
-            n = lw.gate_up.shape[0] // 2
-            gate_up, residual = self._normed_product(
-                i, h, residual, lw.post_norm, lw.gate_up, None, lora,
-                (("gate_proj", n), ("up_proj", n)),
-            )  # fmt: skip
-            x = self.comm.all_reduce(self._down(i, lw, gate_up, lora))
-        out, _ = kernels.rms_norm(x, self.w.norm, self.config.rms_norm_eps, residual, self.choices)
-        return out
+        ``lora``, each token's adapter adds its low-rank delta to the seven projections.
 
-    def _forward_folded(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        """`forward` with the norms folded into the products (`fold_norms`): ``s`` is the
-        residual stream itself; each product that follows a norm normalizes ``s`` in its
-        epilogue, and the two that end a block add the stream in theirs (and leave its sums
-        of squares for the next norm, where their kernel can)."""
+        The pieces' loop (`first_piece`, `piece`, `last_piece`, attention between them), as
+        ``engine.mixed_graphs`` runs it with the pieces replayed from CUDA graphs."""
+        carry = self.first_piece(input_ids, positions, lora)
+        for i in range(self.num_layers - 1):
+            carry = self.piece(i + 1, self.attention(i, carry, kv_cache, meta), carry, lora)
+        o = self.attention(self.num_layers - 1, carry, kv_cache, meta)
+        return self.last_piece(o, carry, lora)
+
+    # -- the pieces around attention: one forward pass is first_piece, then per layer i its
+    # attention and piece i + 1 (last_piece after the last layer). Every piece is row-wise (a
+    # row's outputs depend on that row's inputs only) and touches no KV: only attention reads
+    # other rows and the cache. Tensor parallelism's sums stay inside the pieces.
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, lora: LoRABatch | None = None
+    ) -> Carry:
+        """The embedding, the rows' RoPE cos/sin and layer 0's pre-attention (norm and QKV)."""
+        if self.folded and lora is not None:
+            raise ValueError("a model with folded norms takes no LoRA adapters")
+        x = self.comm.embed(input_ids, self.w.embed)
+        qkv, stream = self._pre(0, x, None, None, lora)
+        return Carry(qkv, stream, self.cos[positions], self.sin[positions])
+
+    def piece(self, i: int, o: torch.Tensor, carry: Carry, lora: LoRABatch | None = None) -> Carry:
+        """Layer ``i - 1``'s post-attention from its attention output ``o`` (o_proj, the
+        residual add, the MLP), then layer ``i``'s pre-attention; 1 <= i < num_layers."""
+        x, stream, sums = self._post(i - 1, o, carry.stream, lora)
+        qkv, stream = self._pre(i, x, stream, sums, lora)
+        return Carry(qkv, stream, carry.cos, carry.sin)
+
+    def last_piece(
+        self, o: torch.Tensor, carry: Carry, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
+        """The last layer's post-attention, then the final norm: the hidden states."""
+        x, stream, _ = self._post(self.num_layers - 1, o, carry.stream, lora)
         eps, c = self.config.rms_norm_eps, self.choices
-        s = x
-        sums = None  # s's sums of squares, where the product that made s left them
-        for i, lw in enumerate(self.w.layers):
-            qkv = kernels.rms_linear(s, lw.input_norm, eps, lw.qkv, lw.qkv_bias, sums=sums,
-                                     choices=c)  # fmt: skip
-            s, sums = kernels.linear_add_sums(
-                self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta), lw.o_proj, s, c
-            )
+        if self.folded:  # x is the stream itself
+            return kernels.rms_norm(x, self.w.norm, eps, choices=c)[0]
+        return kernels.rms_norm(x, self.w.norm, eps, stream, c)[0]
+
+    def attention(
+        self, i: int, carry: Carry, kv_cache: torch.Tensor, meta: kernels.AttentionMetadata,
+        rows: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer ``i``'s attention heads' output ``[rows, q_size]`` (o_proj's input) from the
+        first ``rows`` rows of ``carry`` (all of them by default): RoPE, the KV write into
+        ``meta``'s slots, paged attention. ``meta`` describes exactly those rows."""
+        c = self.config
+        t = carry.qkv.shape[0] if rows is None else rows
+        q, k, v = carry.qkv[:t].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, c.head_dim)
+        k = k.view(t, self.num_kv_heads, c.head_dim)
+        v = v.view(t, self.num_kv_heads, c.head_dim)
+        lw = self.w.layers[i]
+        o = kernels.rope_attention(q, k, v, carry.cos[:t], carry.sin[:t], kv_cache, i, meta,
+                                   self.scale, lw.k_scale, lw.v_scale, self.choices)  # fmt: skip
+        return o.reshape(t, self.q_size)
+
+    def _pre(self, i, x, stream, sums, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s QKV product of its normed input, and the stream after it. Folded
+        (`fold_norms`): ``x`` is the residual stream itself and ``rms_linear`` normalizes it in
+        its epilogue (from ``sums``, its sums of squares, where the product that made it left
+        them). Unfolded: the norm of ``x + stream`` (``stream``: the residual; None at layer 0),
+        whose sum is the next residual."""
+        lw = self.w.layers[i]
+        if self.folded:
+            qkv = kernels.rms_linear(x, lw.input_norm, self.config.rms_norm_eps, lw.qkv,
+                                     lw.qkv_bias, sums=sums, choices=self.choices)  # fmt: skip
+            return qkv, x
+        parts = (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))
+        return self._normed_product(i, x, stream, lw.input_norm, lw.qkv, lw.qkv_bias, lora, parts)
+
+    def _post(self, i, o, stream, lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer ``i``'s o_proj of the attention output ``o`` and its MLP: ``(x, stream,
+        sums)`` for the next `_pre`. Folded: the two products that end a block add the stream
+        in their epilogues (and leave its sums of squares where their kernel can); x is the
+        stream. Unfolded: x is the MLP's output (summed over the ranks), stream the residual."""
+        lw, eps, c = self.w.layers[i], self.config.rms_norm_eps, self.choices
+        if self.folded:
+            s, sums = kernels.linear_add_sums(o, lw.o_proj, stream, c)
             act = kernels.rms_linear(s, lw.post_norm, eps, lw.gate_up, silu=True, sums=sums,
                                      choices=c)  # fmt: skip
             s, sums = kernels.linear_add_sums(act, lw.down, s, c)
-        out, _ = kernels.rms_norm(s, self.w.norm, eps, choices=c)
-        return out
+            return s, s, sums
+        h = kernels.linear(o, lw.o_proj, choices=c)
+        if lora is not None:
+            lora.add(i, "o_proj", h, o, c)
+        h = self.comm.all_reduce(h)
+        n = lw.gate_up.shape[0] // 2
+        gate_up, residual = self._normed_product(
+            i, h, stream, lw.post_norm, lw.gate_up, None, lora, (("gate_proj", n), ("up_proj", n))
+        )
+        act = kernels.silu_and_mul(gate_up, c)
+        out = kernels.linear(act, lw.down, choices=c)
+        if lora is not None:
+            lora.add(i, "down_proj", out, act, c)
+        return self.comm.all_reduce(out), residual, None
 
     def _normed_product(self, i, x, residual, norm, w, bias, lora, parts):
         """``linear(rms_norm(x + residual) * norm, w, bias)`` and the next residual, plus the
@@ -197,34 +270,6 @@ class DecoderModel:
         if lora is not None:
             lora.add_parts(i, parts, out, h, self.choices)
         return out, residual
-
-    def _attention(self, i, lw, qkv, cos, sin, kv_cache, meta, lora) -> torch.Tensor:
-        """Attention of the layer from its (normed) input's QKV product; returns o_proj's."""
-        o = self._attention_out(i, lw, qkv, cos, sin, kv_cache, meta)
-        out = kernels.linear(o, lw.o_proj, choices=self.choices)
-        if lora is not None:
-            lora.add(i, "o_proj", out, o, self.choices)
-        return self.comm.all_reduce(out)
-
-    def _attention_out(self, i, lw, qkv, cos, sin, kv_cache, meta) -> torch.Tensor:
-        """The attention heads' output ``[T, q_size]`` (o_proj's input)."""
-        c = self.config
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = qkv.shape[0]
-        q = q.view(t, self.num_heads, c.head_dim)
-        k = k.view(t, self.num_kv_heads, c.head_dim)
-        v = v.view(t, self.num_kv_heads, c.head_dim)
-        o = kernels.rope_attention(q, k, v, cos, sin, kv_cache, i, meta, self.scale, lw.k_scale,
-                                   lw.v_scale, self.choices)  # fmt: skip
-        return o.reshape(t, self.q_size)
-
-    def _down(self, i: int, lw: LayerWeights, gate_up: torch.Tensor, lora: LoRABatch | None):
-        """The down product of SiLU-and-multiply of ``gate_up``, plus the adapters' delta."""
-        act = kernels.silu_and_mul(gate_up, self.choices)
-        out = kernels.linear(act, lw.down, choices=self.choices)
-        if lora is not None:
-            lora.add(i, "down_proj", out, act, self.choices)
-        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from engine.kv_checksum import (
 from engine.loader import dummy_weights, load_weights
 from engine.lora import LoRABatch, LoRAManager
 from engine.lora_config import LoRASpec
+from engine.mixed_graphs import MixedGraphs, mixed_graph_sizes
 from engine.model import DecoderModel
 from engine.parallel.comm import TPComm
 from engine.parallel.devices import rank_device
@@ -221,6 +222,9 @@ class ModelRunner:
         if graphed:
             rows = config.max_decode_rows if graph_rows is None else graph_rows
             sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, rows)
+        mixed_sizes = mixed_graph_sizes(
+            config.mixed_graph_sizes, config.mixed_graph_max_tokens, config.max_num_batched_tokens
+        ) if graphed else []  # fmt: skip
         plan_bytes = self.block_bytes + reserve.block_bytes
         if num_blocks is not None:
             self.kv_plan = memory.KVPlan(
@@ -229,7 +233,7 @@ class ModelRunner:
         elif on_cuda:
             self.kv_plan = memory.plan_for_cuda(
                 start, self.model, config, plan_bytes, max_len, sizes,
-                reserve.weight_bytes + reserve.graph_bytes,
+                reserve.weight_bytes + reserve.graph_bytes, mixed_sizes,
             )  # fmt: skip
         else:
             self.kv_plan = memory.plan_fixed(
@@ -254,6 +258,7 @@ class ModelRunner:
         if config.kv_disk_cache_dir and planned:
             self._open_disk_tier(config.kv_disk_cache_dir, config.kv_disk_cache_gib)
         self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None
         self._checksums: dict[str, BlockChecksums] = {}  # by algorithm
         self._seals: SealedSums | None = None  # sums kept when blocks are sealed
         if on_cuda:  # compile the checksum kernel now, not in the first hand-off's path
@@ -261,13 +266,17 @@ class ModelRunner:
                 self._function(self.checksum_algorithm).on_device(
                     torch.zeros(1, dtype=torch.int64, device=self.device)
                 )
-        if sizes:
+        if sizes or mixed_sizes:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, sizes, -(-max_len // bs), bs, self.lora
-            )
-            self.graphs.capture()
+            if sizes:
+                self.graphs = DecodeGraphs(
+                    self.model, self.kv_cache, sizes, -(-max_len // bs), bs, self.lora
+                )
+                self.graphs.capture()
+            if mixed_sizes:  # every rank the same buckets in the same order (their sums meet)
+                self.mixed = MixedGraphs(self.model, self.kv_cache, mixed_sizes)
+                self.mixed.capture()
             memory.check_graphs(self.kv_plan, torch.cuda.memory_reserved(self.device) - before)
         log.info("%s", self.kv_plan.describe())
         # Set by ``engine.warmup.warm_up``, which the runner's builder runs next: every kernel
@@ -472,20 +481,28 @@ class ModelRunner:
     def _forward(self, plan: StepPlan, fed: torch.Tensor | None = None) -> torch.Tensor | None:
         input_ids, positions, meta, sample_idx = self._tensors(plan, fed)
         lora = self._lora_batch(plan)
+        mixed = self.mixed
+        if lora is None and mixed is not None and mixed.padded_size(len(plan.token_ids)):
+            # The plan alone decides, so every tensor-parallel rank takes the same path.
+            hidden = mixed.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
         if not plan.sample_rows:
-            self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
             return None
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
         if plan.hidden:
             return hidden[sample_idx]
         return self.model.logits(hidden[sample_idx])
 
     def release_graphs(self) -> None:
-        """Drop the decode CUDA graphs (the engine is closing; steps after this run eagerly):
-        before a tensor-parallel rank leaves its process group (`DecodeGraphs.release`)."""
+        """Drop the decode and mixed CUDA graphs (the engine is closing; steps after this run
+        eagerly): before a tensor-parallel rank leaves its process group
+        (`DecodeGraphs.release`)."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.mixed is not None:
+            self.mixed.release()
+            self.mixed = None
 
     def _graph(self, batch: DecodeBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         """Replay a decode graph; with adapters, each rank first places them in its slots

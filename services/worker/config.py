@@ -49,6 +49,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = engine_option(
         "max_num_batched_tokens", old_env=("TANDEM_MAX_BATCHED_TOKENS",)
     )
+    mixed_graph_max_tokens: int = engine_option("mixed_graph_max_tokens")
     lease_seconds: float = option(
         30.0,
         "prefill: seconds prefilled KV is held for a decode worker",
@@ -192,6 +193,7 @@ class WorkerConfig:
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            mixed_graph_max_tokens=self.mixed_graph_max_tokens,
             device=self.device,
             dtype=self.dtype,
             load_format=self.load_format,
