@@ -171,7 +171,7 @@ def run_step(runner: ModelRunner, step: WarmupStep, with_lora: bool) -> None:
         runner._forward(plan)
         return
     assert runner.lora is not None
-    ids, positions, meta = runner._tensors(plan)
+    ids, positions, meta, _ = runner._tensors(plan)
     n = len(plan.token_ids)
     lora = runner.lora
     # Half the tokens in slot 0 (zeros, no adapter is loaded yet: the deltas add zeros), half

@@ -183,6 +183,16 @@ def test_the_passes_leave_the_pool_as_allocated_and_outputs_unchanged(tiny_dir) 
     assert answers(warm) == cold
 
 
+def test_with_lora_the_passes_run_again_with_the_deltas(tiny_dir) -> None:
+    """Where LoRA is on, every pass runs a second time with a LoRA batch (half its rows in an
+    empty slot), through the runner's own input tensors; the pool is left as allocated."""
+    engine = tiny_engine(tiny_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert engine.runner.lora is not None
+    passes = run_passes(engine.runner, engine.max_model_len)
+    assert passes == 2 * len(runner_steps(engine.runner, engine.max_model_len))
+    assert not engine.runner.kv_pool.any()
+
+
 def test_engine_stats_carry_the_process_counts(tiny_dir) -> None:
     engine = tiny_engine(tiny_dir)
     assert compile_counter.COUNTER.ready  # the engine marked it at the end of its build
