@@ -35,7 +35,7 @@ from engine.choices import due_sequences, join_forks
 from engine.device_io import mark
 from engine.inflight import InFlight
 from engine.sequence import SeqStatus, Sequence
-from engine.step_stats import SpecStats, StepObserver, batch_stats
+from engine.step_stats import SpecStats, StepObserver, batch_stats, first_tokens
 
 if TYPE_CHECKING:
     import threading
@@ -183,6 +183,7 @@ class Stepper:
         join_forks(step.sched.scheduled, self._requests, self.kv, self.scheduler)
         due = [step.due[j] for j in live]
         tokens, lps = [out.token_ids[j] for j in live], [out.logprobs[j] for j in live]
+        firsts = [seq for seq in due if seq.index == 0 and not seq.output_token_ids]
         outputs = self.emitter.emit(due, tokens, lps)
         for seq in due:
             if seq.status is SeqStatus.RUNNING and seq.key in self.kv:
@@ -193,6 +194,7 @@ class Stepper:
             self.proposer.retain(self.scheduler.running)
         now = time.perf_counter()
         if step.stats is not None and self.on_step is not None:
+            first_tokens(step.stats, [seq for seq in firsts if seq.output_token_ids])
             # The time this step added: from its launch, or from when the step before it was
             # read if that was later (overlapped, the calls' times then sum to the wall time).
             step.stats.seconds = now - max(step.started, self._last_read)

@@ -14,8 +14,10 @@ from engine.sequence import Sequence
 
 @dataclass(slots=True)
 class StepStats:
-    """One forward pass: its wall time, its batch, and the queue time of requests that were
-    scheduled for the first time in it (seconds from arrival to first scheduling).
+    """One forward pass: its wall time, its batch, the queue time of requests that were
+    scheduled for the first time in it (seconds from arrival to first scheduling), and of
+    requests whose first token it produced, the time from arrival to that token's read-back
+    (the engine's part of their TTFT) and from first scheduling to it (their prompt's steps).
 
     ``seconds`` runs from the step's launch (the start of its ``step()`` call) to when its
     tokens were read back; with async scheduling, from the later of its launch and the read of
@@ -28,6 +30,8 @@ class StepStats:
     decode_seqs: int = 0  # sequences producing their next token from cached KV
     draft_tokens: int = 0  # speculative tokens verified along with the decodes
     queue_seconds: list[float] = field(default_factory=list)
+    first_token_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: list[float] = field(default_factory=list)
 
     @property
     def phase(self) -> str:
@@ -70,6 +74,18 @@ def batch_stats(sched: SchedulerOutput) -> StepStats:
             out.decode_seqs += 1
             out.draft_tokens += len(s.draft)
     return out
+
+
+def first_tokens(stats: StepStats, seqs: Iterable[Sequence]) -> None:
+    """Count, in ``stats``, the first token of each of ``seqs`` (choice 0 of requests that had
+    no output before this step and have one now: a prefilled request followed here, a resumed
+    or recomputed one already had its first token elsewhere or earlier)."""
+    now = time.monotonic()
+    for seq in seqs:
+        if seq.first_scheduled is None:  # not scheduled through this engine's steps
+            continue
+        stats.first_token_seconds.append(now - seq.arrival_time)
+        stats.prefill_seconds.append(now - seq.first_scheduled)
 
 
 @dataclass(slots=True)

@@ -113,6 +113,10 @@ def pools() -> Dashboard:
                       "{{worker}}"),)),
         Panel("Queue time", "Arrival at the engine to first scheduling, by pool.", "s",
               percentiles("tandem_engine_queue_time_seconds", "component", "{{component}}")),
+        Panel("Engine TTFT", "Arrival at the engine to the first token read back (queue time "
+              "plus the prompt's steps), by pool: the engine's part of the gateway's TTFT.", "s",
+              percentiles("tandem_engine_time_to_first_token_seconds", "component",
+                          "{{component}}")),
         Panel("Preemptions", "Sequences preempted for lack of KV blocks, per second.", "ops",
               (Target(f"sum by ({ENGINE_BY}) ({rate('tandem_engine_preemptions_total')})",
                       "{{worker}}"),)),

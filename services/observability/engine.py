@@ -242,6 +242,20 @@ class StepMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.first_token = Histogram(
+            "tandem_engine_time_to_first_token_seconds",
+            "Time from a request's arrival at the engine to its first token read back: the "
+            "engine's part of its TTFT (queue time plus its prompt's steps; the gateway's TTFT "
+            "less this is the services' part).",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill = Histogram(
+            "tandem_engine_prefill_time_seconds",
+            "Time from a request's first step to its first token read back (its prompt's steps).",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         for phase in ("prefill", "decode"):
             for h in (self.duration, self.batch_seqs, self.batch_tokens):
                 h.labels(phase)
@@ -253,6 +267,10 @@ class StepMetrics:
         self.batch_tokens.labels(phase).observe(step.num_tokens)
         for q in step.queue_seconds:
             self.queue.observe(q)
+        for t in step.first_token_seconds:
+            self.first_token.observe(t)
+        for t in step.prefill_seconds:
+            self.prefill.observe(t)
 
 
 def observe_engine(engine: EngineClient, registry: CollectorRegistry) -> None:

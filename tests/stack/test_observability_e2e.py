@@ -48,6 +48,8 @@ WORKER = {
     "tandem_engine_batch_size_sequences": "histogram",
     "tandem_engine_batch_size_tokens": "histogram",
     "tandem_engine_queue_time_seconds": "histogram",
+    "tandem_engine_time_to_first_token_seconds": "histogram",
+    "tandem_engine_prefill_time_seconds": "histogram",
 }
 GRPC = {"tandem_grpc_server_handling_seconds": "histogram", "tandem_etcd_errors": "counter"}
 ADMISSION = {
