@@ -8,7 +8,11 @@ mean batch. That splits a stream's TPOT into what the engine spent per step and 
 decode shared its step with a prompt chunk: the stack's TPOT against its own decode step is
 the services' overhead, and the decode step against an in-process one the engine loop's.
 The same reads give the Triton kernels compiled while serving (``tandem_kernel_compiles_total``,
-phase ``serving``): each is a stall of the batch that the warm-up should have prevented.
+phase ``serving``): each is a stall of the batch that the warm-up should have prevented; and
+where a request's TTFT went, in the means of the gateway's TTFT and the engine's part of it
+(arrival at the engine to the first token read back), split into queue time and the prompt's
+steps: the gateway's less the engine's is the services' part (gateway, router, the hops to the
+worker and back; in a disaggregated stack also the hand-off).
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ from dataclasses import dataclass
 DURATION = "tandem_engine_step_duration_seconds"
 BATCH = "tandem_engine_batch_size_sequences"
 COMPILES = "tandem_kernel_compiles"
+# Where TTFT went: each part's histogram (means over the run).
+TTFT_PARTS = {
+    "gateway": "tandem_gateway_time_to_first_token_seconds",
+    "engine": "tandem_engine_time_to_first_token_seconds",
+    "queue": "tandem_engine_queue_time_seconds",
+    "prompt steps": "tandem_engine_prefill_time_seconds",
+}
+_FAMILIES = (DURATION, BATCH, COMPILES, *TTFT_PARTS.values())
 PHASES = ("decode", "prefill")
 
 # (metric, phase, "sum" | "count") -> value, summed over workers
@@ -27,13 +39,13 @@ Counters = dict[tuple[str, str, str], float]
 
 
 def parse_metrics(text: str) -> Counters:
-    """The step histograms' sums and counts, and the kernel compiles counter, in one worker's
-    Prometheus text."""
+    """The step and TTFT histograms' sums and counts, and the kernel compiles counter, in one
+    process's Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: Counters = {}
     for family in text_string_to_metric_families(text):
-        if family.name not in (DURATION, BATCH, COMPILES):
+        if family.name not in _FAMILIES:
             continue
         for s in family.samples:
             kind = s.name.rsplit("_", 1)[-1]
@@ -91,6 +103,33 @@ def serving_compiles(before: Counters, after: Counters) -> int:
     """Kernels the workers compiled while serving between two snapshots."""
     key = (COMPILES, "serving", "total")
     return round(after.get(key, 0.0) - before.get(key, 0.0))
+
+
+def ttft_split(before: Counters, after: Counters) -> dict[str, float]:
+    """Mean milliseconds of each part of TTFT between two snapshots (`TTFT_PARTS`; a part with
+    no sample is left out), and ``services``: the gateway's mean less the engine's."""
+    out: dict[str, float] = {}
+    for part, metric in TTFT_PARTS.items():
+        n = after.get((metric, "", "count"), 0.0) - before.get((metric, "", "count"), 0.0)
+        if n > 0:
+            total = after.get((metric, "", "sum"), 0.0) - before.get((metric, "", "sum"), 0.0)
+            out[part] = total / n * 1000
+    if "gateway" in out and "engine" in out:
+        out["services"] = out["gateway"] - out["engine"]
+    return out
+
+
+def render_ttft(rows: Sequence[tuple[str, str, str, Mapping[str, float]]]) -> str:
+    """Markdown table of `ttft_split` per (endpoint, workload, rate)."""
+    parts = [*TTFT_PARTS, "services"]
+    lines = [
+        "| endpoint | workload | rate | " + " | ".join(f"{p} ms" for p in parts) + " |",
+        "|---|---|---|" + "---:|" * len(parts),
+    ]
+    for endpoint, workload, rate, split in rows:
+        cells = [f"{split[p]:.1f}" if p in split else "-" for p in parts]
+        lines.append(f"| {endpoint} | {workload} | {rate} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def render(rows: Sequence[tuple[str, str, str, dict[str, PhaseSteps], int | None]]) -> str:

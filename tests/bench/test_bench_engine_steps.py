@@ -72,3 +72,32 @@ def test_kernels_compiled_while_serving_between_two_scrapes():
     assert serving_compiles(before, after) == 3
     assert serving_compiles(after, after) == 0
     assert serving_compiles({}, parse_metrics(text(40, 0))) == 0
+
+
+def test_ttft_splits_into_the_engines_part_and_the_services():
+    """The gateway's TTFT histogram and the engine's (queue, prompt steps, first token), each
+    from its own process's text, give per-run means; the services' part is their difference."""
+    from prometheus_client import Histogram
+
+    from bench.engine_steps import render_ttft, snapshot, ttft_split
+
+    def process(name: str, values: list[float]) -> tuple[str, str]:
+        registry = CollectorRegistry()
+        h = Histogram(name, "a latency", registry=registry)
+        before = generate_latest(registry).decode()
+        for v in values:
+            h.observe(v)
+        return before, generate_latest(registry).decode()
+
+    gw = process("tandem_gateway_time_to_first_token_seconds", [0.100, 0.120])
+    engine = process("tandem_engine_time_to_first_token_seconds", [0.070, 0.090])
+    queue = process("tandem_engine_queue_time_seconds", [0.001, 0.003])
+    was = snapshot({"gateway": gw[0], "decode-0": engine[0], "decode-0/q": queue[0]})
+    now = snapshot({"gateway": gw[1], "decode-0": engine[1], "decode-0/q": queue[1]})
+    split = ttft_split(was, now)
+    assert split["gateway"] == pytest.approx(110.0) and split["engine"] == pytest.approx(80.0)
+    assert split["queue"] == pytest.approx(2.0) and split["services"] == pytest.approx(30.0)
+    assert "prompt steps" not in split  # no sample: left out
+    assert ttft_split(now, now) == {}
+    row = "| colocated:1 | prefill-heavy | 4 | 110.0 | 80.0 | 2.0 | - | 30.0 |"
+    assert row in render_ttft([("colocated:1", "prefill-heavy", "4", split)])
