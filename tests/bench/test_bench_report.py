@@ -135,39 +135,40 @@ def test_rescore_round_trips_records(tmp_path):
 
 
 def test_each_rate_of_a_sweep_gets_fresh_requests():
-    from bench.cli import _workloads
+    from bench.sweep import workload_sweeps
 
     args = build_parser().parse_args(
         ["bench", "--rate", "1,2", "--workload", "decode-heavy:output=4", "--workload",
          "random", "--num-requests", "3", "--tokenizer", "none"]
     )  # fmt: skip
-    sets = _workloads(args, 2)
+    sets = workload_sweeps(args, 2)
     assert [[w.name for w in sweep] for sweep in sets] == [["decode-heavy"] * 2, ["random"] * 2]
     assert [w.config.seed for w in sets[0]] == [0, 1]
     first, second = (set(r.messages for r in w.requests) for w in sets[0])
     assert not first & second  # no prompt is sent twice to a stack
-    assert _workloads(args, 2) == sets  # and every target gets the same ones
+    assert workload_sweeps(args, 2) == sets  # and every target gets the same ones
 
 
 TRACE = "tests/data/traces/mooncake_sample.jsonl"
 
 
 def test_trace_workloads_rates_and_results(tmp_path):
-    from bench.cli import _load, _meta, _workloads
+    from bench.sweep import load_config, run_meta, workload_sweeps
 
     argv = ["bench", "--trace", TRACE, "--trace-start", "1017.4", "--num-requests", "8",
             "--max-input-len", "600", "--trace-speed", "4", "--tokenizer", "none"]  # fmt: skip
     args = build_parser().parse_args(argv)
-    (sweep,) = _workloads(args, 1)  # only the trace: no default workload beside it
-    load = _load(args, [], 0, sweep[0])
+    (sweep,) = workload_sweeps(args, 1)  # only the trace: no default workload beside it
+    load = load_config(args, [], 0, sweep[0])
     assert load.trace_speed == 4.0 and sweep[0].arrivals[-1] == pytest.approx(3.376 / 4)
     args = build_parser().parse_args([*argv, "--rate", "2,8", "--workload", "random"])
-    rnd, trace = _workloads(args, 2)
+    rnd, trace = workload_sweeps(args, 2)
     assert [w.name for w in trace] == ["trace:mooncake_sample"] * 2
     assert [w.config.seed for w in trace] == [0, 1]  # fresh text at each rate
     assert not {r.messages for r in trace[0].requests} & {r.messages for r in trace[1].requests}
-    assert _load(args, [2.0, 8.0], 1, trace[1]) == LoadConfig(8.0)  # --rate replaces the times
-    meta = {**_meta(args, "cmd", [rnd[0], trace[0]], SLO()), "loadavg_end": [0, 0, 0]}
+    # --rate replaces the times
+    assert load_config(args, [2.0, 8.0], 1, trace[1]) == LoadConfig(8.0)
+    meta = {**run_meta(args, "cmd", [rnd[0], trace[0]], SLO()), "loadavg_end": [0, 0, 0]}
     (info,) = [w for w in meta["workloads"] if "trace" in w]
     assert info["path"] == TRACE and info["trace"]["reuse"] == 0.25
     assert info["trace"]["cut"] == 8 and info["trace"]["overlong"] == "cut"

@@ -193,21 +193,22 @@ def test_azure_replay_from_the_command_line_scales_time_and_caps_requests():
     in every request's body."""
     import argparse
 
-    from bench import cli
+    from bench.cli_args import add_arguments
     from bench.runner import RequestOptions
+    from bench.sweep import load_config, workload_sweeps
 
     p = argparse.ArgumentParser()
-    cli.add_arguments(p)
+    add_arguments(p)
     args = p.parse_args(["--trace", str(CONV), "--trace-speed", "4", "--num-requests", "5",
                          "--tokenizer", "none", "--send-slo", "--slo-tpot-ms", "15"])  # fmt: skip
-    (sweep,) = cli._workloads(args, 2)
+    (sweep,) = workload_sweeps(args, 2)
     rows = load_trace(CONV)[:5]
     for w in sweep:
         assert [r.input_tokens for r in w.requests] == [r.input_tokens for r in rows]
         assert [r.output_tokens for r in w.requests] == [r.output_tokens for r in rows]
         assert w.arrivals == pytest.approx([r.time / 4 for r in rows])
     assert {r.messages for r in sweep[0].requests}.isdisjoint(r.messages for r in sweep[1].requests)
-    load = cli._load(args, [], 0, sweep[0])
+    load = load_config(args, [], 0, sweep[0])
     assert load.trace_speed == 4 and load.rate == float("inf")
     opts = RequestOptions(slo_ms=(args.slo_ttft_ms, args.slo_tpot_ms) if args.send_slo else None)
     assert opts.extra_body() == {"ignore_eos": True, "slo_ttft_ms": 1000.0, "slo_tpot_ms": 15.0}

@@ -1,0 +1,128 @@
+"""One ``tandem bench`` run: one workload at one rate against one target, with what is measured
+beside the requests (the GPUs' busy time, the processes' CPU cores and, on a local stack, the
+workers' prefix-cache stats and every process's metrics before and after)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import engine_steps, handoff, kv_stats
+from bench.cli_args import BUNDLED_MODEL
+from bench.engine_steps import PhaseSteps
+from bench.gpu_busy import GpuSampler
+from bench.handoff import HandoffReport
+from bench.metrics import SLO, summarize
+from bench.proc_cpu import CpuMeter, with_engines
+from bench.report import RunReport, rate_label
+from bench.runner import Endpoint, LoadConfig, RequestOptions, RunResult, run_load
+from bench.stacks import StackSpec, running_stack
+from bench.workloads import Workload
+from services.launcher.options import worker_overrides
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A target ready for load. A plain endpoint has only ``endpoint``; a local stack also the
+    means to look inside it, all keyed by process name."""
+
+    endpoint: Endpoint
+    workers: dict[str, str] = field(default_factory=dict)  # gRPC addresses (worker Stats)
+    scrape: dict[str, str] = field(default_factory=dict)  # /metrics addresses (hand-off, steps)
+    pids: dict[str, int] = field(default_factory=dict)  # for CPU time
+    run_dir: Path | None = None  # its logs, and its metrics before and after each run
+    model_dir: str = ""  # the model it serves (its tokenizer counts the prompts' blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """How every run is sent and judged: the same for each target, workload and rate."""
+
+    request: RequestOptions
+    warmup: int  # unmeasured requests before each run
+    slo: SLO
+    gpus: str  # the GPUs sampled for busy time ("": every GPU)
+
+
+@contextlib.contextmanager
+def open_target(target: Endpoint | StackSpec, args: argparse.Namespace, i: int) -> Iterator[Target]:
+    """The i-th target, ready: an endpoint as it is; a stack started (logs under ``--logs``, a
+    temp dir if not given, which is then kept in ``args.logs``) and stopped on leaving."""
+    if isinstance(target, Endpoint):
+        yield Target(target)
+        return
+    overrides = worker_overrides(args)
+    if args.logs is None:
+        args.logs = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+    run_dir = args.logs / f"{i}-{target.name.replace(':', '-')}"
+    print(f"starting stack {target.name} (logs: {run_dir}/logs) ...", flush=True)
+    model = str(model_dir(args))
+    with running_stack(target, model, run_dir, **overrides) as (endpoint, stack):
+        workers = {
+            name: child.address
+            for name, child in stack.children.items()
+            if name.startswith(("prefill", "decode"))
+        }
+        pids = {n: c.proc.pid for n, c in stack.children.items() if c.proc is not None}
+        yield Target(endpoint, workers, stack.scrape_targets(), with_engines(pids), run_dir, model)
+
+
+def gpu_list(args: argparse.Namespace) -> str:
+    """The GPUs a run is measured on: the stacks' ``--gpus`` where named, else every GPU."""
+    gpus = getattr(args, "gpus", "auto")
+    return gpus if gpus not in ("auto", "none", None) else ""
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    """``--model-dir``; the bundled model is converted first (once: later calls find it)."""
+    if args.model_dir == BUNDLED_MODEL:
+        from engine.bundled import convert  # converts once; imports torch, so only when needed
+
+        return Path(convert(BUNDLED_MODEL))
+    return args.model_dir
+
+
+def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) -> RunReport:
+    """Send ``workload`` at ``load`` to ``target`` and report it, with what was measured
+    beside it (a stack's metrics are saved under its ``run_dir``)."""
+    before = kv_stats.snapshot(target.workers) if target.workers else {}
+    was = handoff.stack_metrics(target.scrape) if target.scrape else None
+    meter = CpuMeter(target.pids)
+    with GpuSampler(gpus=how.gpus) as busy:
+        meter.start()
+        result = asyncio.run(run_load(target.endpoint, workload, load, how.request, how.warmup))
+        cpu = meter.stop(result.duration) if target.pids else None
+    # The load generator's own share: near 1.0 it, not the server, sets the pace.
+    cpu = {**(cpu or {}), "bench client": result.client_cores}
+    cache = None
+    if target.workers:  # a local stack: prefix hits and block-location writes
+        prompts = kv_stats.prompts_in_order(
+            workload, result.records, target.model_dir, how.request.api
+        )
+        cache = kv_stats.measure(target.workers, before, prompts, result.duration)
+    hand = steps = compiles = None
+    if was is not None and target.run_dir is not None:  # a local stack: its processes' metrics
+        folder = target.run_dir / "metrics"
+        folder /= f"{workload.name}-{rate_label(result)}".replace(" ", "-")
+        hand, steps, compiles = _from_metrics(target.scrape, was, result, folder)
+    summary = summarize(result.records, result.duration, how.slo)
+    window = busy.result.window(result.started, result.started + result.duration)
+    return RunReport(result, summary, cache, hand, window, cpu, steps, compiles)
+
+
+def _from_metrics(
+    scrape: dict[str, str], was: dict[str, str], result: RunResult, folder: Path
+) -> tuple[HandoffReport, dict[str, PhaseSteps], int]:
+    """A local stack's hand-off, engine steps and kernel compiles over a run, from every
+    process's /metrics before it (``was``) and now; both readings are saved in ``folder``."""
+    now = handoff.stack_metrics(scrape)
+    for when, texts in (("before", was), ("after", now)):
+        handoff.save(texts, folder, when)
+    hand = handoff.report(handoff.snapshot(was), handoff.snapshot(now), result.records)
+    a, b = engine_steps.snapshot(was), engine_steps.snapshot(now)
+    return hand, engine_steps.report(a, b), engine_steps.serving_compiles(a, b)
