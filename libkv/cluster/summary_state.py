@@ -133,7 +133,10 @@ class SummaryState:
 
     def _changes(self) -> tuple[list[BlockHash], list[BlockHash]]:
         adds, removes = [], []
-        for h in self._dirty:
+        # In hash order, not the set's: a capped delta then takes the same part of the same
+        # dirty set in every process (a set of bytes iterates by the per-process string hash
+        # seed and its insertion history), so a failed write is planned again as it was.
+        for h in sorted(self._dirty):
             want, have = self._wanted(h, self._granularity), h in self._published
             if want and not have:
                 adds.append(h)
@@ -167,7 +170,9 @@ class SummaryState:
 
     def plan(self, epoch: int) -> Plan | None:
         """The next write under lease grant ``epoch`` (a new one starts over with a
-        snapshot), or None when nothing changed."""
+        snapshot), or None when nothing changed. A delta capped at the budget carries the
+        first changes in hash order (removals first): deterministic, so after `failed` with
+        no new changes the same delta comes again."""
         with self._lock:
             fresh = self._new_epoch(epoch) or self._need_snapshot
             adds, removes = self._changes()

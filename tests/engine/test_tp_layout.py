@@ -1,13 +1,19 @@
 """How a model and its KV pool split over tensor-parallel ranks (no processes): which heads each
-rank holds, and which byte range of which source rank's blocks each destination rank copies
-when a prefill pool at one TP size hands KV to a decode pool at another."""
+rank holds, which byte range of which source rank's blocks each destination rank copies when a
+prefill pool at one TP size hands KV to a decode pool at another, and how a CPU worker's ranks
+split its cores."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
+from engine.parallel.devices import rank_cpu_threads, set_cpu_threads
 from engine.parallel.shard import ModelShard, check_tp, uneven
 from libkv.kv_layout import KVLayout, SlicePart, kv_heads_of_rank, slice_plan, split
 
@@ -132,3 +138,34 @@ def test_different_geometry_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="num_kv_heads 4 vs 2"):
         slice_plan(layout(4, 1), layout(2, 1), 0)
     assert KVLayout.from_json(layout(4, 2).to_json()) == layout(4, 2)
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_ranks_split_the_workers_share_of_the_cores(monkeypatch, torch_threads):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    set_cpu_threads(2)  # a lone worker: every core, split
+    assert torch.get_num_threads() == 4
+    # The launcher gave this worker 6 of the host's cores (or the operator set it): split them.
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    set_cpu_threads(2)
+    assert torch.get_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    set_cpu_threads(4)  # more ranks than its cores: one each
+    assert torch.get_num_threads() == 1
+
+
+def test_rank_threads_read_the_first_level_of_omp_and_ignore_a_bad_one(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert rank_cpu_threads(2, {"OMP_NUM_THREADS": "4,2"}) == 2  # nested levels: the outermost
+    for bad in ("", "0", "-3", "many"):
+        assert rank_cpu_threads(2, {"OMP_NUM_THREADS": bad}) == 4
+    assert rank_cpu_threads(1, {}) == 8 and rank_cpu_threads(3, {}) == 2
