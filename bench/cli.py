@@ -102,6 +102,9 @@ def _print_one(rep: RunReport) -> None:
     if rep.steps is not None:
         built = "" if rep.compiles is None else f"; kernels compiled while serving {rep.compiles}"
         print(f"  {engine_steps.one_line(rep.steps)}{built}", flush=True)
+    if rep.ttft:
+        parts = ", ".join(f"{part} {ms:.1f}" for part, ms in rep.ttft.items())
+        print(f"  TTFT means, ms: {parts}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

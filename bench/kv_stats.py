@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from libkv.hashing import hash_prefix_blocks
 
+STATS_TIMEOUT_S = 30.0  # a worker's Stats answer; a CPU worker busy prefilling can be slow
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerCounters:
@@ -47,7 +49,7 @@ def snapshot(addresses: dict[str, str]) -> dict[str, WorkerCounters]:
                 cls = worker_pb2_grpc.PrefillStub if name.startswith("prefill") else (
                     worker_pb2_grpc.DecodeStub
                 )  # fmt: skip
-                s = await cls(ch).Stats(common_pb2.StatsRequest(), timeout=10)
+                s = await cls(ch).Stats(common_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)
             out[name] = WorkerCounters(
                 s.prompt_tokens, s.prefix_hit_tokens, s.location_txns, s.location_puts,
                 s.location_deletes, s.kv_blocks_total,
@@ -167,14 +169,13 @@ def prompts_in_order(workload, records, model_dir: str, api: str) -> list[list[i
     return out
 
 
-def measure(
-    addresses: dict[str, str],
+def cache_report_of(
     before: dict[str, WorkerCounters],
+    after: dict[str, WorkerCounters],
     prompts: list[list[int]],
     duration: float,
 ) -> CacheReport:
-    """The run's `CacheReport`: a fresh snapshot against ``before``, ideals from ``prompts``."""
-    after = snapshot(addresses)
+    """The `CacheReport` of two snapshots, with the ideals of ``prompts``."""
     pooled = sum(c.kv_blocks_total for c in after.values())
     ideal = (ideal_hit_rate(prompts), ideal_hit_rate(prompts, capacity=pooled or None))
     return cache_report(before, after, duration, ideal)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from bench import engine_steps, handoff, kv_stats
 from bench.cli_args import BUNDLED_MODEL
 from bench.engine_steps import PhaseSteps
@@ -90,7 +92,7 @@ def model_dir(args: argparse.Namespace) -> Path:
 def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) -> RunReport:
     """Send ``workload`` at ``load`` to ``target`` and report it, with what was measured
     beside it (a stack's metrics are saved under its ``run_dir``)."""
-    before = kv_stats.snapshot(target.workers) if target.workers else {}
+    before = _worker_stats(target.workers) if target.workers else None
     was = handoff.stack_metrics(target.scrape) if target.scrape else None
     meter = CpuMeter(target.pids)
     with GpuSampler(gpus=how.gpus) as busy:
@@ -100,29 +102,48 @@ def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) 
     # The load generator's own share: near 1.0 it, not the server, sets the pace.
     cpu = {**(cpu or {}), "bench client": result.client_cores}
     cache = None
-    if target.workers:  # a local stack: prefix hits and block-location writes
+    if before is not None:  # a local stack: prefix hits and block-location writes
         prompts = kv_stats.prompts_in_order(
             workload, result.records, target.model_dir, how.request.api
         )
-        cache = kv_stats.measure(target.workers, before, prompts, result.duration)
-    hand = steps = compiles = None
+        with contextlib.suppress(grpc.RpcError):  # _worker_stats said why
+            after = _worker_stats(target.workers, raising=True)
+            cache = kv_stats.cache_report_of(before, after, prompts, result.duration)
+    hand = steps = compiles = ttft = None
     if was is not None and target.run_dir is not None:  # a local stack: its processes' metrics
         folder = target.run_dir / "metrics"
         folder /= f"{workload.name}-{rate_label(result)}".replace(" ", "-")
-        hand, steps, compiles = _from_metrics(target.scrape, was, result, folder)
+        hand, steps, compiles, ttft = _from_metrics(target.scrape, was, result, folder)
     summary = summarize(result.records, result.duration, how.slo)
     window = busy.result.window(result.started, result.started + result.duration)
-    return RunReport(result, summary, cache, hand, window, cpu, steps, compiles)
+    return RunReport(result, summary, cache, hand, window, cpu, steps, compiles, ttft)
+
+
+def _worker_stats(
+    workers: dict[str, str], raising: bool = False
+) -> dict[str, kv_stats.WorkerCounters] | None:
+    """The workers' Stats counters; when one does not answer, a warning and None (or the error
+    with ``raising``): a report without the prefix-cache figures, not a lost run."""
+    try:
+        return kv_stats.snapshot(workers)
+    except grpc.RpcError as e:
+        print(f"  warning: a worker's Stats went unanswered ({e.code().name}): no prefix-cache "
+              "figures for this run", flush=True)  # fmt: skip
+        if raising:
+            raise
+        return None
 
 
 def _from_metrics(
     scrape: dict[str, str], was: dict[str, str], result: RunResult, folder: Path
-) -> tuple[HandoffReport, dict[str, PhaseSteps], int]:
-    """A local stack's hand-off, engine steps and kernel compiles over a run, from every
-    process's /metrics before it (``was``) and now; both readings are saved in ``folder``."""
+) -> tuple[HandoffReport, dict[str, PhaseSteps], int, dict[str, float]]:
+    """A local stack's hand-off, engine steps, kernel compiles and where TTFT went over a run,
+    from every process's /metrics before it (``was``) and now; both readings are saved in
+    ``folder``."""
     now = handoff.stack_metrics(scrape)
     for when, texts in (("before", was), ("after", now)):
         handoff.save(texts, folder, when)
     hand = handoff.report(handoff.snapshot(was), handoff.snapshot(now), result.records)
     a, b = engine_steps.snapshot(was), engine_steps.snapshot(now)
-    return hand, engine_steps.report(a, b), engine_steps.serving_compiles(a, b)
+    steps, ttft = engine_steps.report(a, b), engine_steps.ttft_split(a, b)
+    return hand, steps, engine_steps.serving_compiles(a, b), ttft

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.engine_steps import render as render_steps
+from bench.engine_steps import render_ttft
 from bench.handoff import render as render_handoff
 from bench.kv_stats import render_cache_table
 from bench.report.run import RunReport
@@ -76,4 +77,12 @@ def _measured(reports: Sequence[RunReport]) -> list[str]:
     if steps:
         lines += ["", "Engine steps (every worker's metrics; see bench/engine_steps.py)", ""]
         lines.append(render_steps(steps))
+    split = [
+        (r.result.endpoint, r.result.workload, r.rate_label, r.ttft) for r in reports if r.ttft
+    ]
+    if split:
+        lines += ["", "Where TTFT went: means in ms over each run, from the gateway's and the "
+                  "engines' histograms (services = gateway - engine; see bench/engine_steps.py)",
+                  ""]  # fmt: skip
+        lines.append(render_ttft(split))
     return lines

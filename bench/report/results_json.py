@@ -47,6 +47,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                     {p: dataclasses.asdict(v) for p, v in rep.steps.items()} if rep.steps else None
                 ),
                 "kernel_compiles_serving": rep.compiles,
+                "ttft_split_ms": rep.ttft,
                 "records": records,
             }
         )

@@ -25,6 +25,7 @@ class RunReport:
     cpu: dict[str, float] | None = None  # local stacks: CPU cores of each process
     steps: dict[str, PhaseSteps] | None = None  # local stacks: engine steps by phase
     compiles: int | None = None  # local stacks: kernels compiled while serving (none expected)
+    ttft: dict[str, float] | None = None  # local stacks: where TTFT went (engine_steps.ttft_split)
 
     @property
     def rate_label(self) -> str:

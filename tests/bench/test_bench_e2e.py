@@ -60,6 +60,9 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     assert steps["decode"]["steps"] >= 3 and 1 <= steps["decode"]["mean_batch"] <= 3
     assert 0 < run["cpu_cores"]["bench client"] < 2  # the load generator's own CPU
     assert run["kernel_compiles_serving"] == 0  # read from the workers (no Triton on a CPU)
+    split = run["ttft_split_ms"]  # gateway TTFT holds the engine's part, which holds its queue
+    assert split["gateway"] >= split["engine"] >= split["queue"] >= 0
+    assert split["services"] == pytest.approx(split["gateway"] - split["engine"])
 
 
 @pytest.mark.slow
