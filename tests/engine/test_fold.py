@@ -34,7 +34,8 @@ def _engine(model_dir, fold: bool) -> LLMEngine:
     return engine
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens (MAX_NEW of them, past EOS), batched in ``engine``."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -59,7 +60,7 @@ def test_folded_engine_matches_transformers(smol_dir):
     assert all(torch.equal(lw.input_norm, torch.ones_like(lw.input_norm)) for lw in model.w.layers)
     hf = load_hf(smol_dir)
     want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    assert _greedy(engine, prompts) == want
+    assert greedy(engine, prompts) == want
 
 
 def test_folded_qwen2_with_bias_matches_unfolded(qwen2_dir):
@@ -67,7 +68,7 @@ def test_folded_qwen2_with_bias_matches_unfolded(qwen2_dir):
     prompts = [[5 + i, 17, 99 + 3 * i, 250, 31, 7 * i + 2] * 3 for i in range(4)]
     plain, folded = _engine(qwen2_dir, fold=False), _engine(qwen2_dir, fold=True)
     assert plain.runner.model.w.layers[0].qkv_bias is not None
-    assert _greedy(folded, prompts) == _greedy(plain, prompts)
+    assert greedy(folded, prompts) == greedy(plain, prompts)
 
 
 def test_compositions_on_the_reference_path():

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.mixed_graphs import MixedGraphs, mixed_graph_sizes
 from engine.model_runner import ModelRunner, StepPlan
 from tests.conftest import hf_greedy, load_hf
+from tests.engine.test_fold import greedy
 
 BS = 16
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,", "Water boils at"]
@@ -127,20 +128,6 @@ def test_buckets_follow_the_knob_and_the_step_budget():
     assert mixed_graph_sizes(sizes, 0, 512) == []
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         EngineConfig(model_dir="x", mixed_graph_max_tokens=-1)
-
-
-def greedy(engine: LLMEngine, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done: dict[str, list[int]] = {}
-    for _ in range(2000):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        if not engine.has_unfinished():
-            break
-    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 def test_an_engine_with_mixed_graphs_gives_the_same_greedy_tokens(smol_dir):
