@@ -105,6 +105,9 @@ def _print_one(rep: RunReport) -> None:
     if rep.ttft:
         parts = ", ".join(f"{part} {ms:.1f}" for part, ms in rep.ttft.items())
         print(f"  TTFT means, ms: {parts}", flush=True)
+    if rep.hops:
+        marks = ", ".join(f"{hop} {ms:.1f}" for hop, ms in rep.hops.items() if hop != "requests")
+        print(f"  TTFT hop by hop (ms after arrival): {marks}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import engine_steps, handoff, kv_stats
+from bench import engine_steps, handoff, kv_stats, ttft_hops
 from bench.cli_args import BUNDLED_MODEL
 from bench.engine_steps import PhaseSteps
 from bench.gpu_busy import GpuSampler
@@ -94,6 +94,7 @@ def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) 
     beside it (a stack's metrics are saved under its ``run_dir``)."""
     before = _worker_stats(target.workers) if target.workers else None
     was = handoff.stack_metrics(target.scrape) if target.scrape else None
+    traced = ttft_hops.offsets(target.run_dir) if target.run_dir is not None else {}
     meter = CpuMeter(target.pids)
     with GpuSampler(gpus=how.gpus) as busy:
         meter.start()
@@ -114,9 +115,10 @@ def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) 
         folder = target.run_dir / "metrics"
         folder /= f"{workload.name}-{rate_label(result)}".replace(" ", "-")
         hand, steps, compiles, ttft = _from_metrics(target.scrape, was, result, folder)
+    hops = ttft_hops.hops(ttft_hops.new_spans(target.run_dir, traced)) if traced else None
     summary = summarize(result.records, result.duration, how.slo)
     window = busy.result.window(result.started, result.started + result.duration)
-    return RunReport(result, summary, cache, hand, window, cpu, steps, compiles, ttft)
+    return RunReport(result, summary, cache, hand, window, cpu, steps, compiles, ttft, hops)
 
 
 def _worker_stats(

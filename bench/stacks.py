@@ -12,7 +12,8 @@ Either takes ``:path=direct|relay``, the gateway's ``--token-path`` (direct, its
 stream from the decode worker to the gateway; relay: through the router), so one run compares
 the two token paths on the same requests, and ``:graphs=N``, the workers'
 ``--mixed-graph-max-tokens`` (0: steps with prompt tokens run eagerly), so one run compares the
-mixed steps' piecewise CUDA graphs with eager steps.
+mixed steps' piecewise CUDA graphs with eager steps. ``:traces=1`` has every process write its
+spans, from which each run reports where TTFT went hop by hop (`bench.ttft_hops`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
-    "graphs": int,
+    "graphs": int, "traces": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
-_COLOCATED_OPTIONS = {"tokens": int, "path": str, "graphs": int}
+_COLOCATED_OPTIONS = {"tokens": int, "path": str, "graphs": int, "traces": int}
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
 
@@ -57,6 +58,7 @@ class StackSpec:
     tokens: int | None = None  # the workers' --max-num-batched-tokens; None: the run's
     path: str | None = None  # the gateway's --token-path; None: its default (direct)
     graphs: int | None = None  # the workers' --mixed-graph-max-tokens; None: their default
+    traces: int = 0  # 1: every process writes its spans (bench.ttft_hops reads them)
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:
@@ -113,6 +115,8 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     if spec.graphs is not None:
         graphs = ("--mixed-graph-max-tokens", str(spec.graphs))
         common["worker_args"] = (*common.get("worker_args", ()), *graphs)
+    if spec.traces:
+        common["trace_files"] = True
     if spec.colocated:
         return StackConfig.colocated(spec.num_decode, **common)
     config = StackConfig(num_prefill=spec.num_prefill, num_decode=spec.num_decode, **common)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import ttft_hops
 from bench.engine_steps import render as render_steps
 from bench.engine_steps import render_ttft
 from bench.handoff import render as render_handoff
@@ -85,4 +86,12 @@ def _measured(reports: Sequence[RunReport]) -> list[str]:
                   "engines' histograms (services = gateway - engine; see bench/engine_steps.py)",
                   ""]  # fmt: skip
         lines.append(render_ttft(split))
+    hops = [(r.result.endpoint, r.result.workload, r.rate_label, r.hops) for r in reports if r.hops]
+    if hops:
+        intro = (
+            "TTFT hop by hop: mean ms from the gateway's arrival to each mark of a request's "
+            "spans (stacks with :traces=1; see bench/ttft_hops.py)"
+        )
+        lines += ["", intro, ""]
+        lines.append(ttft_hops.render(hops))
     return lines

@@ -48,6 +48,7 @@ def to_json(meta: dict, reports: Sequence[RunReport]) -> dict:
                 ),
                 "kernel_compiles_serving": rep.compiles,
                 "ttft_split_ms": rep.ttft,
+                "ttft_hops_ms": rep.hops,
                 "records": records,
             }
         )

@@ -26,6 +26,7 @@ class RunReport:
     steps: dict[str, PhaseSteps] | None = None  # local stacks: engine steps by phase
     compiles: int | None = None  # local stacks: kernels compiled while serving (none expected)
     ttft: dict[str, float] | None = None  # local stacks: where TTFT went (engine_steps.ttft_split)
+    hops: dict[str, float] | None = None  # stacks with traces: TTFT hop by hop (bench.ttft_hops)
 
     @property
     def rate_label(self) -> str:

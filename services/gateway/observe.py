@@ -27,6 +27,7 @@ from services.observability.metrics import LATENCY_BUCKETS
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 FINISHED = ("stop", "length")
+FIRST_TOKEN = "first_token"  # event on a request's span when its first token arrived
 
 
 def route_of(path: str) -> str:
@@ -167,6 +168,8 @@ async def observe_generation(
         try:
             async with aclosing(events):
                 async for ev in events:
+                    if ev.token_ids and n_out == 0:
+                        tracing.event(FIRST_TOKEN)  # the request's span: where TTFT ended
                     if ev.token_ids and metrics is not None:
                         now = time.monotonic()
                         if n_out == 0:

@@ -1,7 +1,8 @@
 """The server side of observability for every gRPC service: one interceptor that times each call
 (``tandem_grpc_server_handling_seconds{method,code}``), opens its server span as a child of the
-caller's trace context (W3C ``traceparent`` metadata) with the request id as an attribute, and
-sets the request id for the handler's log lines.
+caller's trace context (W3C ``traceparent`` metadata) with the request id as an attribute and,
+on a streaming call, a ``first_response`` event when its first message leaves (so a trace shows
+each hop's share of TTFT), and sets the request id for the handler's log lines.
 
 It sits outside `services.common.grpc_server.ErrorInterceptor`, so it sees the status that
 error mapping chose. Health checks and reflection are left alone.
@@ -23,15 +24,17 @@ from services.observability import tracing
 from services.observability.metrics import GrpcServerMetrics
 
 SKIP_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+FIRST_RESPONSE = "first_response"  # event on a streaming call's span at its first message
 
 
 class _Call:
-    """Status of one call, filled in as it ends."""
+    """Status of one call, filled in as it ends, and its span (None while tracing is off)."""
 
-    __slots__ = ("code",)
+    __slots__ = ("code", "span")
 
     def __init__(self) -> None:
         self.code = "OK"
+        self.span: trace.Span | None = None
 
 
 def _status(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
@@ -58,6 +61,7 @@ def _observed(
             tracing.span(method.lstrip("/"), kind=trace.SpanKind.SERVER, parent=parent,
                          attributes=attributes) as span,
         ):  # fmt: skip
+            call.span = span
             try:
                 yield call
             except BaseException as exc:
@@ -80,11 +84,41 @@ def _wrap_unary(behaviour: Callable[..., Awaitable[Any]], method: str, metrics):
 
 def _wrap_stream(behaviour: Callable[..., AsyncIterator[Any]], method: str, metrics):
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        with _observed(metrics, method, request, context):
+        with _observed(metrics, method, request, context) as call:
             responses = behaviour(request, context)
+            first = call.span is not None
             async with contextlib.aclosing(responses):
                 async for response in responses:
+                    if first:  # where the call's first answer left: a hop's share of TTFT
+                        first = False
+                        call.span.add_event(FIRST_RESPONSE)
                     yield response
+
+    return wrapper
+
+
+class _MarksFirstWrite:
+    """A two-way call's context whose first ``write`` marks its span (`FIRST_RESPONSE`)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, span: trace.Span) -> None:
+        self._context, self._span = context, span
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def write(self, message: Any) -> None:
+        if self._span is not None:
+            self._span.add_event(FIRST_RESPONSE)
+            self._span = None
+        await self._context.write(message)
+
+
+def _wrap_two_way(behaviour: Callable[..., Awaitable[Any]], method: str, metrics):
+    async def wrapper(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        with _observed(metrics, method, requests, context) as call:
+            if call.span is not None:
+                context = _MarksFirstWrite(context, call.span)
+            return await behaviour(requests, context)
 
     return wrapper
 
@@ -117,6 +151,6 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_stream and inspect.iscoroutinefunction(handler.stream_stream):
             # Two-way calls that write with context.write() (the router's Route); the handler
             # names its request id once it has read it (`tracing.annotate_request`).
-            wrapped = _wrap_unary(handler.stream_stream, method, self.metrics)
+            wrapped = _wrap_two_way(handler.stream_stream, method, self.metrics)
             return grpc.stream_stream_rpc_method_handler(wrapped, **serde)
         return handler

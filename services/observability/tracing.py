@@ -78,6 +78,7 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "end_ns": span.end_time,
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
+        "events": {e.name: e.timestamp for e in span.events},  # name -> ns (the first of each)
     }
 
 
@@ -141,6 +142,12 @@ def span(
         name, context=parent, kind=kind, attributes=dict(attributes or {})
     ) as s:
         yield s
+
+
+def event(name: str) -> None:
+    """Mark ``name`` now on the current span (nothing while tracing is off)."""
+    if enabled():
+        trace.get_current_span().add_event(name)
 
 
 def extract(carrier: Mapping[str, str] | Sequence[tuple[str, Any]] | None) -> Any:

@@ -31,12 +31,12 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     # 300-token prompts are over the router's decode-only threshold (256): prefill worker,
     # KV transfer, then decode.
     data = run_bench(
-        tmp_path, "--stack", "disagg:1p1d", "--model-dir", str(smol_dir),
+        tmp_path, "--stack", "disagg:1p1d:traces=1", "--model-dir", str(smol_dir),
         "--workload", "prefill-heavy", "--num-requests", "6", "--input-len", "300",
         "--input-spread", "0", "--output-len", "4", "--output-spread", "0", "--concurrency", "3",
     )  # fmt: skip
     (run,) = data["runs"]
-    assert run["endpoint"] == "disagg:1p1d" and run["not_sent"] == 0
+    assert run["endpoint"] == "disagg:1p1d:traces=1" and run["not_sent"] == 0
     assert data["workloads"][0]["exact_lengths"] is True
     recs = run["records"]
     assert len(recs) == 6 and all(r["ok"] for r in recs), [r["error"] for r in recs]
@@ -47,8 +47,9 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     s = run["summary"]
     assert s["completed"] == 6 and s["output_tokens"] == 24
     assert s["request_throughput"] == pytest.approx(6 / s["duration"])
-    assert (tmp_path / "logs/0-disagg-1p1d/logs/prefill-0.log").is_file()
-    saved = tmp_path / "logs/0-disagg-1p1d/metrics/prefill-heavy-inf-c=3"  # every process's
+    assert (tmp_path / "logs/0-disagg-1p1d-traces=1/logs/prefill-0.log").is_file()
+    # Every process's metrics, saved before and after the run.
+    saved = tmp_path / "logs/0-disagg-1p1d-traces=1/metrics/prefill-heavy-inf-c=3"
     ttft = "tandem_gateway_time_to_first_token_seconds"
     assert ttft in (saved / "gateway.after.prom").read_text()
     assert "tandem_engine_queue_time_seconds" in (saved / "decode-0.before.prom").read_text()
@@ -63,6 +64,11 @@ def test_short_run_against_a_disaggregated_stack(smol_dir, tmp_path):
     split = run["ttft_split_ms"]  # gateway TTFT holds the engine's part, which holds its queue
     assert split["gateway"] >= split["engine"] >= split["queue"] >= 0
     assert split["services"] == pytest.approx(split["gateway"] - split["engine"])
+    hops = run["ttft_hops_ms"]  # from every process's spans: the router, then the prefill worker
+    assert hops["requests"] >= 6
+    assert 0 < hops["at route"] < hops["at prefill"] < hops["first token"]
+    assert hops["prefill done"] > hops["at prefill"]  # it ends once its KV is handed over
+    assert hops["at generate"] > hops["at route"] and "generate's first" in hops
 
 
 @pytest.mark.slow

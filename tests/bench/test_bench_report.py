@@ -224,3 +224,10 @@ def test_stack_specs_set_the_workers_mixed_graphs():
     assert stack_config(parse_stack("colocated:1"), "/m", "/r").worker_args == ()
     with pytest.raises(ValueError, match="graphs must be >= 0"):
         parse_stack("colocated:1:graphs=-1")
+
+
+def test_stack_specs_turn_on_every_process_s_trace_file():
+    """``:traces=1`` has the launcher give every process a trace file; by default none."""
+    assert stack_config(parse_stack("colocated:1:traces=1"), "/m", "/r").trace_files is True
+    assert stack_config(parse_stack("disagg:1p1d:traces=1"), "/m", "/r").trace_files is True
+    assert stack_config(parse_stack("colocated:1"), "/m", "/r").trace_files is False

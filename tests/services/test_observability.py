@@ -260,6 +260,11 @@ async def test_grpc_calls_are_timed_by_status_and_carry_the_trace(spans):
         assert s.context.trace_id == trace_id
         assert s.parent is not None and s.parent.span_id == root.get_span_context().span_id
     assert server_spans["bad"].attributes["rpc.grpc.status_code"] == "INVALID_ARGUMENT"
+    # A streaming call marks its first message (a hop's share of TTFT); a unary one does not.
+    first = [e for e in server_spans["req-2"].events if e.name == "first_response"]
+    assert len(first) == 1
+    assert server_spans["req-2"].start_time <= first[0].timestamp <= server_spans["req-2"].end_time
+    assert not server_spans["req-1"].events
 
 
 def test_tracing_off_costs_no_interceptor_and_no_span():

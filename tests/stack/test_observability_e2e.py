@@ -285,6 +285,12 @@ def test_one_request_shares_a_trace_across_all_services(observed):
     by_id = {s["span_id"]: s for s in spans}
     roots = [s for s in spans if s["parent_id"] not in by_id]
     assert [r["service"] for r in roots] == ["tandem-gateway"]  # one tree, rooted at the gateway
+    # Each hop's share of TTFT: the request's first token and each stream's first message.
+    marks = {(s["name"], e): t for s in spans for e, t in s["events"].items()}
+    root = roots[0]
+    assert root["start_ns"] < marks[root["name"], "first_token"] <= root["end_ns"]
+    assert ("tandem.v1.Decode/Generate", "first_response") in marks, marks
+    assert ("tandem.v1.Router/Route", "first_response") in marks, marks
     # The router logs its routing plan inside the request: the line names both ids.
     router_log = observed.stack.children["router"].log_path.read_text()
     assert f"[rid={rid} trace={spans[0]['trace_id']}]" in router_log
