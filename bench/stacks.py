@@ -12,8 +12,10 @@ Either takes ``:path=direct|relay``, the gateway's ``--token-path`` (direct, its
 stream from the decode worker to the gateway; relay: through the router), so one run compares
 the two token paths on the same requests, and ``:graphs=N``, the workers'
 ``--mixed-graph-max-tokens`` (0: steps with prompt tokens run eagerly), so one run compares the
-mixed steps' piecewise CUDA graphs with eager steps. ``:traces=1`` has every process write its
-spans, from which each run reports where TTFT went hop by hop (`bench.ttft_hops`).
+mixed steps' piecewise CUDA graphs with eager steps. ``:host=GIB`` is the workers'
+``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:traces=1``
+has every process write its spans, from which each run reports where TTFT went hop by hop
+(`bench.ttft_hops`).
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
-    "graphs": int, "traces": int,
+    "graphs": int, "host": int, "traces": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
-_COLOCATED_OPTIONS = {"tokens": int, "path": str, "graphs": int, "traces": int}
+_COLOCATED_OPTIONS = {"tokens": int, "path": str, "graphs": int, "host": int, "traces": int}
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
 
@@ -58,6 +60,7 @@ class StackSpec:
     tokens: int | None = None  # the workers' --max-num-batched-tokens; None: the run's
     path: str | None = None  # the gateway's --token-path; None: its default (direct)
     graphs: int | None = None  # the workers' --mixed-graph-max-tokens; None: their default
+    host: int | None = None  # the workers' --kv-host-cache-gib; None: their default
     traces: int = 0  # 1: every process writes its spans (bench.ttft_hops reads them)
 
 
@@ -71,8 +74,9 @@ def _options(text: str, spec: str, known: dict[str, type]) -> dict:
         options[key] = known[key](value)
     if options.get("tokens", 1) < 1:
         raise ValueError(f"{text}: tokens must be >= 1")
-    if options.get("graphs", 0) < 0:
-        raise ValueError(f"{text}: graphs must be >= 0")
+    for key in ("graphs", "host"):
+        if options.get(key, 0) < 0:
+            raise ValueError(f"{text}: {key} must be >= 0")
     if options.get("path", "direct") not in _PATHS:
         raise ValueError(f"{text}: unknown path; one of {', '.join(_PATHS)}")
     return options
@@ -112,9 +116,10 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
         common["max_num_batched_tokens"] = spec.tokens
     if spec.path is not None:
         common["gateway_args"] = (*common.get("gateway_args", ()), "--token-path", spec.path)
-    if spec.graphs is not None:
-        graphs = ("--mixed-graph-max-tokens", str(spec.graphs))
-        common["worker_args"] = (*common.get("worker_args", ()), *graphs)
+    for flag, value in (("--mixed-graph-max-tokens", spec.graphs),
+                        ("--kv-host-cache-gib", spec.host)):  # fmt: skip
+        if value is not None:
+            common["worker_args"] = (*common.get("worker_args", ()), flag, str(value))
     if spec.traces:
         common["trace_files"] = True
     if spec.colocated:

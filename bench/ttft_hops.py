@@ -2,7 +2,8 @@
 process appends its spans to ``RUN_DIR/traces/NAME.jsonl``).
 
 For each request whose gateway span marks its first token, the milliseconds from the gateway's
-arrival to each later mark of its trace: the router's Route call starting and sending its first
+arrival to each later mark of its trace: its prompt templated, tokenized and checked, the
+router's Route call starting and sending its first
 message, the prefill worker's call starting and ending, the decode worker's Generate call
 starting and sending its first message, and the gateway's first token. A run's marks are the
 means over its requests (`HOPS`), so consecutive marks show what each hop added: a decode
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from services.gateway.observe import FIRST_TOKEN
+from services.gateway.routes.generate import PREPARED
 from services.observability.grpc import FIRST_RESPONSE
 
 ROUTE, PREFILL = "tandem.v1.Router/Route", "tandem.v1.Prefill/Prefill"
@@ -26,13 +28,14 @@ GENERATE = "tandem.v1.Decode/Generate"
 
 # label -> (span name, "start" | "end" | an event's name): a mark on a request's trace.
 HOPS: dict[str, tuple[str, str]] = {
+    "prepared": ("", PREPARED),  # "": the gateway's request span
     "at route": (ROUTE, "start"),
     "route's first": (ROUTE, FIRST_RESPONSE),
     "at prefill": (PREFILL, "start"),
     "prefill done": (PREFILL, "end"),
     "at generate": (GENERATE, "start"),
     "generate's first": (GENERATE, FIRST_RESPONSE),
-    "first token": ("", FIRST_TOKEN),  # "": the gateway's request span
+    "first token": ("", FIRST_TOKEN),
 }
 
 

@@ -226,6 +226,17 @@ def test_stack_specs_set_the_workers_mixed_graphs():
         parse_stack("colocated:1:graphs=-1")
 
 
+def test_stack_specs_size_the_workers_host_tier():
+    """``:host=GIB`` passes ``--kv-host-cache-gib GIB`` to the workers (0: no host tier)."""
+    cfg = stack_config(parse_stack("colocated:1:graphs=0:host=0"), "/m", "/r")
+    assert cfg.worker_args == ("--mixed-graph-max-tokens", "0", "--kv-host-cache-gib", "0")
+    assert stack_config(parse_stack("disagg:1p1d:host=4"), "/m", "/r").worker_args == (
+        "--kv-host-cache-gib", "4",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="host must be >= 0"):
+        parse_stack("colocated:1:host=-1")
+
+
 def test_stack_specs_turn_on_every_process_s_trace_file():
     """``:traces=1`` has the launcher give every process a trace file; by default none."""
     assert stack_config(parse_stack("colocated:1:traces=1"), "/m", "/r").trace_files is True

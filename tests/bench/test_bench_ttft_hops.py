@@ -22,7 +22,16 @@ def _span(trace, sid, parent, name, start, end, **events):
 
 def _request(trace, t0, route_first, generate_start, generate_first, first_token, prefill=None):
     spans = [
-        _span(trace, "g", "", "POST /v1/chat/completions", t0, t0 + 500, first_token=first_token),
+        _span(
+            trace,
+            "g",
+            "",
+            "POST /v1/chat/completions",
+            t0,
+            t0 + 500,
+            prepared=t0 + 1,
+            first_token=first_token,
+        ),  # fmt: skip
         _span(trace, "r", "g", ROUTE, t0 + 2, t0 + 499, first_response=route_first),
         _span(trace, "d", "r", GENERATE, generate_start, t0 + 498, first_response=generate_first),
     ]
@@ -42,7 +51,7 @@ def test_hops_are_means_from_the_gateway_s_arrival():
     ]
     hops = ttft_hops.hops(spans)
     assert hops["requests"] == 2
-    assert hops["at route"] == pytest.approx(2)
+    assert (hops["prepared"], hops["at route"]) == (pytest.approx(1), pytest.approx(2))
     assert hops["route's first"] == pytest.approx((3 + 5) / 2)
     assert hops["at generate"] == pytest.approx((4 + 6) / 2)
     assert hops["generate's first"] == pytest.approx((50 + 70) / 2)
@@ -50,7 +59,10 @@ def test_hops_are_means_from_the_gateway_s_arrival():
     assert (hops["at prefill"], hops["prefill done"]) == (pytest.approx(3), pytest.approx(40))
     assert ttft_hops.hops(spans[-2:]) == {}  # no request to average
     table = ttft_hops.render([("colocated:1", "mixed", "4", hops)])
-    assert "| colocated:1 | mixed | 4 | 2 | 2.0 | 4.0 | 3.0 | 40.0 | 5.0 | 60.0 | 62.0 |" in table
+    assert (
+        "| colocated:1 | mixed | 4 | 2 | 1.0 | 2.0 | 4.0 | 3.0 | 40.0 | 5.0 | 60.0 | 62.0 |"
+        in table
+    )
 
 
 def test_a_migrated_request_counts_its_first_decode_call(tmp_path):

@@ -46,8 +46,10 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.slo import Slo, request_slo
 from services.gateway.state import Gateway, gateway
 from services.gateway.stream import stream_chunks
+from services.observability import tracing
 
 SESSION_HEADER = "x-session-id"  # sticky-routing key when the body has no ``user``
+PREPARED = "prepared"  # event on a request's span: templated, tokenized and checked
 T = TypeVar("T")
 Scores = list[Sequence[TokenLogprob] | None]
 router = APIRouter()
@@ -61,6 +63,7 @@ async def chat_completions(request: Request) -> Response:
     m, base = await _base(g, body)
     rid, tenant, room = request.state.request_id, request.state.tenant, _room(g, m, body)
     p = await g.prepare(prepare_chat, m.config, m.tokenizer, base, rid, tenant, m.tools, room)
+    tracing.event(PREPARED)
     return await _respond(request, g, [_for_model(p, body.model)], m, slo)
 
 
@@ -72,6 +75,7 @@ async def completions(request: Request) -> Response:
     m, base = await _base(g, body)
     rid, tenant, room = request.state.request_id, request.state.tenant, _room(g, m, body)
     ps = await g.prepare(prepare_completions, m.config, m.tokenizer, base, rid, tenant, room)
+    tracing.event(PREPARED)
     ps = [_for_model(p, body.model) for p in ps]
     if not ps[0].generate:
         return await _respond_prompt_only(request, g, ps, m)
