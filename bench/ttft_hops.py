@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from services.gateway.observe import FIRST_TOKEN
@@ -91,14 +91,15 @@ def hops(spans: Iterable[dict]) -> dict[str, float]:
     return {**out, "requests": float(requests)} if requests else {}
 
 
-def render(rows: Iterable[tuple[str, str, str, Mapping[str, float]]]) -> str:
-    """Markdown table of `hops` per (endpoint, workload, rate)."""
+def render(rows: Sequence[tuple[str, str, str, Mapping[str, float]]]) -> str:
+    """Markdown table of `hops` per (endpoint, workload, rate): the marks some row has."""
+    shown = [h for h in HOPS if any(h in marks for *_, marks in rows)]
     lines = [
-        "| endpoint | workload | rate | requests | " + " | ".join(f"{h} ms" for h in HOPS) + " |",
-        "|---|---|---|---:|" + "---:|" * len(HOPS),
+        "| endpoint | workload | rate | requests | " + " | ".join(f"{h} ms" for h in shown) + " |",
+        "|---|---|---|---:|" + "---:|" * len(shown),
     ]
     for endpoint, workload, rate, marks in rows:
-        cells = [f"{marks[h]:.1f}" if h in marks else "-" for h in HOPS]
+        cells = [f"{marks[h]:.1f}" if h in marks else "-" for h in shown]
         n = int(marks.get("requests", 0))
         lines.append(f"| {endpoint} | {workload} | {rate} | {n} | {' | '.join(cells)} |")
     return "\n".join(lines)

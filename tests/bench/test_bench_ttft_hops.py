@@ -63,6 +63,8 @@ def test_hops_are_means_from_the_gateway_s_arrival():
         "| colocated:1 | mixed | 4 | 2 | 1.0 | 2.0 | 4.0 | 3.0 | 40.0 | 5.0 | 60.0 | 62.0 |"
         in table
     )
+    colocated = {k: v for k, v in hops.items() if "prefill" not in k}  # no prefill worker
+    assert "prefill" not in ttft_hops.render([("colocated:1", "mixed", "4", colocated)])
 
 
 def test_a_migrated_request_counts_its_first_decode_call(tmp_path):
