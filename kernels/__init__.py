@@ -169,12 +169,17 @@ def linear_add(
     x: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor,
     choices: KernelChoices = DEFAULT,
 ) -> torch.Tensor:  # fmt: skip
-    """``linear(x, w) + add`` (the residual stream): where the product takes the skinny
-    kernel, added in its epilogue before the one rounding; elsewhere added after."""
+    """``linear(x, w) + add`` (the residual stream), added in the product's epilogue before
+    its one rounding: the skinny kernel's where it takes the product, else the BLAS's
+    (``addmm``: on CUDA cuBLAS reads ``add`` as its C operand, so no second kernel reads and
+    writes the stream); an FP8 weight's product adds it after."""
     if _skinny_16(x, w, choices):
         from kernels import triton_skinny
 
         return triton_skinny.linear(x, w, add=add, pdl=choices.pdl)
+    plain = isinstance(w, torch.Tensor) and x.dim() == 2 and add.dtype == x.dtype == w.dtype
+    if plain and add.shape == (x.shape[0], w.shape[0]):
+        return torch.addmm(add, x, w.t())
     return linear(x, w, choices=choices).add_(add)
 
 

@@ -126,3 +126,19 @@ def test_what_cannot_be_folded_is_refused(smol_dir):
     with pytest.raises(ValueError, match="LoRA"):
         model.forward(torch.tensor([1]), torch.tensor([0]), engine.runner.kv_cache, None,
                       lora=object())  # fmt: skip
+
+
+def test_linear_add_rounds_once_and_leaves_the_stream_alone():
+    """Off the skinny kernel the stream is added in the BLAS's epilogue (``addmm``): one
+    rounding of ``x @ w.T + add`` in bf16, ``add`` itself unchanged."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(80, 96, generator=g)
+    add = torch.randn(64, 80, generator=g) * 30
+    exact = x @ w.T + add
+    xb, wb, ab = x.bfloat16(), w.bfloat16(), add.bfloat16()
+    kept = ab.clone()
+    got = kernels.linear_add(xb, wb, ab)
+    assert got.dtype == torch.bfloat16 and torch.equal(ab, kept)
+    exact_b = xb.float() @ wb.float().T + ab.float()  # the bf16 inputs, summed in fp32
+    torch.testing.assert_close(got.float(), exact_b, atol=0.25, rtol=1e-2)
+    assert got.float().sub(exact_b).abs().mean() < 0.05 * exact.abs().mean()
