@@ -64,13 +64,21 @@ def report(
         },
         "config": {
             k: getattr(args, k)
-            for k in ("streams", "step_ms", "tokens", "seconds", "token_path", "gateway")
+            for k in (
+                "streams",
+                "step_ms",
+                "tokens",
+                "tokens_per_step",
+                "seconds",
+                "token_path",
+                "gateway",
+            )
         },
         "window_s": round(window, 3),
         "tokens": tokens,
         "tokens_per_event": round(tokens / tally.events, 3) if tally.events else None,
         "tokens_per_s": round(tokens / window, 1),
-        "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),
+        "offered_tokens_per_s": round(args.streams * args.tokens_per_step * 1000 / args.step_ms, 1),
         **{k: v for name in raw["cpu_s"] for k, v in _cpu(raw, name, window, tokens).items()},
         "harness_cores": round(raw["harness_cpu_s"] / window, 3),
         **probe_stats("idle", idle),

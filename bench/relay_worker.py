@@ -87,12 +87,15 @@ class StandInDecode(worker_pb2_grpc.DecodeServicer):
     """The Decode service a router calls on a decode-only request: Generate (and Reserve,
     Unreserve, Abort, Stats with plausible replies). Generate honours ``max_tokens``; its i-th
     token is ``script[i % len(script)]`` (token id, text) when a script is given, else
-    ``FIRST_TOKEN + i`` with the text `TEXT`."""
+    ``FIRST_TOKEN + i`` with the text `TEXT`; each step's event carries ``per_step`` tokens (a
+    worker that merges a step's tokens for a reader that lags sends several)."""
 
     def __init__(
-        self, clock: StepClock, worker_id: str, script: Sequence[tuple[int, str]] = ()
-    ) -> None:
+        self, clock: StepClock, worker_id: str, script: Sequence[tuple[int, str]] = (),
+        per_step: int = 1,
+    ) -> None:  # fmt: skip
         self.clock = clock
+        self.per_step = per_step
         self.worker_id = worker_id
         self.script = tuple(script)
         self.incarnation = ""
@@ -110,17 +113,20 @@ class StandInDecode(worker_pb2_grpc.DecodeServicer):
         s.generates += 1
         s.running += 1
         try:
-            for i in range(n):
+            for i in range(0, n, self.per_step):
                 await self.clock.tick()
-                tid, text = script[i % len(script)] if script else (FIRST_TOKEN + i, TEXT)
-                ev = common_pb2.TokenEvent(request_id=rid, token_ids=[tid], text=text)
-                if i == n - 1:
+                ids = range(i, min(i + self.per_step, n))
+                toks = [script[j % len(script)] if script else (FIRST_TOKEN + j, TEXT) for j in ids]
+                ev = common_pb2.TokenEvent(
+                    request_id=rid, token_ids=[t for t, _ in toks], text="".join(x for _, x in toks)
+                )
+                if ids[-1] == n - 1:
                     ev.finish_reason = common_pb2.FINISH_REASON_LENGTH
                     ev.usage.prompt_tokens = len(request.token_ids)
                     ev.usage.completion_tokens = n
                 if timing is not None and i == 0:
                     timing.first_sent = time.monotonic()
-                s.tokens_sent += 1
+                s.tokens_sent += len(ids)
                 yield ev
         finally:
             s.running -= 1
@@ -164,10 +170,10 @@ class StandIn:
     @classmethod
     async def start(
         cls, etcd: str, model: str, step_s: float, worker_id: str = "relay-decode-0",
-        script: Sequence[tuple[int, str]] = (),
+        script: Sequence[tuple[int, str]] = (), per_step: int = 1,
     ) -> StandIn:  # fmt: skip
         clock = StepClock(step_s)
-        servicer = StandInDecode(clock, worker_id, script)
+        servicer = StandInDecode(clock, worker_id, script, per_step)
         # A bare server (no observing interceptors): the stand-in's own cost per event is the
         # harness's, and the 2-core machine has little to spare at GPU message rates.
         server = grpc.aio.server(options=SERVER_OPTIONS)

@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=64, help="concurrent streams kept running")
     p.add_argument("--step-ms", type=float, default=10.0, help="the stand-in's step (ms)")
     p.add_argument("--tokens", type=int, default=300, help="tokens per stream")
+    p.add_argument(
+        "--tokens-per-step", type=int, default=1, help="tokens in each step's event of a stream"
+    )
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the loaded window")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before the window")
@@ -70,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag")
     p.add_argument("--out", default="", help="write the JSON report here")
     args = p.parse_args(argv)
-    if args.streams < 1 or args.tokens < 1 or args.step_ms <= 0 or args.seconds <= 0:
-        p.error("--streams, --tokens, --step-ms and --seconds must be positive")
+    if min(args.streams, args.tokens, args.tokens_per_step, args.step_ms, args.seconds) <= 0:
+        p.error("--streams, --tokens, --tokens-per-step, --step-ms and --seconds must be positive")
     return args
 
 
@@ -151,7 +154,9 @@ async def measure(args, etcd: str, model: str, run_dir: Path) -> dict:
     figures (CPU seconds of each measured process: ``cpu_s``, its idle rate: ``idle_cores``)."""
     name = Path(model).name
     script = token_script(model) if args.gateway else ()
-    stand_in = await StandIn.start(etcd, name, args.step_ms / 1000, script=script)
+    stand_in = await StandIn.start(
+        etcd, name, args.step_ms / 1000, script=script, per_step=args.tokens_per_step
+    )
     log = run_dir / "router.log"
     router, address = start_router(args, etcd, model, log)
     procs = {"router": router}
