@@ -10,10 +10,18 @@ token at once. With ``--token-path relay`` events go stand-in -> router -> clien
 Generate), one TokenEvent per stream per step; with ``direct`` (the gateway's default) the
 router's Route names the stand-in and the client streams from it itself.
 
-    python -m bench.router_relay --streams 64 --step-ms 10 --tokens 300 --out FILE.json
+With ``--gateway`` a real gateway process (``python -m services.gateway``, as a stack starts it)
+stands in front of the router and the client is ``tandem bench``'s SSE client sending OpenAI
+streaming chat requests to it over HTTP (`bench.relay_http`); the stand-in's tokens are then
+real tokens of the model with their text, every stream's text is checked, and the report adds
+the gateway's cores and CPU µs per token (its ``path`` is the gateway's and the router's).
+``--tokens-per-step K`` has the stand-in send a stream's K tokens of a step in one event.
 
-Router CPU is read (psutil, the process and its children) over the loaded window, less its
-idle rate measured before any traffic. Probes (one 1-token request every ``--probe-every``
+    python -m bench.router_relay --streams 64 --step-ms 10 --tokens 300 --out FILE.json
+    python -m bench.router_relay --gateway --streams 64 --step-ms 10 --tokens 300 --out FILE.json
+
+Router (and gateway) CPU is read (psutil, the process and its children) over the loaded window,
+less its idle rate measured before any traffic. Probes (one 1-token request every ``--probe-every``
 s) give the TTFT through the router idle and under load; ``path`` is that TTFT less the
 stand-in's wait for its next tick. ``--router-checkout DIR`` runs the router from another
 tree (before/after a change to the relay) with this harness."""

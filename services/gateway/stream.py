@@ -99,10 +99,10 @@ async def stream_chunks(
                 ids = p.backend_request.token_ids
                 body["logprobs"] = states[i].logprobs.prompt(ids, scored or ())
             yield {**top, "choices": [_choice(i, body)], **extra()}
-    # The JSON of a plain text chunk of choice i: texts[i] + the text's JSON + tail.
+    # The JSON of a plain text chunk of choice i: openings[i] + the text's JSON + tail.
     plain = encoded and chat and not parse and p.top_logprobs is None and not p.continuous_usage
     fixed = _ENCODE({**top, "choices": None})[: -len("null}")]
-    texts = [f'{fixed}[{{"index":{i},"logprobs":null,"finish_reason":null,"delta":{{"content":'
+    openings = [f'{fixed}[{{"index":{i},"logprobs":null,"finish_reason":null,"delta":{{"content":'
              for i in range(p.n)]  # fmt: skip
     tail = '}}],"usage":null}' if p.include_usage else "}}]}"
 
@@ -114,7 +114,7 @@ async def stream_chunks(
             check_event(ev)
             totals.pending.discard(ev.index)
         elif plain and ev.index < p.n:
-            return texts[ev.index] + encode_basestring_ascii(ev.text) + tail if ev.text else None
+            return openings[ev.index] + encode_basestring_ascii(ev.text) + tail if ev.text else None
         body = _event_body(p, states[ev.index], ev, text_of) if ev.index < p.n else None
         return None if body is None else {**top, "choices": [_choice(ev.index, body)], **extra()}
 
