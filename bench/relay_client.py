@@ -61,7 +61,36 @@ def request(
     )  # fmt: skip
 
 
-class Client:
+class Streams:
+    """Streams kept running and probes spaced out, over a subclass's ``one_stream`` and
+    ``probe``."""
+
+    async def one_stream(self) -> None:
+        raise NotImplementedError
+
+    async def probe(self, state: StandInState) -> Probe:
+        raise NotImplementedError
+
+    async def keep_running(self, slot: int, streams: int, step_s: float, until: float) -> None:
+        """One of ``streams`` slots: start after its share of one step, then run streams back
+        to back until ``until`` (time.monotonic)."""
+        await asyncio.sleep(step_s * slot / streams)
+        while time.monotonic() < until:
+            await self.one_stream()
+
+    async def probes(
+        self, state: StandInState, every_s: float, until: float, jitter_s: float
+    ) -> list[Probe]:
+        """A probe every ``every_s`` (plus up to ``jitter_s``, so probes land at every phase
+        of the step clock) until ``until``."""
+        out = []
+        while time.monotonic() < until:
+            await asyncio.sleep(every_s + random.uniform(0, jitter_s))
+            out.append(await self.probe(state))
+        return out
+
+
+class Client(Streams):
     """Streams and probes against one router."""
 
     def __init__(
@@ -102,13 +131,6 @@ class Client:
         except APIError as e:
             t.stream_errors.append(f"{rid}: {e.status} {e.message}")
 
-    async def keep_running(self, slot: int, streams: int, step_s: float, until: float) -> None:
-        """One of ``streams`` slots: start after its share of one step, then run streams back
-        to back until ``until`` (time.monotonic)."""
-        await asyncio.sleep(step_s * slot / streams)
-        while time.monotonic() < until:
-            await self.one_stream()
-
     async def probe(self, state: StandInState) -> Probe:
         """One 1-token request, timed on the clock the stand-in shares with this client."""
         rid = f"probe-{next(_ids)}"
@@ -118,14 +140,3 @@ class Client:
             first = first or time.monotonic()
         timing = state.timings.pop(rid)
         return Probe(first - sent, timing.arrived - sent, first - timing.first_sent)
-
-    async def probes(
-        self, state: StandInState, every_s: float, until: float, jitter_s: float
-    ) -> list[Probe]:
-        """A probe every ``every_s`` (plus up to ``jitter_s``, so probes land at every phase
-        of the step clock) until ``until``."""
-        out = []
-        while time.monotonic() < until:
-            await asyncio.sleep(every_s + random.uniform(0, jitter_s))
-            out.append(await self.probe(state))
-        return out

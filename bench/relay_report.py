@@ -52,8 +52,6 @@ def report(
 ) -> dict[str, Any]:
     """Rates and percentiles of a run's raw figures (see ``bench.router_relay.measure``)."""
     window, tally = raw["window_s"], raw["tally"]
-    idle_cpu = raw["idle_cores"] * window
-    net = raw["router_cpu_s"] - idle_cpu
     tokens = tally.tokens
     idle, loaded = raw["idle_probes"], raw["loaded_probes"]
     return {
@@ -65,16 +63,23 @@ def report(
             "loadavg_after": [round(x, 2) for x in load_after],
         },
         "config": {
-            k: getattr(args, k) for k in ("streams", "step_ms", "tokens", "seconds", "token_path")
+            k: getattr(args, k)
+            for k in (
+                "streams",
+                "step_ms",
+                "tokens",
+                "tokens_per_step",
+                "seconds",
+                "token_path",
+                "gateway",
+            )
         },
         "window_s": round(window, 3),
         "tokens": tokens,
         "tokens_per_event": round(tokens / tally.events, 3) if tally.events else None,
         "tokens_per_s": round(tokens / window, 1),
-        "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),
-        "router_cores": round(raw["router_cpu_s"] / window, 3),
-        "router_idle_cores": round(raw["idle_cores"], 3),
-        "router_us_per_token": round(net / tokens * 1e6, 1) if tokens else None,
+        "offered_tokens_per_s": round(args.streams * args.tokens_per_step * 1000 / args.step_ms, 1),
+        **{k: v for name in raw["cpu_s"] for k, v in _cpu(raw, name, window, tokens).items()},
         "harness_cores": round(raw["harness_cpu_s"] / window, 3),
         **probe_stats("idle", idle),
         **probe_stats("loaded", loaded),
@@ -84,7 +89,18 @@ def report(
         "streams_done": tally.streams_done,
         "order_errors": tally.order_errors,
         "stream_errors": tally.stream_errors[:20],
-        "router_alive": raw["router_alive"],
+        **{f"{name}_alive": alive for name, alive in raw["alive"].items()},
+    }
+
+
+def _cpu(raw: dict[str, Any], name: str, window: float, tokens: int) -> dict[str, Any]:
+    """Process ``name``'s cores over the window, idle, and CPU µs per token less its idle."""
+    idle = raw["idle_cores"][name]
+    net = raw["cpu_s"][name] - idle * window
+    return {
+        f"{name}_cores": round(raw["cpu_s"][name] / window, 3),
+        f"{name}_idle_cores": round(idle, 3),
+        f"{name}_us_per_token": round(net / tokens * 1e6, 1) if tokens else None,
     }
 
 
@@ -97,10 +113,12 @@ def table(r: dict[str, Any]) -> str:
     c = r["config"]
     rows = [
         ("streams x step", f"{c['streams']} x {c['step_ms']:g} ms, {c['tokens']} tokens each"),
-        ("tokens/s relayed", f"{r['tokens_per_s']:.0f} (offered {r['offered_tokens_per_s']:.0f})"),
+        ("tokens/s in", f"{r['tokens_per_s']:.0f} (offered {r['offered_tokens_per_s']:.0f})"),
         ("tokens per event", f"{r['tokens_per_event']}"),
-        ("router cores", f"{r['router_cores']:.3f} (idle {r['router_idle_cores']:.3f})"),
-        ("router us/token", f"{r['router_us_per_token']}"),
+        *[row for name in ("gateway", "router") if f"{name}_cores" in r for row in (
+            (f"{name} cores", f"{r[f'{name}_cores']:.3f} (idle {r[f'{name}_idle_cores']:.3f})"),
+            (f"{name} us/token", f"{r[f'{name}_us_per_token']}"),
+        )],
         ("harness cores (own)", f"{r['harness_cores']:.3f}"),
         ("probe TTFT idle p50/90/99 ms", q(r["probe_ttft_idle_ms"])),
         ("probe TTFT load p50/90/99 ms", q(r["probe_ttft_loaded_ms"])),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -78,39 +79,54 @@ class StandInState:
     generates: int = 0
     reserves: int = 0
     aborts: int = 0
-    timings: dict[str, ProbeTiming] = field(default_factory=dict)  # only ids named ``probe-*``
+    # Probes only: ids named ``probe-*``, or asking for one token (a gateway names its own ids).
+    timings: dict[str, ProbeTiming] = field(default_factory=dict)
 
 
 class StandInDecode(worker_pb2_grpc.DecodeServicer):
     """The Decode service a router calls on a decode-only request: Generate (and Reserve,
-    Unreserve, Abort, Stats with plausible replies). Generate honours ``max_tokens``."""
+    Unreserve, Abort, Stats with plausible replies). Generate honours ``max_tokens``; its i-th
+    token is ``script[i % len(script)]`` (token id, text) when a script is given, else
+    ``FIRST_TOKEN + i`` with the text `TEXT`; each step's event carries ``per_step`` tokens (a
+    worker that merges a step's tokens for a reader that lags sends several)."""
 
-    def __init__(self, clock: StepClock, worker_id: str) -> None:
+    def __init__(
+        self, clock: StepClock, worker_id: str, script: Sequence[tuple[int, str]] = (),
+        per_step: int = 1,
+    ) -> None:  # fmt: skip
         self.clock = clock
+        self.per_step = per_step
         self.worker_id = worker_id
+        self.script = tuple(script)
         self.incarnation = ""
         self.state = StandInState()
 
     async def Generate(self, request, context):  # noqa: N802 - generated name
         s = self.state
         rid = request.request_id
-        timing = ProbeTiming(time.monotonic()) if rid.startswith("probe-") else None
+        probe = rid.startswith("probe-") or request.sampling.max_tokens == 1
+        timing = ProbeTiming(time.monotonic()) if probe else None
         if timing is not None:
             s.timings[rid] = timing
         n = max(request.sampling.max_tokens, 1)
+        script = self.script
         s.generates += 1
         s.running += 1
         try:
-            for i in range(n):
+            for i in range(0, n, self.per_step):
                 await self.clock.tick()
-                ev = common_pb2.TokenEvent(request_id=rid, token_ids=[FIRST_TOKEN + i], text=TEXT)
-                if i == n - 1:
+                ids = range(i, min(i + self.per_step, n))
+                toks = [script[j % len(script)] if script else (FIRST_TOKEN + j, TEXT) for j in ids]
+                ev = common_pb2.TokenEvent(
+                    request_id=rid, token_ids=[t for t, _ in toks], text="".join(x for _, x in toks)
+                )
+                if ids[-1] == n - 1:
                     ev.finish_reason = common_pb2.FINISH_REASON_LENGTH
                     ev.usage.prompt_tokens = len(request.token_ids)
                     ev.usage.completion_tokens = n
                 if timing is not None and i == 0:
                     timing.first_sent = time.monotonic()
-                s.tokens_sent += 1
+                s.tokens_sent += len(ids)
                 yield ev
         finally:
             s.running -= 1
@@ -153,10 +169,11 @@ class StandIn:
 
     @classmethod
     async def start(
-        cls, etcd: str, model: str, step_s: float, worker_id: str = "relay-decode-0"
-    ) -> StandIn:
+        cls, etcd: str, model: str, step_s: float, worker_id: str = "relay-decode-0",
+        script: Sequence[tuple[int, str]] = (), per_step: int = 1,
+    ) -> StandIn:  # fmt: skip
         clock = StepClock(step_s)
-        servicer = StandInDecode(clock, worker_id)
+        servicer = StandInDecode(clock, worker_id, script, per_step)
         # A bare server (no observing interceptors): the stand-in's own cost per event is the
         # harness's, and the 2-core machine has little to spare at GPU message rates.
         server = grpc.aio.server(options=SERVER_OPTIONS)

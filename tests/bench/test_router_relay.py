@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from bench.relay_http import token_script
 from bench.relay_report import pct
 from bench.router_relay import main
 
@@ -55,3 +56,28 @@ def test_short_run_relays_every_token_in_order(smol_dir, tmp_path, path) -> None
     assert 5 <= gap50 <= gap99  # one event per stream per 10 ms step
     assert r["commit"] and r["command"].startswith("python -m bench.router_relay")
     assert r["machine"]["nproc"] >= 1 and len(r["machine"]["loadavg_before"]) == 3
+
+
+def test_short_run_through_a_gateway_delivers_every_streams_text(smol_dir, tmp_path) -> None:
+    r = main([
+        "--gateway", "--streams", "4", "--step-ms", "10", "--tokens", "20", "--seconds", "2",
+        "--warmup", "0.5", "--idle-seconds", "1", "--idle-probes", "3", "--probe-every", "0.25",
+        "--tokens-per-step", "2", "--model-dir", str(smol_dir), "--out", str(tmp_path / "g.json"),
+    ])  # fmt: skip
+    assert r["config"]["gateway"] and r["config"]["tokens_per_step"] == 2
+    # Every stream's text arrived whole (the real tokens' text) with its usage.
+    assert r["order_errors"] == [] and r["stream_errors"] == []
+    assert r["gateway_alive"] and r["router_alive"] and r["streams_done"] >= 4
+    assert r["tokens_per_event"] == 2.0  # one chunk per event of two tokens
+    assert r["gateway_cores"] > r["gateway_idle_cores"] >= 0
+    assert 0 < r["gateway_us_per_token"] < 100_000
+    assert r["probes"]["idle"] == 3 and 0 < r["probe_ttft_loaded_ms"]["p50"] < 10_000
+
+
+def test_token_script_is_the_models_text_token_by_token(smol_dir) -> None:
+    from engine.tokenizer import Tokenizer
+
+    script = token_script(str(smol_dir), 64)
+    ids, texts = [t for t, _ in script], [x for _, x in script]
+    assert len(script) == 64 and all(texts)
+    assert "".join(texts) == Tokenizer(smol_dir).decode(ids, skip_special_tokens=False)
