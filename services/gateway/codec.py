@@ -74,10 +74,6 @@ def encode_request(req: BackendRequest) -> router_pb2.GenerateRequest:
 
 def decode_event(ev: common_pb2.TokenEvent) -> BackendEvent:
     """TokenEvent -> BackendEvent (usage only when the event carries it)."""
-    if not (ev.finish_reason or ev.logprobs or ev.stop_reason or ev.HasField("usage")
-            or ev.HasField("stop_token_id")):  # fmt: skip
-        # The commonest event, at every token of every stream: tokens and text, nothing else.
-        return BackendEvent(token_ids=tuple(ev.token_ids), text=ev.text, index=ev.index)
     usage = None
     if ev.HasField("usage"):
         u = ev.usage

@@ -25,7 +25,6 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway.core import APIError, internal_error
 from services.gateway.edge import error_response, validation_error
-from services.gateway.stream import Chunk, chunk_json
 
 log = logging.getLogger(__name__)
 GONE: Any = object()  # what unless_disconnected returns when the client went away
@@ -84,14 +83,14 @@ async def gather_all(aws: list[Awaitable[T]]) -> list[T]:
 
 
 async def sse_lines(
-    request_id: str, chunks: AsyncGenerator[Chunk, None]
+    request_id: str, chunks: AsyncGenerator[dict[str, Any], None]
 ) -> AsyncGenerator[str, None]:
-    """SSE lines of ``chunks`` (dicts or their JSON text; closed at the end). An error after
-    the stream started is sent as a ``data: {"error": ...}`` event, then ``[DONE]``."""
+    """SSE lines of ``chunks`` (closed at the end). An error after the stream started is sent
+    as a ``data: {"error": ...}`` event, then ``[DONE]``."""
     async with aclosing(chunks):
         try:
             async for chunk in chunks:
-                yield f"data: {chunk_json(chunk)}\n\n"
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception:

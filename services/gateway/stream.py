@@ -1,18 +1,11 @@
 """The chunks of a streamed response: one ``delta`` per event of each choice, tool calls as
-OpenAI tool-call deltas, an optional last chunk with the usage of every choice.
-
-Every token of every stream passes here, so the commonest chunk (a chat choice's text, with no
-logprobs, tool parsing or finish) can come out as its JSON text already (``encoded``): the
-chunk's fixed parts serialized once per stream by the same encoder (`chunk_json`), the text
-alone per event; the bytes are those of the dict `chunk_json` would serialize."""
+OpenAI tool-call deltas, an optional last chunk with the usage of every choice."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from services.gateway.core import BackendEvent, TokenLogprob, check_event, unfinished
@@ -27,14 +20,6 @@ from services.gateway.responses import (
     usage,
 )
 from services.gateway.tool_parser import CallDelta, Parsed, ToolCallParser
-
-Chunk = dict[str, Any] | str  # a chunk, or its JSON text (`stream_chunks` with ``encoded``)
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps builds one a call
-
-
-def chunk_json(chunk: Chunk) -> str:
-    """A chunk's compact JSON (a str is one already)."""
-    return chunk if isinstance(chunk, str) else _ENCODE(chunk)
 
 
 @dataclass(slots=True)
@@ -59,15 +44,14 @@ async def stream_chunks(
     text_of: TokenName,
     first: BackendEvent | None = None,
     scored: Sequence[TokenLogprob] | None = None,
-    encoded: bool = False,
-) -> AsyncGenerator[Chunk, None]:
+) -> AsyncGenerator[dict[str, Any], None]:
     """The chunks of a streamed response, in order (``first``, if given, was taken from
     ``events`` already). Chat starts with a ``delta.role`` chunk per choice, and completions
     with ``echo`` with a chunk per choice holding the prompt (and, with logprobs, its tokens'
     from ``scored``, the prompt's scoring pass); events carrying no text, tool call, logprobs
     or finish are skipped; with ``include_usage`` every chunk has ``usage: null`` (with
     ``continuous_usage``: the usage so far) and a last chunk has empty ``choices`` and the usage
-    of all choices. With ``encoded``, plain text chunks come as their JSON text."""
+    of all choices."""
     chat = p.kind == "chat"
     text_of = token_names(p, text_of)
     top = head(p, "chat.completion.chunk" if chat else "text_completion")
@@ -99,33 +83,17 @@ async def stream_chunks(
                 ids = p.backend_request.token_ids
                 body["logprobs"] = states[i].logprobs.prompt(ids, scored or ())
             yield {**top, "choices": [_choice(i, body)], **extra()}
-    # The JSON of a plain text chunk of choice i: openings[i] + the text's JSON + tail.
-    plain = encoded and chat and not parse and p.top_logprobs is None and not p.continuous_usage
-    fixed = _ENCODE({**top, "choices": None})[: -len("null}")]
-    openings = [f'{fixed}[{{"index":{i},"logprobs":null,"finish_reason":null,"delta":{{"content":'
-             for i in range(p.n)]  # fmt: skip
-    tail = '}}],"usage":null}' if p.include_usage else "}}]}"
-
-    def chunk(ev: BackendEvent) -> Chunk | None:
-        totals.completion_tokens += len(ev.token_ids)
-        if ev.usage is not None:
-            totals.cached_tokens = ev.usage.cached_tokens
-        if ev.finish_reason is not None:
+    async with aclosing(_prepend(first, events)) as all_events:
+        async for ev in all_events:
             check_event(ev)
-            totals.pending.discard(ev.index)
-        elif plain and ev.index < p.n:
-            return openings[ev.index] + encode_basestring_ascii(ev.text) + tail if ev.text else None
-        body = _event_body(p, states[ev.index], ev, text_of) if ev.index < p.n else None
-        return None if body is None else {**top, "choices": [_choice(ev.index, body)], **extra()}
-
-    async with aclosing(events):
-        out = chunk(first) if first is not None else None
-        if out is not None:
-            yield out
-        async for ev in events:
-            out = chunk(ev)
-            if out is not None:
-                yield out
+            totals.completion_tokens += len(ev.token_ids)
+            if ev.usage is not None:
+                totals.cached_tokens = ev.usage.cached_tokens
+            if ev.finish_reason is not None:
+                totals.pending.discard(ev.index)
+            body = _event_body(p, states[ev.index], ev, text_of) if ev.index < p.n else None
+            if body is not None:
+                yield {**top, "choices": [_choice(ev.index, body)], **extra()}
     if totals.pending:
         raise unfinished()
     if p.include_usage:
@@ -189,3 +157,12 @@ def _call_delta(c: CallDelta) -> dict[str, Any]:
         "type": "function",
         "function": {"name": c.name, "arguments": c.arguments},
     }
+
+
+async def _prepend(
+    first: BackendEvent | None, events: AsyncIterator[BackendEvent]
+) -> AsyncGenerator[BackendEvent, None]:
+    if first is not None:
+        yield first
+    async for ev in events:
+        yield ev

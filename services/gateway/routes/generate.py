@@ -45,7 +45,7 @@ from services.gateway.responses import full_response
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.slo import Slo, request_slo
 from services.gateway.state import Gateway, gateway
-from services.gateway.stream import Chunk, stream_chunks
+from services.gateway.stream import stream_chunks
 from services.observability import tracing
 
 SESSION_HEADER = "x-session-id"  # sticky-routing key when the body has no ``user``
@@ -152,12 +152,11 @@ async def _stream(
         await _close_all(exchanges)
         return Response(status_code=499)
     events, scores = got
-    alone = len(ps) == 1  # a batch's chunks are renumbered (`merged_chunks`): dicts
     parts = [
-        stream_chunks(p, e.events, m.text_of, first, scored, encoded=alone)
+        stream_chunks(p, e.events, m.text_of, first, scored)
         for p, e, first, scored in zip(ps, exchanges, events, scores, strict=True)
     ]
-    if alone:
+    if len(ps) == 1:
         body = _sse(ps[0].request_id, exchanges[0].events, parts[0])
     else:
         rid = request.state.request_id  # a batch's prompts run as rid-0, rid-1, ...
@@ -168,7 +167,7 @@ async def _stream(
 async def _sse(
     request_id: str,
     events: AsyncGenerator[BackendEvent, None],
-    chunks: AsyncGenerator[Chunk, None],
+    chunks: AsyncGenerator[dict[str, Any], None],
 ) -> AsyncGenerator[str, None]:
     """SSE lines of one prompt's ``chunks``, closing its backend ``events`` too."""
     async with aclosing(events), aclosing(sse_lines(request_id, chunks)) as lines:
