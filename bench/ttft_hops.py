@@ -3,9 +3,9 @@ process appends its spans to ``RUN_DIR/traces/NAME.jsonl``).
 
 For each request whose gateway span marks its first token, the milliseconds from the gateway's
 arrival to each later mark of its trace: its prompt templated, tokenized and checked, the
-router's Route call starting and sending its first
-message, the prefill worker's call starting and ending, the decode worker's Generate call
-starting and sending its first message, and the gateway's first token. A run's marks are the
+router's Route call starting and sending its first message, the prefill worker's call starting
+and ending, the decode worker's Generate call starting and sending its first message, and the
+gateway's first token. A run's marks are the
 means over its requests (`HOPS`), so consecutive marks show what each hop added: a decode
 worker's call that starts late is placement or the gateway's call to it; one whose first
 message is late is its engine (compare the engine's own TTFT); a first token long after that
