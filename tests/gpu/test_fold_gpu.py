@@ -115,6 +115,21 @@ def test_the_kernels_api_takes_the_skinny_kernels_and_replays_in_a_graph():
     assert rel_err(kernels.rms_linear(xs, ones, EPS, w, silu=True), want) < TOL
 
 
+def test_linear_add_past_the_skinny_rows_adds_in_cublas_and_replays_in_a_graph():
+    """``kernels.linear_add`` at 2,048 rows (a mixed step's): cuBLAS's ``addmm`` adds the
+    stream in its epilogue, within bf16 rounding of the float32 sum, ``add`` unchanged, and
+    the same in a CUDA graph."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2048, 512, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(384, 512, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    add = torch.randn(2048, 384, generator=g).to("cuda", torch.bfloat16)
+    kept = add.clone()
+    eager = kernels.linear_add(x, w, add)
+    assert torch.equal(add, kept) and eager.dtype == torch.bfloat16
+    assert rel_err(eager, x.float() @ w.float().T + add.float()) < TOL
+    assert_replays_in_a_cuda_graph(lambda: kernels.linear_add(x, w, add), x, eager)
+
+
 def test_the_engine_folds_on_cuda_and_keeps_its_greedy_agreement(tmp_path):
     """bf16 on CUDA: the engine folds (one rank, no LoRA, no FP8) and decodes in CUDA graphs;
     its greedy agreement with the CPU float32 engine is no more than 10 points under the
