@@ -6,6 +6,7 @@ first event, every event checked for order (the stand-in's i-th token of a strea
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import random
@@ -61,15 +62,17 @@ def request(
     )  # fmt: skip
 
 
-class Streams:
+class Streams(abc.ABC):
     """Streams kept running and probes spaced out, over a subclass's ``one_stream`` and
     ``probe``."""
 
+    @abc.abstractmethod
     async def one_stream(self) -> None:
-        raise NotImplementedError
+        """Run one stream to its end."""
 
+    @abc.abstractmethod
     async def probe(self, state: StandInState) -> Probe:
-        raise NotImplementedError
+        """One probe request, timed."""
 
     async def keep_running(self, slot: int, streams: int, step_s: float, until: float) -> None:
         """One of ``streams`` slots: start after its share of one step, then run streams back
