@@ -7,13 +7,16 @@ blocks scattered at random through a two-layer block-major pool):
 - ``prefill``: one 2,048-token chunk over a cached prefix of 0-32k tokens (chunked prefill);
 - ``decode``: batches of 1-64 single-token queries at 8k-32k tokens of context;
 - ``mixed``: one 2,048-token chunk and 63 decodes at the same context, in one call (what a
-  step of chunked prefill with decodes attends), which Triton serves with its prefill kernel.
+  step of chunked prefill with decodes attends), which Triton serves with its prefill kernel;
+- ``--served``: instead, decode batches of 16-64 at the contexts a 4,096-token server decodes
+  (1k and 2k each, and lengths drawn from 128-2,560: the mixed serving workload's spread), and
+  of 32 and 64 at 8k and drawn from 800-15,500 (a long-prompt trace's).
 
 Each case is checked first (the two kernels' outputs against each other, and against the
 PyTorch reference where it fits in memory), then timed as CUDA-graph replays (no launch
 overhead in the figure). Writes ``attention.json`` and ``attention.md`` under ``--out``.
 
-    python -m bench.attention --out DIR [--quick]
+    python -m bench.attention --out DIR [--quick | --served]
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
     for ctx in ctxs:
         out.append((f"mixed chunk {CHUNK} + 63 decodes ctx={ctx}", [ctx + CHUNK] + [ctx] * 63,
                     [CHUNK] + [1] * 63))  # fmt: skip
+    return out
+
+
+def served_cases() -> list[tuple[str, list[int], list[int]]]:
+    """Decode batches at a 4,096-token server's contexts: uniform 1k and 2k, and spread."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for b in [16, 32, 48, 64]:
+        for ctx in [1024, 2048]:
+            out.append((f"decode b={b} ctx={ctx}", [ctx] * b, [1] * b))
+        lens = torch.randint(128, 2561, (b,), generator=gen).tolist()
+        out.append((f"decode b={b} ctx=128-2560 (mean {sum(lens) // b})", lens, [1] * b))
+    for b in [32, 64]:
+        out.append((f"decode b={b} ctx=8192", [8192] * b, [1] * b))
+        lens = torch.randint(800, 15501, (b,), generator=gen).tolist()
+        out.append((f"decode b={b} ctx=800-15500 (mean {sum(lens) // b})", lens, [1] * b))
     return out
 
 
@@ -108,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="8k context only (a dry run)")
+    ap.add_argument("--served", action="store_true", help="decode at 1-2.5k context only")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -119,8 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(info, flush=True)
     rows = []
-    all_cases = [(c, False) for c in cases(args.quick)]
-    all_cases += [(c, True) for c in cases(True) if "b=1 " not in c[0]]
+    if args.served:
+        all_cases = [(c, False) for c in served_cases()]
+    else:
+        all_cases = [(c, False) for c in cases(args.quick)]
+        all_cases += [(c, True) for c in cases(True) if "b=1 " not in c[0]]
     for (name, seq_lens, q_lens), fp8 in all_cases:
         try:
             rows.append(run_case(name, seq_lens, q_lens, fp8))

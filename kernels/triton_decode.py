@@ -81,8 +81,10 @@ class DecodePlan:
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
         target = 2 * num_sms(device_index)
-        splits = min(max_splits, next_pow2(max(1, math.ceil(target / max(b * hkv, 1)))))
-        return cls(b, h, hkv, d, splits)
+        splits = next_pow2(max(1, math.ceil(target / max(b * hkv, 1))))
+        if paged.k.element_size() == 2:
+            splits = max(splits, KV16_MIN_SPLITS)
+        return cls(b, h, hkv, d, min(max_splits, splits))
 
 
 KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")
@@ -102,6 +104,14 @@ FP8_KV_PLANS: dict[int, dict[str, object]] = {
 # folded decode step with RoPE inside took 0.993x the rule's plan in two runs (session 15;
 # attention alone 0.980x in session 8, and 0.997x at ctx 4k).
 KV16_PLANS: dict[int, dict[str, object]] = {8: {"num_splits": 8, "block_n": 32}}
+# A bf16/fp16 cache splits every sequence at least this many ways, whatever the batch. A served
+# batch's lengths differ, and with one split a (sequence, KV head) per program, the longest
+# sequences' programs run on alone while the other SMs idle. On an H200 (8B shape, 32 layers in
+# one graph, lengths drawn from ctx * (1 +- 0.9) at ctx 1k and 1.5k, `lab.decode_variants
+# --only-attention --ctx-spread 0.9`), 6 splits took 0.72-0.85x the power-of-two rule's time at
+# batch 24-64 (1-2 splits there; 4-8 splits within 2% of each other) and 0.95x at batch 16
+# (bench/results/decode_attention_spread_h200.md).
+KV16_MIN_SPLITS = 6
 
 
 def install_plans(plans: dict[int, dict[str, object]]) -> dict[int, dict[str, object]]:
@@ -138,6 +148,8 @@ def candidates(b: int) -> list[dict[str, object]]:
         p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
         p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
         p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
+        # the power-of-two rule's plans at batch 17-64 before a 16-bit cache's floor of splits
+        p(1, m=False), p(2, m=False),
         # no split at all (one program per sequence and KV head streams its whole context, the
         # output written directly: no merge kernel), the next tiles in flight
         p(1, pf=True), p(1, w=8, pf=True), p(1, e=True), p(1, w=8, e=True), p(1, 32, e=True),

@@ -45,19 +45,25 @@ def run(
     ctxs: list[int],
     device: str = "cuda",
     labels: list[str] | None = None,
+    spread: float = 0.0,
+    kvs: tuple[str, ...] = ("bf16", "fp8"),
 ) -> dict:
     """Rows for every (batch, ctx, KV dtype, plan) and the best knobs per batch size
     (``device`` "cpu": a dry run through Triton's interpreter, one layer, fp16 queries);
-    ``labels``: only the candidates whose label starts with one of them, beside the default."""
+    ``labels``: only the candidates whose label starts with one of them, beside the default;
+    ``spread``: each sequence's context drawn from ``ctx * (1 +- spread)`` (seeded), as a
+    served batch's lengths are, instead of ``ctx`` for all; ``kvs``: the KV dtypes timed."""
     from kernels import triton_decode as T
     from kernels.triton_cache import PagedLayer
 
     t0 = time.perf_counter()
-    per_seq = -(-(max(ctxs) + 1) // BLOCK)
+    per_seq = -(-(int(max(ctxs) * (1 + spread)) + 1) // BLOCK)
     blocks = max(batches) * per_seq + 8
     perm = torch.randperm(blocks).tolist()
     rows: list[dict] = []
-    for kv_name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+    gen = torch.Generator().manual_seed(0)
+    dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    for kv_name, dtype in ((k, dtypes[k]) for k in kvs):
         kv = _pool(c, blocks, dtype, device)
         layers = c.num_layers if device == "cuda" else 1
         for b in batches:
@@ -72,11 +78,14 @@ def run(
             keep = tuple(labels) if labels else ("",)
             plans = [default] + [p for p in more if p.label().startswith(keep)]
             for ctx in ctxs:
-                nb = -(-(ctx + 1) // BLOCK)
+                lo, hi = int(ctx * (1 - spread)), int(ctx * (1 + spread))
+                ctx_of = torch.randint(max(lo, 1), hi + 1, (b,), generator=gen) if spread else (
+                    torch.full((b,), ctx))  # fmt: skip
+                nb = -(-(int(ctx_of.max()) + 1) // BLOCK)
                 tables = torch.tensor([perm[i * per_seq : i * per_seq + nb] for i in range(b)],
                                       device=device, dtype=torch.int32)  # fmt: skip
-                lens = torch.full((b,), ctx + 1, device=device, dtype=torch.int32)
-                kv_bytes = b * (ctx + 1) * 2 * c.num_kv_heads * c.head_dim * kv.element_size()
+                lens = (ctx_of + 1).to(device=device, dtype=torch.int32)
+                kv_bytes = int(lens.sum()) * 2 * c.num_kv_heads * c.head_dim * kv.element_size()
                 ref, base = None, None
                 for i, plan in enumerate(plans):
                     call = functools.partial(T.decode_attention, q, kv, 0, tables, lens, 0.088,

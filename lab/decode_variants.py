@@ -294,7 +294,8 @@ def run(args: argparse.Namespace) -> dict:
 
         ctxs = args.ctxs if device == "cuda" else [40]
         res.update(decode_attention_gpu.run(c, ceil, args.batches, ctxs, device,
-                                            args.attention_labels))  # fmt: skip
+                                            args.attention_labels, args.ctx_spread,
+                                            tuple(args.kv)))  # fmt: skip
         if args.only_attention:
             args.out.mkdir(parents=True, exist_ok=True)
             best = {b: r["knobs"] for b, r in res["best"].items()}
@@ -430,6 +431,14 @@ def main(argv: list[str] | None = None) -> None:
         default=[1024, 4096],
         help="context lengths of the attention section",
     )
+    p.add_argument(
+        "--ctx-spread",
+        type=float,
+        default=0.0,
+        help="the attention section draws each sequence's context from ctx * (1 +- this)",
+    )
+    p.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                   help="the attention section's KV dtypes")  # fmt: skip
     p.add_argument(
         "--attention-plans",
         type=Path,
