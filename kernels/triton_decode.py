@@ -33,7 +33,9 @@ class DecodePlan:
     by an atomic ticket) instead of a second kernel; with one split the output is written
     directly. ``prefetch``: the next tile's K/V loads are issued before this tile is computed
     (a software pipeline in registers; ``num_stages`` is then 1). ``early`` (with ``prefetch``):
-    the first tile but the new token is loaded before the PDL wait."""
+    the first tile but the new token is loaded before the PDL wait. ``min_split``: each split
+    at least this many tokens (a multiple of ``block_n``; 0: none), so that a short sequence
+    takes fewer of the ``num_splits`` splits and the rest of its programs find an empty range."""
 
     num_seqs: int
     num_heads: int
@@ -46,6 +48,7 @@ class DecodePlan:
     merge: bool = False
     prefetch: bool = False
     early: bool = False
+    min_split: int = 0
 
     @property
     def group(self) -> int:
@@ -54,7 +57,8 @@ class DecodePlan:
     def label(self) -> str:
         stages = ("pfe" if self.early else "pf") if self.prefetch else f"st{self.num_stages}"
         merge = "_m" if self.merge else ""
-        return f"s{self.num_splits}_n{self.block_n}_w{self.num_warps}_{stages}{merge}"
+        least = f"_t{self.min_split}" if self.min_split else ""
+        return f"s{self.num_splits}_n{self.block_n}_w{self.num_warps}_{stages}{merge}{least}"
 
     def knobs(self) -> dict[str, object]:
         """The fields that are not the batch shape (what ``install_plans`` takes)."""
@@ -82,12 +86,13 @@ class DecodePlan:
         # (capped at 32 splits) is the same either way.
         target = 2 * num_sms(device_index)
         splits = next_pow2(max(1, math.ceil(target / max(b * hkv, 1))))
-        if paged.k.element_size() == 2:
-            splits = max(splits, KV16_MIN_SPLITS)
+        if paged.k.element_size() == 2 and splits < KV16_MIN_SPLITS:
+            return cls(b, h, hkv, d, min(max_splits, KV16_MIN_SPLITS), min_split=KV16_SPLIT_TOKENS)
         return cls(b, h, hkv, d, min(max_splits, splits))
 
 
-KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")
+KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early",
+         "min_split")  # fmt: skip
 # Batch size -> the plan's knobs, measured on the GPU (``lab.decode_variants
 # --only-attention``); batch sizes not here take ``DecodePlan.make``'s rule.
 _PLANS: dict[int, dict[str, object]] = {}
@@ -104,14 +109,18 @@ FP8_KV_PLANS: dict[int, dict[str, object]] = {
 # folded decode step with RoPE inside took 0.993x the rule's plan in two runs (session 15;
 # attention alone 0.980x in session 8, and 0.997x at ctx 4k).
 KV16_PLANS: dict[int, dict[str, object]] = {8: {"num_splits": 8, "block_n": 32}}
-# A bf16/fp16 cache splits every sequence at least this many ways, whatever the batch. A served
-# batch's lengths differ, and with one split a (sequence, KV head) per program, the longest
-# sequences' programs run on alone while the other SMs idle. On an H200 (8B shape, 32 layers in
-# one graph, lengths drawn from ctx * (1 +- 0.9) at ctx 1k and 1.5k, `lab.decode_variants
-# --only-attention --ctx-spread 0.9`), 6 splits took 0.72-0.85x the power-of-two rule's time at
-# batch 24-64 (1-2 splits there; 4-8 splits within 2% of each other) and 0.95x at batch 16
+# A bf16/fp16 cache splits a sequence up to this many ways where the power-of-two rule gives
+# fewer splits (batch 17 and up on an H200), each split at least ``KV16_SPLIT_TOKENS`` long. A
+# served batch's lengths differ, and with one split a (sequence, KV head) per program, the
+# longest sequences' programs run on alone while the other SMs idle. On an H200 (8B shape, 32
+# layers in one graph, lengths drawn from ctx * (1 +- 0.9) at ctx 1k and 1.5k,
+# `lab.decode_variants --only-attention --ctx-spread 0.9`), 6 splits took 0.72-0.85x the rule's
+# time at batch 24-64 (1-2 splits there; 4-8 splits within 2% of each other; 16 splits of a
+# 1k context slower), and 0.77-0.86x at 4k and 8k. Without a least length, short contexts lost:
+# served decode steps at batch 51 over 128-640 tokens took 6.31 ms against the rule's 5.84
 # (bench/results/decode_attention_spread_h200.md).
 KV16_MIN_SPLITS = 6
+KV16_SPLIT_TOKENS = 256
 
 
 def install_plans(plans: dict[int, dict[str, object]]) -> dict[int, dict[str, object]]:
@@ -131,9 +140,9 @@ def candidates(b: int) -> list[dict[str, object]]:
     (labels: ``DecodePlan.label``; tests check each compiles and matches the reference)."""
 
     def p(splits: int, n: int = 64, w: int = 4, st: int = 2, pf: bool = False, m: bool = True,
-          e: bool = False):  # fmt: skip
+          e: bool = False, t: int = 0):  # fmt: skip
         return {"num_splits": splits, "block_n": n, "num_warps": w, "num_stages": st,
-                "merge": m, "prefetch": pf or e, "early": e}  # fmt: skip
+                "merge": m, "prefetch": pf or e, "early": e, "min_split": t}  # fmt: skip
 
     if b <= 2:
         return [p(32), p(16), p(32, 32), p(16, pf=True), p(16, 32, pf=True), p(8, pf=True, w=8),
@@ -148,8 +157,10 @@ def candidates(b: int) -> list[dict[str, object]]:
         p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
         p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
         p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
-        # the power-of-two rule's plans at batch 17-64 before a 16-bit cache's floor of splits
-        p(1, m=False), p(2, m=False),
+        # the power-of-two rule's plans at batch 17-64 before a 16-bit cache's floor of splits,
+        # and that floor with other least split lengths
+        p(1, m=False), p(2, m=False), p(6, m=False, t=128), p(6, m=False, t=256),
+        p(6, m=False, t=512), p(8, m=False, t=256),
         # no split at all (one program per sequence and KV head streams its whole context, the
         # output written directly: no merge kernel), the next tiles in flight
         p(1, pf=True), p(1, w=8, pf=True), p(1, e=True), p(1, w=8, e=True), p(1, 32, e=True),
@@ -280,7 +291,7 @@ def _decode_split_kernel(
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, slot_blocks_ptr=None,
     slot_offsets_ptr=None, k_inv=1.0, v_inv=1.0, stride_knb=0, stride_knh=0, stride_vnb=0,
     stride_vnh=0, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False,
-    FP8: tl.constexpr = False,
+    FP8: tl.constexpr = False, MIN_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -292,6 +303,8 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if MIN_SPLIT > 0:  # short sequences take fewer splits; the others' ranges are empty
+        per_split = tl.maximum(per_split, MIN_SPLIT)
     start = split * per_split
     end = tl.minimum(seq_len, start + per_split)
     # ROPE: q, k and v of the new token come unrotated from the QKV product, and the cache
@@ -507,6 +520,8 @@ def decode_attention(
     plan = plan or DecodePlan.make(q, paged)
     if plan.early and not plan.prefetch:
         raise ValueError("DecodePlan.early needs prefetch (its tiles are loaded before the loop)")
+    if plan.min_split % plan.block_n:
+        raise ValueError(f"DecodePlan.min_split {plan.min_split} is not a multiple of its tile")
     if rope is not None:
         rope.check(q, paged)
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
@@ -528,6 +543,7 @@ def decode_attention(
         GROUP=plan.group, BLOCK_G=max(next_pow2(plan.group), 16), BLOCK_N=plan.block_n,
         HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
         PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
+        MIN_SPLIT=plan.min_split,
         num_warps=plan.num_warps,
         num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q, pdl),
         **(rope.kernel_args(k_scale, v_scale, paged.k.dtype == torch.float8_e4m3fn)
