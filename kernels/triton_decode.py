@@ -85,10 +85,8 @@ class DecodePlan:
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
         target = 2 * num_sms(device_index)
-        splits = next_pow2(max(1, math.ceil(target / max(b * hkv, 1))))
-        if paged.k.element_size() == 2 and splits < KV16_MIN_SPLITS:
-            return cls(b, h, hkv, d, min(max_splits, KV16_MIN_SPLITS), min_split=KV16_SPLIT_TOKENS)
-        return cls(b, h, hkv, d, min(max_splits, splits))
+        splits = min(max_splits, next_pow2(max(1, math.ceil(target / max(b * hkv, 1)))))
+        return cls(b, h, hkv, d, splits)
 
 
 KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early",
@@ -109,18 +107,6 @@ FP8_KV_PLANS: dict[int, dict[str, object]] = {
 # folded decode step with RoPE inside took 0.993x the rule's plan in two runs (session 15;
 # attention alone 0.980x in session 8, and 0.997x at ctx 4k).
 KV16_PLANS: dict[int, dict[str, object]] = {8: {"num_splits": 8, "block_n": 32}}
-# A bf16/fp16 cache splits a sequence up to this many ways where the power-of-two rule gives
-# fewer splits (batch 17 and up on an H200), each split at least ``KV16_SPLIT_TOKENS`` long. A
-# served batch's lengths differ, and with one split a (sequence, KV head) per program, the
-# longest sequences' programs run on alone while the other SMs idle. On an H200 (8B shape, 32
-# layers in one graph, lengths drawn from ctx * (1 +- 0.9) at ctx 1k and 1.5k,
-# `lab.decode_variants --only-attention --ctx-spread 0.9`), 6 splits took 0.72-0.85x the rule's
-# time at batch 24-64 (1-2 splits there; 4-8 splits within 2% of each other; 16 splits of a
-# 1k context slower), and 0.77-0.86x at 4k and 8k. Without a least length, short contexts lost:
-# served decode steps at batch 51 over 128-640 tokens took 6.31 ms against the rule's 5.84
-# (bench/results/decode_attention_spread_h200.md).
-KV16_MIN_SPLITS = 6
-KV16_SPLIT_TOKENS = 256
 
 
 def install_plans(plans: dict[int, dict[str, object]]) -> dict[int, dict[str, object]]:
@@ -157,8 +143,9 @@ def candidates(b: int) -> list[dict[str, object]]:
         p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
         p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
         p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
-        # the power-of-two rule's plans at batch 17-64 before a 16-bit cache's floor of splits,
-        # and that floor with other least split lengths
+        # the rule's plans at batch 17-64 (one and two splits), and more splits with a least
+        # split length: a served batch's lengths differ (bench/results/
+        # decode_attention_spread_h200.md)
         p(1, m=False), p(2, m=False), p(6, m=False, t=128), p(6, m=False, t=256),
         p(6, m=False, t=512), p(8, m=False, t=256),
         # no split at all (one program per sequence and KV head streams its whole context, the
@@ -275,6 +262,16 @@ def _attend_new(q, kc, vc, m_i, l_i, acc, scale_log2):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens in each split of a sequence of ``seq_len`` (the last one it fills takes the rest):
+    its share of ``num_splits``, rounded up to the tile, and at least ``MIN_SPLIT``."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if MIN_SPLIT > 0:
+        per_split = tl.maximum(per_split, MIN_SPLIT)
+    return per_split
+
+
 # The block tables' width changes from step to step outside CUDA graphs: not specialised on,
 # so one compiled variant per plan serves every batch (``engine.warmup`` compiles each plan).
 @triton.jit(do_not_specialize=["stride_tb"])
@@ -302,11 +299,12 @@ def _decode_split_kernel(
     if PDL and not EARLY:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    if MIN_SPLIT > 0:  # short sequences take fewer splits; the others' ranges are empty
-        per_split = tl.maximum(per_split, MIN_SPLIT)
+    per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     start = split * per_split
     end = tl.minimum(seq_len, start + per_split)
+    # MIN_SPLIT: a short sequence fills fewer splits; the others load and store nothing, and
+    # the merge reads only the splits the length fills.
+    live = start < seq_len
     # ROPE: q, k and v of the new token come unrotated from the QKV product, and the cache
     # does not hold the new token yet: the splits read the cache up to it (``end`` below), and
     # the split whose range holds it rotates its k, writes k and v into the cache and attends
@@ -321,6 +319,14 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & d_mask[None, :]
+    if MIN_SPLIT > 0:
+        q_mask = gd_mask & live
+        g_mask = (offs_g < GROUP) & live
+        n_live = tl.cdiv(seq_len, per_split)
+    else:  # (an empty split writes its empty partial, read by the merge)
+        q_mask = gd_mask
+        g_mask = offs_g < GROUP
+        n_live = num_splits
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q_ptrs = q_rows + offs_d[None, :]
     head_off = kvh * stride_kh
@@ -330,10 +336,10 @@ def _decode_split_kernel(
                                      vn_ptr + b * stride_vnb + kvh * stride_vnh,
                                      cos_ptr + b * stride_cos, sin_ptr + b * stride_sin, k_ptr,
                                      v_ptr, slot_blocks_ptr + b, slot_offsets_ptr + b, head_off,
-                                     stride_kb, stride_kt, offs_d, d_mask, gd_mask, k_inv, v_inv,
+                                     stride_kb, stride_kt, offs_d, d_mask, q_mask, k_inv, v_inv,
                                      owns, HEAD_DIM // 2, FP8)  # fmt: skip
         else:
-            q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -363,10 +369,10 @@ def _decode_split_kernel(
                                          cos_ptr + b * stride_cos, sin_ptr + b * stride_sin,
                                          k_ptr, v_ptr, slot_blocks_ptr + b,
                                          slot_offsets_ptr + b, head_off, stride_kb, stride_kt,
-                                         offs_d, d_mask, gd_mask, k_inv, v_inv, owns,
+                                         offs_d, d_mask, q_mask, k_inv, v_inv, owns,
                                          HEAD_DIM // 2, FP8)  # fmt: skip
             else:
-                q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
+                q = tl.load(q_ptrs, mask=q_mask, other=0.0)
                 k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
                 k = tl.where(last[:, None], k_new, k)
                 v = tl.where(last[:, None], v_new, v)
@@ -394,42 +400,42 @@ def _decode_split_kernel(
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
         p_off = b * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=gd_mask)
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=offs_g < GROUP)
+        tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=q_mask)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
         if MERGE == 1:
             _merge_last(part_ptr, lse_ptr, out_ptr, tickets_ptr + b * tl.num_programs(1) + kvh,
-                        b, kvh, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
+                        b, kvh, num_splits, n_live, stride_pb, stride_ph, stride_ps, stride_lb,
                         stride_lh, stride_ob, stride_oh, GROUP, HEAD_DIM, BLOCK_S,
                         BLOCK_D)  # fmt: skip
 
 
 @triton.jit
-def _merge_last(part_ptr, lse_ptr, out_ptr, ticket, b, kvh, num_splits,
+def _merge_last(part_ptr, lse_ptr, out_ptr, ticket, b, kvh, num_splits, n_live,
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_D: tl.constexpr):  # fmt: skip
     """The last split of a (sequence, KV head) to finish (its ticket, as split-K's in
-    ``triton_skinny``) merges the group's heads as the merge kernel does; the ticket is left
-    zero for the next call."""
+    ``triton_skinny``) merges the group's heads (their first ``n_live`` splits) as the merge
+    kernel does; the ticket is left zero for the next call."""
     tl.debug_barrier()  # every thread's stores before the release below
     if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
         for g in tl.static_range(GROUP):
-            _merge_head(part_ptr, lse_ptr, out_ptr, b, kvh * GROUP + g, num_splits,
+            _merge_head(part_ptr, lse_ptr, out_ptr, b, kvh * GROUP + g, n_live,
                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                         stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")  # fmt: skip
         tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_head(part_ptr, lse_ptr, out_ptr, b, h, num_splits,
+def _merge_head(part_ptr, lse_ptr, out_ptr, b, h, n_live,
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                 CACHE: tl.constexpr):  # fmt: skip
-    """Head ``h`` of sequence ``b``: its splits' outputs weighted by their sums (``CACHE``
-    ".cg": read from L2, written by other programs of the same launch)."""
+    """Head ``h`` of sequence ``b``: its first ``n_live`` splits' outputs weighted by their sums
+    (``CACHE`` ".cg": read from L2, written by other programs of the same launch)."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
+    s_mask = offs_s < n_live
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,
                   other=-float("inf"), cache_modifier=CACHE)  # fmt: skip
     m = tl.max(lse, 0)
@@ -449,13 +455,20 @@ def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    seq_lens_ptr=None, BLOCK_N: tl.constexpr = 64, MIN_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    if MIN_SPLIT > 0:  # only the splits the length fills wrote
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        n_live = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT))
+    else:
+        n_live = num_splits
     _merge_head(
-        part_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
-        num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+        part_ptr, lse_ptr, out_ptr, b, tl.program_id(1).to(tl.int64),
+        n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
         HEAD_DIM, BLOCK_S, BLOCK_D, "",
     )  # fmt: skip
 
@@ -557,5 +570,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
         **pdl_kwargs(q, pdl),
+        **(dict(seq_lens_ptr=seq_lens, BLOCK_N=plan.block_n, MIN_SPLIT=plan.min_split)
+           if plan.min_split else {}),
     )  # fmt: skip
     return out

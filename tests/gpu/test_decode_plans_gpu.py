@@ -27,7 +27,7 @@ TESTED = ["s1_n64_w4_pf_m", "s3_n64_w4_st2_m", "s32_n64_w4_st2_m", "s16_n32_w4_p
           "s8_n64_w4_pf_m", "s2_n64_w8_pf_m", "s4_n128_w8_pf_m", "s8_n128_w8_st2_m",
           "s4_n64_w4_st5_m", "s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m",
           "s8_n64_w4_pfe_m",  # (FP8_KV_PLANS[8])
-          "s6_n64_w4_st2_t256"]  # fmt: skip  # (the rule's at batch 17-64, 16-bit cache)
+          "s6_n64_w4_st2_t256"]  # fmt: skip  # (a least split length)
 LENS = [1, 17, 1000, 4097, 64, 129]
 
 
@@ -98,21 +98,6 @@ def test_installed_plans_reach_make():
         T.install_plans(saved)
     with pytest.raises(ValueError, match="unknown decode plan fields"):
         T.install_plans({8: {"splits": 4}})
-
-
-def test_a_16_bit_cache_splits_at_least_the_floor_an_fp8_one_keeps_the_rule():
-    """Batch 64 on an H100/H200: the power-of-two rule gives one split; a bf16 cache takes
-    ``KV16_MIN_SPLITS`` of at least ``KV16_SPLIT_TOKENS`` (served lengths differ), an FP8
-    cache keeps the rule's."""
-    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
-    bf16 = torch.zeros((4, 1, 2, 16, 8, 128), device="cuda", dtype=torch.bfloat16)
-    plan = T.DecodePlan.make(q, PagedLayer.of(bf16, 0))
-    assert (plan.num_splits, plan.min_split) == (T.KV16_MIN_SPLITS, T.KV16_SPLIT_TOKENS)
-    one = T.DecodePlan.make(q[:1], PagedLayer.of(bf16, 0))
-    assert (one.num_splits, one.min_split) == (32, 0)  # the rule's, above the floor
-    if fp8_capable():
-        fp8 = bf16.to(torch.float8_e4m3fn)
-        assert T.DecodePlan.make(q, PagedLayer.of(fp8, 0)).num_splits < T.KV16_MIN_SPLITS
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])

@@ -106,7 +106,7 @@ for kv in ("*bf16", "*fp8e4nv"):
         consts = dict(GROUP=4, BLOCK_G=16, BLOCK_N=plan.block_n, HEAD_DIM=128, BLOCK_D=128,
                       DOT_PRECISION="tf32", PDL=True, MERGE=merge, PREFETCH=plan.prefetch,
                       BLOCK_S=max(triton.next_power_of_2(plan.num_splits), 2), EARLY=plan.early,
-                      ROPE=False, FP8=False)
+                      ROPE=False, FP8=False, MIN_SPLIT=plan.min_split)
         sig = {n: "constexpr" if n in consts else PTRS.get(n, kv if n in ("k_ptr", "v_ptr")
                else "fp32" if n in ("scale_log2", "v_scale") else "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig,
