@@ -33,9 +33,7 @@ class DecodePlan:
     by an atomic ticket) instead of a second kernel; with one split the output is written
     directly. ``prefetch``: the next tile's K/V loads are issued before this tile is computed
     (a software pipeline in registers; ``num_stages`` is then 1). ``early`` (with ``prefetch``):
-    the first tile but the new token is loaded before the PDL wait. ``min_split``: each split
-    at least this many tokens (a multiple of ``block_n``; 0: none), so that a short sequence
-    takes fewer of the ``num_splits`` splits and the rest of its programs find an empty range."""
+    the first tile but the new token is loaded before the PDL wait."""
 
     num_seqs: int
     num_heads: int
@@ -48,7 +46,6 @@ class DecodePlan:
     merge: bool = False
     prefetch: bool = False
     early: bool = False
-    min_split: int = 0
 
     @property
     def group(self) -> int:
@@ -57,8 +54,7 @@ class DecodePlan:
     def label(self) -> str:
         stages = ("pfe" if self.early else "pf") if self.prefetch else f"st{self.num_stages}"
         merge = "_m" if self.merge else ""
-        least = f"_t{self.min_split}" if self.min_split else ""
-        return f"s{self.num_splits}_n{self.block_n}_w{self.num_warps}_{stages}{merge}{least}"
+        return f"s{self.num_splits}_n{self.block_n}_w{self.num_warps}_{stages}{merge}"
 
     def knobs(self) -> dict[str, object]:
         """The fields that are not the batch shape (what ``install_plans`` takes)."""
@@ -89,8 +85,7 @@ class DecodePlan:
         return cls(b, h, hkv, d, splits)
 
 
-KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early",
-         "min_split")  # fmt: skip
+KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")
 # Batch size -> the plan's knobs, measured on the GPU (``lab.decode_variants
 # --only-attention``); batch sizes not here take ``DecodePlan.make``'s rule.
 _PLANS: dict[int, dict[str, object]] = {}
@@ -126,9 +121,9 @@ def candidates(b: int) -> list[dict[str, object]]:
     (labels: ``DecodePlan.label``; tests check each compiles and matches the reference)."""
 
     def p(splits: int, n: int = 64, w: int = 4, st: int = 2, pf: bool = False, m: bool = True,
-          e: bool = False, t: int = 0):  # fmt: skip
+          e: bool = False):  # fmt: skip
         return {"num_splits": splits, "block_n": n, "num_warps": w, "num_stages": st,
-                "merge": m, "prefetch": pf or e, "early": e, "min_split": t}  # fmt: skip
+                "merge": m, "prefetch": pf or e, "early": e}  # fmt: skip
 
     if b <= 2:
         return [p(32), p(16), p(32, 32), p(16, pf=True), p(16, 32, pf=True), p(8, pf=True, w=8),
@@ -143,11 +138,9 @@ def candidates(b: int) -> list[dict[str, object]]:
         p(4, m=False), p(6, m=False), p(16, m=False), p(8, 32, m=False), p(8, w=2, m=False),
         p(8, st=3, m=False), p(8, pf=True, m=False), p(4, pf=True, m=False),
         p(8, e=True, m=False), p(4, e=True, m=False), p(8, 128, 8, m=False),
-        # the rule's plans at batch 17-64 (one and two splits), and more splits with a least
-        # split length: a served batch's lengths differ (bench/results/
-        # decode_attention_spread_h200.md)
-        p(1, m=False), p(2, m=False), p(6, m=False, t=128), p(6, m=False, t=256),
-        p(6, m=False, t=512), p(8, m=False, t=256),
+        # the rule's plans at batch 17-64 on an H200 (one split, two), beside the others on a
+        # batch of spread lengths (bench/results/decode_attention_spread_h200/)
+        p(1, m=False), p(2, m=False),
         # no split at all (one program per sequence and KV head streams its whole context, the
         # output written directly: no merge kernel), the next tiles in flight
         p(1, pf=True), p(1, w=8, pf=True), p(1, e=True), p(1, w=8, e=True), p(1, 32, e=True),
@@ -262,16 +255,6 @@ def _attend_new(q, kc, vc, m_i, l_i, acc, scale_log2):
     return m_new, l_i, acc
 
 
-@triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Tokens in each split of a sequence of ``seq_len`` (the last one it fills takes the rest):
-    its share of ``num_splits``, rounded up to the tile, and at least ``MIN_SPLIT``."""
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    if MIN_SPLIT > 0:
-        per_split = tl.maximum(per_split, MIN_SPLIT)
-    return per_split
-
-
 # The block tables' width changes from step to step outside CUDA graphs: not specialised on,
 # so one compiled variant per plan serves every batch (``engine.warmup`` compiles each plan).
 @triton.jit(do_not_specialize=["stride_tb"])
@@ -288,7 +271,7 @@ def _decode_split_kernel(
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, slot_blocks_ptr=None,
     slot_offsets_ptr=None, k_inv=1.0, v_inv=1.0, stride_knb=0, stride_knh=0, stride_vnb=0,
     stride_vnh=0, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False,
-    FP8: tl.constexpr = False, MIN_SPLIT: tl.constexpr = 0,
+    FP8: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -299,12 +282,9 @@ def _decode_split_kernel(
     if PDL and not EARLY:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(seq_len, start + per_split)
-    # MIN_SPLIT: a short sequence fills fewer splits; the others load and store nothing, and
-    # the merge reads only the splits the length fills.
-    live = start < seq_len
     # ROPE: q, k and v of the new token come unrotated from the QKV product, and the cache
     # does not hold the new token yet: the splits read the cache up to it (``end`` below), and
     # the split whose range holds it rotates its k, writes k and v into the cache and attends
@@ -319,14 +299,6 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & d_mask[None, :]
-    if MIN_SPLIT > 0:
-        q_mask = gd_mask & live
-        g_mask = (offs_g < GROUP) & live
-        n_live = tl.cdiv(seq_len, per_split)
-    else:  # (an empty split writes its empty partial, read by the merge)
-        q_mask = gd_mask
-        g_mask = offs_g < GROUP
-        n_live = num_splits
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q_ptrs = q_rows + offs_d[None, :]
     head_off = kvh * stride_kh
@@ -336,10 +308,10 @@ def _decode_split_kernel(
                                      vn_ptr + b * stride_vnb + kvh * stride_vnh,
                                      cos_ptr + b * stride_cos, sin_ptr + b * stride_sin, k_ptr,
                                      v_ptr, slot_blocks_ptr + b, slot_offsets_ptr + b, head_off,
-                                     stride_kb, stride_kt, offs_d, d_mask, q_mask, k_inv, v_inv,
+                                     stride_kb, stride_kt, offs_d, d_mask, gd_mask, k_inv, v_inv,
                                      owns, HEAD_DIM // 2, FP8)  # fmt: skip
         else:
-            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+            q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -369,10 +341,10 @@ def _decode_split_kernel(
                                          cos_ptr + b * stride_cos, sin_ptr + b * stride_sin,
                                          k_ptr, v_ptr, slot_blocks_ptr + b,
                                          slot_offsets_ptr + b, head_off, stride_kb, stride_kt,
-                                         offs_d, d_mask, q_mask, k_inv, v_inv, owns,
+                                         offs_d, d_mask, gd_mask, k_inv, v_inv, owns,
                                          HEAD_DIM // 2, FP8)  # fmt: skip
             else:
-                q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+                q = tl.load(q_ptrs, mask=gd_mask, other=0.0)
                 k_new, v_new = _kv_tile(k_ptr, v_ptr, row0, n_mask & last, offs_d, d_mask)
                 k = tl.where(last[:, None], k_new, k)
                 v = tl.where(last[:, None], v_new, v)
@@ -400,42 +372,42 @@ def _decode_split_kernel(
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
         p_off = b * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=q_mask)
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+        tl.store(part_ptr + p_off[:, None] + offs_d[None, :], out, mask=gd_mask)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=offs_g < GROUP)
         if MERGE == 1:
             _merge_last(part_ptr, lse_ptr, out_ptr, tickets_ptr + b * tl.num_programs(1) + kvh,
-                        b, kvh, num_splits, n_live, stride_pb, stride_ph, stride_ps, stride_lb,
+                        b, kvh, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
                         stride_lh, stride_ob, stride_oh, GROUP, HEAD_DIM, BLOCK_S,
                         BLOCK_D)  # fmt: skip
 
 
 @triton.jit
-def _merge_last(part_ptr, lse_ptr, out_ptr, ticket, b, kvh, num_splits, n_live,
+def _merge_last(part_ptr, lse_ptr, out_ptr, ticket, b, kvh, num_splits,
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_D: tl.constexpr):  # fmt: skip
     """The last split of a (sequence, KV head) to finish (its ticket, as split-K's in
-    ``triton_skinny``) merges the group's heads (their first ``n_live`` splits) as the merge
-    kernel does; the ticket is left zero for the next call."""
+    ``triton_skinny``) merges the group's heads as the merge kernel does; the ticket is left
+    zero for the next call."""
     tl.debug_barrier()  # every thread's stores before the release below
     if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
         for g in tl.static_range(GROUP):
-            _merge_head(part_ptr, lse_ptr, out_ptr, b, kvh * GROUP + g, n_live,
+            _merge_head(part_ptr, lse_ptr, out_ptr, b, kvh * GROUP + g, num_splits,
                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                         stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")  # fmt: skip
         tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_head(part_ptr, lse_ptr, out_ptr, b, h, n_live,
+def _merge_head(part_ptr, lse_ptr, out_ptr, b, h, num_splits,
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                 CACHE: tl.constexpr):  # fmt: skip
-    """Head ``h`` of sequence ``b``: its first ``n_live`` splits' outputs weighted by their sums
-    (``CACHE`` ".cg": read from L2, written by other programs of the same launch)."""
+    """Head ``h`` of sequence ``b``: its splits' outputs weighted by their sums (``CACHE``
+    ".cg": read from L2, written by other programs of the same launch)."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < n_live
+    s_mask = offs_s < num_splits
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,
                   other=-float("inf"), cache_modifier=CACHE)  # fmt: skip
     m = tl.max(lse, 0)
@@ -455,20 +427,13 @@ def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-    seq_lens_ptr=None, BLOCK_N: tl.constexpr = 64, MIN_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:  # programmatic dependent launch: the previous kernel's results first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0).to(tl.int64)
-    if MIN_SPLIT > 0:  # only the splits the length fills wrote
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-        n_live = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT))
-    else:
-        n_live = num_splits
     _merge_head(
-        part_ptr, lse_ptr, out_ptr, b, tl.program_id(1).to(tl.int64),
-        n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+        part_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+        num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
         HEAD_DIM, BLOCK_S, BLOCK_D, "",
     )  # fmt: skip
 
@@ -533,8 +498,6 @@ def decode_attention(
     plan = plan or DecodePlan.make(q, paged)
     if plan.early and not plan.prefetch:
         raise ValueError("DecodePlan.early needs prefetch (its tiles are loaded before the loop)")
-    if plan.min_split % plan.block_n:
-        raise ValueError(f"DecodePlan.min_split {plan.min_split} is not a multiple of its tile")
     if rope is not None:
         rope.check(q, paged)
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
@@ -556,7 +519,6 @@ def decode_attention(
         GROUP=plan.group, BLOCK_G=max(next_pow2(plan.group), 16), BLOCK_N=plan.block_n,
         HEAD_DIM=d, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
         PREFETCH=plan.prefetch, BLOCK_S=block_s if merge == 1 else 2, EARLY=plan.early,
-        MIN_SPLIT=plan.min_split,
         num_warps=plan.num_warps,
         num_stages=1 if plan.prefetch else plan.num_stages, **pdl_kwargs(q, pdl),
         **(rope.kernel_args(k_scale, v_scale, paged.k.dtype == torch.float8_e4m3fn)
@@ -570,7 +532,5 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
         **pdl_kwargs(q, pdl),
-        **(dict(seq_lens_ptr=seq_lens, BLOCK_N=plan.block_n, MIN_SPLIT=plan.min_split)
-           if plan.min_split else {}),
     )  # fmt: skip
     return out

@@ -26,8 +26,7 @@ KNOBS["s3_n64_w4_st2_m"] = {"num_splits": 3, "merge": True}
 TESTED = ["s1_n64_w4_pf_m", "s3_n64_w4_st2_m", "s32_n64_w4_st2_m", "s16_n32_w4_pf_m",
           "s8_n64_w4_pf_m", "s2_n64_w8_pf_m", "s4_n128_w8_pf_m", "s8_n128_w8_st2_m",
           "s4_n64_w4_st5_m", "s4_n64_w4_pfe_m", "s16_n32_w4_pfe_m",
-          "s8_n64_w4_pfe_m",  # (FP8_KV_PLANS[8])
-          "s6_n64_w4_st2_t256"]  # fmt: skip  # (a least split length)
+          "s8_n64_w4_pfe_m"]  # fmt: skip  # (the last: FP8_KV_PLANS[8])
 LENS = [1, 17, 1000, 4097, 64, 129]
 
 

@@ -49,12 +49,6 @@ CASES = {
         MERGE=1, PREFETCH=True, BLOCK_S=8, EARLY=False, ROPE=False, FP8=False)),
     "decode_merge": (triton_decode._decode_merge_kernel, dict(
         HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
-    # a least split length (DecodePlan.min_split): the splits and the merge read the length
-    "decode_split_least": (triton_decode._decode_split_kernel, dict(
-        GROUP=4, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32",
-        MERGE=0, PREFETCH=False, BLOCK_S=2, EARLY=False, ROPE=True, FP8=False, MIN_SPLIT=256)),
-    "decode_merge_least": (triton_decode._decode_merge_kernel, dict(
-        HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128, BLOCK_N=64, MIN_SPLIT=256)),
     "skinny": (triton_skinny._skinny_kernel, dict(
         PROLOGUE=0, HAS_SCALE=False, HAS_BIAS=False, SPLIT_K=2, BLOCK_M=8,
         BLOCK_N=4, BLOCK_K=1024, DOT=False, EVEN_K=True, EVEN_N=True, PREFETCH=True, VEC=8,
@@ -105,7 +99,7 @@ print(json.dumps(out))
 
 def test_decode_kernels_compile_with_and_without_pdl_for_hopper():
     rows = compiled_rows(COMPILE)
-    assert len(rows) == 28
+    assert len(rows) == 24
     for r in rows:
         # only the tensor-core product asks for weights in L2, and only with PDL
         assert r["l2_before_wait"] == (r["kernel"] == "skinny_dot" and r["pdl"]), r
