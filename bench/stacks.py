@@ -13,7 +13,9 @@ stream from the decode worker to the gateway; relay: through the router), so one
 the two token paths on the same requests, and ``:graphs=N``, the workers'
 ``--mixed-graph-max-tokens`` (0: steps with prompt tokens run eagerly), so one run compares the
 mixed steps' piecewise CUDA graphs with eager steps. ``:host=GIB`` is the workers'
-``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:traces=1``
+``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:spread=1``
+gives the workers ``--decode-spread-graphs`` (decode graphs for batches of spread lengths), to
+measure them against the same stack without. ``:traces=1``
 has every process write its spans, from which each run reports where TTFT went hop by hop
 (`bench.ttft_hops`).
 """
@@ -37,10 +39,12 @@ _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
-    "graphs": int, "host": int, "traces": int,
+    "graphs": int, "host": int, "traces": int, "spread": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
-_COLOCATED_OPTIONS = {"tokens": int, "path": str, "graphs": int, "host": int, "traces": int}
+_COLOCATED_OPTIONS = {
+    "tokens": int, "path": str, "graphs": int, "host": int, "traces": int, "spread": int,
+}  # fmt: skip
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
 
@@ -62,6 +66,7 @@ class StackSpec:
     graphs: int | None = None  # the workers' --mixed-graph-max-tokens; None: their default
     host: int | None = None  # the workers' --kv-host-cache-gib; None: their default
     traces: int = 0  # 1: every process writes its spans (bench.ttft_hops reads them)
+    spread: int = 0  # 1: the workers' --decode-spread-graphs
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:
@@ -120,6 +125,8 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
                         ("--kv-host-cache-gib", spec.host)):  # fmt: skip
         if value is not None:
             common["worker_args"] = (*common.get("worker_args", ()), flag, str(value))
+    if spec.spread:
+        common["worker_args"] = (*common.get("worker_args", ()), "--decode-spread-graphs")
     if spec.traces:
         common["trace_files"] = True
     if spec.colocated:

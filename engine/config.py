@@ -253,6 +253,13 @@ class EngineConfig:
         "larger steps, steps with LoRA adapters and --enforce-eager run eagerly (0: off)",
         metavar="TOKENS",
     )
+    # CUDA only: decode graphs for batches of spread lengths (engine.cuda_graphs.SpreadGraphs).
+    decode_spread_graphs: bool = knob(
+        False,
+        "CUDA: capture the decode graphs a second time with more splits per sequence in "
+        "attention, replayed when a step's longest context is well above its mean (batches of "
+        "spread lengths); more capture time and graph memory. Off under tensor parallelism",
+    )
     mixed_graph_sizes: tuple[int, ...] = (
         16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
     )  # fmt: skip

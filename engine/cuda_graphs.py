@@ -24,17 +24,27 @@ read back): the row names the row of that step's sampled ids it comes from, and 
 gathers those ids on the device into the static input buffer before the replay
 (``engine.inflight``).
 
+With ``spread`` (`SpreadGraphs`), a size whose decode-attention plan a floor of splits changes
+is captured once more with that floor, sharing the pool, and a step whose lengths differ widely
+replays that capture: the rule's one or two splits per sequence (from batch 17 on an H200) wait
+on the longest sequences, more splits cost on even short contexts
+(bench/results/decode_attention_spread_h200/). The choice is the host's, from the batch's
+lengths, which it has already.
+
 Off CUDA (the CPU tests) nothing is captured: ``run`` fills the same buffers and runs the step
 eagerly, so the batch a graph would replay is checked on any machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+import kernels
 from engine.inflight import feed_ids
 from kernels import AttentionMetadata
 from kernels.reference import lora_tile_table, max_lora_tiles
@@ -95,6 +105,26 @@ class DecodeBatch:
         self.num_seqs += 1
 
 
+@dataclass(frozen=True, slots=True)
+class SpreadGraphs:
+    """Decode graphs for batches of spread lengths: each size whose attention plan changes
+    under a floor of ``splits`` splits per sequence is captured again with it, and a step
+    replays that capture when its longest context is at least ``min_context`` tokens and
+    ``ratio`` times the mean (six splits took 0.72-0.86x the rule's attention time on lengths
+    drawn from ctx * (1 +- 0.9), longest about 1.9x the mean, at 1k-8k on an H200)."""
+
+    splits: int = 6
+    min_context: int = 1024
+    ratio: float = 1.5
+
+    def takes(self, seq_lens: Sequence[int]) -> bool:
+        """Whether a step of these context lengths (one per row) replays the spread capture."""
+        if not seq_lens:
+            return False
+        longest = max(seq_lens)
+        return longest >= self.min_context and longest * len(seq_lens) >= self.ratio * sum(seq_lens)
+
+
 def graph_batch_sizes(candidates: tuple[int, ...], max_rows: int) -> list[int]:
     """The candidates up to and including the first one that holds ``max_rows``."""
     sizes = sorted(set(candidates))
@@ -104,8 +134,9 @@ def graph_batch_sizes(candidates: tuple[int, ...], max_rows: int) -> list[int]:
 
 class DecodeGraphs:
     """Forward pass plus logits of a decode step, captured at several batch sizes (row counts),
-    and with ``lora`` each size again with the LoRA deltas; off CUDA (or ``capture=False``)
-    run eagerly on the same inputs."""
+    with ``lora`` each size again with the LoRA deltas, and with ``spread`` the sizes it
+    changes again with more splits; off CUDA (or ``capture=False``) run eagerly on the same
+    inputs."""
 
     def __init__(
         self,
@@ -116,6 +147,7 @@ class DecodeGraphs:
         block_size: int,
         lora: LoRAManager | None = None,
         capture: bool = True,
+        spread: SpreadGraphs | None = None,
     ) -> None:
         if not batch_sizes:
             raise ValueError("no batch sizes to capture")
@@ -124,6 +156,7 @@ class DecodeGraphs:
         self.sizes = sorted(batch_sizes)
         self.block_size = block_size
         self.lora = lora
+        self.spread = spread
         dev = kv_cache.device
         self.captured = capture and dev.type == "cuda"
         n, width = self.sizes[-1], max_blocks_per_seq
@@ -147,16 +180,37 @@ class DecodeGraphs:
                 )
                 self._staging.append((h, t, lo, torch.cuda.Event()))
             self._host, self._host_tables, self._host_lora, self._copied = self._staging[0]
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
+        # (size, LoRA deltas, spread capture) -> graph, logits
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool, bool], torch.Tensor] = {}
+        self.spread_sizes = self._spread_sizes() if self.captured else set()
         self.runs = 0  # steps run (replayed or, off CUDA, eager)
         self.lora_runs = 0  # those of them with adapters (the LoRA variant)
+        self.spread_runs = 0  # those that replayed a spread capture
         self.rows = 0  # rows of those steps, padding not counted
 
     @property
     def variants(self) -> list[bool]:
         """Whether each capture of a size has the LoRA deltas: base, and LoRA where enabled."""
         return [False, True] if self.lora is not None else [False]
+
+    def _spread_sizes(self) -> set[int]:
+        """The sizes whose decode-attention plan ``spread``'s floor changes (none where the
+        decode batches take FlashAttention 3, or off Triton)."""
+        if self.spread is None or self.model.choices.flash_decode:
+            return set()
+        heads = self.model.num_heads
+
+        def plan(n: int) -> object:
+            return kernels.attention_variant(n, 1, heads, self.kv_cache)
+
+        out = set()
+        for n in self.sizes:
+            base = plan(n)
+            with kernels.decode_split_floor(self.spread.splits):
+                if base is not None and plan(n) != base:
+                    out.add(n)
+        return out
 
     def padded_size(self, n: int) -> int | None:
         """The smallest captured size that holds ``n`` rows, or None."""
@@ -210,18 +264,30 @@ class DecodeGraphs:
         pool = None
         for n in reversed(self.sizes):
             for with_lora in self.variants:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles
-                    self._step(n, with_lora=with_lora)
-                    self._step(n, with_lora=with_lora)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._logits[n, with_lora] = self._step(n, with_lora=with_lora)
-                pool = graph.pool()
-                self._graphs[n, with_lora] = graph
+                for spread in (False, True) if n in self.spread_sizes else (False,):
+                    pool = self._capture((n, with_lora, spread), pool)
         torch.cuda.synchronize()
+
+    def _capture(self, key: tuple[int, bool, bool], pool: object) -> object:
+        """Capture one (size, LoRA, spread) variant into ``pool``; returns the pool."""
+        n, with_lora, spread = key
+        floor = (
+            kernels.decode_split_floor(self.spread.splits)
+            if spread and self.spread is not None
+            else contextlib.nullcontext()
+        )
+        with floor:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles kernels, creates handles
+                self._step(n, with_lora=with_lora)
+                self._step(n, with_lora=with_lora)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[key] = self._step(n, with_lora=with_lora)
+        self._graphs[key] = graph
+        return graph.pool()
 
     def release(self) -> None:
         """Drop every captured graph and its outputs once the device has run them (the engine
@@ -285,18 +351,24 @@ class DecodeGraphs:
         if token_slots is not None:
             self._fill_lora(token_slots)
             self._lora_tab.copy_(self._host_lora, non_blocking=True)
+        spread = (
+            size in self.spread_sizes
+            and self.spread is not None
+            and self.spread.takes(batch.seq_lens)
+        )
         self.runs += 1
         self.lora_runs += with_lora
+        self.spread_runs += spread
         self.rows += n
         if self._copied is None:
             # Eager, unpadded: the reference kernels would write padding's slot block -1.
             return self._step(n, max(batch.seq_lens), with_lora)
         self._copied.record()
-        self._graphs[size, with_lora].replay()
-        return self._logits[size, with_lora][:n]
+        self._graphs[size, with_lora, spread].replay()
+        return self._logits[size, with_lora, spread][:n]
 
-    def replay(self, n: int, with_lora: bool = False) -> torch.Tensor:
-        """Replay size ``n`` (its LoRA variant) on the inputs of the last ``run`` (for
-        benchmarks)."""
-        self._graphs[n, with_lora].replay()
-        return self._logits[n, with_lora]
+    def replay(self, n: int, with_lora: bool = False, spread: bool = False) -> torch.Tensor:
+        """Replay size ``n`` (its LoRA variant, its spread capture) on the inputs of the last
+        ``run`` (for benchmarks)."""
+        self._graphs[n, with_lora, spread].replay()
+        return self._logits[n, with_lora, spread]

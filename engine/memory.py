@@ -308,7 +308,12 @@ def plan_for_cuda(
         weights=weights,
         activation_peak=peak,
         graphs=graph_pool_estimate(
-            graph_sizes, model.config.vocab_size, peak / tokens, 2 if config.enable_lora else 1
+            graph_sizes,
+            model.config.vocab_size,
+            peak / tokens,
+            # base and LoRA captures; each again for spread lengths (an upper bound: not every
+            # size's plan changes)
+            (2 if config.enable_lora else 1) * (2 if config.decode_spread_graphs else 1),
         )
         + mixed_pool_estimate(mixed_sizes or [], peak / tokens),
         other=max(0, (start.free - int(free_now)) - torch_grew),

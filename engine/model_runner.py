@@ -30,7 +30,7 @@ import torch
 import kernels
 from engine import fp8, kv_pool, memory
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeBatch, DecodeGraphs, graph_batch_sizes
+from engine.cuda_graphs import DecodeBatch, DecodeGraphs, SpreadGraphs, graph_batch_sizes
 from engine.device_io import upload, upload_many
 from engine.disk_store import DiskStore, disk_slots
 from engine.host_store import HostStore, host_slots, written_blocks
@@ -270,9 +270,14 @@ class ModelRunner:
             before = torch.cuda.memory_reserved(self.device)
             bs = config.block_size
             if sizes:
+                # (not under TP: ranks of uneven head shards would capture different sizes twice)
+                spread = None
+                if config.decode_spread_graphs and self.comm.size == 1:
+                    spread = SpreadGraphs()
                 self.graphs = DecodeGraphs(
-                    self.model, self.kv_cache, sizes, -(-max_len // bs), bs, self.lora
-                )
+                    self.model, self.kv_cache, sizes, -(-max_len // bs), bs, self.lora,
+                    spread=spread,
+                )  # fmt: skip
                 self.graphs.capture()
             if mixed_sizes:  # every rank the same buckets in the same order (their sums meet)
                 self.mixed = MixedGraphs(self.model, self.kv_cache, mixed_sizes)

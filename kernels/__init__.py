@@ -10,8 +10,9 @@ loads) says which; the default is what the engine serves with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -644,3 +645,17 @@ def attention_variant(
     from kernels import triton_prefill
 
     return triton_prefill.PrefillPlan.make(head_dim, max_query_len)
+
+
+@contextlib.contextmanager
+def decode_split_floor(splits: int) -> Iterator[None]:
+    """Inside, decode attention's plans split every sequence at least ``splits`` ways
+    (`triton_decode.split_floor`): what a CUDA graph is captured with for batches of spread
+    lengths. Nothing changes where Triton is not installed (no plan to change)."""
+    try:
+        from kernels import triton_decode
+    except ImportError:
+        yield
+        return
+    with triton_decode.split_floor(splits):
+        yield

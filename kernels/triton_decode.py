@@ -6,11 +6,15 @@ tile is read once for the whole group) over that range, writing an unnormalised 
 and its log-sum-exp; a second kernel merges the splits. The number of splits depends only on
 the batch shape and the GPU (never on sequence lengths), so a captured CUDA graph stays valid
 for any lengths: each split takes ``ceil(seq_len / num_splits)`` tokens, rounded to the tile.
+Inside `split_floor` the rule takes at least that many splits: what a decode graph for batches
+of spread lengths is captured with (``engine.cuda_graphs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +85,27 @@ class DecodePlan:
         # ctx 1k) that took batch 8 from 20.8 to 19.2 us a layer against four, and batch 1
         # (capped at 32 splits) is the same either way.
         target = 2 * num_sms(device_index)
-        splits = min(max_splits, next_pow2(max(1, math.ceil(target / max(b * hkv, 1)))))
-        return cls(b, h, hkv, d, splits)
+        splits = next_pow2(max(1, math.ceil(target / max(b * hkv, 1))))
+        return cls(b, h, hkv, d, min(max_splits, max(splits, _SPLIT_FLOOR)))
+
+
+# The least number of splits of the rule's plans (`split_floor`); 0: the rule's own.
+_SPLIT_FLOOR = 0
+
+
+@contextlib.contextmanager
+def split_floor(splits: int) -> Iterator[None]:
+    """Inside, `DecodePlan.make`'s rule splits every sequence at least ``splits`` ways (plans
+    installed for a batch size are kept). With the rule's one or two splits per sequence from
+    batch 17 on an H200, a batch whose lengths differ waits on the longest sequences' programs;
+    six splits took 0.72-0.86x its time there, but 1.1-1.2x on even short contexts, where the
+    extra programs cost even when empty (bench/results/decode_attention_spread_h200/)."""
+    global _SPLIT_FLOOR
+    saved, _SPLIT_FLOOR = _SPLIT_FLOOR, splits
+    try:
+        yield
+    finally:
+        _SPLIT_FLOOR = saved
 
 
 KNOBS = ("num_splits", "block_n", "num_warps", "num_stages", "merge", "prefetch", "early")

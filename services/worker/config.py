@@ -50,6 +50,7 @@ class WorkerConfig:
         "max_num_batched_tokens", old_env=("TANDEM_MAX_BATCHED_TOKENS",)
     )
     mixed_graph_max_tokens: int = engine_option("mixed_graph_max_tokens")
+    decode_spread_graphs: bool = engine_option("decode_spread_graphs")
     lease_seconds: float = option(
         30.0,
         "prefill: seconds prefilled KV is held for a decode worker",
@@ -194,6 +195,7 @@ class WorkerConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             mixed_graph_max_tokens=self.mixed_graph_max_tokens,
+            decode_spread_graphs=self.decode_spread_graphs,
             device=self.device,
             dtype=self.dtype,
             load_format=self.load_format,

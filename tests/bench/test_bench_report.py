@@ -237,6 +237,17 @@ def test_stack_specs_size_the_workers_host_tier():
         parse_stack("colocated:1:host=-1")
 
 
+def test_stack_specs_turn_on_the_workers_spread_graphs():
+    """``:spread=1`` passes ``--decode-spread-graphs`` to the workers; by default nothing."""
+    cfg = stack_config(parse_stack("colocated:1:host=0:spread=1"), "/m", "/r")
+    assert cfg.worker_args == ("--kv-host-cache-gib", "0", "--decode-spread-graphs")
+    assert (
+        "--decode-spread-graphs"
+        in stack_config(parse_stack("disagg:1p1d:spread=1"), "/m", "/r").worker_args
+    )
+    assert stack_config(parse_stack("colocated:1"), "/m", "/r").worker_args == ()
+
+
 def test_stack_specs_turn_on_every_process_s_trace_file():
     """``:traces=1`` has the launcher give every process a trace file; by default none."""
     assert stack_config(parse_stack("colocated:1:traces=1"), "/m", "/r").trace_files is True

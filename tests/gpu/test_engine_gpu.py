@@ -203,3 +203,29 @@ def test_prompt_logprobs_on_cuda_match_the_cpu(smol_shape_dir, prompts, monkeypa
         assert all(len(e.top) == 2 and e.rank >= 1 for e in g)
     print(json.dumps({"check": "prompt_logprobs_cuda_fp32_vs_cpu", "max_abs": max(diffs)}))
     assert max(diffs) < 2e-2 and sum(diffs) / len(diffs) < 2e-3
+
+
+def test_spread_graphs_replay_for_spread_lengths_and_keep_the_tokens(smol_shape_dir):
+    """``decode_spread_graphs``: the decode sizes whose attention plan a floor of splits changes
+    are captured twice, a batch of spread lengths (prompts of 64 to 1,800 tokens: the longest
+    over 1.5x the mean) replays the second capture, and the greedy tokens are those of the
+    engine without it (float32)."""
+    prompts = random_prompts(24, SMOL_CONFIG["vocab_size"], seed=3, lo=64, hi=1800)
+    lens = [len(p) for p in prompts]
+    assert max(lens) >= 1024 and max(lens) * len(lens) >= 1.5 * sum(lens)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs, runs = {}, {}
+    for spread in (False, True):
+        llm = LLM(smol_shape_dir, device="cuda", dtype="float32", max_num_batched_tokens=2048,
+                  max_num_seqs=32, num_kv_blocks=4096, decode_spread_graphs=spread)  # fmt: skip
+        outs[spread] = [o.token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.captured
+        runs[spread] = (graphs.spread_sizes, graphs.spread_runs, graphs.runs)
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[False][:2] == (set(), 0)
+    sizes, spread_runs, total = runs[True]
+    assert 32 in sizes and 1 not in sizes  # batch 1: 32 splits already
+    assert 0 < spread_runs <= total
+    assert _match_rate("spread_graphs_vs_rule_fp32", outs[True], outs[False]) >= 0.9
