@@ -213,7 +213,8 @@ def test_spread_graphs_replay_for_spread_lengths_and_keep_the_tokens(smol_shape_
     prompts = random_prompts(24, SMOL_CONFIG["vocab_size"], seed=3, lo=64, hi=1800)
     lens = [len(p) for p in prompts]
     assert max(lens) >= 1024 and max(lens) * len(lens) >= 1.5 * sum(lens)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    # (enough tokens that, once every prompt is in, all 24 decode together: padded to 32)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     outs, runs = {}, {}
     for spread in (False, True):
         llm = LLM(smol_shape_dir, device="cuda", dtype="float32", max_num_batched_tokens=2048,
