@@ -110,8 +110,9 @@ class SpreadGraphs:
     """Decode graphs for batches of spread lengths: each size whose attention plan changes
     under a floor of ``splits`` splits per sequence is captured again with it, and a step
     replays that capture when its longest context is at least ``min_context`` tokens and
-    ``ratio`` times the mean (six splits took 0.72-0.86x the rule's attention time on lengths
-    drawn from ctx * (1 +- 0.9), longest about 1.9x the mean, at 1k-8k on an H200)."""
+    ``ratio`` times the mean (on an H200, six splits took 0.69-0.95x the rule's attention
+    time at batch 24-64 on lengths drawn from ctx * (1 +- 0.9), longest about 1.9x the mean, at
+    1k-1.5k, and 0.77-0.85x at 4k-8k; 1.07-1.18x on even contexts of 384-1,024 tokens)."""
 
     splits: int = 6
     min_context: int = 1024

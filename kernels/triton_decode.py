@@ -98,7 +98,7 @@ def split_floor(splits: int) -> Iterator[None]:
     """Inside, `DecodePlan.make`'s rule splits every sequence at least ``splits`` ways (plans
     installed for a batch size are kept). With the rule's one or two splits per sequence from
     batch 17 on an H200, a batch whose lengths differ waits on the longest sequences' programs;
-    six splits took 0.72-0.86x its time there, but 1.1-1.2x on even short contexts, where the
+    six splits took 0.69-0.95x its time there, but 1.07-1.18x on even short contexts, where the
     extra programs cost even when empty (bench/results/decode_attention_spread_h200/)."""
     global _SPLIT_FLOOR
     saved, _SPLIT_FLOOR = _SPLIT_FLOOR, splits
