@@ -15,7 +15,9 @@ the two token paths on the same requests, and ``:graphs=N``, the workers'
 mixed steps' piecewise CUDA graphs with eager steps. ``:host=GIB`` is the workers'
 ``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:spread=1``
 gives the workers ``--decode-spread-graphs`` (decode graphs for batches of spread lengths), to
-measure them against the same stack without. ``:traces=1``
+measure them against the same stack without. ``:interval=N`` is the decode workers'
+``--stream-interval`` (tokens per streamed message), to measure the token path's cost per
+message. ``:traces=1``
 has every process write its spans, from which each run reports where TTFT went hop by hop
 (`bench.ttft_hops`).
 """
@@ -39,11 +41,12 @@ _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
-    "graphs": int, "host": int, "traces": int, "spread": int,
+    "graphs": int, "host": int, "traces": int, "spread": int, "interval": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
 _COLOCATED_OPTIONS = {
     "tokens": int, "path": str, "graphs": int, "host": int, "traces": int, "spread": int,
+    "interval": int,
 }  # fmt: skip
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
@@ -67,6 +70,7 @@ class StackSpec:
     host: int | None = None  # the workers' --kv-host-cache-gib; None: their default
     traces: int = 0  # 1: every process writes its spans (bench.ttft_hops reads them)
     spread: int = 0  # 1: the workers' --decode-spread-graphs
+    interval: int | None = None  # the workers' --stream-interval; None: their default
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:
@@ -77,8 +81,9 @@ def _options(text: str, spec: str, known: dict[str, type]) -> dict:
         if key not in known:
             raise ValueError(f"{text}: unknown option {key!r}; one of {', '.join(known)}")
         options[key] = known[key](value)
-    if options.get("tokens", 1) < 1:
-        raise ValueError(f"{text}: tokens must be >= 1")
+    for key in ("tokens", "interval"):
+        if options.get(key, 1) < 1:
+            raise ValueError(f"{text}: {key} must be >= 1")
     for key in ("graphs", "host"):
         if options.get(key, 0) < 0:
             raise ValueError(f"{text}: {key} must be >= 0")
@@ -122,7 +127,8 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     if spec.path is not None:
         common["gateway_args"] = (*common.get("gateway_args", ()), "--token-path", spec.path)
     for flag, value in (("--mixed-graph-max-tokens", spec.graphs),
-                        ("--kv-host-cache-gib", spec.host)):  # fmt: skip
+                        ("--kv-host-cache-gib", spec.host),
+                        ("--stream-interval", spec.interval)):  # fmt: skip
         if value is not None:
             common["worker_args"] = (*common.get("worker_args", ()), flag, str(value))
     if spec.spread:

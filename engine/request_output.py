@@ -35,3 +35,17 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def closes(self) -> bool:
+        """Whether this output ends its choice here: finished, or its KV held or handed off."""
+        return self.finished or self.kv_held or self.handoff is not None
+
+
+def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """``b`` carrying ``a``'s delta too (consecutive outputs of one choice; ``b``'s cumulative
+    fields already hold ``a``'s)."""
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_text = a.new_text + b.new_text
+    b.new_logprobs = a.new_logprobs + b.new_logprobs
+    return b

@@ -38,6 +38,7 @@ from engine.core.messages import (
 )
 from engine.handoff import FirstToken, HeldKV
 from engine.llm_engine import RequestOutput
+from engine.request_output import merged
 from engine.sampling_params import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,6 @@ class _Stream:
             d.new_logprobs, c.logprobs, d.finish_reason, d.num_cached_tokens, d.stop_reason,
             d.kv_held, d.index, d.others_pending, d.handoff,
         )  # fmt: skip
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """``b`` carrying ``a``'s delta too (consecutive outputs of one choice)."""
-    b.new_token_ids = a.new_token_ids + b.new_token_ids
-    b.new_text = a.new_text + b.new_text
-    b.new_logprobs = a.new_logprobs + b.new_logprobs
-    return b
 
 
 class RankProxy:
@@ -314,9 +307,9 @@ class EngineClient:
                 isinstance(item, RequestOutput)
                 and isinstance(prev, RequestOutput)
                 and prev.index == item.index
-                and not (prev.finished or prev.kv_held or prev.handoff is not None)
+                and not prev.closes
             ):
-                out[-1] = _merge(prev, item)
+                out[-1] = merged(prev, item)
             else:
                 out.append(item)
         return out

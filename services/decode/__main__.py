@@ -45,6 +45,7 @@ async def wire(w: runtime.Worker) -> runtime.Role:
         fault=c.kv_fault,
         checksums=c.kv_checksums,
         gate=w.gate(),
+        stream_interval=c.stream_interval,
     )
 
     # Moved KV (a drain's live migration) is READ over NIXL where this worker runs an agent.

@@ -24,6 +24,7 @@ from services.common.admission import ENGINE_PRIORITY, TokenLedger, request_cost
 from services.common.codec import KVHandle, Moved
 from services.common.errors import FailedPrecondition, KVTransferFailed
 from services.decode.handover import Handover
+from services.decode.interval import every
 from services.worker.slo_gate import SloGate
 from services.worker.stats import WorkerStats, collect
 
@@ -101,11 +102,16 @@ class DecodeCore:
         fault: str = "",
         checksums: bool = True,
         gate: SloGate | None = None,
+        stream_interval: int = 1,
     ) -> None:
-        """``gate``: SLO admission of new requests (`services.worker.slo_gate`; None: off)."""
+        """``gate``: SLO admission of new requests (`services.worker.slo_gate`; None: off);
+        ``stream_interval``: tokens per streamed message (`services.decode.interval`)."""
         if on_transfer_failure not in ("recompute", "retry"):
             raise ValueError(f"unknown on_transfer_failure {on_transfer_failure!r}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, not {stream_interval}")
         self.engine = engine
+        self.stream_interval = stream_interval
         self.transport = transport
         self.worker_id = worker_id
         self.incarnation = incarnation
@@ -164,7 +170,7 @@ class DecodeCore:
         stream (client gone, deadline passed) aborts it and frees its blocks."""
         if self._reservations.pop(job.request_id, None) is not None:
             try:
-                async for out in self._relay(job):
+                async for out in every(self._relay(job), self.stream_interval):
                     yield out
             finally:
                 self.ledger.release(job.request_id)
@@ -172,7 +178,7 @@ class DecodeCore:
         if self.gate is not None and not job.admitted and not job.resumed:
             self.gate.admit_decode(job.slo_tpot_ms)  # a started stream is never refused
         with self.ledger.hold(job.request_id, job.cost, job.priority, force=job.admitted):
-            async for out in self._relay(job):
+            async for out in every(self._relay(job), self.stream_interval):
                 yield out
 
     async def _relay(self, job: DecodeJob) -> AsyncIterator[RequestOutput | Moved]:

@@ -79,6 +79,12 @@ class WorkerConfig:
         choices=("recompute", "retry"),
     )
     kv_transfer_timeout: float = option(10.0, "decode: seconds to obtain a request's KV")
+    stream_interval: int = option(
+        1,
+        "decode: stream each request's tokens in messages of this many (its first token and its "
+        "last at once), so every hop to the client costs per N tokens; tokens wait up to N-1 "
+        "steps (1: a message per step)",
+    )
     kv_checksums: bool = option(
         True,
         "prefill: checksum each KV block once when it is full (on the pool's device) and send "
@@ -235,6 +241,8 @@ def parse_config(
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1, not {config.tensor_parallel_size}"
             )
+        if config.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, not {config.stream_interval}")
         parse_lora_modules(config.lora_modules)
         if config.max_loras < 1 or config.max_lora_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")

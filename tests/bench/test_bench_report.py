@@ -248,6 +248,15 @@ def test_stack_specs_turn_on_the_workers_spread_graphs():
     assert stack_config(parse_stack("colocated:1"), "/m", "/r").worker_args == ()
 
 
+def test_stack_specs_set_the_workers_stream_interval():
+    """``:interval=N`` passes ``--stream-interval N`` to the workers (N >= 1)."""
+    assert stack_config(parse_stack("disagg:1p1d:interval=4"), "/m", "/r").worker_args == (
+        "--stream-interval", "4",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="interval must be >= 1"):
+        parse_stack("colocated:1:interval=0")
+
+
 def test_stack_specs_turn_on_every_process_s_trace_file():
     """``:traces=1`` has the launcher give every process a trace file; by default none."""
     assert stack_config(parse_stack("colocated:1:traces=1"), "/m", "/r").trace_files is True

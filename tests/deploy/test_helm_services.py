@@ -129,7 +129,12 @@ NOT_IN_CHART = {
         for role, other_role in {
             "prefill": {
                 f: "a decode worker's option"
-                for f in ("--nixl-mode", "--on-transfer-failure", "--kv-transfer-timeout")
+                for f in (
+                    "--nixl-mode",
+                    "--on-transfer-failure",
+                    "--kv-transfer-timeout",
+                    "--stream-interval",
+                )  # fmt: skip
             },
             "decode": {"--lease-seconds": "a prefill worker's option"},
         }.items()
