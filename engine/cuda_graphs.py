@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -269,7 +269,7 @@ class DecodeGraphs:
                     pool = self._capture((n, with_lora, spread), pool)
         torch.cuda.synchronize()
 
-    def _capture(self, key: tuple[int, bool, bool], pool: object) -> object:
+    def _capture(self, key: tuple[int, bool, bool], pool: Any) -> Any:
         """Capture one (size, LoRA, spread) variant into ``pool``; returns the pool."""
         n, with_lora, spread = key
         floor = (
