@@ -13,13 +13,12 @@ stream from the decode worker to the gateway; relay: through the router), so one
 the two token paths on the same requests, and ``:graphs=N``, the workers'
 ``--mixed-graph-max-tokens`` (0: steps with prompt tokens run eagerly), so one run compares the
 mixed steps' piecewise CUDA graphs with eager steps. ``:host=GIB`` is the workers'
-``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:spread=1``
-gives the workers ``--decode-spread-graphs`` (decode graphs for batches of spread lengths), to
-measure them against the same stack without. ``:interval=N`` is the decode workers'
-``--stream-interval`` (tokens per streamed message), to measure the token path's cost per
-message. ``:traces=1``
-has every process write its spans, from which each run reports where TTFT went hop by hop
-(`bench.ttft_hops`).
+``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:spread=0``
+gives the workers ``--no-decode-spread-graphs`` (no second decode graphs for batches of spread
+lengths; ``:spread=1`` their default, on), to measure them against the same stack with.
+``:interval=N`` is the decode workers' ``--stream-interval`` (tokens per streamed message), to
+measure the token path's cost per message. ``:traces=1`` has every process write its spans,
+from which each run reports where TTFT went hop by hop (`bench.ttft_hops`).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class StackSpec:
     graphs: int | None = None  # the workers' --mixed-graph-max-tokens; None: their default
     host: int | None = None  # the workers' --kv-host-cache-gib; None: their default
     traces: int = 0  # 1: every process writes its spans (bench.ttft_hops reads them)
-    spread: int = 0  # 1: the workers' --decode-spread-graphs
+    spread: int | None = None  # the workers' --[no-]decode-spread-graphs; None: their default
     interval: int | None = None  # the workers' --stream-interval; None: their default
 
 
@@ -131,8 +130,9 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
                         ("--stream-interval", spec.interval)):  # fmt: skip
         if value is not None:
             common["worker_args"] = (*common.get("worker_args", ()), flag, str(value))
-    if spec.spread:
-        common["worker_args"] = (*common.get("worker_args", ()), "--decode-spread-graphs")
+    if spec.spread is not None:
+        flag = "--decode-spread-graphs" if spec.spread else "--no-decode-spread-graphs"
+        common["worker_args"] = (*common.get("worker_args", ()), flag)
     if spec.traces:
         common["trace_files"] = True
     if spec.colocated:

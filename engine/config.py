@@ -255,7 +255,7 @@ class EngineConfig:
     )
     # CUDA only: decode graphs for batches of spread lengths (engine.cuda_graphs.SpreadGraphs).
     decode_spread_graphs: bool = knob(
-        False,
+        True,
         "CUDA: capture the decode graphs a second time with more splits per sequence in "
         "attention, replayed when a step's longest context is well above its mean (batches of "
         "spread lengths); more capture time and graph memory. Off under tensor parallelism",

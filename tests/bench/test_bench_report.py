@@ -237,13 +237,14 @@ def test_stack_specs_size_the_workers_host_tier():
         parse_stack("colocated:1:host=-1")
 
 
-def test_stack_specs_turn_on_the_workers_spread_graphs():
-    """``:spread=1`` passes ``--decode-spread-graphs`` to the workers; by default nothing."""
+def test_stack_specs_set_the_workers_spread_graphs():
+    """``:spread=0|1`` passes ``--[no-]decode-spread-graphs`` to the workers; by default nothing
+    (their default, on)."""
     cfg = stack_config(parse_stack("colocated:1:host=0:spread=1"), "/m", "/r")
     assert cfg.worker_args == ("--kv-host-cache-gib", "0", "--decode-spread-graphs")
     assert (
-        "--decode-spread-graphs"
-        in stack_config(parse_stack("disagg:1p1d:spread=1"), "/m", "/r").worker_args
+        "--no-decode-spread-graphs"
+        in stack_config(parse_stack("disagg:1p1d:spread=0"), "/m", "/r").worker_args
     )
     assert stack_config(parse_stack("colocated:1"), "/m", "/r").worker_args == ()
 

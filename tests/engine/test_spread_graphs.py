@@ -28,8 +28,8 @@ def test_the_split_floor_is_a_no_op_without_triton():
         pass  # (with Triton the rule's plans change inside: the GPU test)
 
 
-def test_the_setting_is_off_by_default_and_changes_nothing_on_the_cpu(smol_dir):
-    assert EngineConfig(model_dir=str(smol_dir)).decode_spread_graphs is False
+def test_the_setting_is_on_by_default_and_changes_nothing_on_the_cpu(smol_dir):
+    assert EngineConfig(model_dir=str(smol_dir)).decode_spread_graphs is True
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7] * n for n in (2, 30, 90)]
     outs = []
