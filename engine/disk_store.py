@@ -201,8 +201,8 @@ class DiskStore:
             for j, b, n in runs(range(len(dst)), dst):
                 self.pool[b : b + n].copy_(self.staging[half, j : j + n], non_blocking=True)
             if self.pool.device.type == "cuda":
-                self._staged[half] = torch.cuda.Event()
-                self._staged[half].record()
+                staged = self._staged[half] = torch.cuda.Event()
+                staged.record()
         self.in_seconds += time.perf_counter() - t0
 
     def synchronize(self) -> None:

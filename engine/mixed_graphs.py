@@ -158,6 +158,7 @@ class MixedGraphs:
                 views.append(Carry(_unowned(out.qkv), _unowned(out.stream), cos, sin))
             # Drops piece k-1's outputs; piece 0's cos/sin live on in every carry after it.
             carry = out
+        assert carry is not None  # the last piece's output: the final hidden states
         self._buckets[b] = _Bucket(graphs, views, _unowned(carry))
         return pool
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -128,9 +129,12 @@ def _skinny(x: torch.Tensor, w: torch.Tensor | Fp8Weight, choices: KernelChoices
     )
 
 
-def _skinny_16(x: torch.Tensor, w: torch.Tensor | Fp8Weight, choices: KernelChoices) -> bool:
+def _skinny_16(
+    w: torch.Tensor | Fp8Weight, x: torch.Tensor, choices: KernelChoices
+) -> TypeGuard[torch.Tensor]:
     """Whether a bf16/fp16 weight's product takes ``triton_skinny`` (the folded decode's
-    kernels: its epilogues add the stream, apply the norm, leave the sums)."""
+    kernels: its epilogues add the stream, apply the norm, leave the sums); so ``w`` is a
+    plain tensor where it does."""
     return not isinstance(w, Fp8Weight) and _skinny(x, w, choices)
 
 
@@ -152,11 +156,12 @@ def rms_linear(
     for ``x`` (``choices.fold_sums``), taken instead of summing ``x``'s squares; elsewhere
     `rms_norm` with ``unit_norm`` (the folded norm's weight: ones), then `linear` (then
     `silu_and_mul`)."""
-    if _skinny_16(x, w, choices) and (bias is None or not silu):
+    if _skinny_16(w, x, choices) and (bias is None or not silu):
         from kernels import triton_skinny
 
-        dot = triton_skinny.plan_for(x.shape[0], *w.shape, w.dtype, 3).dot
-        fits = not silu or triton_skinny.silu_fits(x.shape[0], *w.shape, w.dtype)
+        n, k = w.shape
+        dot = triton_skinny.plan_for(x.shape[0], n, k, w.dtype, 3).dot
+        fits = not silu or triton_skinny.silu_fits(x.shape[0], n, k, w.dtype)
         if fits and choices.fold_sums and sums is not None:
             return triton_skinny.rms_linear(x, eps, w, bias, silu=silu, sums=sums, pdl=choices.pdl)
         if fits and not dot:
@@ -174,12 +179,16 @@ def linear_add(
     its one rounding: the skinny kernel's where it takes the product, else the BLAS's
     (``addmm``: on CUDA cuBLAS reads ``add`` as its C operand, so no second kernel reads and
     writes the stream); an FP8 weight's product adds it after."""
-    if _skinny_16(x, w, choices):
+    if _skinny_16(w, x, choices):
         from kernels import triton_skinny
 
         return triton_skinny.linear(x, w, add=add, pdl=choices.pdl)
-    plain = isinstance(w, torch.Tensor) and x.dim() == 2 and add.dtype == x.dtype == w.dtype
-    if plain and add.shape == (x.shape[0], w.shape[0]):
+    if (
+        isinstance(w, torch.Tensor)
+        and x.dim() == 2
+        and add.dtype == x.dtype == w.dtype
+        and add.shape == (x.shape[0], w.shape[0])
+    ):
         return torch.addmm(add, x, w.t())
     return linear(x, w, choices=choices).add_(add)
 
@@ -192,7 +201,7 @@ def linear_add_sums(
     it takes (`rms_linear`'s ``sums``), made in the skinny kernel's epilogue
     (``choices.fold_sums``, from ``choices.fold_sums_min_rows`` rows); ``None`` where the
     product takes another path."""
-    if choices.fold_sums and x.shape[0] >= choices.fold_sums_min_rows and _skinny_16(x, w, choices):
+    if choices.fold_sums and x.shape[0] >= choices.fold_sums_min_rows and _skinny_16(w, x, choices):
         from kernels import triton_skinny
 
         return triton_skinny.linear_sums(x, w, add, pdl=choices.pdl)

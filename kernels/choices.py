@@ -80,7 +80,7 @@ class KernelChoices:
         pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {attention!r} is not one of {ATTENTION_BACKENDS}")
-        why = "not asked for"
+        why: str | None = "not asked for"
         if attention != "triton" and kv_dtype is not None:
             why = flash_attn.unavailable_reason(device, kv_dtype, head_dim)
         if attention == "fa3" and why is not None:

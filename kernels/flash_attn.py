@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,8 +33,8 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 @cache
-def _ops() -> object | None:
-    """``torch.ops._vllm_fa3_C`` once its extension is imported, else None."""
+def _ops() -> Any:
+    """``torch.ops._vllm_fa3_C`` (an op namespace) once its extension is imported, else None."""
     for name in MODULES:
         try:
             importlib.import_module(name)
