@@ -12,7 +12,10 @@ phase ``serving``): each is a stall of the batch that the warm-up should have pr
 where a request's TTFT went, in the means of the gateway's TTFT and the engine's part of it
 (arrival at the engine to the first token read back), split into queue time and the prompt's
 steps: the gateway's less the engine's is the services' part (gateway, router, the hops to the
-worker and back; in a disaggregated stack also the hand-off).
+worker and back; in a disaggregated stack also the hand-off). Against a vLLM endpoint
+(``--endpoint``), its server's ``/metrics`` gives the same split: its API server's TTFT in the
+gateway's place, its engine's queue time and prefill time (scheduled to first token), whose
+sum is its engine's part.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ TTFT_PARTS = {
     "queue": "tandem_engine_queue_time_seconds",
     "prompt steps": "tandem_engine_prefill_time_seconds",
 }
-_FAMILIES = (DURATION, BATCH, COMPILES, *TTFT_PARTS.values())
+# The same parts in a vLLM server's metrics ("engine" = queue + prompt steps; vLLM observes
+# these two when a request finishes, its TTFT at the first token).
+VLLM_TTFT_PARTS = {
+    "gateway": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prompt steps": "vllm:request_prefill_time_seconds",
+}
+_FAMILIES = (DURATION, BATCH, COMPILES, *TTFT_PARTS.values(), *VLLM_TTFT_PARTS.values())
 PHASES = ("decode", "prefill")
 
 # (metric, phase, "sum" | "count") -> value, summed over workers
@@ -106,14 +116,24 @@ def serving_compiles(before: Counters, after: Counters) -> int:
 
 
 def ttft_split(before: Counters, after: Counters) -> dict[str, float]:
-    """Mean milliseconds of each part of TTFT between two snapshots (`TTFT_PARTS`; a part with
-    no sample is left out), and ``services``: the gateway's mean less the engine's."""
-    out: dict[str, float] = {}
-    for part, metric in TTFT_PARTS.items():
-        n = after.get((metric, "", "count"), 0.0) - before.get((metric, "", "count"), 0.0)
-        if n > 0:
-            total = after.get((metric, "", "sum"), 0.0) - before.get((metric, "", "sum"), 0.0)
-            out[part] = total / n * 1000
+    """Mean milliseconds of each part of TTFT between two snapshots (`TTFT_PARTS`, or a vLLM
+    server's `VLLM_TTFT_PARTS`; a part with no sample is left out), and ``services``: the
+    gateway's mean less the engine's."""
+
+    def means(parts: Mapping[str, str]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for part, metric in parts.items():
+            n = after.get((metric, "", "count"), 0.0) - before.get((metric, "", "count"), 0.0)
+            if n > 0:
+                total = after.get((metric, "", "sum"), 0.0) - before.get((metric, "", "sum"), 0.0)
+                out[part] = total / n * 1000
+        return out
+
+    out = means(TTFT_PARTS)
+    if not out:
+        out = means(VLLM_TTFT_PARTS)
+        if "queue" in out and "prompt steps" in out:
+            out["engine"] = out["queue"] + out["prompt steps"]
     if "gateway" in out and "engine" in out:
         out["services"] = out["gateway"] - out["engine"]
     return out

@@ -8,6 +8,8 @@ import argparse
 import asyncio
 import contextlib
 import tempfile
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +58,7 @@ def open_target(target: Endpoint | StackSpec, args: argparse.Namespace, i: int) 
     """The i-th target, ready: an endpoint as it is; a stack started (logs under ``--logs``, a
     temp dir if not given, which is then kept in ``args.logs``) and stopped on leaving."""
     if isinstance(target, Endpoint):
-        yield Target(target)
+        yield Target(target, scrape=endpoint_metrics(target))
         return
     overrides = worker_overrides(args)
     if args.logs is None:
@@ -72,6 +74,20 @@ def open_target(target: Endpoint | StackSpec, args: argparse.Namespace, i: int) 
         }
         pids = {n: c.proc.pid for n, c in stack.children.items() if c.proc is not None}
         yield Target(endpoint, workers, stack.scrape_targets(), with_engines(pids), run_dir, model)
+
+
+def endpoint_metrics(endpoint: Endpoint) -> dict[str, str]:
+    """``{"server": HOST:PORT}`` where the endpoint's server answers ``/metrics`` beside its
+    ``/v1`` (vLLM's does: `bench.engine_steps` reads its TTFT parts from it), else empty."""
+    url = urllib.parse.urlsplit(endpoint.base_url)
+    if url.scheme != "http" or url.path.rstrip("/") not in ("", "/v1"):
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{url.netloc}/metrics", timeout=5) as r:
+            r.read(1)
+    except (OSError, ValueError):  # (HTTPError is an OSError)
+        return {}
+    return {"server": url.netloc}
 
 
 def gpu_list(args: argparse.Namespace) -> str:
@@ -93,7 +109,13 @@ def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) 
     """Send ``workload`` at ``load`` to ``target`` and report it, with what was measured
     beside it (a stack's metrics are saved under its ``run_dir``)."""
     before = _worker_stats(target.workers) if target.workers else None
-    was = handoff.stack_metrics(target.scrape) if target.scrape else None
+    was = None
+    if target.scrape:
+        try:
+            was = handoff.stack_metrics(target.scrape)
+        except OSError:
+            if target.run_dir is not None:  # a stack's metrics are part of its report
+                raise
     traced = ttft_hops.offsets(target.run_dir) if target.run_dir is not None else {}
     meter = CpuMeter(target.pids)
     with GpuSampler(gpus=how.gpus) as busy:
@@ -115,6 +137,11 @@ def measure(target: Target, workload: Workload, load: LoadConfig, how: Measure) 
         folder = target.run_dir / "metrics"
         folder /= f"{workload.name}-{rate_label(result)}".replace(" ", "-")
         hand, steps, compiles, ttft = _from_metrics(target.scrape, was, result, folder)
+    elif was is not None:  # an endpoint that exports its metrics: where its TTFT went
+        with contextlib.suppress(OSError):
+            now = handoff.stack_metrics(target.scrape)
+            ttft = engine_steps.ttft_split(engine_steps.snapshot(was), engine_steps.snapshot(now))
+            ttft = ttft or None
     hops = ttft_hops.hops(ttft_hops.new_spans(target.run_dir, traced)) if traced else None
     summary = summarize(result.records, result.duration, how.slo)
     window = busy.result.window(result.started, result.started + result.duration)

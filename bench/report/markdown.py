@@ -83,8 +83,9 @@ def _measured(reports: Sequence[RunReport]) -> list[str]:
     ]
     if split:
         lines += ["", "Where TTFT went: means in ms over each run, from the gateway's and the "
-                  "engines' histograms (services = gateway - engine; see bench/engine_steps.py)",
-                  ""]  # fmt: skip
+                  "engines' histograms (an endpoint's: its server's, for vLLM its API server's "
+                  "TTFT and its engine's queue and prefill times; services = gateway - engine; "
+                  "see bench/engine_steps.py)", ""]  # fmt: skip
         lines.append(render_ttft(split))
     hops = [(r.result.endpoint, r.result.workload, r.rate_label, r.hops) for r in reports if r.hops]
     if hops:
