@@ -16,9 +16,11 @@ mixed steps' piecewise CUDA graphs with eager steps. ``:host=GIB`` is the worker
 ``--kv-host-cache-gib`` (0: no host KV tier), to measure what the tier costs. ``:spread=0``
 gives the workers ``--no-decode-spread-graphs`` (no second decode graphs for batches of spread
 lengths; ``:spread=1`` their default, on), to measure them against the same stack with.
-``:interval=N`` is the decode workers' ``--stream-interval`` (tokens per streamed message), to
-measure the token path's cost per message. ``:traces=1`` has every process write its spans,
-from which each run reports where TTFT went hop by hop (`bench.ttft_hops`).
+``:late=1`` gives the workers ``--late-planning`` (each step planned just before the step in
+flight ends). ``:interval=N`` is the decode workers' ``--stream-interval`` (tokens per
+streamed message), to measure the token path's cost per message. ``:traces=1`` has every
+process write its spans, from which each run reports where TTFT went hop by hop
+(`bench.ttft_hops`).
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ _OPTS = r"((?::[a-z]+=[a-z0-9-]+)*)"
 _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
-    "graphs": int, "host": int, "traces": int, "spread": int, "interval": int,
+    "graphs": int, "host": int, "traces": int, "spread": int, "late": int, "interval": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
 _COLOCATED_OPTIONS = {
     "tokens": int, "path": str, "graphs": int, "host": int, "traces": int, "spread": int,
-    "interval": int,
+    "late": int, "interval": int,
 }  # fmt: skip
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
@@ -69,6 +71,7 @@ class StackSpec:
     host: int | None = None  # the workers' --kv-host-cache-gib; None: their default
     traces: int = 0  # 1: every process writes its spans (bench.ttft_hops reads them)
     spread: int | None = None  # the workers' --[no-]decode-spread-graphs; None: their default
+    late: int = 0  # 1: the workers' --late-planning
     interval: int | None = None  # the workers' --stream-interval; None: their default
 
 
@@ -133,6 +136,8 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     if spec.spread is not None:
         flag = "--decode-spread-graphs" if spec.spread else "--no-decode-spread-graphs"
         common["worker_args"] = (*common.get("worker_args", ()), flag)
+    if spec.late:
+        common["worker_args"] = (*common.get("worker_args", ()), "--late-planning")
     if spec.traces:
         common["trace_files"] = True
     if spec.colocated:

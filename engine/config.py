@@ -324,6 +324,13 @@ class EngineConfig:
         "(grammars, penalties, speculative decoding, ...) run synchronously. "
         "--no-async-scheduling: every step synchronous",
     )
+    # CUDA with async scheduling: the next step planned late (engine.late_planning).
+    late_planning: bool = knob(
+        False,
+        "CUDA, async scheduling: plan each step just before the step in flight is predicted "
+        "to end (less the launch), not as soon as it is launched, so a request arriving "
+        "meanwhile joins the next step instead of the one after (up to a step less TTFT)",
+    )
     # Which kernels the model takes where there is a choice (kernels.choices); None: the
     # device's defaults, what the engine serves with. Tests and benchmarks compare others.
     kernels: KernelChoices | None = None

@@ -45,6 +45,7 @@ class InFlight:
     # Seeded generators' states before this step sampled, by id(sequence): a live move takes
     # a token in flight back (``Stepper.unsample``).
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    kind: tuple[int, int] = (0, 0)  # engine.late_planning.kind: its time predicts the next's
 
     def feed(self) -> InflightIds | None:
         """Its sampled ids on the device, for the next step's tokens in flight."""

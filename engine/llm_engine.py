@@ -212,6 +212,11 @@ class LLMEngine:
         """Whether ``step()`` has work: sequences to run, or a step in flight to read back."""
         return self.stepper.has_unfinished()
 
+    def hold_planning(self, wake: threading.Event) -> float:
+        """Before the next ``step()``, with late planning: wait until the step in flight nearly
+        ends or ``wake`` is set (``Stepper.hold``); the seconds waited."""
+        return self.stepper.hold(wake)
+
     @property
     def proposer(self) -> Proposer | None:
         """Speculative decoding's draft proposer (None without); may be replaced between steps."""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from engine.choices import due_sequences, join_forks
 from engine.device_io import mark
 from engine.inflight import InFlight
+from engine.late_planning import PlanClock, kind
 from engine.sequence import SeqStatus, Sequence
 from engine.step_stats import SpecStats, StepObserver, batch_stats, first_tokens
 
@@ -91,6 +92,8 @@ class Stepper:
         self._last_read = 0.0  # perf_counter() when a step was last read back
         self.overlapped_steps = 0
         self.dropped_tokens = 0
+        # Late planning (engine.late_planning): the steps' times, and the waits before plans.
+        self.clock = PlanClock() if config.late_planning else None
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Synchronous: schedule, run the model, sample, detokenize, finish what
@@ -163,12 +166,15 @@ class Stepper:
         if keep_states:
             states = {id(s): s.generator.get_state() for s in due if s.generator is not None}
         sample = self.runner.execute(sched, self.grammar, prev.feed() if prev else None)
+        if self.clock is not None:
+            self.clock.launched(time.perf_counter() - t0)
         if any(s.draft for s in sched.scheduled):  # advance counts the kept drafts: read now
             self._count_drafts(sched.scheduled, due, sample.result().num_accepted)
         self.scheduler.advance(sched.scheduled)
         for seq in due:
             seq.num_inflight += 1
-        return InFlight(sched, due, sample, stats, t0, mark(self.runner.device), states)
+        done = mark(self.runner.device)
+        return InFlight(sched, due, sample, stats, t0, done, states, kind(sched))
 
     def _read(self, step: InFlight) -> list[RequestOutput]:
         """Wait for ``step``'s tokens (a step's one host sync) and settle it: forks join,
@@ -193,11 +199,14 @@ class Stepper:
         if self.proposer is not None:
             self.proposer.retain(self.scheduler.running)
         now = time.perf_counter()
+        # The time this step added: from its launch, or from when the step before it was read
+        # if that was later (overlapped, the calls' times then sum to the wall time).
+        added = now - max(step.started, self._last_read)
+        if self.clock is not None:
+            self.clock.ran(step.kind, added)
         if step.stats is not None and self.on_step is not None:
             first_tokens(step.stats, [seq for seq in firsts if seq.output_token_ids])
-            # The time this step added: from its launch, or from when the step before it was
-            # read if that was later (overlapped, the calls' times then sum to the wall time).
-            step.stats.seconds = now - max(step.started, self._last_read)
+            step.stats.seconds = added
             self.on_step(step.stats)
         self._last_read = now
         return outputs
@@ -208,6 +217,20 @@ class Stepper:
         req = self._requests.get(seq.request_id)
         choice = req.live.get(seq.index) if req is not None else None
         return choice is not None and choice.seq is seq
+
+    def hold(self, wake: threading.Event) -> float:
+        """With late planning, wait before the next plan (``engine.late_planning``): until the
+        step in flight's predicted end less the next launch, until it is done, or until
+        ``wake`` is set (a command came); returns the time waited (0: plan now)."""
+        clock = self.clock
+        with self._lock:
+            step = self.inflight
+            if clock is None or step is None or step.done is None or self.scheduler.waiting:
+                return 0.0
+            # On the device since the step before it ended (read back then), or its launch.
+            began = max(self._last_read, step.started + (clock.launch_s or 0.0))
+            seconds = clock.slack(step.kind, began, time.perf_counter())
+        return clock.hold(seconds, step.done, wake)
 
     def has_unfinished(self) -> bool:
         """Whether ``step()`` has work: sequences to run, or a step in flight to read back."""

@@ -151,10 +151,24 @@ class EngineLoop:
                     continue
                 self.steps += 1
                 self._send_step(outputs)
+                self._hold()
             else:
                 self._flush_idle()
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _hold(self) -> None:
+        """With late planning (``engine.late_planning``), wait for a command until the step in
+        flight nearly ends before planning the next: a request arriving meanwhile joins it."""
+        if self._inbox:
+            return
+        self._wake.clear()
+        if self._inbox:  # (one queued between the check and the clear is seen here)
+            return
+        try:
+            self.engine.hold_planning(self._wake)
+        except Exception:  # noqa: BLE001 - plan at once; the step reports a device's failure
+            log.exception("late planning's wait failed")
 
     # -- commands -----------------------------------------------------------------------------
     def _apply(self) -> None:

@@ -28,8 +28,8 @@ PASSED_KNOBS = (
     "gpu_memory_utilization", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
     "max_model_len", "mixed_graph_max_tokens", "decode_spread_graphs", "dtype", "load_format",
     "kv_cache_dtype", "attention_backend", "quantization", "quantize_lm_head",
-    "speculative_config", "async_scheduling", "max_loras", "max_lora_rank", "kv_host_cache_gib",
-    "kv_swap_min_tokens", "kv_disk_cache_dir", "kv_disk_cache_gib",
+    "speculative_config", "async_scheduling", "late_planning", "max_loras", "max_lora_rank",
+    "kv_host_cache_gib", "kv_swap_min_tokens", "kv_disk_cache_dir", "kv_disk_cache_gib",
 )  # fmt: skip
 # The engine knobs the launcher sets another way, and the flags that do it.
 OWN_KNOBS = {

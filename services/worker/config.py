@@ -155,6 +155,7 @@ class WorkerConfig:
     quantization: str | None = engine_option("quantization")
     quantize_lm_head: bool = engine_option("quantize_lm_head")
     async_scheduling: bool = engine_option("async_scheduling")
+    late_planning: bool = engine_option("late_planning")
     observability: ObservabilityConfig = ObservabilityConfig()
     security: Security = Security()  # mutual TLS between services, TLS/auth to etcd
     role: str = ""  # "prefill" or "decode"
@@ -220,6 +221,7 @@ class WorkerConfig:
             # A switchable worker may become one, and its engine is started once.
             seal_checksums=self.kv_checksums and (self.role == "prefill" or self.switchable),
             async_scheduling=self.async_scheduling,
+            late_planning=self.late_planning,
         )
 
 

@@ -79,6 +79,9 @@ class SlowEngine:
     def has_unfinished(self) -> bool:
         return bool(self.live)
 
+    def hold_planning(self, wake) -> float:  # no late planning: plan at once
+        return 0.0
+
     def check_integrity(self) -> None:
         pass
 
