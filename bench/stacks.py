@@ -128,16 +128,18 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
         common["max_num_batched_tokens"] = spec.tokens
     if spec.path is not None:
         common["gateway_args"] = (*common.get("gateway_args", ()), "--token-path", spec.path)
+    worker_args = list(common.get("worker_args", ()))
     for flag, value in (("--mixed-graph-max-tokens", spec.graphs),
                         ("--kv-host-cache-gib", spec.host),
                         ("--stream-interval", spec.interval)):  # fmt: skip
         if value is not None:
-            common["worker_args"] = (*common.get("worker_args", ()), flag, str(value))
+            worker_args += [flag, str(value)]
     if spec.spread is not None:
-        flag = "--decode-spread-graphs" if spec.spread else "--no-decode-spread-graphs"
-        common["worker_args"] = (*common.get("worker_args", ()), flag)
+        worker_args.append("--decode-spread-graphs" if spec.spread else "--no-decode-spread-graphs")
     if spec.late:
-        common["worker_args"] = (*common.get("worker_args", ()), "--late-planning")
+        worker_args.append("--late-planning")
+    if worker_args:
+        common["worker_args"] = tuple(worker_args)
     if spec.traces:
         common["trace_files"] = True
     if spec.colocated:
