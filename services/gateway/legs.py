@@ -87,16 +87,21 @@ async def _leg(
     can no longer take is dropped: its call's end says why (`routed` reads it next)."""
     tokens: list[int] = []
     moved = error = last = None
-    started = False
+    started: asyncio.Task | None = None  # the report of the first event, written beside it
+
+    async def report(what: router_pb2.RouteReport) -> None:
+        if started is not None:  # one write at a time on the call
+            await started
+        await _report(call, what)
+
     try:
         async for pb in stream:
             if pb.HasField("moved"):  # a draining worker handed the request over
                 moved = pb.moved
                 break
-            if not started:
-                started = True
+            if started is None:  # not awaited here: the first token does not wait on the router
                 log.debug("leg %s: first event", name)
-                await _report(call, codec.leg_started())
+                started = asyncio.ensure_future(_report(call, codec.leg_started()))
             if pb.index == 0:
                 tokens.extend(pb.token_ids)
             event = codec.decode_event(pb)
@@ -108,14 +113,14 @@ async def _leg(
             yield event
         if last is not None:  # the request is done: nothing of the router can change it
             log.debug("leg %s: finished after %d tokens", name, len(tokens))
-            await _report(call, codec.leg_ended(tokens, None, None))
+            await report(codec.leg_ended(tokens, None, None))
             yield last
             return
     except grpc.aio.AioRpcError as e:
         error = e
         if last is not None:  # it failed after its last event: the client has it all
             log.debug("leg %s: finished after %d tokens (then %s)", name, len(tokens), e.code())
-            await _report(call, codec.leg_ended(tokens, None, None))
+            await report(codec.leg_ended(tokens, None, None))
             yield last
             return
     except asyncio.CancelledError:
@@ -129,7 +134,7 @@ async def _leg(
         stream.cancel()  # no-op once it ended; frees the decode side when the client left
     how = "handed over" if moved is not None else error.code() if error else "ended early"
     log.debug("leg %s: %s after %d tokens; reported", name, how, len(tokens))
-    await _report(call, codec.leg_ended(tokens, moved, error))
+    await report(codec.leg_ended(tokens, moved, error))
 
 
 async def _report(call: grpc.aio.StreamStreamCall, report: router_pb2.RouteReport) -> None:
