@@ -17,7 +17,9 @@ mixed steps' piecewise CUDA graphs with eager steps. ``:host=GIB`` is the worker
 gives the workers ``--no-decode-spread-graphs`` (no second decode graphs for batches of spread
 lengths; ``:spread=1`` their default, on), to measure them against the same stack with.
 ``:late=1`` gives the workers ``--late-planning`` (each step planned just before the step in
-flight ends). ``:interval=N`` is the decode workers' ``--stream-interval`` (tokens per
+flight ends). ``:switch=US`` starts every process of the stack with that switch interval
+(``TANDEM_SWITCH_INTERVAL_US``; 5000 is CPython's own), to measure ``quick_handoffs``.
+``:interval=N`` is the decode workers' ``--stream-interval`` (tokens per
 streamed message), to measure the token path's cost per message. ``:traces=1`` has every
 process write its spans, from which each run reports where TTFT went hop by hop
 (`bench.ttft_hops`).
@@ -26,6 +28,7 @@ process write its spans, from which each run reports where TTFT went hop by hop
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -43,11 +46,12 @@ _DISAGG = re.compile(r"disagg:(\d+)p(\d+)d" + _OPTS)
 _OPTIONS = {
     "threshold": int, "policy": str, "routers": int, "mode": str, "tokens": int, "path": str,
     "graphs": int, "host": int, "traces": int, "spread": int, "late": int, "interval": int,
+    "switch": int,
 }  # fmt: skip
 _COLOCATED = re.compile(r"colocated:(\d+)" + _OPTS)
 _COLOCATED_OPTIONS = {
     "tokens": int, "path": str, "graphs": int, "host": int, "traces": int, "spread": int,
-    "late": int, "interval": int,
+    "late": int, "interval": int, "switch": int,
 }  # fmt: skip
 _MODES = ("slo", "length")
 _PATHS = ("direct", "relay")
@@ -73,6 +77,7 @@ class StackSpec:
     spread: int | None = None  # the workers' --[no-]decode-spread-graphs; None: their default
     late: int = 0  # 1: the workers' --late-planning
     interval: int | None = None  # the workers' --stream-interval; None: their default
+    switch: int | None = None  # every process's switch interval (us); None: quick_handoffs'
 
 
 def _options(text: str, spec: str, known: dict[str, type]) -> dict:
@@ -83,7 +88,7 @@ def _options(text: str, spec: str, known: dict[str, type]) -> dict:
         if key not in known:
             raise ValueError(f"{text}: unknown option {key!r}; one of {', '.join(known)}")
         options[key] = known[key](value)
-    for key in ("tokens", "interval"):
+    for key in ("tokens", "interval", "switch"):
         if options.get(key, 1) < 1:
             raise ValueError(f"{text}: {key} must be >= 1")
     for key in ("graphs", "host"):
@@ -153,6 +158,26 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
 
 
 @contextlib.contextmanager
+def _switch_interval(us: int | None) -> Iterator[None]:
+    """The stack's processes, started inside, take ``us`` as their switch interval (they
+    inherit this process's environment)."""
+    from engine.core.process import SWITCH_INTERVAL_ENV
+
+    if us is None:
+        yield
+        return
+    before = os.environ.get(SWITCH_INTERVAL_ENV)
+    os.environ[SWITCH_INTERVAL_ENV] = str(us)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SWITCH_INTERVAL_ENV]
+        else:
+            os.environ[SWITCH_INTERVAL_ENV] = before
+
+
+@contextlib.contextmanager
 def running_stack(
     spec: StackSpec, model_dir: str, run_dir: Path, **overrides
 ) -> Iterator[tuple[Endpoint, Stack]]:
@@ -163,7 +188,8 @@ def running_stack(
     config = stack_config(spec, model_dir, str(run_dir), **overrides)
     stack = Stack(config)
     try:
-        stack.start()
+        with _switch_interval(spec.switch):
+            stack.start()
         yield Endpoint(spec.name, stack.url + "/v1"), stack
     finally:
         stack.stop()

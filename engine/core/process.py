@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,15 @@ from engine.core.messages import EngineInfo, PoolShare, Ready, StartFailed, Stop
 log = logging.getLogger(__name__)
 ENGINE_DIED = 70  # a worker's exit status when its engine process died (as RANK_DIED)
 START_TIMEOUT_S = 900.0  # build, load weights, capture graphs and warm up
+# How long a thread that runs Python keeps the GIL while another waits for it. CPython's 5 ms
+# default is paid on the token path wherever a thread wakes to hand work on while another runs
+# Python: this process's command reader and message writer beside the loop planning a step, a
+# worker's pipe writer and a gateway's tokenizer threads beside their event loops. 0.2 ms
+# makes such a wake-up about 0.4 ms late instead of 5 (bench.gil_handoff); threads that both
+# stay busy lose nothing measurable to the extra switches. The environment's
+# TANDEM_SWITCH_INTERVAL_US replaces it (5000: CPython's own), to measure it.
+SWITCH_INTERVAL_S = 0.0002
+SWITCH_INTERVAL_ENV = "TANDEM_SWITCH_INTERVAL_US"
 
 
 class EngineDied(RuntimeError):
@@ -128,8 +138,20 @@ def start(config: EngineConfig, log_level: str = "info", name: str = "engine") -
     return ProcessChannel(proc, here)
 
 
+def quick_handoffs() -> None:
+    """Let a waking thread take the GIL within ``SWITCH_INTERVAL_S`` (every Tandem process that
+    hands work between threads calls this first; ``SWITCH_INTERVAL_ENV`` replaces it)."""
+    text = os.environ.get(SWITCH_INTERVAL_ENV, "")
+    try:
+        seconds = int(text) / 1e6 if text else SWITCH_INTERVAL_S
+    except ValueError:
+        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be microseconds, got {text!r}") from None
+    sys.setswitchinterval(seconds)
+
+
 # -- inside the engine process ----------------------------------------------------------------
 def main(config: EngineConfig, conn: Connection, parent: int, log_level: str, name: str) -> None:
+    quick_handoffs()
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core.process import quick_handoffs
 from engine.parallel.comm import TPComm, client_store, init_group, leave_group
 from engine.parallel.devices import rank_device, set_cpu_threads
 from engine.parallel.rpc import RpcServer
@@ -55,6 +56,7 @@ class RankContext:
 
 
 def rank_main(spec: RankSpec, commands: Connection, calls: Connection) -> None:
+    quick_handoffs()
     logging.basicConfig(
         level=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s",

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 
+from engine.core.process import quick_handoffs
 from engine.tokenizer import Tokenizer
 from services.common.process import setup_logging
 from services.gateway.config import GatewayConfig, model_configs, parse_config
@@ -84,6 +85,7 @@ async def serve(config: GatewayConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
+    quick_handoffs()
     setup_logging("gateway", config.log_level)
     # uvloop (libuv) carries the HTTP side's many short connections at about half asyncio's
     # cost per request (bench/results/overload_cpu.md); uvicorn picks httptools by itself.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tandem.v1 import router_pb2_grpc
 
+from engine.core.process import quick_handoffs
 from engine.tokenizer import Tokenizer
 from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes
@@ -292,6 +293,7 @@ async def serve(config: RouterConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_config(argv)
+    quick_handoffs()
     setup_logging("router", config.log_level)
     asyncio.run(serve(config))
 

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from engine.core.process import quick_handoffs
 from libkv.cluster.roles import SWITCHABLE, WORKER_ROLES, RoleOrder, RoleOrderWatch
 from services.common.errors import Unavailable
 from services.common.grpc_server import start_server
@@ -230,6 +231,7 @@ def main(role: str, wire: Wire, argv: Sequence[str] | None = None) -> None:
     """``python -m services.<role>``: parse the config once, then serve until SIGTERM, as a
     ``role`` worker (``wire``) or, with ``--switchable``, starting in ``role``."""
     config = parse_config(role, argv)
+    quick_handoffs()
     setup_logging(role, config.log_level)
     asyncio.run(serve_switchable(config) if config.switchable else serve(config, wire))
 
