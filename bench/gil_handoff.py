@@ -2,7 +2,7 @@
 
     python -m bench.gil_handoff --out bench/results/gil_handoff_cpu.json
 
-The cost that ``engine.core.process.quick_handoffs`` takes off the token path: one thread runs
+The cost that ``engine.gil.quick_handoffs`` takes off the token path: one thread runs
 Python without pause (as an engine loop planning and launching a step, or an event loop
 streaming), another sleeps 2 ms and wakes (as a thread whose pipe read or queue item arrived):
 how late it runs again, over ``--wakes`` wake-ups. Then two threads that both run Python: their
@@ -13,14 +13,18 @@ work per second (what the extra switches cost). Each at CPython's default (5 ms)
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from engine.core.process import SWITCH_INTERVAL_S
+from engine.gil import SWITCH_INTERVAL_S
 
 DEFAULT_S = 0.005  # CPython's
 
@@ -91,6 +95,15 @@ def measure(wakes: int, seconds: float) -> list[dict]:
     return rows
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--wakes", type=int, default=200)
@@ -107,7 +120,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['two_busy_threads_work_per_s'] / 1e3:.0f}k |"
         )
     if args.out is not None:
-        args.out.write_text(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1))
+        record = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": "python -m bench.gil_handoff " + " ".join(argv or sys.argv[1:]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "python": sys.version.split()[0],
+            "commit": _commit(),
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
 def _switch_interval(us: int | None) -> Iterator[None]:
     """The stack's processes, started inside, take ``us`` as their switch interval (they
     inherit this process's environment)."""
-    from engine.core.process import SWITCH_INTERVAL_ENV
+    from engine.gil import SWITCH_INTERVAL_ENV
 
     if us is None:
         yield

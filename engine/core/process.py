@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,19 +28,11 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.messages import EngineInfo, PoolShare, Ready, StartFailed, Stop
+from engine.gil import quick_handoffs
 
 log = logging.getLogger(__name__)
 ENGINE_DIED = 70  # a worker's exit status when its engine process died (as RANK_DIED)
 START_TIMEOUT_S = 900.0  # build, load weights, capture graphs and warm up
-# How long a thread that runs Python keeps the GIL while another waits for it. CPython's 5 ms
-# default is paid on the token path wherever a thread wakes to hand work on while another runs
-# Python: this process's command reader and message writer beside the loop planning a step, a
-# worker's pipe writer and a gateway's tokenizer threads beside their event loops. 0.2 ms
-# makes such a wake-up about 0.4 ms late instead of 5 (bench.gil_handoff); threads that both
-# stay busy lose nothing measurable to the extra switches. The environment's
-# TANDEM_SWITCH_INTERVAL_US replaces it (5000: CPython's own), to measure it.
-SWITCH_INTERVAL_S = 0.0002
-SWITCH_INTERVAL_ENV = "TANDEM_SWITCH_INTERVAL_US"
 
 
 class EngineDied(RuntimeError):
@@ -136,17 +127,6 @@ def start(config: EngineConfig, log_level: str = "info", name: str = "engine") -
     proc.start()
     there.close()
     return ProcessChannel(proc, here)
-
-
-def quick_handoffs() -> None:
-    """Let a waking thread take the GIL within ``SWITCH_INTERVAL_S`` (every Tandem process that
-    hands work between threads calls this first; ``SWITCH_INTERVAL_ENV`` replaces it)."""
-    text = os.environ.get(SWITCH_INTERVAL_ENV, "")
-    try:
-        seconds = int(text) / 1e6 if text else SWITCH_INTERVAL_S
-    except ValueError:
-        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be microseconds, got {text!r}") from None
-    sys.setswitchinterval(seconds)
 
 
 # -- inside the engine process ----------------------------------------------------------------

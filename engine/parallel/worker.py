@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.process import quick_handoffs
+from engine.gil import quick_handoffs
 from engine.parallel.comm import TPComm, client_store, init_group, leave_group
 from engine.parallel.devices import rank_device, set_cpu_threads
 from engine.parallel.rpc import RpcServer

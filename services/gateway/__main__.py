@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 
-from engine.core.process import quick_handoffs
+from engine.gil import quick_handoffs
 from engine.tokenizer import Tokenizer
 from services.common.process import setup_logging
 from services.gateway.config import GatewayConfig, model_configs, parse_config

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tandem.v1 import router_pb2_grpc
 
-from engine.core.process import quick_handoffs
+from engine.gil import quick_handoffs
 from engine.tokenizer import Tokenizer
 from libkv.cluster.adapters import AdapterRecords
 from libkv.cluster.recent_routes import HintedIndex, RecentRoutes

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
-from engine.core.process import quick_handoffs
+from engine.gil import quick_handoffs
 from libkv.cluster.roles import SWITCHABLE, WORKER_ROLES, RoleOrder, RoleOrderWatch
 from services.common.errors import Unavailable
 from services.common.grpc_server import start_server

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench.gil_handoff import DEFAULT_S, wake_late_ms
-from engine.core.process import SWITCH_INTERVAL_S, quick_handoffs
+from engine.gil import SWITCH_INTERVAL_S, quick_handoffs
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_a_waking_thread_is_late_by_the_interval_not_5_ms(restore_interval):
 
 
 def test_the_environment_replaces_the_interval(restore_interval, monkeypatch):
-    from engine.core.process import SWITCH_INTERVAL_ENV
+    from engine.gil import SWITCH_INTERVAL_ENV
 
     monkeypatch.setenv(SWITCH_INTERVAL_ENV, "5000")
     quick_handoffs()
@@ -49,7 +49,7 @@ def test_the_bench_stack_option_sets_it_for_the_stack_only(monkeypatch):
     import os
 
     from bench.stacks import _switch_interval, parse_stack
-    from engine.core.process import SWITCH_INTERVAL_ENV
+    from engine.gil import SWITCH_INTERVAL_ENV
 
     monkeypatch.delenv(SWITCH_INTERVAL_ENV, raising=False)
     assert parse_stack("colocated:1:switch=5000").switch == 5000
