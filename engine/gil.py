@@ -10,8 +10,8 @@ import sys
 # default is paid on the token path wherever a thread wakes to hand work on while another runs
 # Python: this process's command reader and message writer beside the loop planning a step, a
 # worker's pipe writer and a gateway's tokenizer threads beside their event loops. 0.2 ms
-# makes such a wake-up about 0.4 ms late instead of 5 (`bench.gil_handoff`); threads that both
-# stay busy lose nothing measurable to the extra switches. The environment's
+# makes such a wake-up about 0.4 ms late instead of 5 (`bench.gil_handoff`); two threads that
+# both stay busy do 2-5% less work for the extra switches. The environment's
 # TANDEM_SWITCH_INTERVAL_US replaces it (5000: CPython's own), to measure it.
 SWITCH_INTERVAL_S = 0.0002
 SWITCH_INTERVAL_ENV = "TANDEM_SWITCH_INTERVAL_US"
