@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import unittest.mock
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -157,24 +158,14 @@ def stack_config(spec: StackSpec, model_dir: str, run_dir: str, **overrides):
     return replace(config, router_policy=spec.policy or "", num_routers=spec.routers)
 
 
-@contextlib.contextmanager
-def _switch_interval(us: int | None) -> Iterator[None]:
+def _switch_interval(us: int | None) -> contextlib.AbstractContextManager:
     """The stack's processes, started inside, take ``us`` as their switch interval (they
-    inherit this process's environment)."""
+    inherit this process's environment, restored on leaving)."""
     from engine.gil import SWITCH_INTERVAL_ENV
 
     if us is None:
-        yield
-        return
-    before = os.environ.get(SWITCH_INTERVAL_ENV)
-    os.environ[SWITCH_INTERVAL_ENV] = str(us)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[SWITCH_INTERVAL_ENV]
-        else:
-            os.environ[SWITCH_INTERVAL_ENV] = before
+        return contextlib.nullcontext()
+    return unittest.mock.patch.dict(os.environ, {SWITCH_INTERVAL_ENV: str(us)})
 
 
 @contextlib.contextmanager
